@@ -1,0 +1,70 @@
+"""Device and dtype choices, in one place.
+
+Rules (measured on the 2-core AVX-512 dev box, see docs/benchmarks.md):
+- CUDA when present: fp16 on pre-Ampere / Jetson Nano class, bf16 on Ampere and later.
+- CPU: bf16 activations when the CPU has native bf16 (AVX512_BF16 or AMX), because the
+  int8/int4 weight kernels are only fast with bf16 activations; otherwise fp32.
+Everything that places tensors asks ``resolve_device`` / ``resolve_dtype`` rather than
+deciding for itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16() -> bool:
+    """True when the CPU executes bf16 natively (AVX512_BF16 or AMX-BF16)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_device(name: str | None = "auto") -> torch.device:
+    """Map a config value ("auto", "cpu", "cuda", "cuda:1") to a torch device."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from edge_rtgi.errors import ConfigError
+
+        raise ConfigError(f"device {name!r} requested but CUDA is not available",
+                          hint="use device: cpu or device: auto")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """Map a config dtype ("auto", "fp32", "bf16", "fp16") to a torch dtype for ``device``."""
+    if name in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    try:
+        dtype = DTYPES[name]
+    except KeyError:
+        from edge_rtgi.errors import ConfigError
+
+        raise ConfigError(f"unknown dtype {name!r}", hint=f"use one of {sorted(DTYPES)}") from None
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
+        log.warning("this CPU has no native bf16; bf16 will be emulated and slow. Consider dtype: fp32")
+    return dtype

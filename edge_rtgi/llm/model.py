@@ -1,0 +1,323 @@
+"""A Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) in one readable file.
+
+Shapes use a flat token dimension, as vLLM does: a forward pass takes ``T`` tokens that may
+belong to several sequences, each with its own position. Attention itself (writing the new
+keys and values into a cache and attending over it) is delegated to an ``AttentionBackend``,
+so the same model runs with a contiguous cache (plain generation) or a paged cache (engine).
+
+Linear layers are fused where the math allows it (q/k/v, gate/up): fewer, larger matmuls are
+what a small model decoding at batch 1 on a CPU needs, and the fused groups are exactly the
+groups the quantiser assigns bits to. ``weights.py`` maps HF names onto this layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family model (a subset of HF's config.json)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from an HF ``config.json`` dict. Raises ValueError for other architectures."""
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = hf.get("model_type") if hf.get("model_type") in ("llama", "mistral", "qwen2") else None
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
+        # transformers 5 writes `rope_parameters` (theta inside); older files `rope_scaling` + `rope_theta`.
+        rope_scaling = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(rope_scaling.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        if rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            arch=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            sliding_window=window,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+class AttentionBackend(Protocol):
+    """Writes new keys/values into a cache and attends over it, for one layer at a time."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (already rotated) -> out [T, Hq, D]."""
+        ...
+
+
+# --- RoPE -----------------------------------------------------------------------------------
+
+
+def rope_inverse_frequencies(cfg: ModelConfig) -> tuple[Tensor, float]:
+    """Per-pair inverse frequencies [D/2] and the attention scaling factor for cos/sin.
+
+    Covers the scaling variants these families use: none, ``linear``, ``llama3`` and ``yarn``.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind is None:
+        return inv_freq.float(), 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return (inv_freq / factor).float(), 1.0
+    if kind == "llama3":
+        low_ff, high_ff = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        scaled = torch.where(wavelen > old_ctx / low_ff, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_ctx / low_ff) & (wavelen >= old_ctx / high_ff)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(medium, blended, scaled).float(), 1.0
+    if kind == "yarn":
+        old_ctx = scaling.get("original_max_position_embeddings", cfg.max_position_embeddings)
+        beta_fast, beta_slow = scaling.get("beta_fast", 32.0), scaling.get("beta_slow", 1.0)
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        extrapolation = 1 - ramp.clamp(0, 1)
+        inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+        mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)
+        return inv.float(), float(mscale)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_inverse_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions: [T] -> cos, sin: [T, D]  (computed in fp32, like HF, then cast)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, D]; cos/sin: [T, D]  (HF's "rotate half" convention)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# --- Layers ---------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 (as HF does) so bf16/fp16 runs stay close to the fp32 oracle.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
+        # x: [T, hidden]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder. ``forward`` returns final hidden states; ``compute_logits`` projects them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend) -> Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        # hidden: [N, hidden] -> logits: [N, vocab] in fp32, so sampling sees full precision
+        return self.lm_head(hidden).float()
+
+
+# --- Attention over a contiguous cache (the plain path every optimisation is checked against) ---
+
+
+def causal_window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Boolean mask [Tq, Tk]: True where query at q_pos may attend key at k_pos."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Grouped-query attention. q: [Tq, Hq, D], k/v: [Tk, Hkv, D], mask: [Tq, Tk] -> [Tq, Hq, D]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+    )
+    return out.transpose(0, 1)
+
+
+class ContiguousKVCache:
+    """One sequence's keys and values in preallocated [L, max_len, Hkv, D] tensors.
+
+    Tokens must arrive in order (positions continue from ``length``). This is the reference
+    the paged cache and every KV optimisation are compared with.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.window = cfg.sliding_window
+        self.max_len = max_len
+        self.length = 0  # tokens fully written (all layers)
+        self._pending = 0
+
+    def begin(self, num_new_tokens: int) -> None:
+        """Declare how many tokens the next forward pass appends."""
+        if self.length + num_new_tokens > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {num_new_tokens} > {self.max_len}")
+        self._pending = num_new_tokens
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget tokens after ``length`` (used by speculative decoding and stop handling)."""
+        self.length = min(self.length, length)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        start, end = self.length, self.length + q.shape[0]
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        keys, values = self.k[layer, :end], self.v[layer, :end]
+        if q.shape[0] == 1 and (self.window is None or end <= self.window):
+            return sdpa(q, keys, values, None)
+        q_pos = torch.arange(start, end, device=q.device)
+        k_pos = torch.arange(0, end, device=q.device)
+        return sdpa(q, keys, values, causal_window_mask(q_pos, k_pos, self.window))

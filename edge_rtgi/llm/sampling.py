@@ -1,0 +1,90 @@
+"""Sampling parameters and the token sampler shared by plain generation and the engine.
+
+Logits arrive in fp32. Greedy is ``temperature == 0``. A seeded request owns a
+``torch.Generator`` so that its samples do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from edge_rtgi.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``max_tokens`` counts generated tokens. ``stop`` strings end generation and are not
+    included in the output; ``stop_token_ids`` are added to the model's EOS ids unless
+    ``ignore_eos``.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise RequestError naming the bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+                               hint="ask for at least 1 token")
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        return gen
+
+
+def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Apply temperature, top-k and top-p to one row of fp32 logits [V]; returns new logits."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """Pick one token id from fp32 logits [V]."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = filter_logits(logits, params).softmax(-1)
+    if not torch.isfinite(probs).all():
+        raise RequestError("sampling failed: logits contain NaN or inf", hint="check the model's dtype")
+    return int(torch.multinomial(probs, 1, generator=generator))
