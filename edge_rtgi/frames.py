@@ -1,0 +1,225 @@
+"""The typed messages that flow between pipeline stages and out of a session.
+
+Three families:
+
+- **Data frames** travel through the bounded queues between stages, in order:
+  ``AudioIn`` (client PCM), ``Transcript`` (ASR output), ``TextDelta`` / ``TextDone``
+  (reply or translation text), ``AudioOut`` (synthesised PCM).
+- **Control frames** skip the queues (pipecat's rule: an interruption must not wait behind
+  the audio it cancels): ``Interrupt`` cancels one response in every stage at once.
+- **Session events** are what a protocol adapter turns into wire messages: speech
+  start/stop, transcripts, response lifecycle, audio, latency stats and errors.
+
+Every frame that belongs to a response carries its ``response_id`` so that a cancelled
+response's leftovers can be dropped wherever they are queued. Times are ``time.monotonic()``
+seconds (``t_s``); protocol adapters convert them to milliseconds since session start.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+ResponseKind = Literal["reply", "translation"]
+ResponseStatus = Literal["completed", "interrupted", "cancelled", "failed"]
+
+
+def now_s() -> float:
+    """The session clock: monotonic seconds."""
+    return time.monotonic()
+
+
+# --------------------------------------------------------------------------- data frames
+
+
+@dataclass(frozen=True)
+class AudioIn:
+    """Mono int16 PCM from the user. ``arrival_t_s`` is when its last sample reached us."""
+
+    pcm: np.ndarray  # int16 [N]
+    sample_rate_hz: int
+    arrival_t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class CommitAudio:
+    """The client ends the user's turn by hand (no VAD endpointing)."""
+
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """ASR text for one user turn. Partial transcripts may be revised; a final one is not."""
+
+    turn_id: int
+    text: str
+    final: bool
+    language: str | None = None
+    t_s: float = field(default_factory=now_s)
+    # Set on finals: when the user stopped speaking and when VAD declared it.
+    speech_end_t_s: float | None = None
+    endpoint_t_s: float | None = None
+
+
+@dataclass(frozen=True)
+class UserText:
+    """A typed user turn; it skips ASR and goes straight to the response stage."""
+
+    turn_id: int
+    text: str
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A piece of reply or translation text, as soon as the engine produced it."""
+
+    response_id: str
+    delta: str
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class TextDone:
+    """The full text of a response; ``source_text`` is the translated utterance, if any."""
+
+    response_id: str
+    text: str
+    source_text: str | None = None
+    usage: dict | None = None
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class AudioOut:
+    """Synthesised mono int16 PCM for one response."""
+
+    response_id: str
+    pcm: np.ndarray  # int16 [N]
+    sample_rate_hz: int
+    t_s: float = field(default_factory=now_s)
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / float(self.sample_rate_hz)
+
+
+@dataclass(frozen=True)
+class AudioDone:
+    """No more audio will come for this response."""
+
+    response_id: str
+    t_s: float = field(default_factory=now_s)
+
+
+# --------------------------------------------------------------------------- control frames
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Cancel one response everywhere: engine request, TTS, queued text and audio."""
+
+    response_id: str
+    reason: Literal["barge_in", "client_cancel", "session_closed", "error"]
+    t_s: float = field(default_factory=now_s)
+
+
+# --------------------------------------------------------------------------- session events
+
+
+@dataclass(frozen=True)
+class SessionStarted:
+    session_id: str
+    pipeline: str
+    config: dict
+    input_sample_rate_hz: int
+    output_sample_rate_hz: int | None
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class SessionUpdated:
+    config: dict
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    """VAD heard the user start speaking; ``audio_ms`` is the position in the input stream."""
+
+    turn_id: int
+    audio_ms: int
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    turn_id: int
+    audio_ms: int
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    response_id: str
+    turn_id: int
+    kind: ResponseKind
+    source_text: str
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class ResponseInterrupted:
+    """A response was cut short. ``played_ms`` estimates how much audio the client played."""
+
+    response_id: str
+    reason: str
+    played_ms: int
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """Per-turn latencies in milliseconds; ``None`` where a part did not happen."""
+
+    endpointing_ms: float | None = None  # user stopped speaking -> VAD declared end of turn
+    asr_final_ms: float | None = None  # end of turn -> final transcript
+    llm_ttft_ms: float | None = None  # final transcript -> first text delta
+    first_clause_ms: float | None = None  # first text delta -> first speakable clause
+    tts_first_chunk_ms: float | None = None  # first clause -> first audio chunk
+    voice_to_voice_ms: float | None = None  # user stopped speaking -> first audio sent
+    text_total_ms: float | None = None  # final transcript -> text done
+    completion_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class ResponseDone:
+    response_id: str
+    status: ResponseStatus
+    text: str
+    stats: TurnStats
+    usage: dict | None = None
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """Something went wrong; the session continues unless ``fatal``."""
+
+    code: str
+    message: str
+    hint: str | None = None
+    event_type: str | None = None
+    response_id: str | None = None
+    fatal: bool = False
+    t_s: float = field(default_factory=now_s)
+
+
+SessionEvent = (
+    SessionStarted | SessionUpdated | SpeechStarted | SpeechStopped | Transcript | ResponseStarted
+    | TextDelta | TextDone | AudioOut | AudioDone | ResponseInterrupted | ResponseDone | ErrorEvent
+)

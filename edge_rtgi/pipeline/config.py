@@ -1,0 +1,266 @@
+"""Pipeline files: ``pipelines/*.yaml`` -> a validated, frozen ``PipelineConfig``.
+
+A pipeline is a chain of stages, each written as a one-key mapping whose key is the stage
+kind::
+
+    version: 1
+    name: voice-assistant
+    input_sample_rate_hz: 16000
+    stages:
+      - asr: {model: whisper-tiny.en, language: en}
+      - assistant: {model: smollm2-135m-instruct, max_reply_tokens: 60}
+      - tts: {voice: piper-en_US-joe-medium}
+
+Loading is strict: an unknown stage kind, an unknown key, a model the catalogue does not
+know (and that is not a path), or a chain in the wrong order is a ``ConfigError`` that
+names the file, the line and the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from edge_rtgi.config import from_dict, load_yaml, parse_yaml, where
+from edge_rtgi.errors import ConfigError
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful voice assistant. Your replies are spoken aloud, so answer in one or two "
+    "short, plain sentences without lists, markdown or emojis."
+)
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    """Voice activity detection: when a user turn starts and ends."""
+
+    model: str = "silero-vad"
+    threshold: float = 0.5
+    min_silence_ms: int = 300  # silence that ends a turn; the main part of endpointing latency
+    min_speech_ms: int = 150
+    speech_pad_ms: int = 100
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        if self.min_silence_ms < 50:
+            raise ValueError(f"min_silence_ms must be >= 50, got {self.min_silence_ms}")
+
+
+@dataclass(frozen=True)
+class AsrStageConfig:
+    """Streaming speech recognition with VAD endpointing."""
+
+    model: str = "whisper-tiny.en"
+    language: str | None = "en"
+    partials: bool = True  # send partial transcripts while the user speaks
+    partial_interval_ms: int = 500
+    max_utterance_s: float = 20.0
+    vad: VadConfig = field(default_factory=VadConfig)
+
+
+@dataclass(frozen=True)
+class AssistantStageConfig:
+    """A multi-turn assistant on the shared LLM engine."""
+
+    model: str = "smollm2-135m-instruct"
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    max_reply_tokens: int = 60
+    temperature: float = 0.0
+    top_p: float = 1.0
+    context_tokens: int | None = None  # None: the model's own context length
+    priority: int = 0
+    deadline_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_reply_tokens < 1:
+            raise ValueError("max_reply_tokens must be >= 1")
+        if self.context_tokens is not None and self.context_tokens < 64:
+            raise ValueError("context_tokens must be >= 64")
+
+
+@dataclass(frozen=True)
+class TranslateStageConfig:
+    """Translation of each final utterance, by Apertium or by an LLM."""
+
+    source_language: str = "en"
+    target_language: str = "es"
+    backend: Literal["apertium", "llm"] = "apertium"
+    model: str | None = None  # the LLM for backend: llm
+    apertium_pair: str | None = None  # default "<source>-<target>"
+    budget_ratio: float = 2.0  # output tokens allowed per source token (backend: llm)
+    min_budget_tokens: int = 16
+    timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("apertium", "llm"):
+            raise ValueError(f"backend must be 'apertium' or 'llm', got {self.backend!r}")
+        if self.backend == "llm" and not self.model:
+            raise ValueError("backend: llm needs a model")
+        if self.budget_ratio <= 0:
+            raise ValueError("budget_ratio must be > 0")
+
+
+@dataclass(frozen=True)
+class TtsStageConfig:
+    """Clause segmentation and streaming speech synthesis.
+
+    ``voice`` is a catalogue name (a Piper voice) or ``espeak-ng:<language>``.
+    """
+
+    voice: str = "piper-en_US-joe-medium"
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.25 <= self.speed <= 4.0:
+            raise ValueError(f"speed must be in [0.25, 4], got {self.speed}")
+
+
+STAGE_KINDS: dict[str, type] = {
+    "asr": AsrStageConfig,
+    "assistant": AssistantStageConfig,
+    "translate": TranslateStageConfig,
+    "tts": TtsStageConfig,
+}
+StageConfig = AsrStageConfig | AssistantStageConfig | TranslateStageConfig | TtsStageConfig
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A validated chain: ``asr`` then optionally ``assistant``/``translate`` then ``tts``."""
+
+    name: str
+    stages: tuple[StageConfig, ...]
+    description: str = ""
+    version: int = 1
+    input_sample_rate_hz: int = 16000
+    source: str = "<string>"
+
+    def stage(self, cls: type) -> Any | None:
+        """The stage config of type ``cls``, or None when the chain has none."""
+        return next((s for s in self.stages if isinstance(s, cls)), None)
+
+    @property
+    def text_stage(self) -> AssistantStageConfig | TranslateStageConfig | None:
+        return self.stage(AssistantStageConfig) or self.stage(TranslateStageConfig)
+
+
+_TOP_KEYS = ("version", "name", "description", "input_sample_rate_hz", "stages")
+
+
+def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig:
+    loc = where(parent, "stages")
+    if not isinstance(item, dict) or len(item) != 1:
+        raise ConfigError(f"{loc}: stage #{index + 1} must be a one-key mapping like '- asr: {{...}}'",
+                          hint=f"stage kinds: {', '.join(STAGE_KINDS)}")
+    (kind, body), = item.items()
+    if kind not in STAGE_KINDS:
+        raise ConfigError(f"{where(item, kind)}: unknown stage {kind!r}",
+                          hint=f"stage kinds: {', '.join(STAGE_KINDS)}")
+    if body is None:
+        body = {}
+    if not isinstance(body, dict):
+        raise ConfigError(f"{where(item, kind)}: stage {kind!r} must be a mapping of settings")
+    return from_dict(STAGE_KINDS[kind], body, f"stage {kind!r}")
+
+
+def _check_order(stages: list[StageConfig], data: Any) -> None:
+    kinds = [next(k for k, c in STAGE_KINDS.items() if isinstance(s, c)) for s in stages]
+    allowed = (["asr"], ["asr", "assistant"], ["asr", "translate"],
+               ["asr", "assistant", "tts"], ["asr", "translate", "tts"])
+    if kinds not in [list(a) for a in allowed]:
+        raise ConfigError(f"{where(data, 'stages')}: stages {kinds} are not a valid chain",
+                          hint="use asr, then optionally assistant or translate, then optionally tts")
+
+
+def _model_known(name: str, kind: str) -> str | None:
+    """None if ``name`` is a usable model of ``kind``; otherwise why not."""
+    if Path(name).expanduser().exists():
+        return None
+    try:
+        from edge_rtgi import catalog
+    except ImportError:  # catalogue not installed: cannot check names, accept them
+        return None
+    return catalog.check_model_name(name, kind) if hasattr(catalog, "check_model_name") else None
+
+
+def _check_models(stages: list[StageConfig], data: Any) -> None:
+    def check(name: str | None, kind: str, stage: str) -> None:
+        if name is None:
+            return
+        problem = _model_known(name, kind)
+        if problem:
+            raise ConfigError(f"{where(data, 'stages')}: stage {stage!r}: unknown {kind} model {name!r}",
+                              hint=problem)
+
+    for s in stages:
+        if isinstance(s, AsrStageConfig):
+            check(s.model, "asr", "asr")
+            check(s.vad.model, "vad", "asr")
+        elif isinstance(s, AssistantStageConfig):
+            check(s.model, "llm", "assistant")
+        elif isinstance(s, TranslateStageConfig):
+            check(s.model, "llm", "translate")
+        elif isinstance(s, TtsStageConfig) and not s.voice.startswith("espeak-ng:"):
+            check(s.voice, "tts", "tts")
+
+
+def pipeline_from_data(data: Any, source: str, default_name: str = "pipeline") -> PipelineConfig:
+    """Validate parsed YAML ``data`` (from ``edge_rtgi.config``) into a PipelineConfig."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a pipeline file must be a mapping with a 'stages' list")
+    for key in data:
+        if key not in _TOP_KEYS:
+            raise ConfigError(f"{where(data, key)}: unknown key {key!r} in pipeline",
+                              hint=f"allowed keys: {', '.join(_TOP_KEYS)}")
+    if data.get("version", 1) != 1:
+        raise ConfigError(f"{where(data, 'version')}: unsupported pipeline version {data['version']!r}",
+                          hint="this edge-rtgi reads version: 1")
+    raw_stages = data.get("stages")
+    if not isinstance(raw_stages, list) or not raw_stages:
+        raise ConfigError(f"{where(data, 'stages')}: 'stages' must be a non-empty list")
+    stages = [_parse_stage(item, source, i, data) for i, item in enumerate(raw_stages)]
+    _check_order(stages, data)
+    _check_models(stages, data)
+    rate = data.get("input_sample_rate_hz", 16000)
+    if not isinstance(rate, int) or isinstance(rate, bool) or not 8000 <= rate <= 48000:
+        raise ConfigError(f"{where(data, 'input_sample_rate_hz')}: input_sample_rate_hz must be an "
+                          f"integer in [8000, 48000], got {rate!r}")
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where(data, 'name')}: name must be a non-empty string")
+    return PipelineConfig(name=name, stages=tuple(stages), description=str(data.get("description", "")),
+                          input_sample_rate_hz=rate, source=source)
+
+
+def load_pipeline(path: str | Path) -> PipelineConfig:
+    """Load and validate one pipeline file; errors name the file, line and key."""
+    path = Path(path)
+    return pipeline_from_data(load_yaml(path), str(path), default_name=path.stem)
+
+
+def parse_pipeline(text: str, source: str = "<string>") -> PipelineConfig:
+    """Like ``load_pipeline`` for YAML text (tests, inline configs)."""
+    return pipeline_from_data(parse_yaml(text, source), source)
+
+
+def builtin_pipelines_dir() -> Path:
+    """The ``pipelines/`` folder shipped with the source tree."""
+    return Path(__file__).resolve().parents[2] / "pipelines"
+
+
+def load_pipelines(paths: list[str | Path]) -> dict[str, PipelineConfig]:
+    """Load pipeline files and folders of ``*.yaml``; names must be unique."""
+    out: dict[str, PipelineConfig] = {}
+    for p in paths:
+        p = Path(p)
+        files = sorted(p.glob("*.yaml")) if p.is_dir() else [p]
+        if p.is_dir() and not files:
+            raise ConfigError(f"no *.yaml pipeline files in {p}")
+        for f in files:
+            cfg = load_pipeline(f)
+            if cfg.name in out:
+                raise ConfigError(f"{f}: pipeline name {cfg.name!r} is also used by {out[cfg.name].source}")
+            out[cfg.name] = cfg
+    return out
