@@ -1,0 +1,112 @@
+"""A generation request as the scheduler and KV manager see it.
+
+This module imports no torch: the scheduler and its tests run without a model. The
+``params`` field holds a ``SamplingParams`` (from ``sampling.py``); only its plain fields
+(``max_tokens``, ``ignore_eos``, ``stop_token_ids``) are read here.
+
+The one number that drives scheduling is ``num_computed_tokens``: how many of
+``all_token_ids`` have their keys and values in the KV cache. Each step closes some of the
+gap ``num_tokens - num_computed_tokens``; a step that closes it entirely samples one token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module torch-free
+    from edge_rtgi.llm.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. ``FINISHED_*`` states are terminal."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; waits to be recomputed from scratch
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context window reached
+    FINISHED_ABORTED = "abort"  # the caller aborted or stopped reading
+    FINISHED_ERROR = "error"  # this request failed; the others go on
+
+    @property
+    def finished(self) -> bool:
+        return self.value in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason ("stop", "length", "abort", "error") or None."""
+        return self.value if self.finished else None
+
+
+_FINISHED = {"stop", "length", "abort", "error"}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    ``priority``: higher values are served first and preempted last (default 0).
+    ``deadline_ms``: a soft deadline relative to arrival, stored for deadline-aware policies.
+    ``eos_token_ids``: ids that end generation (the model's EOS plus the request's stop ids,
+    empty when ``ignore_eos``); the engine fills it in.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams | Any
+    priority: int = 0
+    deadline_ms: float | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time_s: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission (reported in usage).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    error: str | None = None
+    # Chained hashes of this request's full blocks, filled lazily by the KV manager and kept
+    # across preemption so that recomputation finds its own blocks again.
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by generated tokens (a live list; do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.params.max_tokens)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold in the KV cache."""
+        # The last sampled token is never fed back, so it needs no KV slot.
+        return self.num_prompt_tokens + self.max_tokens - 1
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,124 @@
+"""Block pool and KV manager bookkeeping: refcounts, free order, prefix hashing, windows."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_rtgi.llm.kv.block_pool import BlockPool, hash_block_tokens
+from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.request import Request
+
+
+class _Params:
+    max_tokens = 8
+
+
+def _req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, _Params())
+
+
+def test_allocate_free_refcounts_and_double_free():
+    pool = BlockPool(4)
+    a = pool.allocate(3)
+    assert pool.num_free_blocks == 1 and all(b.ref_count == 1 for b in a)
+    pool.touch(a[:1])
+    assert a[0].ref_count == 2
+    pool.free(a)
+    assert pool.num_free_blocks == 3 and a[0].ref_count == 1
+    pool.free(a[:1])
+    assert pool.num_free_blocks == 4
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free(a[:1])
+    with pytest.raises(RuntimeError):
+        pool.allocate(5)
+
+
+def test_hash_is_chained_over_parent():
+    h1 = hash_block_tokens(None, [1, 2])
+    assert h1 == hash_block_tokens(None, [1, 2])
+    assert hash_block_tokens(h1, [3, 4]) != hash_block_tokens(None, [3, 4])
+    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
+
+
+def test_uncached_blocks_are_reused_before_cached_ones_lru():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache_block(a, b"A")
+    pool.cache_block(b, b"B")
+    pool.free([a])  # cached, freed first -> evicted first among cached
+    pool.free([b])
+    pool.free([c])  # uncached -> handed out before any cached block
+    got = pool.allocate(1)[0]
+    assert got is c
+    assert pool.lookup(b"A") is a and pool.lookup(b"B") is b
+    got = pool.allocate(1)[0]
+    assert got is a and pool.lookup(b"A") is None and pool.num_evictions == 1
+    assert pool.lookup(b"B") is b
+
+
+def test_touch_revives_free_cached_block():
+    pool = BlockPool(2)
+    (a,) = pool.allocate(1)
+    pool.cache_block(a, b"A")
+    pool.free([a])
+    assert pool.num_free_blocks == 2
+    pool.touch([pool.lookup(b"A")])
+    assert pool.num_free_blocks == 1 and a.ref_count == 1
+
+
+def test_prefix_hit_counts_only_full_blocks_and_leaves_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    first = _req("a", list(range(10)))
+    assert kv.allocate_slots(first, 10)
+    first.num_computed_tokens = 10
+    kv.cache_computed_blocks(first)  # blocks 0,1 are full; block 2 is partial
+    assert kv.pool.num_cached_blocks == 2
+    second = _req("b", list(range(9)) + [99])
+    hits, n = kv.get_computed_blocks(second)
+    assert n == 8 and [b.block_id for b in hits] == kv.block_ids("a")[:2]
+    # a prompt that is exactly the cached blocks still leaves its last token to compute
+    third = _req("c", list(range(8)))
+    assert kv.get_computed_blocks(third)[1] == 4
+    assert kv.allocate_slots(second, 2, hits)
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert hits[0].ref_count == 2
+    kv.free(first)
+    kv.free(second)
+    assert kv.num_free_blocks == 16
+    assert kv.pool.num_cached_blocks == 2  # still findable until evicted
+
+
+def test_allocate_fails_without_side_effects():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = _req("a", list(range(8)))
+    assert kv.allocate_slots(a, 8)
+    b = _req("b", list(range(100, 108)))
+    assert not kv.allocate_slots(b, 8)
+    assert kv.num_free_blocks == 1 and kv.block_ids("b") == []
+
+
+def test_revived_hit_blocks_are_not_counted_as_free_twice():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = _req("a", list(range(8)) + [50])
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    b = _req("b", list(range(8)) + [60] * 6)  # 2 hit blocks (free, cached) + needs 2 more
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8
+    assert not kv.allocate_slots(b, 6, hits)  # 3 free blocks, but 2 of them are the hits
+    assert kv.num_free_blocks == 3
+
+
+def test_release_outside_window_keeps_sinks_and_window():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = _req("r", list(range(24)))
+    assert kv.allocate_slots(r, 24)
+    r.num_computed_tokens = 24  # next query at position 24 sees (24-8, 24] + 4 sinks
+    released = kv.release_outside_window(r, window_tokens=8, sink_tokens=4)
+    ids = kv.block_ids("r")
+    assert released == 3 and ids[0] != -1 and ids[1:4] == [-1, -1, -1] and -1 not in ids[4:]
+    assert kv.num_free_blocks == 8 - 3
+    kv.free(r)
+    assert kv.num_free_blocks == 8

@@ -1,0 +1,203 @@
+"""Scheduler policy with fake runner outputs and no model (as vLLM tests its scheduler)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from edge_rtgi.errors import RequestError
+from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.request import Request, RequestStatus
+from edge_rtgi.llm.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+
+EOS = 0
+
+
+@dataclass(frozen=True)
+class Params:
+    max_tokens: int = 4
+
+
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, chunked=True):
+    kv = KVCacheManager(num_blocks, block_size)
+    cfg = SchedulerConfig(budget, max_seqs, max_len, chunked)
+    return Scheduler(cfg, kv)
+
+
+def req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, base=1):
+    return Request(rid, list(range(base, base + n_prompt)), Params(max_tokens), priority=priority,
+                   eos_token_ids=frozenset({EOS}), arrival_time_s=t)
+
+
+def fake_run(out: SchedulerOutput, token=7, errors=None) -> ModelRunnerOutput:
+    """Sample a fixed token for every request that reached the end of its known tokens."""
+    return ModelRunnerOutput({s.request_id: token for s in out.scheduled if s.sample}, errors or {})
+
+
+def step(s: Scheduler, token=7, errors=None):
+    out = s.schedule()
+    return out, s.update_from_output(out, fake_run(out, token, errors))
+
+
+def test_scheduler_imports_no_torch():
+    code = ("import sys; import edge_rtgi.llm.scheduler, edge_rtgi.llm.kv.manager; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_chunked_prefill_then_decode_until_max_tokens():
+    s = make(budget=8)
+    s.add_request(req("a", 20, max_tokens=3))
+    sizes = []
+    while s.has_unfinished():
+        out, updates = step(s)
+        sizes.append([len(x.token_ids) for x in out.scheduled])
+    assert sizes == [[8], [8], [4], [1], [1]]  # 20-token prompt in chunks, then 2 decodes
+    assert s.kv.num_free_blocks == 64
+
+
+def test_decodes_keep_pace_while_long_prompt_is_chunked():
+    s = make(budget=6)
+    s.add_request(req("a", 3, max_tokens=10, t=0))
+    step(s)  # a: prompt done, first token sampled
+    s.add_request(req("b", 40, max_tokens=2, t=1, base=100))
+    for _ in range(5):
+        out, _ = step(s)
+        by_id = {x.request_id: x for x in out.scheduled}
+        assert len(by_id["a"].token_ids) == 1 and by_id["a"].sample  # one decode every step
+        assert len(by_id["b"].token_ids) == 5  # b gets the rest of the budget
+        assert out.num_batched_tokens <= 6
+
+
+def test_eos_finishes_and_frees():
+    s = make()
+    s.add_request(req("a", 5, max_tokens=50))
+    _, updates = step(s, token=EOS)
+    assert updates[0].finish_reason == "stop" and not s.has_unfinished()
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_prefix_hit_skips_cached_blocks_and_is_reported():
+    s = make(block_size=4, budget=64)
+    s.add_request(req("a", 18, max_tokens=1))
+    step(s)
+    s.add_request(req("b", 18, max_tokens=1))  # same prompt
+    out, _ = step(s)
+    (sr,) = out.scheduled
+    assert sr.start_position == 16 and len(sr.token_ids) == 2  # 4 full blocks hit, last 2 computed
+    assert s.kv.prefix_hits_tokens == 16 and s.kv.prefix_queries_tokens == 36
+
+
+def test_max_num_seqs_limits_admission():
+    s = make(max_seqs=2)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 3, max_tokens=5, t=i))
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["r0", "r1"]
+
+
+def test_priority_orders_admission():
+    s = make(budget=4)
+    s.add_request(req("low", 4, t=0))
+    s.add_request(req("high", 4, priority=5, t=1))
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["high"]
+
+
+def test_preemption_picks_lowest_priority_then_newest_and_recomputes():
+    # 6 blocks of 4 tokens. Three requests of 8 prompt tokens each fill all 6 blocks after their
+    # first decode; the next block anyone needs forces a preemption.
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add_request(req("old", 8, max_tokens=8, t=0, base=10))
+    s.add_request(req("new", 8, max_tokens=8, t=2, base=30))
+    s.add_request(req("vip", 8, max_tokens=8, priority=1, t=3, base=50))
+    step(s)  # all three prefill, 2 blocks each
+    out, _ = step(s)  # each needs a 3rd block for position 8: no room -> preempt
+    assert out.preempted_ids == ["new"]  # priority 0 and newest
+    assert {x.request_id for x in out.scheduled} == {"old", "vip"}
+    victim = next(r for r in s.waiting if r.request_id == "new")
+    assert victim.status is RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
+    assert victim.num_output_tokens == 1  # its sampled token survives; it is recomputed later
+    while s.has_unfinished():  # never deadlocks; everyone finishes
+        step(s)
+    assert s.kv.num_free_blocks == 6
+    assert s.num_preemptions >= 1
+
+
+def test_recompute_after_preemption_samples_next_token_only_at_the_end():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    s.add_request(req("a", 7, max_tokens=9, t=0))
+    s.add_request(req("b", 7, max_tokens=9, t=1, base=40))
+    seen_b_tokens = []
+    for _ in range(40):
+        if not s.has_unfinished():
+            break
+        out, updates = step(s)
+        for u in updates:
+            if u.request_id == "b":
+                seen_b_tokens += u.new_token_ids
+    assert not s.has_unfinished()
+    assert len(seen_b_tokens) == 9  # exactly max_tokens, no token sampled twice
+
+
+def test_too_big_request_rejected_with_sizes():
+    s = make(num_blocks=4, block_size=4)
+    with pytest.raises(RequestError, match=r"needs up to 19 tokens .*5 blocks of 4.* holds 4 blocks"):
+        s.add_request(req("big", 10, max_tokens=10))
+    with pytest.raises(RequestError, match="context window of 256"):
+        s.add_request(req("long", 300))
+    with pytest.raises(RequestError, match="empty"):
+        s.add_request(req("empty", 0))
+    assert not s.has_unfinished()
+
+
+def test_error_fails_one_request_alone():
+    s = make()
+    s.add_request(req("good", 3, max_tokens=3, t=0))
+    s.add_request(req("bad", 3, max_tokens=3, t=1, base=20))
+    _, updates = step(s, errors={"bad": "sampling failed"})
+    by_id = {u.request_id: u for u in updates}
+    assert by_id["bad"].finish_reason == "error" and by_id["bad"].error == "sampling failed"
+    while s.has_unfinished():
+        _, updates = step(s)
+    assert updates[-1].request_id == "good" and updates[-1].finish_reason == "length"
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_abort_waiting_and_running_frees_blocks():
+    s = make(budget=4)
+    s.add_request(req("a", 10, t=0))
+    s.add_request(req("b", 10, t=1))
+    step(s)  # a partially prefilled
+    assert s.kv.num_free_blocks < s.kv.num_blocks
+    ups = s.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert [u.finish_reason for u in ups] == ["abort", "abort"]
+    assert not s.has_unfinished() and s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_context_window_ends_generation():
+    s = make(max_len=8)
+    s.add_request(req("a", 6, max_tokens=100))
+    reasons = []
+    while s.has_unfinished():
+        _, ups = step(s)
+        reasons += [u.finish_reason for u in ups]
+    assert reasons == [None, "length"]
+
+
+def test_no_chunking_waits_for_room_in_budget():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_num_batched_tokens=8, max_model_len=64, enable_chunked_prefill=False)
+    s = make(budget=16, chunked=False, max_len=16)
+    s.add_request(req("a", 3, max_tokens=5, t=0))
+    s.add_request(req("a2", 3, max_tokens=5, t=0.5))
+    step(s)
+    s.add_request(req("big", 15, max_tokens=1, t=1))
+    out, _ = step(s)
+    assert [x.request_id for x in out.scheduled] == ["a", "a2"]  # 2 decodes + 15 > 16: big waits
+    s.finish_requests(["a", "a2"], RequestStatus.FINISHED_ABORTED)
+    out, _ = step(s)
+    assert [len(x.token_ids) for x in out.scheduled] == [15]
