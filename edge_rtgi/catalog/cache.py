@@ -138,8 +138,9 @@ def new_manifest(name: str, source: str, source_kind: str, path: str, folder: Pa
 @contextlib.contextmanager
 def model_lock(root: Path, name: str) -> Iterator[None]:
     """Serialise pulls of one model across processes (tests and daemons run side by side)."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as fh:
+    locks = root / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
