@@ -52,6 +52,31 @@ class CommitAudio:
 
 
 @dataclass(frozen=True)
+class ClearAudio:
+    """The client discards the audio of the turn in progress."""
+
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """Ask the response stage (assistant or translator) for one response.
+
+    ``messages`` is the conversation so far (role, text) for an assistant; a translator
+    uses ``source_text``. The ``*_t_s`` times carry the turn's history for latency stats.
+    """
+
+    response_id: str
+    turn_id: int
+    source_text: str
+    messages: tuple[tuple[str, str], ...] = ()
+    system_prompt: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
 class Transcript:
     """ASR text for one user turn. Partial transcripts may be revised; a final one is not."""
 

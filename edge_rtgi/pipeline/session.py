@@ -1,0 +1,401 @@
+"""The protocol-neutral session core: one conversation driven by typed calls and events.
+
+A protocol adapter (the native WebSocket protocol, the OpenAI Realtime adapter, the
+in-process CLI) does only two things:
+
+- calls the input methods: ``push_audio``, ``commit_audio``, ``clear_audio``,
+  ``add_user_text``, ``create_response``, ``cancel_response``, ``update``;
+- reads ``next_event()`` (or ``async for event in session.events()``) and writes each
+  typed event from ``edge_rtgi.frames`` in its own wire format.
+
+Inside, the stages of the pipeline run as workers joined by bounded queues
+(ASR -> assistant|translate -> TTS -> outbox). The session owns the state that spans
+stages: the conversation, the responses in flight with their latency marks, barge-in,
+and clean shutdown (a closed session aborts its engine requests and frees their KV blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edge_rtgi import frames as F
+from edge_rtgi.config import from_dict
+from edge_rtgi.errors import ConfigError, EdgeRtgiError, RequestError
+from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, TranslateStageConfig
+from edge_rtgi.pipeline.outbox import Outbox
+from edge_rtgi.pipeline.responses import ResponseState
+from edge_rtgi.pipeline.stage import Stage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """What a client may set per session (``session.update``). ``None`` means the pipeline's own."""
+
+    pipeline: str | None = None
+    input_sample_rate_hz: int | None = None  # None: the pipeline's input rate
+    output_sample_rate_hz: int | None = None  # None: the voice's own rate
+    turn_detection: bool = True  # VAD ends turns; False: the client commits each turn
+    auto_response: bool = True  # respond to each final transcript without being asked
+    barge_in: bool | None = None  # None: on for assistants, off for translation
+    audio_output: bool = True
+    partials: bool | None = None
+    system_prompt: str | None = None
+    max_reply_tokens: int | None = None
+    temperature: float | None = None
+    vad_threshold: float | None = None
+    vad_min_silence_ms: int | None = None
+    vad_prefix_padding_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("input_sample_rate_hz", "output_sample_rate_hz"):
+            rate = getattr(self, name)
+            if rate is not None and not 8000 <= rate <= 48000:
+                raise ValueError(f"{name} must be in [8000, 48000], got {rate}")
+        if self.max_reply_tokens is not None and not 1 <= self.max_reply_tokens <= 4096:
+            raise ValueError(f"max_reply_tokens must be in [1, 4096], got {self.max_reply_tokens}")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.vad_threshold is not None and not 0.0 < self.vad_threshold < 1.0:
+            raise ValueError(f"vad_threshold must be in (0, 1), got {self.vad_threshold}")
+
+    def merged(self, changes: dict) -> SessionSettings:
+        """These settings with ``changes`` applied strictly (unknown key -> ConfigError)."""
+        base = {k: v for k, v in dataclasses.asdict(self).items()}
+        checked = from_dict(SessionSettings, changes, "session")  # validates keys and types
+        base.update({k: getattr(checked, k) for k in changes})
+        return SessionSettings(**base)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """Bounds on per-session memory."""
+
+    stage_queue_frames: int = 64
+    outbox_events: int = 256
+
+
+_ids = itertools.count(1)
+
+
+class Session:
+    """One conversation over one pipeline. Create with ``await Session.open(...)``."""
+
+    def __init__(self, pipelines: dict[str, PipelineConfig], resources: Any,
+                 settings: SessionSettings, limits: SessionLimits, session_id: str | None = None):
+        self.session_id = session_id or f"sess_{uuid.uuid4().hex[:12]}"
+        self.pipelines = pipelines
+        self.resources = resources
+        self.limits = limits
+        self.settings = settings
+        self.pipeline = self._pick_pipeline(settings.pipeline)
+        self.epoch_s = F.now_s()
+        self.outbox = Outbox(limits.outbox_events)
+        self.conversation: list[tuple[str, str]] = []  # (role, text) of finished turns
+        self.responses: dict[str, ResponseState] = {}
+        self._cancelled: set[str] = set()
+        self._turn_ids = itertools.count(1)
+        self._stages: list[Stage] = []
+        self.closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def open(cls, pipelines: dict[str, PipelineConfig], resources: Any,
+                   settings: SessionSettings | None = None, limits: SessionLimits | None = None,
+                   session_id: str | None = None) -> Session:
+        """Build the stages (models come from the shared ``resources``) and start them."""
+        session = cls(pipelines, resources, settings or SessionSettings(), limits or SessionLimits(),
+                      session_id)
+        await session._build_stages()
+        session.outbox.put_control(F.SessionStarted(
+            session_id=session.session_id, pipeline=session.pipeline.name, config=session.describe(),
+            input_sample_rate_hz=session.input_sample_rate_hz,
+            output_sample_rate_hz=session.output_sample_rate_hz))
+        return session
+
+    def _pick_pipeline(self, name: str | None) -> PipelineConfig:
+        if name is None:
+            name = next(iter(self.pipelines))
+        if name not in self.pipelines:
+            raise ConfigError(f"unknown pipeline {name!r}", hint=f"available: {', '.join(self.pipelines)}")
+        return self.pipelines[name]
+
+    async def _build_stages(self) -> None:
+        from edge_rtgi.pipeline.build import build_stages  # stage modules import the models lazily
+
+        self._stages = await build_stages(self, self.pipeline, self.resources)
+        for stage in self._stages:
+            await stage.start()
+
+    async def close(self) -> None:
+        """Cancel every response (aborting engine requests), stop the stages, end ``events()``."""
+        if self.closed:
+            return
+        self.closed = True
+        for rid, st in list(self.responses.items()):
+            if not st.finished:
+                self.interrupt(rid, "session_closed")
+        for stage in self._stages:
+            await stage.close()
+        self.outbox.close()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def input_sample_rate_hz(self) -> int:
+        return self.settings.input_sample_rate_hz or self.pipeline.input_sample_rate_hz
+
+    @property
+    def output_sample_rate_hz(self) -> int | None:
+        if not self.settings.audio_output or not self._stages or not hasattr(self._stages[-1], "voice_rate_hz"):
+            return None
+        return self.settings.output_sample_rate_hz or self._stages[-1].voice_rate_hz
+
+    @property
+    def barge_in(self) -> bool:
+        if self.settings.barge_in is not None:
+            return self.settings.barge_in
+        return isinstance(self.pipeline.text_stage, AssistantStageConfig)
+
+    def describe(self) -> dict:
+        """The effective settings, as sent in ``session.created`` / ``session.updated``."""
+        d = {k: v for k, v in dataclasses.asdict(self.settings).items() if v is not None}
+        d.update(pipeline=self.pipeline.name, input_sample_rate_hz=self.input_sample_rate_hz,
+                 output_sample_rate_hz=self.output_sample_rate_hz, barge_in=self.barge_in,
+                 stages=[type(s).__name__ for s in self._stages])
+        text = self.pipeline.text_stage
+        if isinstance(text, TranslateStageConfig):
+            d.update(source_language=text.source_language, target_language=text.target_language,
+                     translate_backend=text.backend)
+        return d
+
+    def ms(self, t_s: float) -> int:
+        """Milliseconds since the session started (the wire clock)."""
+        return int(round((t_s - self.epoch_s) * 1000))
+
+    # ------------------------------------------------------------------ inputs
+
+    async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None:
+        """Mono int16 PCM from the user; waits when the ASR stage is behind (backpressure)."""
+        if pcm.dtype != np.int16 or pcm.ndim != 1:
+            raise RequestError("audio must be mono int16 PCM")
+        await self._asr.inbox.put(F.AudioIn(pcm, sample_rate_hz or self.input_sample_rate_hz))
+
+    async def commit_audio(self) -> None:
+        """End the user's turn now (manual turn detection)."""
+        await self._asr.inbox.put(F.CommitAudio())
+
+    async def clear_audio(self) -> None:
+        """Discard the audio of the turn in progress."""
+        await self._asr.inbox.put(F.ClearAudio())
+
+    async def add_user_text(self, text: str, respond: bool = True) -> str | None:
+        """A typed user turn; returns the response id when a response was started."""
+        text = text.strip()
+        if not text:
+            raise RequestError("text input is empty", hint="send some text")
+        turn_id = next(self._turn_ids)
+        await self.outbox.put(F.Transcript(turn_id=turn_id, text=text, final=True))
+        self.conversation.append(("user", text))
+        if respond and self.pipeline.text_stage is not None:
+            return await self.create_response(turn_id=turn_id, source_text=text)
+        return None
+
+    async def create_response(self, turn_id: int | None = None, source_text: str | None = None,
+                              timing: F.Transcript | None = None) -> str:
+        """Start a response to the conversation so far (or to ``source_text`` for translation)."""
+        text_stage = self.pipeline.text_stage
+        if text_stage is None:
+            raise RequestError(f"pipeline {self.pipeline.name!r} has no assistant or translate stage",
+                               hint="use a pipeline such as voice-assistant or translate-en-es")
+        if source_text is None:
+            users = [t for r, t in self.conversation if r == "user"]
+            if not users:
+                raise RequestError("nothing to respond to yet", hint="send audio or text first")
+            source_text = users[-1]
+        rid = f"resp_{next(_ids)}_{uuid.uuid4().hex[:6]}"
+        kind = "translation" if isinstance(text_stage, TranslateStageConfig) else "reply"
+        st = ResponseState(rid, turn_id or 0, kind, source_text, timing=timing)
+        self.responses[rid] = st
+        self._forget_old_responses()
+        self.outbox.put_control(F.ResponseStarted(rid, st.turn_id, kind, source_text))
+        s = self.settings
+        await self._stages[1].inbox.put(F.ResponseRequest(
+            response_id=rid, turn_id=st.turn_id, source_text=source_text, messages=tuple(self.conversation),
+            system_prompt=s.system_prompt, max_tokens=s.max_reply_tokens, temperature=s.temperature))
+        return rid
+
+    async def cancel_response(self, response_id: str | None = None, reason: str = "client_cancel") -> bool:
+        """Cancel ``response_id`` (default: every active one); True if something was cancelled."""
+        ids = [response_id] if response_id else [r for r, st in self.responses.items() if st.active()]
+        return any([self.interrupt(rid, reason) for rid in ids])
+
+    async def update(self, changes: dict) -> None:
+        """Apply ``session.update`` settings; a pipeline change rebuilds the stages (keeps history)."""
+        new = self.settings.merged(changes)
+        if new.pipeline is not None and new.pipeline != self.pipeline.name:
+            pipeline = self._pick_pipeline(new.pipeline)
+            await self.cancel_response(reason="client_cancel")
+            for stage in self._stages:
+                await stage.close()
+            self.settings, self.pipeline = new, pipeline
+            await self._build_stages()
+        else:
+            self.settings = new
+            for stage in self._stages:
+                if hasattr(stage, "apply_settings"):
+                    stage.apply_settings(new)
+        self.outbox.put_control(F.SessionUpdated(self.describe()))
+
+    # ------------------------------------------------------------------ control
+
+    def interrupt(self, response_id: str, reason: str) -> bool:
+        """Cancel one response in every stage now (pipecat-style control: no queue to wait in)."""
+        st = self.responses.get(response_id)
+        if st is None or response_id in self._cancelled or not st.active():
+            return False
+        self._cancelled.add(response_id)
+        for stage in self._stages:
+            stage.cancel(response_id)
+        self.outbox.drop(response_id)
+        now = F.now_s()
+        self.outbox.put_control(F.ResponseInterrupted(response_id, reason, st.played_ms(now), t_s=now))
+        if not st.done:
+            st.done = True
+            if st.kind == "reply" and st.text and not st.text_done:
+                self.conversation.append(("assistant", st.text))
+            status = "cancelled" if reason == "client_cancel" else "interrupted"
+            self.outbox.put_control(F.ResponseDone(response_id, status, st.text, st.stats(), st.usage))
+        st.playback_cut_t_s = now
+        return True
+
+    def _forget_old_responses(self, keep: int = 32) -> None:
+        for rid in list(self.responses)[:-keep]:
+            if self.responses[rid].finished:
+                del self.responses[rid]
+                self._cancelled.discard(rid)
+
+    # ------------------------------------------------------------------ outputs
+
+    async def next_event(self) -> Any:
+        """The next event for the client, control events first; None after ``close``."""
+        while True:
+            event = await self.outbox.get()
+            if event is None:
+                return None
+            rid = getattr(event, "response_id", None)
+            if (rid in self._cancelled and isinstance(event, (F.TextDelta, F.TextDone, F.AudioOut, F.AudioDone))):
+                continue  # raced with an interrupt; the client must not get it
+            st = self.responses.get(rid) if rid else None
+            if st is not None and isinstance(event, F.AudioOut):
+                st.audio_sent(event, F.now_s())
+            if st is not None and isinstance(event, F.ResponseDone) and event.status == "completed":
+                # FIFO: all of this response's audio has been handed out by now
+                event = dataclasses.replace(event, stats=st.stats(), usage=st.usage)
+            return event
+
+    async def events(self):
+        """Async iterator over ``next_event()`` until the session closes."""
+        while (event := await self.next_event()) is not None:
+            yield event
+
+    # ------------------------------------------------------------------ StageContext
+
+    def is_cancelled(self, response_id: str) -> bool:
+        return response_id in self._cancelled
+
+    async def emit(self, event: Any) -> None:
+        await self.outbox.put(event)
+
+    async def forward(self, stage: Stage, frame: Any) -> None:
+        """Route ``frame`` from ``stage`` to the next stage, or finish it at the session."""
+        rid = getattr(frame, "response_id", None)
+        if rid is not None and rid in self._cancelled:
+            return
+        st = self.responses.get(rid) if rid else None
+        if st is not None:
+            st.observe(frame)
+        index = self._stages.index(stage)
+        nxt = self._stages[index + 1] if index + 1 < len(self._stages) else None
+        if isinstance(frame, (F.TextDelta, F.TextDone)):
+            await self.outbox.put(frame)
+            if isinstance(frame, F.TextDone) and st is not None:
+                st.usage = frame.usage
+                if st.kind == "reply":
+                    self.conversation.append(("assistant", frame.text))
+            if nxt is not None and self.settings.audio_output:
+                await nxt.inbox.put(frame)
+            elif isinstance(frame, F.TextDone):
+                await self._finish(rid)
+        elif isinstance(frame, F.AudioOut):
+            await self.outbox.put(frame)
+        elif isinstance(frame, F.AudioDone):
+            await self.outbox.put(frame)
+            await self._finish(rid)
+
+    async def _finish(self, response_id: str) -> None:
+        st = self.responses.get(response_id)
+        if st is None or st.done:
+            return
+        st.done = True
+        await self.outbox.put(F.ResponseDone(response_id, "completed", st.text, st.stats(), st.usage))
+
+    def note(self, response_id: str, mark: str, t_s: float) -> None:
+        st = self.responses.get(response_id)
+        if st is not None:
+            st.marks.setdefault(mark, t_s)
+
+    def stage_failed(self, stage: Stage, frame: Any, exc: BaseException) -> None:
+        rid = getattr(frame, "response_id", None)
+        if isinstance(exc, EdgeRtgiError):
+            err = F.ErrorEvent("stage_failed", f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
+        else:
+            err = F.ErrorEvent("internal_error", f"{stage.name} failed: {type(exc).__name__}: {exc}",
+                               response_id=rid)
+        self.outbox.put_control(err)
+        if rid is not None and rid in self.responses and not self.responses[rid].done:
+            st = self.responses[rid]
+            st.done = True
+            self._cancelled.add(rid)
+            for s in self._stages:
+                s.cancel(rid)
+            self.outbox.put_control(F.ResponseDone(rid, "failed", st.text, st.stats(), st.usage))
+
+    # --- called by the ASR stage (control path: not queued behind data)
+
+    def on_speech_started(self, event: F.SpeechStarted) -> None:
+        """User speech began: report it, and barge in on any reply that is still playing."""
+        self.outbox.put_control(event)
+        if self.barge_in:
+            for rid, st in list(self.responses.items()):
+                if st.active(event.t_s):
+                    self.interrupt(rid, "barge_in")
+
+    def on_speech_stopped(self, event: F.SpeechStopped) -> None:
+        self.outbox.put_control(event)
+
+    def new_turn_id(self) -> int:
+        return next(self._turn_ids)
+
+    async def on_final_transcript(self, event: F.Transcript) -> None:
+        """A finished user utterance: report it, remember it, and respond if asked to."""
+        await self.outbox.put(event)
+        if not event.text.strip():
+            return
+        if isinstance(self.pipeline.text_stage, AssistantStageConfig):
+            self.conversation.append(("user", event.text))
+        if self.settings.auto_response and self.pipeline.text_stage is not None:
+            await self.create_response(turn_id=event.turn_id, source_text=event.text, timing=event)
+
+    @property
+    def _asr(self) -> Stage:
+        return self._stages[0]
