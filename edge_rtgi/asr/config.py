@@ -1,0 +1,102 @@
+"""Settings for voice activity detection and streaming ASR (frozen; load with config.from_dict)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Phrases whisper is known to invent on silence, music or noise (it was trained on subtitled
+# video). Only used as a last resort: an utterance whose *whole* text is one of these and
+# that whisper itself was unsure about is dropped. The VAD gate and the no-speech/log-prob
+# thresholds do the real work.
+DEFAULT_HALLUCINATIONS = (
+    "thanks for watching",
+    "thank you for watching",
+    "thanks for watching and see you next time",
+    "please subscribe",
+    "subscribe to my channel",
+    "like and subscribe",
+    "subtitles by the amara org community",
+    "transcribed by",
+    "you",
+    "bye",
+)
+
+
+@dataclass(frozen=True)
+class VadConfig:
+    """Silero VAD endpointing.
+
+    ``threshold``: speech probability that starts speech; ``neg_threshold`` (default
+    ``threshold - 0.15``) must be crossed downwards to count silence, so a wobbling
+    probability does not chop words. Speech starts after ``min_speech_ms`` of consecutive
+    speech frames and ends after ``min_silence_ms`` of silence. ``speech_pad_ms`` of audio
+    is kept on both sides of the detected speech for the recogniser.
+    """
+
+    model: str = "silero-vad"
+    threshold: float = 0.5
+    neg_threshold: float | None = None
+    min_speech_ms: int = 96
+    min_silence_ms: int = 500
+    speech_pad_ms: int = 200
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        if self.neg_threshold is not None and not 0.0 <= self.neg_threshold <= self.threshold:
+            raise ValueError(f"neg_threshold must be in [0, threshold], got {self.neg_threshold}")
+        for name in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def silence_threshold(self) -> float:
+        return self.neg_threshold if self.neg_threshold is not None else max(0.01, self.threshold - 0.15)
+
+
+@dataclass(frozen=True)
+class AsrConfig:
+    """Streaming faster-whisper settings.
+
+    ``model`` is a catalogue name or a local CTranslate2 folder. ``device`` goes through
+    ``edge_rtgi.device.resolve_device``; ``compute_type`` "auto" means int8 on CPU and
+    float16 on CUDA. ``language`` None means detect (multilingual models only);
+    ``task`` "translate" makes a multilingual model output English.
+
+    Streaming: a new hypothesis is decoded once ``min_chunk_ms`` of new audio has arrived;
+    words agreed by ``agreement_n`` consecutive hypotheses are committed (LocalAgreement),
+    except the last ``holdback_words`` of the newest one, which may still be growing.
+    Utterances longer than ``max_utterance_s`` are split at the quietest recent frame.
+    """
+
+    model: str = "whisper-tiny.en"
+    device: str = "auto"
+    compute_type: str = "auto"
+    cpu_threads: int = 2
+    language: str | None = "en"
+    task: str = "transcribe"
+    beam_size: int = 1
+    final_beam_size: int = 1
+    min_chunk_ms: int = 500
+    agreement_n: int = 2
+    holdback_words: int = 1
+    max_utterance_s: float = 20.0
+    # Decode the tail as soon as this much silence is seen, before the endpoint fires.
+    speculative_final: bool = True
+    no_speech_threshold: float = 0.6
+    log_prob_threshold: float = -1.0
+    compression_ratio_threshold: float = 2.4
+    hallucination_blocklist: tuple[str, ...] = DEFAULT_HALLUCINATIONS
+    vad: VadConfig = field(default_factory=VadConfig)
+
+    def __post_init__(self) -> None:
+        if self.task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
+        if self.agreement_n < 2:
+            raise ValueError(f"agreement_n must be >= 2, got {self.agreement_n}")
+        if not 2.0 <= self.max_utterance_s <= 28.0:
+            raise ValueError(f"max_utterance_s must be in [2, 28] (whisper sees 30 s), got {self.max_utterance_s}")
+        if self.min_chunk_ms < 50 or self.cpu_threads < 1 or self.beam_size < 1 or self.final_beam_size < 1:
+            raise ValueError("min_chunk_ms >= 50, cpu_threads >= 1 and beam sizes >= 1 are required")
+        if self.holdback_words < 0:
+            raise ValueError(f"holdback_words must be >= 0, got {self.holdback_words}")

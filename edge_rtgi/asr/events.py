@@ -1,0 +1,87 @@
+"""Events produced by streaming ASR, one typed record per kind.
+
+Two clocks: ``*_audio_s`` fields are positions in the input stream (seconds of audio since
+the transcriber started), and ``t_s`` is ``time.monotonic()`` when the event was made, so
+wall-clock latencies can be measured by whoever feeds audio in real time.
+
+Per utterance the order is: ``SpeechStarted``, zero or more ``PartialTranscript``,
+``SpeechEnded``, then ``FinalTranscript`` (absent when nothing was recognised, e.g. a
+cough or a suppressed hallucination).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+@dataclass(frozen=True)
+class TranscriptSegment:
+    """A piece of a final transcript with its position in the stream."""
+
+    text: str
+    start_audio_s: float
+    end_audio_s: float
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    """VAD detected speech starting at ``start_audio_s``."""
+
+    utterance_id: int
+    start_audio_s: float
+    t_s: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class PartialTranscript:
+    """The utterance so far. ``committed_text`` never changes once emitted (it only grows);
+    ``tentative_text`` is the rest of the newest hypothesis and may still be revised."""
+
+    utterance_id: int
+    committed_text: str
+    tentative_text: str
+    audio_end_s: float  # how far into the stream the hypothesis has heard
+    t_s: float = field(default_factory=_now)
+
+    @property
+    def text(self) -> str:
+        return " ".join(p for p in (self.committed_text, self.tentative_text) if p)
+
+
+@dataclass(frozen=True)
+class SpeechEnded:
+    """The utterance ended: speech stopped at ``speech_end_audio_s`` and the endpoint fired
+    (after the configured silence, or a forced split or commit) at ``endpoint_audio_s``."""
+
+    utterance_id: int
+    speech_end_audio_s: float
+    endpoint_audio_s: float
+    reason: str = "silence"  # "silence" | "max_length" | "commit" | "finish"
+    t_s: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class FinalTranscript:
+    """The text of one utterance: every committed word, then the tail decoded at the end.
+
+    ``final_decode_ms`` is the time spent decoding after the endpoint (0 when a decode made
+    during the trailing silence could be reused).
+    """
+
+    utterance_id: int
+    text: str
+    segments: tuple[TranscriptSegment, ...]
+    start_audio_s: float
+    speech_end_audio_s: float
+    endpoint_audio_s: float
+    language: str | None
+    final_decode_ms: float
+    t_s: float = field(default_factory=_now)
+
+
+AsrEvent = SpeechStarted | PartialTranscript | SpeechEnded | FinalTranscript

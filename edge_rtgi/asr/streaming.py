@@ -1,0 +1,308 @@
+"""Streaming transcription: VAD-gated utterances, LocalAgreement partials, exact finals.
+
+``StreamingTranscriber`` is synchronous and single-threaded, with whisper_streaming's three
+verbs: ``insert_audio`` (cheap: ring buffer + VAD), ``process_iter`` (may decode; call it
+from a worker thread) and ``finish``. ``AsrSession`` is its asyncio front: feed chunks from
+the event loop, read ``AsrEvent``s; all model work happens on one worker thread per session.
+
+Invariants:
+- whisper never sees audio the VAD did not call speech (plus ``speech_pad_ms`` around it);
+- committed words only grow; the final of an utterance is ``committed + tail`` where the
+  tail comes from one decode of the whole utterance with the committed words forced as its
+  prefix, so a word is never dropped or emitted twice between partials and final;
+- each utterance is finalised once, and its audio is forgotten after (no tail repeated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_rtgi.asr.agreement import LocalAgreement, normalize_word, split_words
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.asr.events import (
+    AsrEvent,
+    FinalTranscript,
+    PartialTranscript,
+    SpeechEnded,
+    SpeechStarted,
+    TranscriptSegment,
+)
+from edge_rtgi.asr.vad import SileroVad, VadEvent
+from edge_rtgi.asr.whisper import Hypothesis, WhisperAsr
+from edge_rtgi.audio.pcm import Resampler
+from edge_rtgi.audio.ring import RingBuffer
+from edge_rtgi.errors import AudioError
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 16000
+
+
+@dataclass
+class _Utterance:
+    id: int
+    start_index: int  # first sample given to whisper (speech start minus pad)
+    speech_start_index: int
+    agreement: LocalAgreement
+    last_decode_end: int = 0
+    language: str | None = None
+    end_index: int | None = None  # first silent sample after the speech
+    endpoint_index: int | None = None
+    reason: str = "silence"
+    # A decode of [start, silence_start + pad) made during trailing silence, reused as the
+    # final if the endpoint confirms that same silence: (silence_start, n_committed, hypothesis).
+    speculative: tuple[int, int, Hypothesis] | None = None
+    partial_key: tuple[str, str] = field(default=("", ""))
+
+
+class StreamingTranscriber:
+    """Turns a 16 kHz float32 stream into ``AsrEvent``s (see module docstring)."""
+
+    def __init__(self, asr: WhisperAsr, config: AsrConfig | None = None, vad: SileroVad | None = None):
+        self.asr = asr
+        self.config = config or asr.config
+        self.vad = vad or SileroVad(self.config.vad)
+        self.vad.reset()  # the VAD's sample indices must match the ring's
+        self._pad = self.config.vad.speech_pad_ms * SAMPLE_RATE_HZ // 1000
+        self._min_chunk = self.config.min_chunk_ms * SAMPLE_RATE_HZ // 1000
+        self._max_len = int(self.config.max_utterance_s * SAMPLE_RATE_HZ)
+        self._ring = RingBuffer(int((self.config.max_utterance_s + 8.0) * SAMPLE_RATE_HZ))
+        self._events: list[AsrEvent] = []
+        self._active: _Utterance | None = None
+        self._ended: list[_Utterance] = []
+        self._next_id = 0
+
+    @property
+    def audio_s(self) -> float:
+        """Seconds of audio received so far."""
+        return self._ring.total_written / SAMPLE_RATE_HZ
+
+    def insert_audio(self, samples: np.ndarray) -> None:
+        """Append mono float32 16 kHz samples. Cheap (VAD only); never decodes."""
+        samples = np.asarray(samples)
+        if samples.ndim != 1:
+            raise AudioError(f"insert_audio takes mono [N] samples, got shape {samples.shape}",
+                             hint="down-mix with edge_rtgi.audio.downmix")
+        if samples.dtype == np.int16:
+            samples = samples.astype(np.float32) / 32768.0
+        self._ring.write(samples)
+        for event in self.vad.process(samples):
+            self._on_vad(event)
+        if self._active and self._ring.total_written - self._active.start_index > self._max_len:
+            self._split_long_utterance()
+
+    def _on_vad(self, event: VadEvent) -> None:
+        if event.kind == "start":
+            self._start_utterance(event.sample_index, max(self._ring.oldest_index, event.sample_index - self._pad))
+        elif self._active is not None:
+            self._end_active(event.sample_index, "silence")
+
+    def _start_utterance(self, speech_start: int, start: int) -> None:
+        cfg = self.config
+        self._active = _Utterance(self._next_id, start, speech_start, LocalAgreement(cfg.agreement_n, cfg.holdback_words),
+                                  last_decode_end=start)
+        self._next_id += 1
+        self._events.append(SpeechStarted(self._active.id, speech_start / SAMPLE_RATE_HZ))
+
+    def _end_active(self, end_index: int, reason: str) -> None:
+        utt, self._active = self._active, None
+        utt.end_index, utt.endpoint_index, utt.reason = end_index, self._ring.total_written, reason
+        self._ended.append(utt)
+
+    def _split_long_utterance(self) -> None:
+        """Speech longer than whisper's window: cut at the quietest recent frame and go on."""
+        split = self.vad.quietest_index(4 * SAMPLE_RATE_HZ, exclude_last_samples=SAMPLE_RATE_HZ // 4)
+        split = max(split, self._active.start_index + SAMPLE_RATE_HZ)
+        self._end_active(split, "max_length")
+        self._start_utterance(split, split)
+
+    def commit(self) -> None:
+        """End the current utterance now (the client says the turn is over)."""
+        event = self.vad.force_end()
+        if event is not None and self._active is not None:
+            self._end_active(min(event.sample_index, self._ring.total_written), "commit")
+
+    def process_iter(self) -> list[AsrEvent]:
+        """Decode what is due and return the events since the last call. Blocking."""
+        for utt in self._ended:
+            self._events.extend(self._finalize(utt))
+        self._ended.clear()
+        utt = self._active
+        if utt is not None:
+            now = self._ring.total_written
+            silence_start = self.vad.silence_start_index
+            if silence_start is not None and now - silence_start >= self._pad:
+                if self.config.speculative_final and (utt.speculative is None or utt.speculative[0] != silence_start):
+                    self._speculate(utt, silence_start)
+            elif now - utt.last_decode_end >= self._min_chunk:
+                self._partial(utt, now)
+        events, self._events = self._events, []
+        return events
+
+    def finish(self) -> list[AsrEvent]:
+        """End of stream: finalise the utterance in progress and return all remaining events."""
+        if self._active is not None:
+            event = self.vad.force_end()
+            end = event.sample_index if event else self._ring.total_written
+            self._end_active(min(end, self._ring.total_written), "finish")
+        return self.process_iter()
+
+    # -- decoding -------------------------------------------------------------------------
+
+    def _decode(self, utt: _Utterance, end: int, timestamps: bool, beam_size: int | None = None) -> Hypothesis:
+        audio = self._ring.read(utt.start_index, end)
+        hyp = self.asr.transcribe(audio, prefix=utt.agreement.committed_text or None, language=utt.language,
+                                  timestamps=timestamps, beam_size=beam_size)
+        if utt.language is None and hyp.language:
+            utt.language = hyp.language  # detected once, then fixed so hypotheses agree
+        return hyp
+
+    def _emit_partial(self, utt: _Utterance, tentative: str, end: int) -> None:
+        key = (utt.agreement.committed_text, tentative)
+        if key != utt.partial_key:
+            utt.partial_key = key
+            self._events.append(PartialTranscript(utt.id, key[0], key[1], end / SAMPLE_RATE_HZ))
+
+    def _partial(self, utt: _Utterance, end: int) -> None:
+        hyp = self._decode(utt, end, timestamps=False)
+        utt.last_decode_end = end
+        utt.agreement.update(split_words(hyp.text))
+        self._emit_partial(utt, utt.agreement.tentative_text, end)
+
+    def _speculate(self, utt: _Utterance, silence_start: int) -> None:
+        end = silence_start + self._pad
+        hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
+        utt.speculative = (silence_start, len(utt.agreement.committed), hyp)
+        utt.last_decode_end = end
+        tail = utt.agreement.final_words(split_words(hyp.text))[len(utt.agreement.committed):]
+        self._emit_partial(utt, " ".join(tail), end)
+
+    def _finalize(self, utt: _Utterance) -> list[AsrEvent]:
+        end = min(utt.end_index + self._pad, self._ring.total_written)
+        spec = utt.speculative
+        if spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed):
+            hyp, decode_ms = spec[2], 0.0
+        else:
+            t0 = time.perf_counter()
+            hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
+            decode_ms = (time.perf_counter() - t0) * 1000.0
+        words = utt.agreement.final_words(split_words(hyp.text))
+        text = " ".join(words)
+        start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, utt.end_index / SAMPLE_RATE_HZ
+        endpoint_s = utt.endpoint_index / SAMPLE_RATE_HZ
+        events: list[AsrEvent] = [SpeechEnded(utt.id, speech_end_s, endpoint_s, utt.reason)]
+        if not text or (not utt.agreement.committed and self._is_hallucination(text, hyp)):
+            if text:
+                log.info("dropped a likely hallucination: %r", text)
+            return events
+        if split_words(hyp.text) == words:
+            segments = tuple(TranscriptSegment(s.text, start_s + s.start_s, start_s + min(s.end_s, end / SAMPLE_RATE_HZ - start_s))
+                             for s in hyp.segments if s.text)
+        else:
+            segments = (TranscriptSegment(text, start_s, end / SAMPLE_RATE_HZ),)
+        events.append(FinalTranscript(utt.id, text, segments, start_s, speech_end_s, endpoint_s,
+                                      utt.language, decode_ms))
+        return events
+
+    def _is_hallucination(self, text: str, hyp: Hypothesis) -> bool:
+        """Last-resort filter: the whole utterance is a stock phrase and whisper was unsure."""
+        normalized = " ".join(filter(None, (normalize_word(w) for w in text.split())))
+        if normalized not in self.config.hallucination_blocklist or not hyp.segments:
+            return False
+        unsure = min(s.avg_logprob for s in hyp.segments) < -0.5 or max(s.no_speech_prob for s in hyp.segments) > 0.2
+        return unsure
+
+
+class AsrSession:
+    """Asyncio front of a ``StreamingTranscriber``.
+
+    ``feed`` (non-blocking, from the event loop) queues audio; a background task inserts all
+    queued audio and runs ``process_iter`` on a worker thread, so while one decode runs the
+    next chunks simply accumulate. Read events with ``async for event in session``; the
+    iteration ends after ``close()`` has finalised the last utterance.
+    """
+
+    def __init__(self, asr: WhisperAsr, config: AsrConfig | None = None, vad: SileroVad | None = None,
+                 executor: ThreadPoolExecutor | None = None):
+        self.transcriber = StreamingTranscriber(asr, config, vad)
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="asr")
+        self._pending: list[np.ndarray] = []
+        self._resampler: Resampler | None = None
+        self._commit = False
+        self._closing = False
+        self._wake = asyncio.Event()
+        self._events: asyncio.Queue[AsrEvent | BaseException | None] = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="asr-session")
+
+    def feed(self, samples: np.ndarray, sample_rate_hz: int = SAMPLE_RATE_HZ) -> None:
+        """Queue mono float32 (or int16) audio; resampled to 16 kHz if needed."""
+        if self._closing:
+            raise AudioError("feed() after close() on an ASR session")
+        if samples.dtype == np.int16:
+            samples = samples.astype(np.float32) / 32768.0
+        if sample_rate_hz != SAMPLE_RATE_HZ:
+            if self._resampler is None or self._resampler.src_rate_hz != sample_rate_hz:
+                self._resampler = Resampler(sample_rate_hz, SAMPLE_RATE_HZ)
+            samples = self._resampler.process(samples)
+        self._pending.append(np.asarray(samples, dtype=np.float32))
+        self._wake.set()
+
+    def commit(self) -> None:
+        """End the current utterance now instead of waiting for the VAD."""
+        self._commit = True
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Finalise the last utterance; the event iteration ends after its events."""
+        self._closing = True
+        self._wake.set()
+        await asyncio.shield(self._task)
+        if self._own_executor:
+            self._executor.shutdown(wait=False)
+
+    def _step(self, chunks: list[np.ndarray], commit: bool, closing: bool) -> list[AsrEvent]:
+        tr = self.transcriber
+        for chunk in chunks:
+            tr.insert_audio(chunk)
+        if commit:
+            tr.commit()
+        return tr.finish() if closing else tr.process_iter()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                chunks, self._pending = self._pending, []
+                commit, self._commit, closing = self._commit, False, self._closing
+                events = await loop.run_in_executor(self._executor, self._step, chunks, commit, closing)
+                for event in events:
+                    self._events.put_nowait(event)
+                if closing:
+                    break
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the reader, not lost in a task
+            self._events.put_nowait(exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            self._events.put_nowait(None)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            item = await self._events.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item

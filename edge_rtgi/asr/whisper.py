@@ -1,0 +1,130 @@
+"""faster-whisper, loaded from a local CTranslate2 folder and called from worker threads.
+
+``WhisperModel.transcribe`` returns a *lazy generator*: the decoding happens while it is
+iterated. Iterating it on the event loop blocks every session (pipecat's bug), so
+``WhisperAsr.transcribe`` consumes it completely and must itself be called from a worker
+thread; ``transcribe_async`` does that. One ``WhisperAsr`` can serve several streams: a
+CTranslate2 model accepts concurrent calls (up to ``num_workers`` in parallel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.errors import ConfigError, ModelFileError
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 16000
+_REQUIRED_FILES = ("model.bin", "config.json")
+
+
+@dataclass(frozen=True)
+class DecodedSegment:
+    text: str
+    start_s: float  # relative to the start of the decoded audio
+    end_s: float
+    avg_logprob: float
+    no_speech_prob: float
+    compression_ratio: float
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One decode of an audio window. ``text`` includes the forced ``prefix`` if one was given."""
+
+    text: str
+    segments: tuple[DecodedSegment, ...]
+    language: str | None
+    decode_ms: float
+
+
+def resolve_whisper_path(name_or_path: str | Path) -> Path:
+    """A CTranslate2 whisper folder: an explicit path, or a catalogue name (pulled if missing)."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        if "/" in str(name_or_path) or str(name_or_path).startswith("."):
+            raise ModelFileError(f"whisper model folder not found: {path}",
+                                 hint="give a CTranslate2 whisper folder or a catalogue name such as whisper-tiny.en")
+        from edge_rtgi.catalog import resolve_model
+
+        path = resolve_model(str(name_or_path), role="asr")
+    if path.is_file():
+        path = path.parent
+    missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise ModelFileError(f"whisper model folder {path} lacks {', '.join(missing)}",
+                             hint="it must be a CTranslate2 conversion (model.bin, config.json, tokenizer.json); "
+                                  "re-pull it with `edge-rtgi models pull`")
+    return path
+
+
+def _device_and_compute(config: AsrConfig) -> tuple[str, str]:
+    from edge_rtgi.device import resolve_device
+
+    device = resolve_device(config.device).type
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"faster-whisper runs on cpu or cuda, not {device!r}")
+    if config.compute_type != "auto":
+        return device, config.compute_type
+    return device, "float16" if device == "cuda" else "int8"
+
+
+class WhisperAsr:
+    """A loaded faster-whisper model plus the decoding options of ``AsrConfig``."""
+
+    def __init__(self, config: AsrConfig | None = None, num_workers: int = 1):
+        self.config = config or AsrConfig()
+        self.model_path = resolve_whisper_path(self.config.model)
+        self.device, self.compute_type = _device_and_compute(self.config)
+        from faster_whisper import WhisperModel
+
+        try:
+            self._model = WhisperModel(str(self.model_path), device=self.device, compute_type=self.compute_type,
+                                       cpu_threads=self.config.cpu_threads, num_workers=num_workers,
+                                       local_files_only=True)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise ModelFileError(f"cannot load whisper model from {self.model_path}: {exc}",
+                                 hint="the files may be truncated; re-pull with `edge-rtgi models pull --force`") from None
+        self.multilingual = self._model.model.is_multilingual
+        if self.config.task == "translate" and not self.multilingual:
+            raise ConfigError(f"task 'translate' needs a multilingual whisper model; {self.config.model} is English-only",
+                              hint="use model whisper-base")
+        log.info("whisper %s on %s/%s", self.model_path, self.device, self.compute_type)
+
+    def transcribe(self, audio: np.ndarray, prefix: str | None = None, language: str | None = None,
+                   timestamps: bool = False, beam_size: int | None = None) -> Hypothesis:
+        """Decode mono float32 16 kHz ``audio`` (at most 30 s). Blocking: call from a worker thread.
+
+        ``prefix`` forces the start of the transcript (the committed words); ``language``
+        overrides the configured one (None with a multilingual model: detect).
+        """
+        cfg = self.config
+        lang = language if language is not None else cfg.language
+        if not self.multilingual:
+            lang = "en"
+        t0 = time.perf_counter()
+        segments, info = self._model.transcribe(
+            audio, language=lang, task=cfg.task, beam_size=beam_size or cfg.beam_size,
+            temperature=0.0,  # no fallback re-decodes: they stall a stream for seconds
+            compression_ratio_threshold=cfg.compression_ratio_threshold,
+            log_prob_threshold=cfg.log_prob_threshold, no_speech_threshold=cfg.no_speech_threshold,
+            condition_on_previous_text=False, prefix=prefix or None, without_timestamps=not timestamps,
+            word_timestamps=False,  # 1-4 s stalls measured with them on; we do not need them
+            vad_filter=False,  # our own streaming VAD already gated this audio
+        )
+        decoded = tuple(DecodedSegment(s.text.strip(), float(s.start), float(s.end), float(s.avg_logprob),
+                                       float(s.no_speech_prob), float(s.compression_ratio)) for s in segments)
+        text = " ".join(s.text for s in decoded if s.text).strip()
+        return Hypothesis(text, decoded, info.language, (time.perf_counter() - t0) * 1000.0)
+
+    async def transcribe_async(self, audio: np.ndarray, **kwargs) -> Hypothesis:
+        """``transcribe`` in a worker thread, so the event loop keeps running."""
+        return await asyncio.to_thread(self.transcribe, audio, **kwargs)
