@@ -110,3 +110,45 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Accounting for one finished request.
+
+    ``cached_tokens``: prompt tokens served from the prefix cache (whole blocks).
+    ``token_times_ms``: when each generated token was emitted, in ms since the request arrived
+    (the first entry is the time to first token; differences are inter-token latencies).
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    token_times_ms: tuple[float, ...]
+    num_preemptions: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One piece of a request's output stream.
+
+    ``text`` is new text only (never splits a multi-byte character); ``token_ids`` the new
+    token ids. The last delta has ``finish_reason`` ("stop", "length", "abort" or "error")
+    and ``usage``; ``error`` says what went wrong when ``finish_reason == "error"``.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

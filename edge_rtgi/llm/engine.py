@@ -1,0 +1,422 @@
+"""The LLM engine: one step loop (schedule -> run -> update) shared by every caller.
+
+Threading model: all scheduler, KV and model work happens in the engine's own thread; callers
+only enqueue commands (add, abort) and receive deltas. ``add_request`` returns an async
+iterator fed with ``loop.call_soon_threadsafe``, so the caller's event loop never blocks on
+a forward pass. A consumer that stops reading (closes the iterator, is cancelled, or drops
+it) aborts its request, which frees its blocks.
+
+Failures stay local: a request with bad input gets a single error delta; a request whose
+sampling fails is finished with an error while the others continue; an exception in a whole
+step fails the requests of that step only, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from edge_rtgi.errors import EdgeRtgiError, RequestError
+from edge_rtgi.llm.engine_config import EngineConfig, EngineStats
+from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
+from edge_rtgi.llm.request import Request, RequestDelta, RequestStatus, Usage
+from edge_rtgi.llm.runner import ModelRunner
+from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+DeltaSink = Callable[[RequestDelta], None]
+
+
+@dataclass
+class _Stream:
+    """Engine-side state of one request's output (lives in the engine thread)."""
+
+    sink: DeltaSink
+    arrival_s: float
+    request: Request | None = None
+    detok: Any = None
+    stops: Any = None
+    stop_hit: bool = False
+    token_times_ms: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache. See docs/engine.md."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None,
+                 *, start: bool = True):
+        self.config = config or EngineConfig()
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        mcfg = model.config
+        self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings)
+        num_blocks = self.config.resolve_num_blocks(mcfg, model.dtype)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        storage_cls = Int8PagedKVStorage if self.config.kv_dtype == "int8" else PagedKVStorage
+        self.storage = storage_cls(mcfg.num_layers, num_blocks, self.config.block_size, mcfg.num_kv_heads,
+                                   mcfg.head_dim, model.dtype, model.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len,
+            self.config.enable_chunked_prefill), self.kv)
+        self.runner = ModelRunner(model, self.storage, self.config.decode_mode)
+        self.eos_token_ids = frozenset(mcfg.eos_token_ids)
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._stats = EngineStats(kv_blocks_total=num_blocks)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Resolve the model through the catalogue, load it, and build an engine."""
+        from edge_rtgi.catalog import resolve_model
+        from edge_rtgi.device import resolve_device, resolve_dtype
+        from edge_rtgi.llm.weights import load_model
+
+        device = resolve_device(config.device)
+        loaded = load_model(resolve_model(config.model, role="llm"), device, resolve_dtype(config.dtype, device))
+        return cls.from_loaded(loaded, config)
+
+    @classmethod
+    def from_loaded(cls, loaded: Any, config: EngineConfig | None = None, *, start: bool = True) -> LLMEngine:
+        """Build on a ``LoadedModel`` (model + tokenizer) from ``weights.load_model``."""
+        return cls(loaded.model, loaded.tokenizer, config, start=start)
+
+    # --- thread ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort everything and stop the thread."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        self._drain_commands()
+        for rid in list(self.scheduler.requests):
+            self._emit(self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED))
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self.config.num_threads or torch.get_num_threads())
+        while not self._stop.is_set():
+            if not self.scheduler.has_unfinished():
+                try:  # idle: sleep until a command arrives
+                    self._commands.put(self._commands.get(timeout=0.5))
+                except queue.Empty:
+                    continue
+            self.step()
+
+    @property
+    def running_in_thread(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # --- intake ----------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None, sink: DeltaSink, *,
+               request_id: str | None = None, priority: int = 0, deadline_ms: float | None = None) -> str:
+        """Queue a request whose deltas go to ``sink`` (called from the engine thread).
+
+        Bad input does not raise: ``sink`` receives one error delta. Returns the request id.
+        """
+        rid = request_id or f"req-{next(self._ids)}"
+        arrival = time.monotonic()
+        try:
+            params = self._params(params)
+            prompt_ids = self._tokenize(prompt)
+            req = Request(rid, prompt_ids, params, priority=priority, deadline_ms=deadline_ms,
+                          eos_token_ids=self._stop_ids(params), arrival_time_s=arrival)
+            self.scheduler.check_fits(req)  # reads only immutable sizes; safe off-thread
+            stream = self._make_stream(sink, arrival, params, prompt_ids)
+        except EdgeRtgiError as exc:
+            sink(RequestDelta(rid, "", (), "error", error=str(exc)))
+            return rid
+        self._commands.put(("add", req, stream))
+        return rid
+
+    def _params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
+        if params is None:
+            return SamplingParams()
+        if isinstance(params, SamplingParams):
+            params.validate()
+            return params
+        try:
+            return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+        except TypeError as exc:
+            raise RequestError(f"bad sampling parameters: {exc}") from None
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; send token ids")
+            return list(self.tokenizer.encode(prompt))
+        prompt = list(prompt)
+        if prompt and isinstance(prompt[0], Mapping):
+            if self.tokenizer is None:
+                raise RequestError("this engine has no tokenizer; send token ids")
+            return list(self.tokenizer.encode_chat(prompt))
+        vocab = self.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return prompt
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= self.eos_token_ids
+        return frozenset(ids)
+
+    def _make_stream(self, sink: DeltaSink, arrival: float, params: SamplingParams,
+                     prompt_ids: list[int]) -> _Stream:
+        stream = _Stream(sink, arrival)
+        if self.tokenizer is not None:
+            from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
+
+            stream.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+            stream.stops = StopStringMatcher(params.stop) if params.stop else None
+        elif params.stop:
+            raise RequestError("stop strings need a tokenizer; this engine has none")
+        return stream
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, *,
+                    request_id: str | None = None, priority: int = 0,
+                    deadline_ms: float | None = None) -> RequestStream:
+        """Queue a request; iterate the result (``async for``) to receive its deltas.
+
+        Call from a coroutine. Closing or dropping the iterator aborts the request.
+        """
+        stream = RequestStream(self, asyncio.get_running_loop())
+        # The engine keeps only a weak reference, so a consumer that drops the iterator
+        # lets it be collected, and its __del__ aborts the request.
+        ref = weakref.ref(stream)
+
+        def sink(delta: RequestDelta) -> None:
+            target = ref()
+            if target is not None:
+                target._deliver(delta)
+            elif not delta.finished:
+                self.abort(delta.request_id)
+
+        stream.request_id = self.submit(prompt, params, sink, request_id=request_id,
+                                        priority=priority, deadline_ms=deadline_ms)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request now and free its blocks (thread-safe; no-op if already done)."""
+        self._commands.put(("abort", request_id))
+
+    def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None
+                 ) -> list[GenerationResult]:
+        """Synchronous convenience: run prompts to completion (batched) and return the results."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, Mapping))):
+            prompts = [prompts]
+        results = [GenerationResult() for _ in prompts]
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        for res, prompt in zip(results, prompts, strict=True):
+            def sink(delta: RequestDelta, res: GenerationResult = res) -> None:
+                res.add(delta)
+                if delta.finished:
+                    done.put(True)
+            self.submit(prompt, params, sink)
+        for _ in prompts:
+            if self.running_in_thread:
+                done.get()
+            else:
+                while done.empty():
+                    self.step()
+                done.get()
+        return results
+
+    # --- the step --------------------------------------------------------------------------
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                req, stream = cmd[1], cmd[2]
+                try:
+                    self.scheduler.add_request(req)
+                except EdgeRtgiError as exc:
+                    stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
+                    continue
+                stream.request = req
+                self._streams[req.request_id] = stream
+            elif cmd[0] == "abort" and cmd[1] in self.scheduler.requests:
+                self._emit(self.scheduler.finish_request(cmd[1], RequestStatus.FINISHED_ABORTED))
+
+    def step(self) -> bool:
+        """One iteration: take commands, schedule, run, deliver. False when there was no work."""
+        self._drain_commands()
+        if not self.scheduler.has_unfinished():
+            return False
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return False
+        params = {s.request_id: self.scheduler.requests[s.request_id].params for s in output.scheduled}
+        try:
+            result = self.runner.execute(output, params)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("engine step failed")
+            result = ModelRunnerOutput({}, {s.request_id: f"engine step failed: {exc}" for s in output.scheduled})
+        updates = self.scheduler.update_from_output(output, result)
+        self._stats.record_step(output)
+        for update in updates:
+            self._emit(update)
+        return True
+
+    def _emit(self, update: RequestUpdate) -> None:
+        stream = self._streams.get(update.request_id)
+        if stream is None:
+            return
+        text, finish = "", update.finish_reason
+        if update.new_token_ids:
+            stream.token_times_ms.append((time.monotonic() - stream.arrival_s) * 1e3)
+            if stream.detok is not None:
+                for tok in update.new_token_ids:
+                    text += stream.detok.push(tok)
+        if stream.stops is not None and text:
+            text, stream.stop_hit = stream.stops.push(text)
+            if stream.stop_hit and finish is None:
+                finish = self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED).finish_reason
+        if finish in ("stop", "length") and not stream.stop_hit:
+            text += self._flush(stream)
+        usage = self._usage(stream) if finish else None
+        if finish:
+            del self._streams[update.request_id]
+            self.runner.release(update.request_id)
+        try:
+            stream.sink(RequestDelta(update.request_id, text, tuple(update.new_token_ids), finish, usage,
+                                     update.error))
+        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+            log.exception("delivering a delta for %s failed; aborting it", update.request_id)
+            if not finish:
+                self.abort(update.request_id)
+
+    @staticmethod
+    def _flush(stream: _Stream) -> str:
+        """Text held back by the detokenizer and the stop matcher, at a normal finish."""
+        tail = stream.detok.flush() if stream.detok is not None else ""
+        if stream.stops is None:
+            return tail
+        text, stream.stop_hit = stream.stops.push(tail) if tail else ("", False)
+        return text if stream.stop_hit else text + stream.stops.flush()
+
+    @staticmethod
+    def _usage(stream: _Stream) -> Usage:
+        req = stream.request
+        return Usage(
+            prompt_tokens=req.num_prompt_tokens if req else 0,
+            cached_tokens=max(req.num_cached_tokens, 0) if req else 0,
+            completion_tokens=len(stream.token_times_ms),
+            ttft_ms=stream.token_times_ms[0] if stream.token_times_ms else None,
+            token_times_ms=tuple(stream.token_times_ms),
+            num_preemptions=req.num_preemptions if req else 0,
+        )
+
+    # --- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot of counters for /metrics and benchmarks."""
+        return self._stats.snapshot(self.kv, self.scheduler)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached free blocks (benchmarks' cold runs). Call while idle."""
+        return self.kv.pool.reset_prefix_cache()
+
+
+@dataclass
+class GenerationResult:
+    """A finished request from ``LLMEngine.generate``."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.finished:
+            self.finish_reason, self.usage, self.error = delta.finish_reason, delta.usage, delta.error
+
+
+class RequestStream(AsyncIterator[RequestDelta]):
+    """The async iterator ``add_request`` returns. Closing, cancelling or dropping it aborts."""
+
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self.request_id = ""
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self._done = False
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        # Called from the engine thread (or synchronously for an immediate error).
+        try:
+            if self._loop.is_closed():
+                raise RuntimeError("event loop closed")
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
+        except RuntimeError:
+            if not delta.finished:
+                self._engine.abort(delta.request_id)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            delta = await self._queue.get()
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        if delta.finished:
+            self._done = True
+        return delta
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop reading: aborts the request if it has not finished."""
+        self._close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._close()
+
+    def __del__(self) -> None:
+        if not self._done and self.request_id:
+            self._engine.abort(self.request_id)

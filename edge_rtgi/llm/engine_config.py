@@ -1,0 +1,120 @@
+"""Engine settings (a frozen config dataclass) and engine counters (for /metrics, benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from edge_rtgi.llm.kv.manager import KVCacheManager
+    from edge_rtgi.llm.model import ModelConfig
+    from edge_rtgi.llm.scheduler import Scheduler, SchedulerOutput
+
+KV_DTYPES = ("auto", "int8")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Loaded strictly from YAML with ``edge_rtgi.config.from_dict``.
+
+    ``num_kv_blocks`` sizes the KV pool directly; when unset, ``kv_cache_memory_mb`` does.
+    ``max_model_len`` (tokens) defaults to the model's context window.
+    ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
+    gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
+    ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_mb: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    decode_mode: str = "padded"
+    kv_dtype: str = "auto"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
+            raise ValueError("block_size and num_kv_blocks must be >= 1")
+        if self.kv_cache_memory_mb < 1:
+            raise ValueError(f"kv_cache_memory_mb must be >= 1, got {self.kv_cache_memory_mb}")
+        if self.decode_mode not in ("padded", "per_seq"):
+            raise ValueError(f"decode_mode must be 'padded' or 'per_seq', got {self.decode_mode!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+
+    def with_(self, **changes: object) -> EngineConfig:
+        return replace(self, **changes)
+
+    def resolve_num_blocks(self, model_config: ModelConfig, dtype: torch.dtype) -> int:
+        """Blocks in the pool: ``num_kv_blocks``, or what ``kv_cache_memory_mb`` holds."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        from edge_rtgi.llm.kv.storage import PagedKVStorage
+
+        elem_dtype = torch.int8 if self.kv_dtype == "int8" else dtype
+        per_block = PagedKVStorage.bytes_per_block(model_config.num_layers, self.block_size,
+                                                   model_config.num_kv_heads, model_config.head_dim, elem_dtype)
+        return max(1, self.kv_cache_memory_mb * 2**20 // per_block)
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started, plus the current pool and queue state."""
+
+    num_steps: int = 0
+    num_batched_tokens: int = 0
+    num_scheduled_requests: int = 0
+    num_preemptions: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_batched_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def requests_per_step(self) -> float:
+        return self.num_scheduled_requests / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the prefix cache."""
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    def record_step(self, output: SchedulerOutput) -> None:
+        self.num_steps += 1
+        self.num_batched_tokens += output.num_batched_tokens
+        self.num_scheduled_requests += len(output.scheduled)
+
+    def snapshot(self, kv: KVCacheManager, scheduler: Scheduler) -> EngineStats:
+        return replace(
+            self,
+            num_preemptions=scheduler.num_preemptions,
+            kv_blocks_used=kv.pool.num_used_blocks,
+            kv_blocks_cached=kv.pool.num_cached_blocks,
+            prefix_queried_tokens=kv.prefix_queries_tokens,
+            prefix_hit_tokens=kv.prefix_hits_tokens,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers for /metrics."""
+        out = {k: float(v) for k, v in self.__dict__.items()}
+        out.update(tokens_per_step=self.tokens_per_step, requests_per_step=self.requests_per_step,
+                   prefix_hit_rate=self.prefix_hit_rate)
+        return out

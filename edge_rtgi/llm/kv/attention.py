@@ -1,0 +1,89 @@
+"""Attention over the paged KV cache, for a flat batch that mixes decodes and prefill chunks.
+
+The runner lays out a step's tokens with all decodes first (one token each, tokens
+``0..B-1``) followed by prefill chunks. Per layer, ``attend`` then:
+
+1. writes every new key/value into its slot (one ``index_copy_`` for the whole batch, so a
+   chunk attending to its own earlier tokens finds them);
+2. decodes: gathers each sequence's slots into a padded ``[B, S_max]`` batch and runs one
+   SDPA call with a padding mask (or one SDPA per sequence, see ``decode_mode``);
+3. prefill chunks: gathers each sequence's slots and runs one SDPA per chunk, causal.
+
+Everything a layer needs (slot mapping, gather indices, masks) is built once per step in
+``PagedAttentionMetadata`` and shared by all layers. The same code runs on CUDA (SDPA over
+gathered blocks); a paged kernel can replace steps 2-3 there without touching the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edge_rtgi.llm.kv.storage import PagedKVStorage
+
+
+@dataclass(frozen=True)
+class ChunkAttention:
+    """One prefill chunk: query tokens ``[q_start, q_start+q_len)`` of the flat batch."""
+
+    q_start: int
+    q_len: int
+    slots: Tensor  # [S] int64 slots of all keys this chunk may see (including its own)
+    mask: Tensor | None  # [q_len, S] bool, or None when plain causal from position 0 applies
+    causal: bool
+
+
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """Per-step layout shared by all layers."""
+
+    slot_mapping: Tensor  # [T] int64: where each new token's k/v goes
+    num_decodes: int  # tokens 0..num_decodes-1 are single-token decodes
+    decode_slots: Tensor | None  # [B, S_max] int64 (padded with slot 0) in "padded" mode
+    decode_mask: Tensor | None  # [B, 1, 1, S_max] bool, None when no padding/window applies
+    decode_seq_slots: list[Tensor] | None  # per-sequence [S_b] in "per_seq" mode
+    chunks: list[ChunkAttention]
+
+
+class PagedAttentionBackend:
+    """``AttentionBackend`` for ``Transformer.forward`` over a ``PagedKVStorage``."""
+
+    def __init__(self, storage: PagedKVStorage, metadata: PagedAttentionMetadata):
+        self.storage = storage
+        self.md = metadata
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
+        md = self.md
+        self.storage.write(layer, md.slot_mapping, k, v)
+        if not md.chunks:
+            return self._decodes(layer, q)
+        out = torch.empty_like(q)
+        if md.num_decodes:
+            out[:md.num_decodes] = self._decodes(layer, q[:md.num_decodes])
+        for c in md.chunks:
+            keys, values = self.storage.gather(layer, c.slots)  # [S, Hkv, D]
+            o = F.scaled_dot_product_attention(
+                q[c.q_start:c.q_start + c.q_len].transpose(0, 1), keys.transpose(0, 1),
+                values.transpose(0, 1), attn_mask=c.mask, is_causal=c.causal, enable_gqa=True)
+            out[c.q_start:c.q_start + c.q_len] = o.transpose(0, 1)
+        return out
+
+    def _decodes(self, layer: int, q: Tensor) -> Tensor:
+        # q: [B, Hq, D], one query per sequence -> [B, Hq, D]
+        md = self.md
+        if md.decode_seq_slots is not None:
+            outs = []
+            for b, slots in enumerate(md.decode_seq_slots):
+                keys, values = self.storage.gather(layer, slots)  # [S, Hkv, D]
+                outs.append(F.scaled_dot_product_attention(
+                    q[b].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1), enable_gqa=True))
+            return torch.cat(outs, dim=1).transpose(0, 1)
+        keys, values = self.storage.gather(layer, md.decode_slots)  # [B, S, Hkv, D]
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=md.decode_mask, enable_gqa=True)  # [B, Hq, 1, D]
+        return o.squeeze(2)

@@ -1,0 +1,163 @@
+"""Scheduler output -> flat tensors -> one forward pass -> logits at each sequence's end -> tokens.
+
+The runner holds no scheduling state. Per step it receives the scheduled chunks (token ids,
+start position, block table), lays them out as one flat batch (decodes first, then prefill
+chunks), builds the attention metadata once, runs ``Transformer.forward`` through a
+``PagedAttentionBackend``, projects only the last position of each sequence that samples,
+and samples. A failure while sampling one sequence is reported for that sequence alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+
+from edge_rtgi.llm.kv.attention import ChunkAttention, PagedAttentionBackend, PagedAttentionMetadata
+from edge_rtgi.llm.kv.storage import PagedKVStorage
+from edge_rtgi.llm.model import Transformer, causal_window_mask
+from edge_rtgi.llm.sampling import SamplingParams, sample_token
+from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DECODE_MODES = ("padded", "per_seq")
+
+
+class ModelRunner:
+    """Executes scheduler steps on a model and a paged KV storage."""
+
+    def __init__(self, model: Transformer, storage: PagedKVStorage, decode_mode: str = "padded"):
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
+        self.model = model
+        self.storage = storage
+        self.block_size = storage.block_size
+        self.device = model.device
+        self.window = model.config.sliding_window
+        self.decode_mode = decode_mode
+        self._offsets = torch.arange(self.block_size, device=self.device)
+        self._generators: dict[str, torch.Generator | None] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's sampling state."""
+        self._generators.pop(request_id, None)
+
+    # --- layout ----------------------------------------------------------------------------
+
+    def _key_slots(self, sr: ScheduledRequest) -> tuple[Tensor, Tensor]:
+        """Slots and positions of every key this chunk can see: [S] each, positions ascending."""
+        ctx_len = sr.start_position + len(sr.token_ids)
+        num_blocks = -(-ctx_len // self.block_size)
+        ids = sr.block_ids[:num_blocks]
+        table = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if -1 not in ids:
+            slots = (table[:, None] * self.block_size + self._offsets).flatten()[:ctx_len]
+            return slots, torch.arange(ctx_len, device=self.device)
+        live = (table >= 0).nonzero().squeeze(1)  # blocks released outside a sliding window
+        positions = (live[:, None] * self.block_size + self._offsets).flatten()
+        slots = (table[live][:, None] * self.block_size + self._offsets).flatten()
+        keep = positions < ctx_len
+        return slots[keep], positions[keep]
+
+    def _metadata(self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
+                  ) -> PagedAttentionMetadata:
+        new_slots: list[Tensor] = []
+        decode_slots = []
+        for sr in decodes:
+            slots, positions = self._key_slots(sr)
+            new_slots.append(slots[-1:])
+            if self.window is not None:
+                slots = slots[positions > sr.start_position - self.window]
+            decode_slots.append(slots)
+        chunk_md = []
+        q_start = len(decodes)
+        for sr in chunks:
+            slots, positions = self._key_slots(sr)
+            n = len(sr.token_ids)
+            new_slots.append(slots[-n:])
+            plain_causal = self.window is None and sr.start_position == 0 and len(slots) == n
+            mask = None
+            if not plain_causal:
+                q_pos = torch.arange(sr.start_position, sr.start_position + n, device=self.device)
+                mask = causal_window_mask(q_pos, positions, self.window)
+            chunk_md.append(ChunkAttention(q_start, n, slots, mask, plain_causal))
+            q_start += n
+        padded, mask = None, None
+        if decodes and self.decode_mode == "padded":
+            padded, mask = self._pad(decode_slots)
+        return PagedAttentionMetadata(
+            slot_mapping=torch.cat(new_slots),
+            num_decodes=len(decodes),
+            decode_slots=padded,
+            decode_mask=mask,
+            decode_seq_slots=decode_slots if decodes and self.decode_mode == "per_seq" else None,
+            chunks=chunk_md,
+        )
+
+    def _pad(self, seq_slots: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        lengths = [len(s) for s in seq_slots]
+        longest = max(lengths)
+        if min(lengths) == longest:
+            return torch.stack(seq_slots), None
+        padded = torch.zeros(len(seq_slots), longest, dtype=torch.long, device=self.device)
+        for b, s in enumerate(seq_slots):
+            padded[b, :len(s)] = s
+        lens = torch.tensor(lengths, device=self.device)
+        mask = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
+        return padded, mask[:, None, None, :]
+
+    # --- the step --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput, params: Mapping[str, SamplingParams]) -> ModelRunnerOutput:
+        """Run one step; ``params`` maps each scheduled request id to its sampling params."""
+        decodes = [s for s in output.scheduled if len(s.token_ids) == 1]
+        chunks = [s for s in output.scheduled if len(s.token_ids) > 1]
+        ordered = decodes + chunks
+        token_ids = [t for s in ordered for t in s.token_ids]
+        positions = [p for s in ordered for p in range(s.start_position, s.start_position + len(s.token_ids))]
+        md = self._metadata(decodes, chunks)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, PagedAttentionBackend(self.storage, md))  # [T, H]
+
+        sampling, last_index, end = [], [], 0
+        for s in ordered:
+            end += len(s.token_ids)
+            if s.sample:
+                sampling.append(s.request_id)
+                last_index.append(end - 1)
+        if not sampling:
+            return ModelRunnerOutput({})
+        index = torch.tensor(last_index, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))  # [N, V] fp32
+        return self._sample(sampling, logits, params)
+
+    def _sample(self, request_ids: list[str], logits: Tensor, params: Mapping[str, SamplingParams]
+                ) -> ModelRunnerOutput:
+        tokens: dict[str, int] = {}
+        errors: dict[str, str] = {}
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        greedy_rows = [i for i, rid in enumerate(request_ids) if params[rid].greedy and finite[i]]
+        if greedy_rows:
+            picked = logits[greedy_rows].argmax(dim=-1).tolist()
+            for i, tok in zip(greedy_rows, picked, strict=True):
+                tokens[request_ids[i]] = tok
+        for i, rid in enumerate(request_ids):
+            if not finite[i]:
+                errors[rid] = "the model produced NaN or inf logits for this request"
+                continue
+            p = params[rid]
+            if p.greedy:
+                continue
+            if rid not in self._generators:
+                self._generators[rid] = p.make_generator(logits.device)
+            try:
+                tokens[rid] = sample_token(logits[i], p, self._generators[rid])
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+                log.warning("sampling failed for request %s: %s", rid, exc)
+                errors[rid] = f"sampling failed: {exc}"
+        return ModelRunnerOutput(tokens, errors)
