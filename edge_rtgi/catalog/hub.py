@@ -26,7 +26,8 @@ from edge_rtgi.catalog.cache import check_pin, sha256_file
 from edge_rtgi.catalog.schema import SourceSpec
 from edge_rtgi.errors import DownloadError
 
-HUB_TIMEOUT_S = 3.0
+HUB_TIMEOUT_S = 3.0  # TCP connect probe: no DNS, no route or a dropped SYN shows up within this
+HUB_API_TIMEOUT_S = 10.0  # each metadata request; a hub that accepts but never answers ends here
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
@@ -74,7 +75,7 @@ class _SilentTqdm(tqdm):
         super().__init__(*args, **kwargs)
 
 
-def _remote_metadata(source: SourceSpec, endpoint: str, timeout_s: float) -> tuple[str, dict]:
+def _remote_metadata(source: SourceSpec, endpoint: str) -> tuple[str, dict]:
     """Resolve the revision to a commit and fetch the hub's record of each file."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -82,7 +83,7 @@ def _remote_metadata(source: SourceSpec, endpoint: str, timeout_s: float) -> tup
     api = HfApi(endpoint=endpoint)
     repo = source.repo
     try:
-        commit = api.model_info(repo, revision=source.revision, timeout=max(timeout_s, 10.0)).sha
+        commit = api.model_info(repo, revision=source.revision, timeout=HUB_API_TIMEOUT_S).sha
         members = [f.member or f.name for f in source.files]
         infos = {p.path: p for p in api.get_paths_info(repo, members, revision=commit)}
     except GatedRepoError:
@@ -106,7 +107,7 @@ def fetch_hub(source: SourceSpec, folder: Path, scratch: Path, progress: bool,
     probe_hub(endpoint, timeout_s)
     from huggingface_hub import hf_hub_download
 
-    commit, infos = _remote_metadata(source, endpoint, timeout_s)
+    commit, infos = _remote_metadata(source, endpoint)
     hashes: dict[str, str] = {}
     with tempfile.TemporaryDirectory(dir=scratch, prefix=".hub-") as tmp:
         for f in source.files:
@@ -117,7 +118,7 @@ def fetch_hub(source: SourceSpec, folder: Path, scratch: Path, progress: bool,
             try:
                 local = Path(hf_hub_download(
                     source.repo, member, revision=commit, local_dir=tmp, endpoint=endpoint,
-                    etag_timeout=max(timeout_s, 10.0), tqdm_class=None if progress else _SilentTqdm,
+                    etag_timeout=HUB_API_TIMEOUT_S, tqdm_class=None if progress else _SilentTqdm,
                 ))
             except Exception as exc:
                 raise DownloadError(f"downloading {source.repo}/{member} failed: {exc}") from None
