@@ -1,0 +1,350 @@
+"""Load a model from an HF folder (safetensors), a GGUF file, or a catalogue name.
+
+Both formats are first mapped onto HF's tensor names and shapes (GGUF tensors are
+dequantised to fp32 and llama.cpp's Q/K row permutation is undone), then assembled into
+our fused layout: q/k/v weights and biases concatenated into ``qkv_proj``, gate and up into
+``gate_up_proj``. Every tensor's shape is checked against the config before it is used, so
+a wrong or damaged file fails with a message naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from edge_rtgi.device import resolve_device, resolve_dtype
+from edge_rtgi.errors import ModelFileError, ModelNotFoundError
+from edge_rtgi.llm.model import ModelConfig, RotaryEmbedding, Transformer
+from edge_rtgi.llm.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
+
+log = logging.getLogger(__name__)
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# HF tensors some checkpoints carry that our model recomputes instead.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: weights on their device, its tokenizer, and where it came from."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: Path
+
+
+def load_model(source: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load an HF folder, a ``.gguf`` file, or a catalogue model name.
+
+    ``device``/``dtype`` are config values ("auto", "cpu", "cuda", "fp32", "bf16", ...)
+    resolved by ``edge_rtgi.device``. Raises ModelFileError for a missing, corrupt or
+    unsupported file and ModelNotFoundError for an unknown name.
+    """
+    path = resolve_source(source)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if path.is_dir():
+        cfg, fetch, tokenizer, rope_factors = _open_hf_folder(path)
+    else:
+        cfg, fetch, tokenizer, rope_factors = _open_gguf(path)
+    state = assemble_state_dict(cfg, fetch, path)
+    model = _build_model(cfg, state, torch_device, torch_dtype, rope_factors)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path)
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A path that exists, or the path the catalogue resolves a model name to."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return _pick_file_in_folder(path)
+    text = str(source)
+    if os.sep in text or text.endswith((".gguf", ".safetensors", ".json")):
+        raise ModelFileError(f"model path {text} does not exist", hint="check the path, or pass a catalogue name")
+    try:
+        from edge_rtgi.catalog import resolve_model
+    except ImportError:
+        raise ModelNotFoundError(f"unknown model {text!r}: not a path, and the model catalogue is unavailable",
+                                 hint="pass the path of an HF folder or a .gguf file") from None
+    return _pick_file_in_folder(Path(resolve_model(text, role="llm")))
+
+
+def _pick_file_in_folder(path: Path) -> Path:
+    # A catalogue entry or a user may point at a folder that holds just one GGUF file.
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelFileError(f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files" if ggufs else ""),
+                             hint="point at an HF model folder or at one .gguf file")
+    return path
+
+
+# --- HF safetensors folders --------------------------------------------------------------------
+
+
+def _open_hf_folder(folder: Path):
+    from safetensors import safe_open
+
+    config_path = folder / "config.json"
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+        cfg = ModelConfig.from_hf(hf_config)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ModelFileError(f"cannot read model config {config_path}: {exc!r}") from None
+    except ValueError as exc:
+        raise ModelFileError(f"{config_path}: {exc}") from None
+
+    files = _safetensors_files(folder)
+    where: dict[str, Any] = {}  # tensor name -> open safetensors handle
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+            for name in handle.keys():
+                where[name] = (handle, file)
+        except Exception as exc:  # safetensors raises SafetensorError (not exported stably)
+            raise ModelFileError(f"{file} is truncated or corrupt: {exc}", hint="re-download the model") from None
+
+    def fetch(name: str) -> tuple[Tensor, Path] | None:
+        if name not in where:
+            return None
+        handle, file = where[name]
+        try:
+            return handle.get_tensor(name), file
+        except Exception as exc:
+            raise ModelFileError(f"{file}: cannot read tensor {name}: {exc}", hint="re-download the model") from None
+
+    eos = list(cfg.eos_token_ids)
+    gen_config = folder / "generation_config.json"
+    if gen_config.is_file():  # instruct models often list extra end-of-turn ids only here
+        try:
+            gen_eos = json.loads(gen_config.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelFileError(f"cannot read {gen_config}: {exc}") from None
+        eos += gen_eos if isinstance(gen_eos, list) else ([gen_eos] if gen_eos is not None else [])
+    tokenizer = load_hf_tokenizer(folder, eos_token_ids=tuple(dict.fromkeys(eos)))
+    return cfg, fetch, tokenizer, None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as exc:
+            raise ModelFileError(f"cannot read shard index {index}: {exc!r}") from None
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not file.is_file():
+                raise ModelFileError(f"shard {file} listed in {index.name} is missing", hint="re-download the model")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFileError(f"{folder} has no *.safetensors weights",
+                             hint="convert .bin/.pt checkpoints to safetensors, or use a GGUF file")
+    return files
+
+
+# --- GGUF files --------------------------------------------------------------------------------
+
+
+def _read_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelFileError(f"cannot open {path}: {exc}") from None
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path} is neither a GGUF file nor an HF model folder (magic {magic!r})",
+                             hint="pass a .gguf file or a folder with config.json and *.safetensors")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the reader fails with ValueError/IndexError/struct errors on damaged files
+        raise ModelFileError(f"{path} is truncated or corrupt: {exc}", hint="re-download the model") from None
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        try:
+            meta[key] = fld.contents()
+        except Exception as exc:
+            raise ModelFileError(f"{path}: metadata field {key} is corrupt: {exc}") from None
+    return reader, meta
+
+
+def gguf_config(meta: Mapping[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
+    """ModelConfig from GGUF metadata (llama, mistral, qwen2 architectures)."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelFileError(f"{path}: unsupported architecture {arch!r}",
+                             hint=f"supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    try:
+        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+        hf: dict[str, Any] = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "vocab_size": int(get("vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+            "hidden_size": hidden,
+            "intermediate_size": int(get("feed_forward_length")),
+            "num_hidden_layers": int(get("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(get("attention.head_count_kv") or heads),
+            "head_dim": int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
+            "max_position_embeddings": int(get("context_length", 4096)),
+            "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(get("rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "output.weight" not in tensor_names,
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        }
+    except (TypeError, KeyError) as exc:
+        raise ModelFileError(f"{path}: required metadata is missing or malformed ({exc!r})") from None
+    window = get("attention.sliding_window")
+    hf["use_sliding_window"] = bool(window)
+    hf["sliding_window"] = int(window) if window else None
+    scaling, factor = get("rope.scaling.type"), get("rope.scaling.factor")
+    if scaling in ("linear", "yarn") and factor:
+        hf["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
+        if get("rope.scaling.original_context_length"):
+            hf["rope_scaling"]["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    return ModelConfig.from_hf(hf)
+
+
+# GGUF block tensor -> HF tensor name (per layer).
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def _unpermute_rows(w: Tensor, num_heads: int) -> Tensor:
+    # llama.cpp's converter reorders Q/K rows of each head from HF's "rotate half" layout
+    # (first half, second half) to interleaved pairs; this puts them back.
+    shape = w.shape
+    return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def _open_gguf(path: Path):
+    from gguf.quants import dequantize
+
+    reader, meta = _read_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = gguf_config(meta, set(tensors), path)
+    tokenizer = load_gguf_tokenizer(meta, path)
+    by_hf_name = {hf: t for name, t in tensors.items() if (hf := _gguf_to_hf_name(name)) is not None}
+    unpermute = cfg.arch in ("llama", "mistral")
+
+    def fetch(name: str) -> tuple[Tensor, Path] | None:
+        tensor = by_hf_name.get(name)
+        if tensor is None:
+            return None
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            weights = torch.from_numpy(array.copy()).float().reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        except (NotImplementedError, ValueError) as exc:
+            raise ModelFileError(f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {exc}") from None
+        if unpermute and ".self_attn.q_proj." in name:
+            weights = _unpermute_rows(weights, cfg.num_heads)
+        elif unpermute and ".self_attn.k_proj." in name:
+            weights = _unpermute_rows(weights, cfg.num_kv_heads)
+        return weights, path
+
+    rope_factors = None
+    if "rope_freqs.weight" in tensors:  # llama 3.x stores its rope scaling as per-frequency divisors
+        rope_factors = torch.from_numpy(dequantize(tensors["rope_freqs.weight"].data,
+                                                   tensors["rope_freqs.weight"].tensor_type).copy()).float().flatten()
+    return cfg, fetch, tokenizer, rope_factors
+
+
+# --- Assembling our fused layout ---------------------------------------------------------------
+
+
+def _slots(cfg: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Our parameter name -> the HF tensors (name, expected shape) concatenated along dim 0 to make it."""
+    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    slots: dict[str, list[tuple[str, tuple[int, ...]]]] = {
+        "embed_tokens.weight": [("model.embed_tokens.weight", (cfg.vocab_size, h))],
+        "norm.weight": [("model.norm.weight", (h,))],
+    }
+    if not cfg.tie_word_embeddings:
+        slots["lm_head.weight"] = [("lm_head.weight", (cfg.vocab_size, h))]
+    for i in range(cfg.num_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        slots[ours + "self_attn.qkv_proj.weight"] = [
+            (attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h))]
+        if cfg.attention_bias:
+            slots[ours + "self_attn.qkv_proj.bias"] = [
+                (attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,))]
+        slots[ours + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", (h, q))]
+        slots[ours + "mlp.gate_up_proj.weight"] = [
+            (hf + "mlp.gate_proj.weight", (inter, h)), (hf + "mlp.up_proj.weight", (inter, h))]
+        slots[ours + "mlp.down_proj.weight"] = [(hf + "mlp.down_proj.weight", (h, inter))]
+        slots[ours + "input_layernorm.weight"] = [(hf + "input_layernorm.weight", (h,))]
+        slots[ours + "post_attention_layernorm.weight"] = [(hf + "post_attention_layernorm.weight", (h,))]
+    return slots
+
+
+def assemble_state_dict(cfg: ModelConfig, fetch: Callable[[str], tuple[Tensor, Path] | None],
+                        source: Path) -> dict[str, Tensor]:
+    """Our state dict (fused layout), from a name -> (tensor, file) lookup over HF tensor names."""
+    state: dict[str, Tensor] = {}
+    for ours, parts in _slots(cfg).items():
+        pieces = []
+        for hf_name, shape in parts:
+            found = fetch(hf_name)
+            if found is None:
+                raise ModelFileError(f"{source}: tensor {hf_name} is missing",
+                                     hint="the file does not match its config; re-download or re-convert it")
+            tensor, file = found
+            if tuple(tensor.shape) != shape:
+                raise ModelFileError(f"{file}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                                     f"the config implies {shape}", hint="the weights do not match config.json")
+            pieces.append(tensor)
+        state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+    return state
+
+
+def _build_model(cfg: ModelConfig, state: dict[str, Tensor], device: torch.device, dtype: torch.dtype,
+                 rope_factors: Tensor | None) -> Transformer:
+    # Build on the meta device so no memory or time goes into random init that is overwritten anyway.
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(cfg).to(device)
+    if rope_factors is not None:
+        if rope_factors.numel() != model.rotary.inv_freq.numel():
+            raise ModelFileError(f"rope_freqs has {rope_factors.numel()} entries, expected {model.rotary.inv_freq.numel()}")
+        model.rotary.inv_freq = model.rotary.inv_freq / rope_factors.to(device)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:  # a bug in _slots, not a user error
+        raise RuntimeError(f"parameters left uninitialised: {missing[:5]}")
+    return model.eval().requires_grad_(False)
