@@ -1,0 +1,402 @@
+"""The OpenAI Realtime protocol as a thin adapter over the protocol-neutral session core.
+
+``RealtimeAdapter`` does two translations and nothing else:
+
+- client events -> calls on ``edge_rtgi.pipeline.session.Session`` (``push_audio``,
+  ``commit_audio``, ``create_response``...), after validating them;
+- the session's typed events (``edge_rtgi.frames``) -> Realtime server events.
+
+VAD, ASR, the LLM or translator, TTS and barge-in all live in the session core. The adapter
+keeps only what the wire protocol needs on top: item ids and their order, the per-response
+event framing, the session object echoed back, and one ordering rule the core does not
+know: a ``response.create`` sent right after ``input_audio_buffer.commit`` waits for that
+turn's final transcript, so the reply answers the turn just committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from edge_rtgi import frames as F
+from edge_rtgi.errors import EdgeRtgiError
+from edge_rtgi.server.openai_realtime.codecs import bytes_to_pcm, decode_base64
+from edge_rtgi.server.openai_realtime.conversation import Conversation, Item, parse_message_item
+from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
+from edge_rtgi.server.openai_realtime.events import (
+    ClientEvent,
+    IdMaker,
+    error_event,
+    optional,
+    parse_client_event,
+    require,
+)
+from edge_rtgi.server.openai_realtime.response import ResponseStream, usage_from_pipeline
+from edge_rtgi.server.openai_realtime.session_config import RealtimeSessionConfig, apply_session_update
+
+log = logging.getLogger(__name__)
+
+MIN_COMMIT_MS = 100  # the protocol's minimum for input_audio_buffer.commit
+_RESPONSE_IGNORED = {"conversation", "metadata", "tools", "tool_choice", "prompt", "reasoning",
+                     "parallel_tool_calls", "audio", "instructions", "output_modalities", "max_output_tokens"}
+
+
+def core_settings(config: RealtimeSessionConfig) -> dict:
+    """``SessionSettings`` fields of the session core for a Realtime session config."""
+    vad = config.turn_detection
+    settings = {
+        "input_sample_rate_hz": config.input_format.sample_rate_hz,
+        "output_sample_rate_hz": config.output_format.sample_rate_hz,
+        "turn_detection": vad is not None,
+        "auto_response": bool(vad and vad.create_response),
+        "barge_in": bool(vad and vad.interrupt_response),
+        "audio_output": "audio" in config.output_modalities,
+        "partials": config.transcription is not None,
+        "system_prompt": config.instructions,
+        "max_reply_tokens": config.max_output_tokens,
+    }
+    if vad is not None:
+        settings.update(vad_threshold=vad.threshold, vad_min_silence_ms=vad.silence_duration_ms,
+                        vad_prefix_padding_ms=vad.prefix_padding_ms)
+    if config.pipeline is not None:
+        settings["pipeline"] = config.pipeline
+    return settings
+
+
+def _frame_error(event: F.ErrorEvent) -> dict:
+    message = f"{event.message} ({event.hint})" if event.hint else event.message
+    kind = "server_error" if event.code in ("internal_error", "stage_failed") else "invalid_request_error"
+    return {"type": kind, "code": event.code, "message": message, "param": None, "event_id": None}
+
+
+class RealtimeAdapter:
+    """One Realtime connection over one core ``Session``.
+
+    ``send`` writes one server event (a dict) to the client. Feed client messages to
+    ``handle_message`` and run ``pump_events`` concurrently until the session closes.
+    """
+
+    def __init__(self, session: Any, send: Callable[[dict], Awaitable[None]], *, model: str,
+                 config: RealtimeSessionConfig | None = None):
+        self.session = session
+        self._send = send
+        self.model = model
+        self.config = config or RealtimeSessionConfig()
+        self.ids = IdMaker()
+        self.conversation = Conversation()
+        self.conversation_id = self.ids("conv")
+        self.responses: dict[str, ResponseStream] = {}
+        self._turn_items: dict[int, str] = {}  # core turn id -> user item id
+        self._speech_item: tuple[int, str] | None = None  # server VAD: the turn being spoken
+        self._awaiting_transcript: deque[str] = deque()  # committed items without a final transcript
+        self._typed_echoes: deque[str] = deque()  # texts of conversation.item.create still to come back
+        self._transcribed: dict[str, str] = {}  # item id -> transcript text sent as deltas
+        self._deferred_create: ClientEvent | None = None
+        self._buffered_ms = 0.0
+        self._item_audio_s: dict[str, float] = {}  # user item id -> seconds of audio committed
+        self._interrupt_reasons: dict[str, str] = {}
+
+    # ================================================================== output helpers
+
+    async def emit(self, event_type: str, **fields) -> None:
+        await self._send({"type": event_type, "event_id": self.ids("event"), **fields})
+
+    async def _emit_all(self, events: list[dict]) -> None:
+        for event in events:
+            await self._send(event)
+
+    async def send_error(self, error: RealtimeProtocolError, client_event_id: str | None) -> None:
+        await self._send(error_event(error, client_event_id, self.ids("event")))
+
+    def _session_wire(self) -> dict:
+        return self.config.to_wire(getattr(self.session, "session_id", "sess"), self.model)
+
+    # ================================================================== client -> core
+
+    async def handle_message(self, message: str | bytes) -> None:
+        """Validate and apply one client message; any problem becomes one ``error`` event."""
+        event_id = None
+        try:
+            event = parse_client_event(message)
+            event_id = event.event_id
+            handler = getattr(self, "_on_" + event.type.replace(".", "_"))
+            await handler(event)
+        except RealtimeProtocolError as exc:
+            await self.send_error(exc, event_id or exc.client_event_id)
+        except EdgeRtgiError as exc:
+            await self.send_error(RealtimeProtocolError("invalid_request", str(exc)), event_id)
+
+    async def _on_session_update(self, event: ClientEvent) -> None:
+        new = apply_session_update(self.config, require(event.data, "session", dict))
+        try:
+            await self.session.update(core_settings(new))
+        except EdgeRtgiError as exc:
+            param = "session.edge_rtgi.pipeline" if "pipeline" in str(exc) else "session"
+            raise RealtimeProtocolError("invalid_value", str(exc), param) from None
+        self.config = new  # session.updated is sent when the core confirms (SessionUpdated)
+
+    async def _on_input_audio_buffer_append(self, event: ClientEvent) -> None:
+        fmt = self.config.input_format
+        data = decode_base64(require(event.data, "audio", str), "audio")
+        pcm = bytes_to_pcm(data, fmt, "audio")
+        if len(pcm):
+            await self.session.push_audio(pcm, fmt.sample_rate_hz)
+            self._buffered_ms += 1000.0 * len(pcm) / fmt.sample_rate_hz
+
+    async def _on_input_audio_buffer_commit(self, event: ClientEvent) -> None:
+        if self._buffered_ms < MIN_COMMIT_MS:
+            raise RealtimeProtocolError(
+                "input_audio_buffer_commit_empty",
+                f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, but the buffer holds "
+                f"{self._buffered_ms:.0f} ms", None)
+        if self._speech_item is not None:  # a server-VAD turn in progress: commit that one
+            item_id = self._speech_item[1]
+            self._speech_item = None
+        else:
+            item_id = self.ids("item")
+        await self._commit_item(item_id)
+        await self.session.commit_audio()
+
+    async def _commit_item(self, item_id: str) -> None:
+        """``committed`` + ``conversation.item.added`` for a user audio item (transcript to come)."""
+        self._item_audio_s[item_id] = self._buffered_ms / 1000.0
+        self._buffered_ms = 0.0
+        item = Item(id=item_id, role="user", content=[{"type": "input_audio", "transcript": None}],
+                    status="in_progress")
+        previous = self.conversation.add(item)
+        self._awaiting_transcript.append(item_id)
+        await self.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
+        await self.emit("conversation.item.added", previous_item_id=previous, item=item.to_wire())
+
+    async def _on_input_audio_buffer_clear(self, event: ClientEvent) -> None:
+        await self.session.clear_audio()
+        self._buffered_ms = 0.0
+        self._speech_item = None
+        await self.emit("input_audio_buffer.cleared")
+
+    async def _on_conversation_item_create(self, event: ClientEvent) -> None:
+        item = parse_message_item(require(event.data, "item", dict), self.ids("item"))
+        previous_id = optional(event.data, "previous_item_id", str)
+        text = item.text().strip()
+        if not text:
+            raise RealtimeProtocolError("invalid_value", "the item has no text", "item.content")
+        previous = self.conversation.add(item, previous_id)
+        if item.role == "user":
+            self._typed_echoes.append(text)
+            await self.session.add_user_text(text, respond=False)
+        else:  # assistant / system context goes straight into the pipeline's history
+            self.session.conversation.append((item.role, text))
+        await self.emit("conversation.item.added", previous_item_id=previous, item=item.to_wire())
+        await self.emit("conversation.item.done", previous_item_id=previous, item=item.to_wire())
+
+    async def _on_conversation_item_truncate(self, event: ClientEvent) -> None:
+        item_id = require(event.data, "item_id", str)
+        old_text = self.conversation.get(item_id).text()
+        item = self.conversation.truncate(item_id, event.data.get("content_index"), event.data.get("audio_end_ms"))
+        self._replace_history("assistant", old_text, item.text())
+        await self.emit("conversation.item.truncated", item_id=item_id,
+                        content_index=event.data["content_index"], audio_end_ms=event.data["audio_end_ms"])
+
+    async def _on_conversation_item_delete(self, event: ClientEvent) -> None:
+        item_id = require(event.data, "item_id", str)
+        item = self.conversation.get(item_id)
+        self.conversation.delete(item_id)
+        self._replace_history(item.role, item.text(), None)
+        await self.emit("conversation.item.deleted", item_id=item_id)
+
+    async def _on_conversation_item_retrieve(self, event: ClientEvent) -> None:
+        item_id = require(event.data, "item_id", str)
+        await self.emit("conversation.item.retrieved", item=self.conversation.snapshot(item_id))
+
+    def _replace_history(self, role: str, old_text: str, new_text: str | None) -> None:
+        """Keep the pipeline's (role, text) history in line with an edited or deleted item."""
+        history = self.session.conversation
+        for i in range(len(history) - 1, -1, -1):
+            if history[i] == (role, old_text):
+                if new_text:
+                    history[i] = (role, new_text)
+                else:
+                    del history[i]
+                return
+
+    async def _on_response_create(self, event: ClientEvent) -> None:
+        params = optional(event.data, "response", dict, default={})
+        unknown = sorted(set(params) - _RESPONSE_IGNORED - {"input"})
+        if unknown:
+            raise RealtimeProtocolError("unknown_parameter", f"unknown parameter 'response.{unknown[0]}'",
+                                        f"response.{unknown[0]}")
+        if params.get("input"):
+            raise RealtimeProtocolError("invalid_value", "response.input (out-of-band context) is not supported "
+                                        "by edge-rtgi; add items with conversation.item.create", "response.input")
+        if self._active_response() is not None or self._deferred_create is not None:
+            raise RealtimeProtocolError(
+                "conversation_already_has_active_response",
+                "a response is already in progress; wait for response.done or send response.cancel", None)
+        if self._awaiting_transcript:
+            self._deferred_create = event  # answered when the committed turn's transcript is final
+            return
+        await self.session.create_response()
+
+    async def _on_response_cancel(self, event: ClientEvent) -> None:
+        response_id = optional(event.data, "response_id", str)
+        if self._deferred_create is not None and response_id is None:
+            self._deferred_create = None
+            return
+        active = self._active_response()
+        if active is None or (response_id is not None and response_id != active.id):
+            raise RealtimeProtocolError("response_cancel_not_active",
+                                        f"no active response{' ' + repr(response_id) if response_id else ''} "
+                                        "to cancel", "response_id" if response_id else None)
+        await self.session.cancel_response(active.id, reason="client_cancel")
+
+    async def _on_output_audio_buffer_clear(self, event: ClientEvent) -> None:
+        active = self._active_response()
+        if active is not None:
+            await self.session.cancel_response(active.id, reason="client_cancel")
+            await self.emit("output_audio_buffer.cleared", response_id=active.id)
+
+    def _active_response(self) -> ResponseStream | None:
+        return next((r for r in self.responses.values() if r.status == "in_progress"), None)
+
+    # ================================================================== core -> client
+
+    async def pump_events(self) -> None:
+        """Translate the session's events until it closes."""
+        async for frame in self.session.events():
+            try:
+                await self.on_frame(frame)
+            except RealtimeProtocolError as exc:  # e.g. a deferred response.create that failed
+                await self.send_error(exc, None)
+
+    async def on_frame(self, frame: Any) -> None:  # noqa: C901 - one branch per frame type
+        """Write one core event as Realtime server events."""
+        if isinstance(frame, F.SessionStarted):
+            await self.emit("session.created", session=self._session_wire())
+        elif isinstance(frame, F.SessionUpdated):
+            await self.emit("session.updated", session=self._session_wire())
+        elif isinstance(frame, F.SpeechStarted):
+            item_id = self.ids("item")
+            self._speech_item = (frame.turn_id, item_id)
+            self._turn_items[frame.turn_id] = item_id
+            await self.emit("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=item_id)
+        elif isinstance(frame, F.SpeechStopped):
+            await self._on_speech_stopped(frame)
+        elif isinstance(frame, F.Transcript):
+            await self._on_transcript(frame)
+        elif isinstance(frame, F.ResponseStarted):
+            await self._on_response_started(frame)
+        elif isinstance(frame, F.TextDelta):
+            if (stream := self.responses.get(frame.response_id)) is not None:
+                await self._emit_all(stream.text_delta(frame.delta))
+        elif isinstance(frame, F.TextDone):
+            if (stream := self.responses.get(frame.response_id)) is not None and not stream.text:
+                await self._emit_all(stream.text_delta(frame.text))
+        elif isinstance(frame, F.AudioOut):
+            if (stream := self.responses.get(frame.response_id)) is not None:
+                await self._emit_all(stream.audio(frame.pcm, frame.sample_rate_hz))
+        elif isinstance(frame, F.ResponseInterrupted):
+            self._interrupt_reasons[frame.response_id] = frame.reason
+        elif isinstance(frame, F.ResponseDone):
+            await self._on_response_done(frame)
+        elif isinstance(frame, F.ErrorEvent):
+            await self._send({"type": "error", "event_id": self.ids("event"), "error": _frame_error(frame)})
+
+    async def _on_speech_stopped(self, frame: F.SpeechStopped) -> None:
+        item_id = self._turn_items.get(frame.turn_id) or self.ids("item")
+        self._turn_items[frame.turn_id] = item_id
+        await self.emit("input_audio_buffer.speech_stopped", audio_end_ms=frame.audio_ms, item_id=item_id)
+        if self._speech_item is not None and self._speech_item[1] == item_id:
+            self._speech_item = None
+            await self._commit_item(item_id)
+
+    def _item_for_transcript(self, frame: F.Transcript) -> str | None:
+        item_id = self._turn_items.get(frame.turn_id)
+        if item_id is not None and item_id in self._awaiting_transcript:
+            return item_id
+        if item_id is None and self._awaiting_transcript:
+            item_id = self._awaiting_transcript[0]  # a manual commit: bind the turn to it
+            self._turn_items[frame.turn_id] = item_id
+            return item_id
+        return None
+
+    async def _on_transcript(self, frame: F.Transcript) -> None:
+        if frame.final and self._typed_echoes and frame.text.strip() == self._typed_echoes[0]:
+            self._typed_echoes.popleft()  # our own conversation.item.create coming back
+            return
+        item_id = self._item_for_transcript(frame)
+        if item_id is None:
+            if not frame.final or not frame.text.strip():
+                return
+            item_id = self.ids("item")  # a turn ended without a speech_stopped we saw
+            await self._commit_item(item_id)
+        sent = self._transcribed.get(item_id, "")
+        text = frame.text.strip() if frame.final else frame.text
+        delta = text[len(sent):] if text.startswith(sent) else ""
+        if self.config.transcription is not None and delta.strip():
+            await self.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
+                            content_index=0, delta=delta)
+            self._transcribed[item_id] = sent + delta
+        if frame.final:
+            await self._complete_user_item(item_id, text)
+
+    async def _complete_user_item(self, item_id: str, text: str) -> None:
+        self._awaiting_transcript.remove(item_id)
+        self._transcribed.pop(item_id, None)
+        item = self.conversation.get(item_id)
+        item.content[0]["transcript"] = text
+        item.status = "completed"
+        if self.config.transcription is not None:
+            await self.emit("conversation.item.input_audio_transcription.completed", item_id=item_id,
+                            content_index=0, transcript=text,
+                            usage={"type": "duration",
+                                   "seconds": round(self._item_audio_s.pop(item_id, 0.0), 3)})
+        await self.emit("conversation.item.done", previous_item_id=None, item=item.to_wire())
+        if self._deferred_create is not None and not self._awaiting_transcript:
+            self._deferred_create = None
+            if not text.strip():
+                raise RealtimeProtocolError("input_audio_buffer_commit_empty",
+                                            "the committed audio holds no speech, so there is nothing to "
+                                            "respond to", None)
+            try:
+                await self.session.create_response()
+            except EdgeRtgiError as exc:
+                raise RealtimeProtocolError("invalid_request", str(exc)) from None
+
+    async def _on_response_started(self, frame: F.ResponseStarted) -> None:
+        item = Item(id=self.ids("item"), role="assistant", content=[])
+        stream = ResponseStream(
+            response_id=frame.response_id, item=item, new_event_id=self.ids,
+            modalities=self.config.output_modalities, output_format=self.config.output_format,
+            voice=self.config.voice, conversation_id=self.conversation_id,
+            max_output_tokens=self.config.max_output_tokens)
+        previous = self.conversation.add(item)
+        self.responses[frame.response_id] = stream
+        self._forget_old_responses()
+        await self._emit_all(stream.start(previous))
+
+    async def _on_response_done(self, frame: F.ResponseDone) -> None:
+        stream = self.responses.get(frame.response_id)
+        if stream is None or stream.status != "in_progress":
+            return
+        status, reason = {
+            "completed": ("completed", None),
+            "cancelled": ("cancelled", "client_cancelled"),
+            "interrupted": ("cancelled", "turn_detected"),
+            "failed": ("failed", None),
+        }[frame.status]
+        if frame.status == "interrupted" and self._interrupt_reasons.get(frame.response_id) == "session_closed":
+            reason = "client_cancelled"
+        usage = usage_from_pipeline(frame.usage, frame.stats.completion_tokens or 0)
+        events = stream.finish(status, reason=reason, usage=usage, text=frame.text)
+        done = events[-1]["response"]
+        done["edge_rtgi"] = {"stats": {k: v for k, v in dataclasses.asdict(frame.stats).items() if v is not None}}
+        await self._emit_all(events)
+
+    def _forget_old_responses(self, keep: int = 16) -> None:
+        for rid in list(self.responses)[:-keep]:
+            if self.responses[rid].status != "in_progress":
+                del self.responses[rid]
+                self._interrupt_reasons.pop(rid, None)
