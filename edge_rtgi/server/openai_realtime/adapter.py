@@ -80,8 +80,9 @@ class RealtimeAdapter:
     """
 
     def __init__(self, session: Any, send: Callable[[dict], Awaitable[None]], *, model: str,
-                 config: RealtimeSessionConfig | None = None):
+                 config: RealtimeSessionConfig | None = None, metrics: Any = None):
         self.session = session
+        self.metrics = metrics
         self._send = send
         self.model = model
         self.config = config or RealtimeSessionConfig()
@@ -112,7 +113,11 @@ class RealtimeAdapter:
         await self._send(error_event(error, client_event_id, self.ids("event")))
 
     def _session_wire(self) -> dict:
-        return self.config.to_wire(getattr(self.session, "session_id", "sess"), self.model)
+        config = self.config
+        pipeline = getattr(self.session, "pipeline", None)
+        if config.pipeline is None and hasattr(pipeline, "name"):
+            config = dataclasses.replace(config, pipeline=pipeline.name)  # show what is running
+        return config.to_wire(getattr(self.session, "session_id", "sess"), self.model)
 
     # ================================================================== client -> core
 
@@ -145,6 +150,8 @@ class RealtimeAdapter:
         if len(pcm):
             await self.session.push_audio(pcm, fmt.sample_rate_hz)
             self._buffered_ms += 1000.0 * len(pcm) / fmt.sample_rate_hz
+            if self.metrics is not None:
+                self.metrics.inc("edge_rtgi_audio_in_seconds_total", len(pcm) / fmt.sample_rate_hz)
 
     async def _on_input_audio_buffer_commit(self, event: ClientEvent) -> None:
         if self._buffered_ms < MIN_COMMIT_MS:
@@ -263,9 +270,11 @@ class RealtimeAdapter:
 
     # ================================================================== core -> client
 
-    async def pump_events(self) -> None:
-        """Translate the session's events until it closes."""
+    async def pump_events(self, observe: Callable[[Any], None] | None = None) -> None:
+        """Translate the session's events until it closes; ``observe`` sees each one first (metrics)."""
         async for frame in self.session.events():
+            if observe is not None:
+                observe(frame)
             try:
                 await self.on_frame(frame)
             except RealtimeProtocolError as exc:  # e.g. a deferred response.create that failed
@@ -277,6 +286,8 @@ class RealtimeAdapter:
             await self.emit("session.created", session=self._session_wire())
         elif isinstance(frame, F.SessionUpdated):
             await self.emit("session.updated", session=self._session_wire())
+        elif isinstance(frame, (F.SpeechStarted, F.SpeechStopped)) and self.config.turn_detection is None:
+            return  # manual turns: the client commits, VAD events are not part of the protocol
         elif isinstance(frame, F.SpeechStarted):
             item_id = self.ids("item")
             self._speech_item = (frame.turn_id, item_id)
