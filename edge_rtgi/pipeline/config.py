@@ -7,21 +7,22 @@ kind::
     name: voice-assistant
     input_sample_rate_hz: 16000
     stages:
-      - asr: {model: whisper-tiny.en, language: en}
+      - asr: {model: whisper-tiny.en, language: en, vad: {min_silence_ms: 300}}
       - assistant: {model: smollm2-135m-instruct, max_reply_tokens: 60}
       - tts: {voice: piper-en_US-joe-medium}
 
-Loading is strict: an unknown stage kind, an unknown key, a model the catalogue does not
+The ``asr`` stage takes ``edge_rtgi.asr.config.AsrConfig``'s keys. Loading is strict: an unknown stage kind, an unknown key, a model the catalogue does not
 know (and that is not a path), or a chain in the wrong order is a ``ConfigError`` that
 names the file, the line and the key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.config import from_dict, load_yaml, parse_yaml, where
 from edge_rtgi.errors import ConfigError
 
@@ -29,35 +30,6 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful voice assistant. Your replies are spoken aloud, so answer in one or two "
     "short, plain sentences without lists, markdown or emojis."
 )
-
-
-@dataclass(frozen=True)
-class VadConfig:
-    """Voice activity detection: when a user turn starts and ends."""
-
-    model: str = "silero-vad"
-    threshold: float = 0.5
-    min_silence_ms: int = 300  # silence that ends a turn; the main part of endpointing latency
-    min_speech_ms: int = 150
-    speech_pad_ms: int = 100
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.threshold < 1.0:
-            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
-        if self.min_silence_ms < 50:
-            raise ValueError(f"min_silence_ms must be >= 50, got {self.min_silence_ms}")
-
-
-@dataclass(frozen=True)
-class AsrStageConfig:
-    """Streaming speech recognition with VAD endpointing."""
-
-    model: str = "whisper-tiny.en"
-    language: str | None = "en"
-    partials: bool = True  # send partial transcripts while the user speaks
-    partial_interval_ms: int = 500
-    max_utterance_s: float = 20.0
-    vad: VadConfig = field(default_factory=VadConfig)
 
 
 @dataclass(frozen=True)
@@ -106,24 +78,20 @@ class TranslateStageConfig:
 class TtsStageConfig:
     """Clause segmentation and streaming speech synthesis.
 
-    ``voice`` is a catalogue name (a Piper voice) or ``espeak-ng:<language>``.
+    ``voice`` is a catalogue name (a Piper voice), a Piper ``.onnx`` path, or
+    ``espeak:<language>`` (the espeak-ng program, e.g. ``espeak:es``).
     """
 
     voice: str = "piper-en_US-joe-medium"
-    speed: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0.25 <= self.speed <= 4.0:
-            raise ValueError(f"speed must be in [0.25, 4], got {self.speed}")
 
 
 STAGE_KINDS: dict[str, type] = {
-    "asr": AsrStageConfig,
+    "asr": AsrConfig,
     "assistant": AssistantStageConfig,
     "translate": TranslateStageConfig,
     "tts": TtsStageConfig,
 }
-StageConfig = AsrStageConfig | AssistantStageConfig | TranslateStageConfig | TtsStageConfig
+StageConfig = AsrConfig | AssistantStageConfig | TranslateStageConfig | TtsStageConfig
 
 
 @dataclass(frozen=True)
@@ -162,7 +130,9 @@ def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig
         body = {}
     if not isinstance(body, dict):
         raise ConfigError(f"{where(item, kind)}: stage {kind!r} must be a mapping of settings")
-    return from_dict(STAGE_KINDS[kind], body, f"stage {kind!r}")
+    stage = from_dict(STAGE_KINDS[kind], body, f"stage {kind!r}")
+    _check_models(stage, body)
+    return stage
 
 
 def _check_order(stages: list[StageConfig], data: Any) -> None:
@@ -174,36 +144,39 @@ def _check_order(stages: list[StageConfig], data: Any) -> None:
                           hint="use asr, then optionally assistant or translate, then optionally tts")
 
 
-def _model_known(name: str, kind: str) -> str | None:
-    """None if ``name`` is a usable model of ``kind``; otherwise why not."""
+def _model_known(name: str, role: str) -> str | None:
+    """None if ``name`` is a path or a catalogue model of ``role``; otherwise why not."""
     if Path(name).expanduser().exists():
         return None
+    from edge_rtgi.catalog import get_entry
+    from edge_rtgi.errors import ModelNotFoundError
+
     try:
-        from edge_rtgi import catalog
-    except ImportError:  # catalogue not installed: cannot check names, accept them
-        return None
-    return catalog.check_model_name(name, kind) if hasattr(catalog, "check_model_name") else None
+        entry = get_entry(name)
+    except ModelNotFoundError as exc:
+        return exc.hint or "`edge-rtgi models list` shows the catalogue"
+    if entry.role != role:
+        return f"{name!r} is a {entry.role} model, not a {role} model"
+    return None
 
 
-def _check_models(stages: list[StageConfig], data: Any) -> None:
-    def check(name: str | None, kind: str, stage: str) -> None:
+def _check_models(stage: StageConfig, body: Any) -> None:
+    """Every model a stage names must be a path or a catalogue entry of the right role."""
+    def check(name: str | None, role: str, mapping: Any, key: str) -> None:
         if name is None:
             return
-        problem = _model_known(name, kind)
+        problem = _model_known(name, role)
         if problem:
-            raise ConfigError(f"{where(data, 'stages')}: stage {stage!r}: unknown {kind} model {name!r}",
+            raise ConfigError(f"{where(mapping, key)}: unknown {role} model {name!r} for key {key!r}",
                               hint=problem)
 
-    for s in stages:
-        if isinstance(s, AsrStageConfig):
-            check(s.model, "asr", "asr")
-            check(s.vad.model, "vad", "asr")
-        elif isinstance(s, AssistantStageConfig):
-            check(s.model, "llm", "assistant")
-        elif isinstance(s, TranslateStageConfig):
-            check(s.model, "llm", "translate")
-        elif isinstance(s, TtsStageConfig) and not s.voice.startswith("espeak-ng:"):
-            check(s.voice, "tts", "tts")
+    if isinstance(stage, AsrConfig):
+        check(stage.model, "asr", body, "model")
+        check(stage.vad.model, "vad", body.get("vad", body), "model" if "vad" in body else "vad")
+    elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
+        check(stage.model, "llm", body, "model")
+    elif isinstance(stage, TtsStageConfig) and not stage.voice.startswith("espeak"):
+        check(stage.voice, "tts", body, "voice")
 
 
 def pipeline_from_data(data: Any, source: str, default_name: str = "pipeline") -> PipelineConfig:
@@ -222,7 +195,6 @@ def pipeline_from_data(data: Any, source: str, default_name: str = "pipeline") -
         raise ConfigError(f"{where(data, 'stages')}: 'stages' must be a non-empty list")
     stages = [_parse_stage(item, source, i, data) for i, item in enumerate(raw_stages)]
     _check_order(stages, data)
-    _check_models(stages, data)
     rate = data.get("input_sample_rate_hz", 16000)
     if not isinstance(rate, int) or isinstance(rate, bool) or not 8000 <= rate <= 48000:
         raise ConfigError(f"{where(data, 'input_sample_rate_hz')}: input_sample_rate_hz must be an "

@@ -1,0 +1,36 @@
+"""PipelineConfig + shared Resources -> the stage objects of one session, in chain order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.pipeline.config import (
+    AssistantStageConfig,
+    PipelineConfig,
+    TranslateStageConfig,
+    TtsStageConfig,
+)
+from edge_rtgi.pipeline.stage import Stage
+
+
+async def build_stages(session: Any, pipeline: PipelineConfig, resources: Any) -> list[Stage]:
+    """Instantiate the stages; models come from ``resources`` (loaded once per daemon)."""
+    from edge_rtgi.pipeline.stages.asr import AsrStage
+    from edge_rtgi.pipeline.stages.text import AssistantStage, TranslateStage
+    from edge_rtgi.pipeline.stages.tts import TtsStage
+
+    await resources.prepare(pipeline)
+    queue = session.limits.stage_queue_frames
+    stages: list[Stage] = []
+    for cfg in pipeline.stages:
+        if isinstance(cfg, AsrConfig):
+            stages.append(AsrStage(session, cfg, resources.whisper(cfg), queue))
+        elif isinstance(cfg, AssistantStageConfig):
+            stages.append(AssistantStage(session, cfg, resources.llm(cfg.model), queue))
+        elif isinstance(cfg, TranslateStageConfig):
+            engine = resources.llm(cfg.model) if cfg.backend == "llm" else None
+            stages.append(TranslateStage(session, cfg, engine, queue))
+        elif isinstance(cfg, TtsStageConfig):
+            stages.append(TtsStage(session, cfg, resources.voice(cfg.voice), queue))
+    return stages

@@ -1,0 +1,111 @@
+"""Models shared by every session of a daemon: one LLM engine per model, one whisper per
+model, one voice per name. Loaded once (in worker threads), found through the catalogue.
+
+Sessions keep only cheap per-session state (a VAD, a streaming transcriber, a clause
+segmenter, a conversation); the heavy parts live here, so four sessions on one LLM share
+one engine and are batched together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.pipeline.config import (
+    AssistantStageConfig,
+    PipelineConfig,
+    TranslateStageConfig,
+    TtsStageConfig,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _whisper_key(cfg: AsrConfig) -> AsrConfig:
+    # Decoding options live on the shared WhisperAsr; the VAD is per session, so ignore it.
+    return dataclasses.replace(cfg, vad=type(cfg.vad)())
+
+
+class Resources:
+    """Lazily loaded, shared models. Thread-safe loading; ``prepare`` loads a pipeline's set."""
+
+    def __init__(self, engine_config: EngineConfig | None = None):
+        self.engine_config = engine_config or EngineConfig()
+        self._engines: dict[str, Any] = {}
+        self._whispers: dict[AsrConfig, Any] = {}
+        self._voices: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ loaders (blocking)
+
+    def llm(self, model: str) -> Any:
+        """The shared ``LLMEngine`` for ``model`` (a catalogue name or path)."""
+        with self._lock:
+            if model not in self._engines:
+                from edge_rtgi.llm.engine import LLMEngine
+
+                log.info("loading LLM %s", model)
+                self._engines[model] = LLMEngine.from_config(self.engine_config.with_(model=model))
+            return self._engines[model]
+
+    def whisper(self, cfg: AsrConfig) -> Any:
+        """The shared ``WhisperAsr`` for this model and decoding setup."""
+        key = _whisper_key(cfg)
+        with self._lock:
+            if key not in self._whispers:
+                from edge_rtgi.asr.whisper import WhisperAsr
+
+                log.info("loading whisper %s", cfg.model)
+                self._whispers[key] = WhisperAsr(key, num_workers=2)
+            return self._whispers[key]
+
+    def voice(self, name: str) -> Any:
+        """The shared TTS voice: a catalogue Piper voice or ``espeak:<language>``."""
+        with self._lock:
+            if name not in self._voices:
+                from edge_rtgi.tts import make_tts
+
+                log.info("loading voice %s", name)
+                self._voices[name] = make_tts(name)
+            return self._voices[name]
+
+    # ------------------------------------------------------------------ async helpers
+
+    async def prepare(self, pipeline: PipelineConfig) -> None:
+        """Load every model ``pipeline`` needs, off the event loop."""
+        for stage in pipeline.stages:
+            if isinstance(stage, AsrConfig):
+                await asyncio.to_thread(self.whisper, stage)
+            elif isinstance(stage, AssistantStageConfig) or (
+                    isinstance(stage, TranslateStageConfig) and stage.backend == "llm"):
+                await asyncio.to_thread(self.llm, stage.model)
+            elif isinstance(stage, TtsStageConfig):
+                await asyncio.to_thread(self.voice, stage.voice)
+
+    def engines(self) -> dict[str, Any]:
+        return dict(self._engines)
+
+    def collect_metrics(self, metrics: Any) -> None:
+        """Copy engine statistics into the daemon's /metrics registry."""
+        for name, engine in self.engines().items():
+            s = engine.stats()
+            metrics.set("edge_rtgi_engine_steps_total", s.num_steps, model=name)
+            metrics.set("edge_rtgi_engine_scheduled_requests_total", s.num_scheduled_requests, model=name)
+            metrics.set("edge_rtgi_engine_requests_per_step", round(s.requests_per_step, 4), model=name)
+            metrics.set("edge_rtgi_engine_running_requests", s.num_running, model=name)
+            metrics.set("edge_rtgi_engine_kv_blocks_used", s.kv_blocks_used, model=name)
+            metrics.set("edge_rtgi_engine_kv_blocks_total", s.kv_blocks_total, model=name)
+            peak = getattr(s, "max_requests_per_step", None)
+            if peak is not None:
+                metrics.set("edge_rtgi_engine_max_requests_per_step", peak, model=name)
+
+    def close(self) -> None:
+        """Stop the engines' threads."""
+        for engine in self._engines.values():
+            engine.shutdown()
+        self._engines.clear()

@@ -1,0 +1,110 @@
+"""Daemon configuration (``config/edge-rtgi.yaml``), loaded strictly.
+
+Safe by default: the daemon binds 127.0.0.1; binding anything else without a token is
+refused at start-up; browser connections (those that send an ``Origin`` header) are
+accepted only from ``allowed_origins``; messages and per-session queues are bounded.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge_rtgi.config import load_config
+from edge_rtgi.errors import ConfigError
+
+DEFAULT_ORIGINS = ("http://localhost", "http://127.0.0.1", "https://localhost", "https://127.0.0.1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Network and safety limits. ``allowed_origins`` entries match with or without a port."""
+
+    host: str = "127.0.0.1"
+    port: int = 8765
+    token: str | None = None
+    token_file: str | None = None
+    allowed_origins: tuple[str, ...] = DEFAULT_ORIGINS
+    max_message_bytes: int = 1 << 20
+    max_sessions: int = 16
+    stage_queue_frames: int = 64
+    outbox_events: int = 256
+    drain_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_message_bytes < 4096:
+            raise ValueError("max_message_bytes must be >= 4096")
+        if self.max_sessions < 1 or self.stage_queue_frames < 4 or self.outbox_events < 16:
+            raise ValueError("max_sessions >= 1, stage_queue_frames >= 4 and outbox_events >= 16 are required")
+        if self.token is not None and len(self.token) < 16:
+            raise ValueError("token must be at least 16 characters")
+
+    def resolved_token(self) -> str | None:
+        """The token from ``token``, ``token_file`` or ``$EDGE_RTGI_TOKEN``."""
+        if self.token:
+            return self.token
+        if self.token_file:
+            try:
+                token = Path(self.token_file).expanduser().read_text().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read token_file {self.token_file}: {exc.strerror}") from None
+            if len(token) < 16:
+                raise ConfigError(f"token in {self.token_file} is shorter than 16 characters")
+            return token
+        env = os.environ.get("EDGE_RTGI_TOKEN")
+        return env.strip() if env and env.strip() else None
+
+    def check_bind(self) -> str | None:
+        """Refuse a non-loopback bind without a token; returns the token to require, if any."""
+        token = self.resolved_token()
+        if not is_loopback(self.host) and not token:
+            raise ConfigError(
+                f"refusing to listen on {self.host}: a non-loopback address needs a token",
+                hint="set server.token_file (or $EDGE_RTGI_TOKEN), or bind 127.0.0.1")
+        return token
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and 'localhost'; False for wildcards and other addresses."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: may resolve anywhere
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Where the shared models run; passed to ``Resources``."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 8
+    kv_blocks: int | None = None  # None: the engine's default
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """The whole daemon: server, pipelines (files or folders), engine."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    pipelines: tuple[str, ...] = ()  # empty: the shipped pipelines/ folder
+    default_pipeline: str = "voice-assistant"
+    preload: bool = True  # load every pipeline's models at start-up, not on first use
+    engine: EngineSettings = field(default_factory=EngineSettings)
+
+
+def load_daemon_config(path: str | Path | None) -> DaemonConfig:
+    """Load ``path`` strictly (None: all defaults). Relative pipeline paths are from the file."""
+    if path is None:
+        return DaemonConfig()
+    cfg = load_config(DaemonConfig, path)
+    base = Path(path).resolve().parent
+    pipes = tuple(str((base / p) if not Path(p).is_absolute() else Path(p)) for p in cfg.pipelines)
+    return DaemonConfig(server=cfg.server, pipelines=pipes, default_pipeline=cfg.default_pipeline,
+                        preload=cfg.preload, engine=cfg.engine)

@@ -1,0 +1,100 @@
+"""Pipeline YAML loading: the shipped files load, and every mistake names file, line and key."""
+
+from pathlib import Path
+
+import pytest
+
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.errors import ConfigError
+from edge_rtgi.pipeline.config import (
+    AssistantStageConfig,
+    TranslateStageConfig,
+    TtsStageConfig,
+    builtin_pipelines_dir,
+    load_pipeline,
+    load_pipelines,
+    parse_pipeline,
+)
+
+
+def test_shipped_pipelines_load():
+    pipes = load_pipelines([builtin_pipelines_dir()])
+    assert set(pipes) >= {"voice-assistant", "translate-en-es", "transcribe"}
+    va = pipes["voice-assistant"]
+    assert [type(s) for s in va.stages] == [AsrConfig, AssistantStageConfig, TtsStageConfig]
+    assert va.stage(AsrConfig).vad.min_silence_ms == 300
+    tr = pipes["translate-en-es"]
+    assert isinstance(tr.text_stage, TranslateStageConfig)
+    assert tr.text_stage.backend == "apertium" and tr.text_stage.target_language == "es"
+    assert tr.stage(TtsStageConfig).voice == "espeak:es"
+    assert pipes["transcribe"].text_stage is None
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_typo_in_stage_key_names_file_line_and_key(tmp_path):
+    path = _write(tmp_path, "name: x\nstages:\n  - asr:\n      model: whisper-tiny.en\n"
+                            "  - assistant:\n      max_reply_tokns: 20\n")
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(path)
+    msg = str(err.value)
+    assert f"{path}:6" in msg and "max_reply_tokns" in msg and "max_reply_tokens" in msg
+
+
+def test_unknown_stage_kind(tmp_path):
+    path = _write(tmp_path, "stages:\n  - asr: {}\n  - assistent: {}\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml:3: unknown stage 'assistent'"):
+        load_pipeline(path)
+
+
+def test_unknown_model_names_line(tmp_path):
+    path = _write(tmp_path, "stages:\n  - asr:\n      model: whisper-tinyy.en\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml:3: unknown asr model 'whisper-tinyy.en'"):
+        load_pipeline(path)
+
+
+def test_model_of_wrong_role(tmp_path):
+    path = _write(tmp_path, "stages:\n  - asr: {}\n  - assistant: {model: whisper-tiny.en}\n")
+    with pytest.raises(ConfigError, match="is a asr model, not a llm model"):
+        load_pipeline(path)
+
+
+def test_nested_vad_key_typo(tmp_path):
+    path = _write(tmp_path, "stages:\n  - asr:\n      vad:\n        min_silense_ms: 300\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml:4: unknown key 'min_silense_ms'"):
+        load_pipeline(path)
+
+
+@pytest.mark.parametrize("stages, why", [
+    ("  - tts: {}\n", "not a valid chain"),
+    ("  - asr: {}\n  - tts: {}\n", "not a valid chain"),
+    ("  - asr: {}\n  - assistant: {}\n  - translate: {}\n", "not a valid chain"),
+    ("  - asr\n", "one-key mapping"),
+])
+def test_bad_chains(stages, why):
+    with pytest.raises(ConfigError, match=why):
+        parse_pipeline("stages:\n" + stages, "c.yaml")
+
+
+def test_bad_values_and_top_level_keys():
+    with pytest.raises(ConfigError, match="c.yaml:1: unknown key 'stage'"):
+        parse_pipeline("stage: []\n", "c.yaml")
+    with pytest.raises(ConfigError, match="backend must be"):
+        parse_pipeline("stages:\n  - asr: {}\n  - translate: {backend: google}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="needs a model"):
+        parse_pipeline("stages:\n  - asr: {}\n  - translate: {backend: llm}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="expected int"):
+        parse_pipeline("stages:\n  - asr: {}\n  - assistant: {max_reply_tokens: many}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="input_sample_rate_hz"):
+        parse_pipeline("input_sample_rate_hz: 3\nstages:\n  - asr: {}\n", "c.yaml")
+
+
+def test_duplicate_pipeline_names(tmp_path):
+    (tmp_path / "a.yaml").write_text("name: same\nstages:\n  - asr: {}\n")
+    (tmp_path / "b.yaml").write_text("name: same\nstages:\n  - asr: {}\n")
+    with pytest.raises(ConfigError, match="also used by"):
+        load_pipelines([tmp_path])
