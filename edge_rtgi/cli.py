@@ -19,6 +19,7 @@ from edge_rtgi.errors import EdgeRtgiError
 COMMAND_MODULES = [
     "edge_rtgi.commands.models",
     "edge_rtgi.commands.llm",
+    "edge_rtgi.commands.speech",
 ]
 
 
