@@ -72,9 +72,10 @@ class LLMEngine:
                                    mcfg.head_dim, model.dtype, model.device)
         self.scheduler = Scheduler(SchedulerConfig(
             self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len,
-            self.config.enable_chunked_prefill), self.kv)
+            self.config.enable_chunked_prefill, mcfg.sliding_window), self.kv)
         self.runner = ModelRunner(model, self.storage, self.config.decode_mode)
-        self.eos_token_ids = frozenset(mcfg.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
+        self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -291,21 +292,26 @@ class LLMEngine:
         return True
 
     def _emit(self, update: RequestUpdate) -> None:
+        """Turn a scheduler update into a text delta (same text rules as plain generation)."""
         stream = self._streams.get(update.request_id)
         if stream is None:
             return
         text, finish = "", update.finish_reason
         if update.new_token_ids:
             stream.token_times_ms.append((time.monotonic() - stream.arrival_s) * 1e3)
-            if stream.detok is not None:
-                for tok in update.new_token_ids:
-                    text += stream.detok.push(tok)
-        if stream.stops is not None and text:
-            text, stream.stop_hit = stream.stops.push(text)
-            if stream.stop_hit and finish is None:
-                finish = self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED).finish_reason
-        if finish in ("stop", "length") and not stream.stop_hit:
-            text += self._flush(stream)
+        # A stop token (EOS or a stop id) ends the stream without showing its text.
+        if update.new_token_ids and finish != "stop" and stream.detok is not None:
+            text = "".join(stream.detok.push(tok) for tok in update.new_token_ids)
+            if stream.stops is not None:
+                text, stream.stop_hit = stream.stops.push(text)
+        if stream.stop_hit:
+            if finish is None:
+                self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
+            finish = "stop"
+        elif finish in ("stop", "length") and stream.detok is not None:
+            tail, stream.stop_hit = self._flush(stream)
+            text += tail
+            finish = "stop" if stream.stop_hit else finish
         usage = self._usage(stream) if finish else None
         if finish:
             del self._streams[update.request_id]
@@ -319,13 +325,13 @@ class LLMEngine:
                 self.abort(update.request_id)
 
     @staticmethod
-    def _flush(stream: _Stream) -> str:
-        """Text held back by the detokenizer and the stop matcher, at a normal finish."""
-        tail = stream.detok.flush() if stream.detok is not None else ""
+    def _flush(stream: _Stream) -> tuple[str, bool]:
+        """Text held back by the detokenizer and the stop matcher at the end, and whether a stop hit."""
+        tail = stream.detok.flush()
         if stream.stops is None:
-            return tail
-        text, stream.stop_hit = stream.stops.push(tail) if tail else ("", False)
-        return text if stream.stop_hit else text + stream.stops.flush()
+            return tail, False
+        text, hit = stream.stops.push(tail)
+        return (text, True) if hit else (text + stream.stops.flush(), False)
 
     @staticmethod
     def _usage(stream: _Stream) -> Usage:

@@ -36,6 +36,8 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # Sliding-window attention (tokens): blocks no future query can see are released.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
@@ -241,6 +243,8 @@ class Scheduler:
                 updates.append(self.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR, error))
                 continue
             self.kv.cache_computed_blocks(req)
+            if self.config.sliding_window is not None:
+                self.kv.release_outside_window(req, self.config.sliding_window)
             if not sr.sample:
                 continue
             token = result.sampled_token_ids[sr.request_id]

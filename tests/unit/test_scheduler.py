@@ -201,3 +201,16 @@ def test_no_chunking_waits_for_room_in_budget():
     s.finish_requests(["a", "a2"], RequestStatus.FINISHED_ABORTED)
     out, _ = step(s)
     assert [len(x.token_ids) for x in out.scheduled] == [15]
+
+
+def test_sliding_window_releases_blocks_behind_the_window():
+    s = Scheduler(SchedulerConfig(64, 8, 256, sliding_window=8), KVCacheManager(64, 4))
+    s.add_request(req("a", 30, max_tokens=10))
+    out, _ = step(s)
+    ids = s.kv.block_ids("a")
+    # next query at 30 sees (22, 30]: blocks 0..4 (tokens 0..19) are released
+    assert ids[:5] == [-1] * 5 and -1 not in ids[5:]
+    while s.has_unfinished():
+        out, _ = step(s)
+        assert sum(b >= 0 for b in out.scheduled[0].block_ids) <= 4
+    assert s.kv.num_free_blocks == 64
