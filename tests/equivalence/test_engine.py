@@ -148,5 +148,5 @@ def test_int8_kv_stays_close(llama):
     p = SamplingParams(max_tokens=8, ignore_eos=True)
     full = engine_for(llama).generate(prompts, p)
     int8 = engine_for(llama, kv_dtype="int8").generate(prompts, p)
-    agree = sum(a == b for x, y in zip(full, int8, strict=True) for a, b in zip(x.token_ids, y.token_ids))
+    agree = sum(a == b for x, y in zip(full, int8, strict=True) for a, b in zip(x.token_ids, y.token_ids, strict=True))
     assert agree >= 0.75 * 32
