@@ -1,0 +1,141 @@
+"""Quality retention: an optimised configuration against the full model on the same prompts.
+
+"Full model" means the same weights run by the plain reference path in fp32, with no lossy
+optimisation. Three measurements, each defined in docs/benchmarks.md:
+
+- Token-level KL divergence, as llama.cpp's ``--kl-divergence`` does it: the full model
+  generates a greedy continuation; both models are then fed prompt + continuation (teacher
+  forcing) and, at every position that predicts a continuation token, we take
+  ``KL(P_full || P_opt) = sum_v P_full(v) (log P_full(v) - log P_opt(v))`` in float64.
+  Reported as mean, p99 and max over tokens, with the top-1 agreement rate.
+- chrF agreement (sacrebleu, corpus level): the optimised outputs scored against the full
+  model's outputs for the same prompts; 100 means identical.
+- chrF against references, where a workload has them (translation).
+
+Quality retention = optimised score / full score, capped at 1: with references,
+``chrF(opt, refs) / chrF(full, refs)``; without, ``chrF(opt, full) / chrF(full, full)``
+= ``chrF agreement / 100``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# token ids -> fp32 logits [len(ids), vocab]; row i predicts token i + 1
+LogitsFn = Callable[[Sequence[int]], Tensor]
+
+
+def model_logits_fn(model: torch.nn.Module) -> LogitsFn:
+    """All-position logits of one of our ``Transformer`` models over a fresh contiguous cache."""
+    from edge_rtgi.llm.model import ContiguousKVCache
+
+    def logits(ids: Sequence[int]) -> Tensor:
+        cache = ContiguousKVCache(model.config, len(ids), model.dtype, model.device)
+        with torch.inference_mode():
+            cache.begin(len(ids))
+            positions = torch.arange(len(ids), device=model.device)
+            hidden = model(torch.tensor(list(ids), device=model.device), positions, cache)
+            cache.commit()
+            return model.compute_logits(hidden).float()
+
+    return logits
+
+
+def kl_rows(p_logits: Tensor, q_logits: Tensor) -> Tensor:
+    """Per-row KL(P || Q) in float64 from logits [N, V] -> [N]. Exactly 0 where rows are equal."""
+    log_p = torch.log_softmax(p_logits.double(), dim=-1)
+    log_q = torch.log_softmax(q_logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0.0)
+
+
+@dataclass(frozen=True)
+class KLResult:
+    """KL divergence of the optimised model's next-token distributions from the full model's."""
+
+    mean: float
+    p99: float
+    max: float
+    top1_agreement: float  # share of positions where both models' argmax agree
+    num_tokens: int
+    num_sequences: int
+
+
+def kl_along_continuations(full: LogitsFn, optimised: LogitsFn,
+                           sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> KLResult:
+    """KL over (prompt ids, full model's greedy continuation ids) pairs, teacher-forced."""
+    all_kl, agree = [], []
+    for prompt, continuation in sequences:
+        if not continuation:
+            continue
+        ids = [*prompt, *continuation]
+        rows = slice(len(prompt) - 1, len(ids) - 1)  # positions that predict the continuation
+        p, q = full(ids)[rows], optimised(ids)[rows]
+        all_kl.append(kl_rows(p, q))
+        agree.append(p.argmax(-1) == q.argmax(-1))
+    if not all_kl:
+        return KLResult(math.nan, math.nan, math.nan, math.nan, 0, 0)
+    kl = torch.cat(all_kl)
+    return KLResult(mean=float(kl.mean()), p99=float(torch.quantile(kl, 0.99)), max=float(kl.max()),
+                    top1_agreement=float(torch.cat(agree).double().mean()), num_tokens=int(kl.numel()),
+                    num_sequences=len(all_kl))
+
+
+def chrf(hypotheses: Sequence[str], references: Sequence[str]) -> float:
+    """Corpus chrF (sacrebleu defaults: character 6-grams, beta 2), 0..100.
+
+    Pairs whose hypothesis and reference are both empty are identical and are left out
+    (chrF has no n-grams to score there); if nothing is left, the texts were identical: 100.
+    """
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"chrF needs as many hypotheses ({len(hypotheses)}) as references ({len(references)})")
+    pairs = [(h, r) for h, r in zip(hypotheses, references, strict=True) if h.strip() or r.strip()]
+    if not pairs:
+        return 100.0
+    if all(h == r for h, r in pairs):
+        return 100.0
+    return float(sacrebleu.corpus_chrf([h for h, _ in pairs], [[r for _, r in pairs]]).score)
+
+
+@dataclass(frozen=True)
+class QualityResult:
+    """Quality of one workload's optimised outputs, relative to the full model."""
+
+    workload: str
+    num_outputs: int
+    chrf_agreement: float
+    chrf_ref_full: float | None
+    chrf_ref_optimised: float | None
+    kl: KLResult | None
+    retention: float
+    basis: str  # which score the retention is the ratio of
+
+
+def retention_ratio(optimised_score: float, full_score: float) -> float:
+    """optimised / full, capped at 1 (nothing was lost when the full model scores 0)."""
+    if full_score <= 0:
+        return 1.0
+    return min(1.0, optimised_score / full_score)
+
+
+def score_outputs(workload: str, optimised_texts: Sequence[str], full_texts: Sequence[str],
+                  references: Sequence[str | None] | None = None, kl: KLResult | None = None) -> QualityResult:
+    """Quality retention of paired outputs (same prompts, same order)."""
+    agreement = chrf(optimised_texts, full_texts)
+    refs = list(references or [])
+    if refs and all(r is not None for r in refs):
+        ref_full = chrf(full_texts, refs)
+        ref_opt = chrf(optimised_texts, refs)
+        if ref_full > 0:
+            return QualityResult(workload, len(optimised_texts), agreement, ref_full, ref_opt, kl,
+                                 retention_ratio(ref_opt, ref_full), "chrF vs references, optimised / full")
+        return QualityResult(workload, len(optimised_texts), agreement, ref_full, ref_opt, kl,
+                             agreement / 100.0, "chrF agreement / 100 (full model scores 0 on references)")
+    return QualityResult(workload, len(optimised_texts), agreement, None, None, kl, agreement / 100.0,
+                         "chrF agreement with the full model / 100")
