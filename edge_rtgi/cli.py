@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "edge_rtgi.commands.models",
     "edge_rtgi.commands.llm",
     "edge_rtgi.commands.speech",
+    "edge_rtgi.commands.quantize",
 ]
 
 

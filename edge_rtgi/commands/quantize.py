@@ -1,0 +1,115 @@
+"""``edge-rtgi quantize MODEL``: profile sensitivity, allocate bits, save a plan/checkpoint, report.
+
+Typical use::
+
+    edge-rtgi quantize smollm2-135m-instruct --profile --out sens.yaml
+    edge-rtgi quantize smollm2-135m-instruct --sensitivity sens.yaml --target-bits 4.6 \\
+        --plan-out plan.yaml --save smollm2.q.safetensors --report report/
+
+The steps run in that order and any subset can be given in one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+
+from edge_rtgi.errors import ConfigError
+
+
+def _plan_from_args(args, loaded, table):
+    from edge_rtgi.llm.quant.allocate import Budget, allocate
+    from edge_rtgi.llm.quant.plan import QuantPlan, model_groups, uniform_plan
+    from edge_rtgi.llm.quant.profile import SensitivityTable
+
+    groups = model_groups(loaded.model)
+    if args.plan and args.uniform:
+        raise ConfigError("give --plan or --uniform, not both")
+    if args.plan:
+        plan = QuantPlan.load(args.plan)
+        plan.validate(groups)
+        return plan
+    if args.uniform:
+        return uniform_plan(groups, args.uniform)
+    if args.target_bits is None and args.max_mb is None:
+        return None
+    if table is None:
+        if not args.sensitivity:
+            raise ConfigError("a budget needs a sensitivity table",
+                              hint="add --profile, or --sensitivity FILE from an earlier --profile run")
+        table = SensitivityTable.load(args.sensitivity)
+    budget = Budget.from_args(groups, args.target_bits, args.max_mb)
+    schemes = tuple(args.schemes.split(",")) if args.schemes else None
+    plan = allocate(groups, table, budget, schemes)
+    out = args.plan_out or "plan.yaml"
+    plan.save(out, groups)
+    print(f"plan: {plan.notes['bits_per_weight']} bits/weight, {plan.notes['size_mb']} MB -> {out}", file=sys.stderr)
+    return plan
+
+
+def cmd_quantize(args) -> int:
+    import torch
+
+    from edge_rtgi.llm.quant.checkpoint import save_quantized_checkpoint
+    from edge_rtgi.llm.quant.plan import apply_quant_plan, model_groups
+    from edge_rtgi.llm.quant.profile import DEFAULT_SCHEMES, calibration_text, profile_sensitivity
+    from edge_rtgi.llm.quant.report import compare_quality, write_report
+    from edge_rtgi.llm.weights import load_model
+
+    if not (args.profile or args.target_bits or args.max_mb or args.plan or args.uniform):
+        raise ConfigError("nothing to do", hint="give --profile, a budget (--target-bits/--max-mb), --plan or --uniform")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    table = None
+    if args.profile:
+        schemes = tuple(args.schemes.split(",")) if args.schemes else DEFAULT_SCHEMES
+        table = profile_sensitivity(loaded.model, loaded.tokenizer, schemes, args.window_tokens,
+                                    args.calib_windows, progress=not args.quiet)
+        table.info["model"] = str(args.model)
+        out = args.out or "sensitivity.yaml"
+        table.save(out)
+        print(f"sensitivity table ({table.info['seconds']} s) -> {out}", file=sys.stderr)
+    plan = _plan_from_args(args, loaded, table)
+    if plan is None:
+        return 0
+    if args.save:
+        save_quantized_checkpoint(loaded.model, plan, args.save)
+        print(f"quantised checkpoint -> {args.save}", file=sys.stderr)
+    if args.report:
+        groups = model_groups(loaded.model)
+        quant = copy.deepcopy(loaded.model)
+        resolved = apply_quant_plan(quant, plan)
+        quality = compare_quality(loaded.model, quant, loaded.tokenizer, calibration_text("heldout"))
+        full_bytes = sum(2 * g.numel for g in groups)
+        path = write_report(args.report, resolved, groups, quality, str(args.model), full_bytes)
+        print(path.read_text(encoding="utf-8").split("\n\n![")[0])
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("quantize", help="per-layer mixed int8/int4 quantisation: profile, plan, save, report",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL", help="catalogue name, HF folder or .gguf file")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="activation dtype (auto: bf16 where the CPU has it)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    prof = p.add_argument_group("sensitivity profiling")
+    prof.add_argument("--profile", action="store_true", help="measure the sensitivity table")
+    prof.add_argument("--out", help="where --profile writes the table (default sensitivity.yaml)")
+    prof.add_argument("--schemes", help="comma-separated candidate schemes (default: int8 and int4/int4sym g32/64/128)")
+    prof.add_argument("--calib-windows", type=int, default=2, help="calibration windows (default 2)")
+    prof.add_argument("--window-tokens", type=int, default=256, help="tokens per calibration window (default 256)")
+    alloc = p.add_argument_group("bit allocation")
+    alloc.add_argument("--sensitivity", help="a table from an earlier --profile")
+    alloc.add_argument("--target-bits", type=float, help="average bits per weight, scales and zeros included")
+    alloc.add_argument("--max-mb", type=float, help="size cap of the quantised groups in MB (10^6 bytes)")
+    alloc.add_argument("--plan-out", help="where the chosen plan goes (default plan.yaml)")
+    alloc.add_argument("--plan", help="use this plan YAML instead of allocating")
+    alloc.add_argument("--uniform", help="one scheme everywhere (e.g. int8, int4-g64) instead of allocating")
+    out = p.add_argument_group("outputs")
+    out.add_argument("--save", help="write a quantised checkpoint (.safetensors)")
+    out.add_argument("--report", metavar="DIR", help="write report.md, report.json and bits.png to DIR")
+    p.set_defaults(func=cmd_quantize)

@@ -1,0 +1,184 @@
+"""Quantised linear layers on PyTorch's own weight-only kernels.
+
+- ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 weights, per-output-channel scales).
+- ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on
+  CUDA (bf16 activations only there), with weights repacked into each kernel's tiled layout at
+  load time.
+
+Neither dequantises in Python: the kernels read the packed weights directly. The activation dtype
+decides whether that pays: on an AVX-512-BF16 CPU both kernels beat bf16 ``F.linear`` with bf16
+activations, but with fp32 activations they are *slower* than fp32 ``F.linear`` (see
+docs/quantization.md for the per-shape numbers). The layers run in whatever dtype the model runs
+in; ``edge_rtgi.device.resolve_dtype`` picks bf16 where the CPU has it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edge_rtgi.llm.quant.schemes import PackedWeight
+
+log = logging.getLogger(__name__)
+
+_CUDA_INNER_K_TILES = 8  # gpt-fast / torchao default for the CUDA int4 tile layout
+
+
+class QuantLinear(nn.Module):
+    """Base: a frozen weight-only quantised ``nn.Linear`` (bias kept in the activation dtype)."""
+
+    scheme_name: str
+
+    def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.scheme_name = packed.scheme.name
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+
+    def _out(self, y: Tensor, shape: torch.Size) -> Tensor:
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme_name}"
+
+
+class Int8Linear(QuantLinear):
+    """int8 per-output-channel weights; y = x @ (q * scale)^T, computed inside the kernel."""
+
+    def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
+        super().__init__(packed, bias, dtype, device)
+        self.register_buffer("qweight", packed.qweight.to(device))  # int8 [N, K]
+        self.register_buffer("scales", packed.scales.to(device, dtype))  # [N], dtype must match x
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.scales.dtype:
+            x2 = x2.to(self.scales.dtype)
+        return self._out(_int8_mm(x2, self.qweight, self.scales), x.shape)
+
+    def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
+        return self.qweight[ids].to(dtype) * self.scales[ids, None].to(dtype)
+
+
+def _int8_mm(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+    if x.device.type == "cuda" and not _cuda_int8_kernel_available():
+        # No fused int8 weight-only kernel in this CUDA build: weights stay int8 in memory and
+        # are widened per call. Correct but not fast; int4 is the CUDA fast path.
+        return F.linear(x, qweight.to(x.dtype)) * scales
+    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_int8_kernel_available() -> bool:
+    try:
+        x = torch.zeros(1, 32, device="cuda", dtype=torch.bfloat16)
+        torch.ops.aten._weight_int8pack_mm(x, torch.zeros(32, 32, dtype=torch.int8, device="cuda"),
+                                           torch.ones(32, device="cuda", dtype=torch.bfloat16))
+        return True
+    except (RuntimeError, NotImplementedError):
+        log.warning("this PyTorch build has no CUDA _weight_int8pack_mm; int8 layers widen weights per call")
+        return False
+
+
+class Int4Linear(QuantLinear):
+    """Group-wise int4 weights with a scale and zero per group: w = (code - 8) * scale + zero."""
+
+    def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
+        super().__init__(packed, bias, dtype, device)
+        self.group_size = packed.scheme.group_size
+        codes = packed.codes()  # int32 [N, K]
+        # Kernel layout: [K/G, N, 2] (scale, zero) pairs.
+        sz = torch.stack((packed.scales, packed.zeros), dim=-1).transpose(0, 1).contiguous()
+        self.on_cuda = device.type == "cuda"
+        if self.on_cuda:
+            if dtype != torch.bfloat16:
+                raise ValueError("the CUDA int4 kernel needs bf16 activations; load the model with dtype bf16")
+            nibbles = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+            wq = torch.ops.aten._convert_weight_to_int4pack(nibbles, _CUDA_INNER_K_TILES)
+            # The tiled CUDA layout cannot be row-gathered; a tied embedding keeps the portable copy.
+            self.register_buffer("row_codes", packed.qweight.to(device), persistent=False)
+        else:
+            wq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.register_buffer("qweight", wq)
+        self.register_buffer("scales_and_zeros", sz.to(device, dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.scales_and_zeros.dtype:
+            x2 = x2.to(self.scales_and_zeros.dtype)
+        if self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
+                                                           self.scales_and_zeros)
+        return self._out(y, x.shape)
+
+    def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Dequantised rows for a tied embedding, read from the packed weights (no second copy on CPU)."""
+        codes = self._row_codes(ids).float()  # [T, K]
+        g = self.group_size
+        sz = self.scales_and_zeros[:, ids].float()  # [K/G, T, 2]
+        scale = sz[..., 0].transpose(0, 1).repeat_interleave(g, dim=1)
+        zero = sz[..., 1].transpose(0, 1).repeat_interleave(g, dim=1)
+        return ((codes - 8) * scale + zero).to(dtype)
+
+    def _row_codes(self, ids: Tensor) -> Tensor:
+        if self.on_cuda:
+            packed = self.row_codes[ids]
+            return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(len(ids), self.in_features)
+        # CPU layout (verified by cpu_int4_layout_ok): each block of 64 rows is stored as
+        # [K, 32] bytes; row n sits at column n % 32, in the high nibble when n % 64 >= 32.
+        blocks = self.qweight.view(self.out_features // 64, self.in_features, 32)
+        raw = blocks[ids // 64, :, ids % 32]  # [T, K]
+        shift = ((ids % 64) >= 32).to(torch.uint8)[:, None] * 4
+        return (raw >> shift) & 0x0F
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_int4_layout_ok() -> bool:
+    """Check, once, that this PyTorch packs int4 for CPU in the layout ``_row_codes`` reads."""
+    codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    if packed.shape != (128, 32) or packed.dtype != torch.uint8:
+        return False
+    ids = torch.arange(128)
+    raw = packed.view(2, 64, 32)[ids // 64, :, ids % 32]
+    got = (raw >> (((ids % 64) >= 32).to(torch.uint8)[:, None] * 4)) & 0x0F
+    return bool(torch.equal(got.to(torch.int32), codes))
+
+
+def make_quant_linear(packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype,
+                      device: torch.device) -> QuantLinear:
+    """Build the kernel-backed layer for a packed weight."""
+    cls = Int8Linear if packed.scheme.bits == 8 else Int4Linear
+    return cls(packed, bias, dtype, device)
+
+
+class TiedQuantEmbedding(nn.Module):
+    """Token embedding that reads its rows from a quantised, tied LM head.
+
+    With tied weights the embedding table *is* the LM head matrix; once the head is quantised the
+    lookup dequantises just the rows it needs, so the 28 M-parameter table is stored once.
+    """
+
+    def __init__(self, head: QuantLinear):
+        super().__init__()
+        self.head = [head]  # a list, so the head is not registered (and counted) twice
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        head = self.head[0]
+        # Rows come out in the head's activation dtype, which follows model.to(dtype).
+        dtype = head.scales.dtype if isinstance(head, Int8Linear) else head.scales_and_zeros.dtype
+        return head.gather_rows(flat, dtype).view(*ids.shape, self.embedding_dim)

@@ -1,0 +1,211 @@
+"""Quantisation plans: which scheme each weight group gets, checked against a model, and applied.
+
+Groups are the fused linears of ``edge_rtgi.llm.model``: ``layers.{i}.qkv``, ``layers.{i}.o``,
+``layers.{i}.gate_up``, ``layers.{i}.down`` and ``lm_head``. A plan is a small YAML file::
+
+    format: edge-rtgi-quant-plan/1
+    default: int4-g64          # groups not listed below (optional; "none" when absent)
+    groups:
+      lm_head: int8
+      layers.0.down: int8
+
+A plan that names a group the model does not have is refused with the names, and so is a scheme
+that does not fit a group's shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from edge_rtgi.device import cpu_has_bf16
+from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.quant.kernels import TiedQuantEmbedding, cpu_int4_layout_ok, make_quant_linear
+from edge_rtgi.llm.quant.schemes import PackedWeight, QuantScheme, parse_scheme, quantize_weight
+
+log = logging.getLogger(__name__)
+
+PLAN_FORMAT = "edge-rtgi-quant-plan/1"
+_KIND_PATHS = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
+               "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+GROUP_KINDS = tuple(_KIND_PATHS)
+
+
+@dataclass(frozen=True)
+class WeightGroup:
+    """One quantisable matrix: its plan name, module path and shape [out, in]."""
+
+    name: str
+    module_path: str
+    out_features: int
+    in_features: int
+    tied_embedding: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+    def allowed(self, scheme: QuantScheme) -> bool:
+        if not scheme.fits(self.out_features, self.in_features):
+            return False
+        # A tied int4 head is also the embedding table; row lookups need the 64-row CPU layout.
+        if self.tied_embedding and scheme.bits == 4:
+            return self.out_features % 64 == 0 and cpu_int4_layout_ok()
+        return True
+
+
+def model_groups(model: nn.Module) -> list[WeightGroup]:
+    """The quantisable groups of a ``Transformer``, in forward order."""
+    cfg = model.config
+    groups = []
+    for i in range(cfg.num_layers):
+        for kind, path in _KIND_PATHS.items():
+            mod = model.get_submodule(f"layers.{i}.{path}")
+            groups.append(WeightGroup(f"layers.{i}.{kind}", f"layers.{i}.{path}",
+                                      mod.out_features, mod.in_features))
+    groups.append(WeightGroup("lm_head", "lm_head", cfg.vocab_size, cfg.hidden_size,
+                              tied_embedding=bool(cfg.tie_word_embeddings)))
+    return groups
+
+
+@dataclass
+class QuantPlan:
+    """Scheme name per group name. Groups absent from ``schemes`` use ``default``."""
+
+    schemes: dict[str, str] = field(default_factory=dict)
+    default: str = "none"
+    notes: dict = field(default_factory=dict)
+
+    def scheme_for(self, group: str) -> QuantScheme:
+        return parse_scheme(self.schemes.get(group, self.default))
+
+    def resolved(self, groups: list[WeightGroup]) -> dict[str, str]:
+        """Explicit scheme name for every group of a model (after validation)."""
+        self.validate(groups)
+        return {g.name: self.schemes.get(g.name, self.default) for g in groups}
+
+    def validate(self, groups: list[WeightGroup]) -> None:
+        """Refuse unknown group names and schemes that do not fit; the message lists them all."""
+        known = {g.name: g for g in groups}
+        missing = sorted(set(self.schemes) - set(known))
+        if missing:
+            raise ConfigError(
+                f"quantisation plan names groups the model does not have: {', '.join(missing)}",
+                hint=f"the model has {len(known)} groups, e.g. layers.0.qkv ... "
+                f"layers.{len(known) // 4 - 1}.down, lm_head",
+            )
+        parse_scheme(self.default)
+        bad = [f"{g.name}={self.schemes.get(g.name, self.default)}" for g in groups
+               if not g.allowed(parse_scheme(self.schemes.get(g.name, self.default)))]
+        if bad:
+            raise ConfigError(f"quantisation schemes that do not fit their matrices: {', '.join(bad)}",
+                              hint="int4 needs in_features divisible by the group size; pick a smaller group")
+
+    def to_yaml(self, groups: list[WeightGroup] | None = None) -> str:
+        schemes = self.resolved(groups) if groups is not None else dict(self.schemes)
+        doc = {"format": PLAN_FORMAT, "default": self.default, "groups": schemes}
+        if self.notes:
+            doc["notes"] = self.notes
+        return yaml.safe_dump(doc, sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str, source: str = "<plan>") -> QuantPlan:
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+            raise ConfigError(f"{source} is not a quantisation plan", hint=f"expected 'format: {PLAN_FORMAT}'")
+        unknown = set(doc) - {"format", "default", "groups", "notes"}
+        if unknown:
+            raise ConfigError(f"{source}: unknown keys {sorted(unknown)}", hint="allowed: format, default, groups, notes")
+        schemes = {str(k): str(v) for k, v in (doc.get("groups") or {}).items()}
+        for name in schemes.values():
+            parse_scheme(name)
+        return cls(schemes, str(doc.get("default", "none")), dict(doc.get("notes") or {}))
+
+    def save(self, path: str | Path, groups: list[WeightGroup] | None = None) -> None:
+        Path(path).write_text(self.to_yaml(groups), encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> QuantPlan:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read quantisation plan {path}: {exc}") from None
+        return cls.from_yaml(text, str(path))
+
+
+def plan_nbytes(schemes: dict[str, str], groups: list[WeightGroup]) -> int:
+    """Resident bytes of all groups under a resolved plan."""
+    return sum(parse_scheme(schemes[g.name]).nbytes(g.out_features, g.in_features) for g in groups)
+
+
+def plan_bits_per_weight(schemes: dict[str, str], groups: list[WeightGroup]) -> float:
+    """Average bits per weight over all groups, scales and zeros included."""
+    return 8.0 * plan_nbytes(schemes, groups) / sum(g.numel for g in groups)
+
+
+def warn_if_slow_activations(model: nn.Module) -> None:
+    """The weight-only kernels are slower than fp32 F.linear when fed fp32 activations on CPU."""
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return
+    if not cpu_has_bf16():
+        log.warning("this CPU has no native bf16: quantised layers run on the fp32 path. Weights "
+                    "still shrink, but int8/int4 matmuls with fp32 activations are slower than fp32.")
+    else:
+        log.warning("quantised model runs with fp32 activations; load it with dtype bf16 (or auto) "
+                    "for the fast int8/int4 kernels")
+
+
+def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -> None:
+    """Swap one float linear for its kernel-backed quantised layer (frees the float weight)."""
+    old = model.get_submodule(group.module_path)
+    new = make_quant_linear(packed, old.bias, model.dtype, model.device)
+    parent_path, _, attr = group.module_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, attr, new)
+    if group.tied_embedding:
+        model.embed_tokens = TiedQuantEmbedding(new)
+
+
+def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path) -> dict[str, str]:
+    """Quantise ``model`` in place according to ``plan`` (a QuantPlan or a YAML path).
+
+    Returns the resolved scheme per group. Groups planned as ``none`` are left untouched.
+    """
+    if not isinstance(plan, QuantPlan):
+        plan = QuantPlan.load(plan)
+    groups = model_groups(model)
+    resolved = plan.resolved(groups)
+    for group in groups:
+        scheme = parse_scheme(resolved[group.name])
+        if scheme.bits < 16:
+            weight = model.get_submodule(group.module_path).weight
+            install_packed(model, group, quantize_weight(weight, scheme))
+    warn_if_slow_activations(model)
+    return resolved
+
+
+def uniform_plan(groups: list[WeightGroup], scheme_name: str) -> QuantPlan:
+    """One scheme everywhere. Where an int4 group size does not divide a matrix's input size,
+    the largest group size that does is used instead (recorded in ``notes``)."""
+    scheme = parse_scheme(scheme_name)
+    schemes, fallbacks = {}, {}
+    for g in groups:
+        name = scheme.name
+        if scheme.bits == 4 and not g.allowed(scheme):
+            prefix = "int4sym" if scheme.symmetric else "int4"
+            fitting = [s for s in (128, 64, 32) if s < scheme.group_size and g.allowed(parse_scheme(f"{prefix}-g{s}"))]
+            name = f"{prefix}-g{fitting[0]}" if fitting else "int8"
+            fallbacks[g.name] = name
+        schemes[g.name] = name
+    notes = {"uniform": scheme.name}
+    if fallbacks:
+        notes["fallbacks"] = f"{len(fallbacks)} groups use a smaller group (input size not divisible)"
+    return QuantPlan(schemes, "none", notes)
