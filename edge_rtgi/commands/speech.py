@@ -110,11 +110,10 @@ async def _transcribe_async(args: argparse.Namespace, source, asr) -> None:
     try:
         async for event in session:
             printer(event)
-    finally:
-        if not feeder.done():
-            feeder.cancel()
-    await asyncio.gather(feeder, return_exceptions=True)
-    feeder.result()
+    except BaseException:
+        feeder.cancel()
+        raise
+    await feeder  # re-raises a source error (e.g. the microphone failed)
 
 
 def _transcribe(args: argparse.Namespace) -> int:
