@@ -42,16 +42,17 @@ class LoadedModel:
     source: Path
 
 
-def load_model(source: str | Path, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(source: str | Path, device: str | torch.device = "auto",
+               dtype: str | torch.dtype = "auto") -> LoadedModel:
     """Load an HF folder, a ``.gguf`` file, or a catalogue model name.
 
     ``device``/``dtype`` are config values ("auto", "cpu", "cuda", "fp32", "bf16", ...)
-    resolved by ``edge_rtgi.device``. Raises ModelFileError for a missing, corrupt or
+    resolved by ``edge_rtgi.device`` (or already-resolved torch objects). Raises ModelFileError for a missing, corrupt or
     unsupported file and ModelNotFoundError for an unknown name.
     """
     path = resolve_source(source)
-    torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_device = device if isinstance(device, torch.device) else resolve_device(device)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, torch_device)
     if path.is_dir():
         cfg, fetch, tokenizer, rope_factors = _open_hf_folder(path)
     else:
