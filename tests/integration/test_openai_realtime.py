@@ -1,0 +1,191 @@
+"""The official ``openai`` Realtime client against the daemon's ``/v1/realtime``, end to end.
+
+Real models throughout: Piper speaks the question (resampled to 24 kHz), the daemon runs
+silero VAD + whisper tiny.en, SmolLM2-135M and the Piper voice, and the reply audio that comes
+back is transcribed again with tiny.en and compared with the reply text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import jiwer
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
+from edge_rtgi.catalog import resolve_model
+
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+QUESTION = "What is the capital of France?"
+CHUNK_SAMPLES = 4800  # 200 ms at 24 kHz per append event
+EVENT_TIMEOUT_S = 120.0
+
+
+def _norm(text: str) -> str:
+    return jiwer.RemovePunctuation()(text.lower()).strip()
+
+
+def wer(reference: str, hypothesis: str) -> float:
+    return jiwer.wer(_norm(reference), _norm(hypothesis))
+
+
+def cer(reference: str, hypothesis: str) -> float:
+    # For the short replies: whisper tiny.en hears "France is" as "Francis", which is a
+    # third of a six-word reply by WER but one space by characters.
+    return jiwer.cer(_norm(reference), _norm(hypothesis))
+
+
+@pytest.fixture(scope="module")
+def piper():
+    from edge_rtgi.tts.piper import PiperVoice
+
+    return PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    from edge_rtgi.asr.config import AsrConfig
+    from edge_rtgi.asr.whisper import WhisperAsr
+
+    return WhisperAsr(AsrConfig(model="whisper-tiny.en"))
+
+
+def speak_24k(piper, text: str, tail_silence_s: float = 0.0) -> np.ndarray:
+    """Piper speech of ``text`` as int16 at 24 kHz, with optional trailing silence."""
+    pcm = np.concatenate(list(piper.synthesize_stream(text)))
+    audio = resample(pcm16_to_float32(pcm), piper.sample_rate_hz, 24000)
+    audio = np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(int(tail_silence_s * 24000), np.float32)])
+    return float32_to_pcm16(audio)
+
+
+def transcribe_24k(whisper, pcm: np.ndarray) -> str:
+    return whisper.transcribe(resample(pcm16_to_float32(pcm), 24000, 16000)).text
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon():
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+
+    pipelines = load_pipelines([builtin_pipelines_dir()])
+    config = DaemonConfig(server=ServerConfig(port=0))
+    d = Daemon(config, pipelines, Resources())
+    await d.start()
+    yield d
+    await d.drain(timeout_s=1.0)
+
+
+def client_for(daemon):
+    return openai.AsyncOpenAI(api_key="local", websocket_base_url=f"ws://127.0.0.1:{daemon.port}/v1")
+
+
+async def stream_audio(conn, pcm: np.ndarray, paced: bool = False) -> None:
+    for i in range(0, len(pcm), CHUNK_SAMPLES):
+        chunk = pcm[i:i + CHUNK_SAMPLES].astype("<i2").tobytes()
+        await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
+        if paced:
+            await asyncio.sleep(0.1)  # faster than real time, but the VAD sees a stream
+
+
+async def collect_turn(conn) -> dict:
+    """Events up to ``response.done``: transcript, text deltas, audio, the final response."""
+    out = {"types": [], "transcript": None, "text": "", "audio": [], "errors": [], "response": None}
+    while True:
+        event = await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)
+        out["types"].append(event.type)
+        if event.type == "conversation.item.input_audio_transcription.completed":
+            out["transcript"] = event.transcript
+        elif event.type in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+            out["text"] += event.delta
+        elif event.type == "response.output_audio.delta":
+            out["audio"].append(np.frombuffer(base64.b64decode(event.delta), dtype="<i2"))
+        elif event.type == "error":
+            out["errors"].append(event.error)
+        elif event.type == "response.done":
+            out["response"] = event.response
+            return out
+
+
+def check_spoken_reply(turn: dict, whisper) -> None:
+    assert turn["errors"] == [], turn["errors"]
+    assert wer(QUESTION, turn["transcript"] or "") <= 0.2, turn["transcript"]
+    assert turn["response"].status == "completed"
+    assert turn["types"].count("response.output_audio_transcript.delta") >= 2, "text must stream as deltas"
+    reply = turn["text"].strip()
+    assert reply and turn["response"].output[0].content[0].transcript == turn["text"]
+    audio = np.concatenate(turn["audio"])
+    assert len(audio) > 24000 * 0.5
+    heard = transcribe_24k(whisper, audio)
+    assert cer(reply, heard) <= 0.15, (reply, heard)
+    assert turn["response"].usage.output_tokens > 0
+
+
+async def test_manual_commit_turn_with_official_client(daemon, piper, whisper):
+    speech = speak_24k(piper, QUESTION)
+    async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
+        created = await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)
+        assert created.type == "session.created"
+        await conn.session.update(session={
+            "type": "realtime", "output_modalities": ["audio"],
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None,
+                                "transcription": {"model": "whisper-1"}},
+                      "output": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+        updated = await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)
+        assert updated.type == "session.updated" and updated.session.audio.input.turn_detection is None
+        await stream_audio(conn, speech)
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        turn = await collect_turn(conn)
+    check_spoken_reply(turn, whisper)
+    assert "input_audio_buffer.speech_started" not in turn["types"]  # manual mode: no VAD events
+
+
+async def test_server_vad_turn_ends_by_silence(daemon, piper, whisper):
+    speech = speak_24k(piper, QUESTION, tail_silence_s=1.5)
+    async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
+        await conn.session.update(session={
+            "type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}}}})
+        await stream_audio(conn, speech, paced=True)  # no commit, no response.create
+        turn = await collect_turn(conn)
+    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                 "input_audio_buffer.committed", "response.created"):
+        assert kind in turn["types"], kind
+    assert turn["types"].index("input_audio_buffer.speech_stopped") < turn["types"].index("response.created")
+    check_spoken_reply(turn, whisper)
+
+
+async def test_bad_input_then_good_turn(daemon, piper, whisper):
+    speech = speak_24k(piper, QUESTION)
+    bad = [
+        ("{this is not json", "invalid_json"),
+        ('{"type": "response.dance", "event_id": "e2"}', "unknown_event"),
+        ('{"type": "input_audio_buffer.append", "audio": "***", "event_id": "e3"}', "invalid_base64"),
+        ('{"type": "session.update", "event_id": "e4", "session": {"type": "realtime", '
+         '"audio": {"input": {"format": {"type": "audio/opus"}}}}}', "unsupported_audio_format"),
+    ]
+    async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                           "audio": {"input": {"turn_detection": None}}})
+        for raw, code in bad:
+            await conn.send_raw(raw)
+            while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "error":
+                pass
+            assert event.error.code == code, event.error
+            if code == "unknown_event":
+                assert "response.dance" in event.error.message and event.error.event_id == "e2"
+            # the session is still usable: a good turn after each bad event
+            await stream_audio(conn, speech)
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            turn = await collect_turn(conn)
+            assert turn["errors"] == [] and turn["response"].status == "completed"
+            assert wer(QUESTION, turn["transcript"] or "") <= 0.2
+            assert turn["text"].strip() and "response.output_text.delta" in turn["types"]
