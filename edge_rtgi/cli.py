@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "edge_rtgi.commands.llm",
     "edge_rtgi.commands.speech",
     "edge_rtgi.commands.quantize",
+    "edge_rtgi.commands.serve",
 ]
 
 

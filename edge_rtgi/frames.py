@@ -189,6 +189,14 @@ class SpeechStopped:
 
 
 @dataclass(frozen=True)
+class AudioCommitted:
+    """All audio sent before a commit has been processed: its final transcript (if any)
+    and the response it started were emitted before this event."""
+
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
 class ResponseStarted:
     response_id: str
     turn_id: int
@@ -245,6 +253,6 @@ class ErrorEvent:
 
 
 SessionEvent = (
-    SessionStarted | SessionUpdated | SpeechStarted | SpeechStopped | Transcript | ResponseStarted
+    SessionStarted | SessionUpdated | SpeechStarted | SpeechStopped | Transcript | AudioCommitted | ResponseStarted
     | TextDelta | TextDone | AudioOut | AudioDone | ResponseInterrupted | ResponseDone | ErrorEvent
 )

@@ -40,6 +40,7 @@ class Resources:
         self._whispers: dict[AsrConfig, Any] = {}
         self._voices: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._warmed: set[tuple] = set()
 
     # ------------------------------------------------------------------ loaders (blocking)
 
@@ -77,15 +78,39 @@ class Resources:
     # ------------------------------------------------------------------ async helpers
 
     async def prepare(self, pipeline: PipelineConfig) -> None:
-        """Load every model ``pipeline`` needs, off the event loop."""
+        """Load (and warm up, once) every model ``pipeline`` needs, off the event loop."""
         for stage in pipeline.stages:
             if isinstance(stage, AsrConfig):
-                await asyncio.to_thread(self.whisper, stage)
-            elif isinstance(stage, AssistantStageConfig) or (
-                    isinstance(stage, TranslateStageConfig) and stage.backend == "llm"):
-                await asyncio.to_thread(self.llm, stage.model)
+                await asyncio.to_thread(self._warm, ("asr", _whisper_key(stage)), self.whisper, stage)
+            elif isinstance(stage, AssistantStageConfig):
+                # warming with the system prompt also puts it in the prefix cache
+                prompt = [{"role": "system", "content": stage.system_prompt}, {"role": "user", "content": "Hi"}]
+                await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model, prompt)
+            elif isinstance(stage, TranslateStageConfig) and stage.backend == "llm":
+                await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model)
             elif isinstance(stage, TtsStageConfig):
-                await asyncio.to_thread(self.voice, stage.voice)
+                await asyncio.to_thread(self._warm, ("tts", stage.voice), self.voice, stage.voice)
+
+    def _warm(self, key: tuple, load: Any, arg: Any, prompt: Any = "Hello") -> None:
+        """Load, then run one tiny input through the model: first runs of onnxruntime,
+        CTranslate2 and torch pay one-off costs (allocation, kernel selection) that would
+        otherwise land on the first user's first turn."""
+        model = load(arg)
+        with self._lock:
+            if key in self._warmed:
+                return
+            self._warmed.add(key)
+        import numpy as np
+
+        if key[0] == "asr":
+            model.transcribe(np.zeros(16000, dtype=np.float32))
+        elif key[0] == "llm":
+            from edge_rtgi.llm.sampling import SamplingParams
+
+            model.generate([prompt], SamplingParams(max_tokens=2))
+        else:
+            for _ in model.synthesize_stream("Hello there."):
+                pass
 
     def engines(self) -> dict[str, Any]:
         return dict(self._engines)

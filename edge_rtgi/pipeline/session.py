@@ -227,7 +227,7 @@ class Session:
         st = ResponseState(rid, turn_id or 0, kind, source_text, timing=timing)
         self.responses[rid] = st
         self._forget_old_responses()
-        self.outbox.put_control(F.ResponseStarted(rid, st.turn_id, kind, source_text))
+        await self.outbox.put(F.ResponseStarted(rid, st.turn_id, kind, source_text))
         s = self.settings
         await self._stages[1].inbox.put(F.ResponseRequest(
             response_id=rid, turn_id=st.turn_id, source_text=source_text, messages=tuple(self.conversation),

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from edge_rtgi.config import load_config
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.engine_config import EngineConfig
 
 DEFAULT_ORIGINS = ("http://localhost", "http://127.0.0.1", "https://localhost", "https://127.0.0.1")
 
@@ -79,16 +80,6 @@ def is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
-class EngineSettings:
-    """Where the shared models run; passed to ``Resources``."""
-
-    device: str = "auto"
-    dtype: str = "auto"
-    max_batch_size: int = 8
-    kv_blocks: int | None = None  # None: the engine's default
-
-
-@dataclass(frozen=True)
 class DaemonConfig:
     """The whole daemon: server, pipelines (files or folders), engine."""
 
@@ -96,7 +87,7 @@ class DaemonConfig:
     pipelines: tuple[str, ...] = ()  # empty: the shipped pipelines/ folder
     default_pipeline: str = "voice-assistant"
     preload: bool = True  # load every pipeline's models at start-up, not on first use
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the shared LLM engine
 
 
 def load_daemon_config(path: str | Path | None) -> DaemonConfig:

@@ -176,6 +176,8 @@ def encode_server(event: Any, ms) -> list[str | bytes]:
                 "text": e.text}
         if e.language:
             body["language"] = e.language
+    elif isinstance(e, F.AudioCommitted):
+        body = {"type": "input_audio.committed"}
     elif isinstance(e, F.ResponseStarted):
         body = {"type": "response.created", "response_id": e.response_id, "turn_id": e.turn_id,
                 "kind": e.kind, "source_text": e.source_text}

@@ -119,6 +119,7 @@ class AsrStage(Stage):
                 events = await loop.run_in_executor(self._executor, self._step, chunks, True)
                 chunks = []
                 await self._handle_events(events, committed=True)
+                await self.ctx.emit(F.AudioCommitted())
         if chunks:
             events = await loop.run_in_executor(self._executor, self._step, chunks, False)
             await self._handle_events(events, committed=False)

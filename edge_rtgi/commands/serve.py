@@ -1,0 +1,236 @@
+"""``edge-rtgi serve``, ``edge-rtgi translate`` and ``edge-rtgi voice``.
+
+``serve`` runs the daemon until SIGTERM/SIGINT, then drains: it stops accepting, lets
+responses in flight finish (``server.drain_timeout_s``), and closes every session. Under
+systemd (``Type=notify``) it reports ``READY=1`` once the models are loaded and the port
+is open, and ``STOPPING=1`` when the drain starts, through ``$NOTIFY_SOCKET``.
+
+``translate`` and ``voice`` stream the microphone (``--mic``) or a WAV file (``--input``)
+through a pipeline in-process, or through a running daemon with ``--connect ws://...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_rtgi.errors import AudioError, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def sd_notify(state: str) -> bool:
+    """Send ``state`` (e.g. "READY=1") to systemd's notify socket; False when not under systemd."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]  # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(state.encode())
+        return True
+    except OSError as exc:
+        log.warning("sd_notify(%s) failed: %s", state, exc)
+        return False
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, dict]:
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+    from edge_rtgi.server.config import load_daemon_config
+
+    config = load_daemon_config(args.config)
+    server = config.server
+    if getattr(args, "host", None) or getattr(args, "port", None) is not None:
+        import dataclasses
+
+        server = dataclasses.replace(server, **{k: v for k, v in (("host", args.host), ("port", args.port))
+                                                 if v is not None})
+        config = dataclasses.replace(config, server=server)
+    pipelines = load_pipelines(list(config.pipelines) or [builtin_pipelines_dir()])
+    return config, pipelines
+
+
+async def _serve(config: Any, pipelines: dict) -> int:
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+
+    config.server.check_bind()  # refuse an unsafe bind before spending time on models
+    resources = Resources(config.engine)
+    daemon = Daemon(config, pipelines, resources)
+    if config.preload:
+        for pipeline in daemon.pipelines.values():
+            log.info("loading models for pipeline %s", pipeline.name)
+            await resources.prepare(pipeline)
+    await daemon.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    srv = config.server
+    print(f"edge-rtgi: serving {', '.join(daemon.pipelines)} on ws://{srv.host}:{daemon.port}/v1/native "
+          f"(health: http://{srv.host}:{daemon.port}/healthz)", flush=True)
+    sd_notify(f"READY=1\nSTATUS=serving on {srv.host}:{daemon.port}")
+    await stop.wait()
+    sd_notify("STOPPING=1")
+    print("edge-rtgi: draining sessions", flush=True)
+    await daemon.drain()
+    await asyncio.to_thread(resources.close)
+    print("edge-rtgi: stopped", flush=True)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config, pipelines = _load(args)
+    return asyncio.run(_serve(config, pipelines))
+
+
+# --------------------------------------------------------------------------- translate / voice
+
+
+async def _mic_chunks(duration_s: float | None, device: str | None) -> Any:
+    from edge_rtgi.audio.devices import MicrophoneSource
+
+    mic = MicrophoneSource(sample_rate_hz=16000, chunk_ms=20, device=device)
+    loop = asyncio.get_running_loop()
+    if duration_s:
+        loop.call_later(duration_s, mic.stop)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, mic.stop)
+    try:
+        async for chunk in mic:
+            yield _pcm16(chunk)
+            if stop.is_set():
+                break
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _file_chunks(path: str, realtime: bool) -> Any:
+    from edge_rtgi.audio.wav import WavSource
+
+    async for chunk in WavSource(path, chunk_ms=20, realtime=realtime, sample_rate_hz=16000):
+        yield _pcm16(chunk)
+
+
+def _pcm16(samples: np.ndarray) -> np.ndarray:
+    if samples.dtype == np.int16:
+        return samples
+    return np.clip(np.round(samples * 32767.0), -32768, 32767).astype(np.int16)
+
+
+async def _open_transport(args: argparse.Namespace, pipeline: str) -> Any:
+    from edge_rtgi.server.client import InProcessTransport, WebSocketTransport
+
+    if args.connect:
+        return await WebSocketTransport.connect(args.connect, args.token or os.environ.get("EDGE_RTGI_TOKEN"),
+                                                pipeline)
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.pipeline.session import Session, SessionSettings
+
+    config, pipelines = _load(args)
+    if pipeline not in pipelines:
+        raise ConfigError(f"no pipeline named {pipeline!r}",
+                          hint=f"available: {', '.join(pipelines)}; add pipelines/{pipeline}.yaml")
+    print(f"edge-rtgi: loading models for {pipeline}...", file=sys.stderr, flush=True)
+    session = await Session.open(pipelines, Resources(config.engine), SessionSettings(pipeline=pipeline))
+    return InProcessTransport(session)
+
+
+async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
+    from edge_rtgi.audio.wav import write_wav
+    from edge_rtgi.server.client import LiveOutput, run_live
+
+    if not args.mic and not args.input:
+        raise ConfigError(f"edge-rtgi {mode} needs --mic or --input FILE.wav")
+    if args.input and not Path(args.input).is_file():
+        raise AudioError(f"input file not found: {args.input}")
+    transport = await _open_transport(args, pipeline)
+    speaker = None
+    output = LiveOutput(mode=mode)
+    try:
+        async for head, _ in transport.messages():  # session.created tells the output rate
+            if head["type"] == "session.created":
+                output.sample_rate_hz = head["audio"]["output_sample_rate_hz"]
+                break
+        if not args.no_speak and output.sample_rate_hz:
+            from edge_rtgi.audio.devices import SpeakerSink
+
+            speaker = SpeakerSink(output.sample_rate_hz, device=args.speaker_device)
+            output.speaker = speaker
+        source = (_mic_chunks(args.duration, args.mic_device) if args.mic
+                  else _file_chunks(args.input, realtime=args.realtime))
+        if args.mic:
+            print("edge-rtgi: listening (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        await run_live(transport, source, output)
+        if speaker is not None:
+            await asyncio.wait_for(speaker.drain(), 120)
+    finally:
+        if speaker is not None:
+            speaker.close()
+        await transport.close()
+    if args.out:
+        pcm = output.audio_pcm()
+        write_wav(args.out, pcm, output.sample_rate_hz or 22050)
+        print(f"edge-rtgi: wrote {len(pcm) / (output.sample_rate_hz or 22050):.1f} s of audio to {args.out}",
+              file=sys.stderr)
+    return 1 if output.errors and not output.responses else 0
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    pipeline = args.pipeline or f"translate-{args.source_language}-{args.target_language}"
+    return asyncio.run(_live(args, "translate", pipeline))
+
+
+def cmd_voice(args: argparse.Namespace) -> int:
+    return asyncio.run(_live(args, "voice", args.pipeline or "voice-assistant"))
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+def _live_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--mic", action="store_true", help="listen on the microphone")
+    src.add_argument("--input", metavar="FILE.wav", help="stream a WAV file instead of the microphone")
+    p.add_argument("--realtime", action="store_true", help="pace --input at real time (default: as fast as it goes)")
+    p.add_argument("--duration", type=float, metavar="S", help="stop listening after S seconds (--mic)")
+    p.add_argument("--no-speak", action="store_true", help="do not play the audio")
+    p.add_argument("--out", metavar="FILE.wav", help="also write the returned audio to this WAV file")
+    p.add_argument("--connect", metavar="ws://HOST:PORT/v1/native", help="use a running daemon")
+    p.add_argument("--token", help="the daemon's token (default: $EDGE_RTGI_TOKEN)")
+    p.add_argument("--pipeline", help="pipeline name (overrides the default)")
+    p.add_argument("--config", help="daemon config file, for in-process runs (pipelines, engine)")
+    p.add_argument("--mic-device", help="input device name or index (default: the system default)")
+    p.add_argument("--speaker-device", help="output device name or index")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="run the WebSocket daemon (native protocol + OpenAI Realtime)")
+    p.add_argument("--config", help="daemon config file (see config/edge-rtgi.yaml)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1; others need a token)")
+    p.add_argument("--port", type=int, help="port (default 8765; 0 picks a free one)")
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("translate", help="live speech translation with captions")
+    p.add_argument("--from", dest="source_language", default="en", help="spoken language (default en)")
+    p.add_argument("--to", dest="target_language", default="es", help="target language (default es)")
+    _live_args(p)
+    p.set_defaults(func=cmd_translate)
+
+    p = subparsers.add_parser("voice", help="talk to the voice assistant")
+    _live_args(p)
+    p.set_defaults(func=cmd_voice)
