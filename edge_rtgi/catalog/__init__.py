@@ -14,23 +14,24 @@ import difflib
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge_rtgi.catalog.cache import (
     Manifest,
     PinMismatchError,
-    cache_dir,
     install,
     model_lock,
     new_manifest,
     sha256_file,
     staging_dir,
 )
+from edge_rtgi.catalog.cache import cache_dir as _default_cache_dir
 from edge_rtgi.catalog.schema import ROLES, CatalogEntry, FileSpec, SourceSpec, parse_catalog
 from edge_rtgi.errors import ConfigError, DownloadError, EdgeRtgiError, ModelFileError, ModelNotFoundError
 
 __all__ = [
-    "CatalogEntry", "FileSpec", "SourceSpec", "PinMismatchError", "ROLES",
+    "CatalogEntry", "FileSpec", "SourceSpec", "PinMismatchError", "ROLES", "ModelsConfig", "configure",
     "resolve_model", "get_entry", "list_entries", "default_model", "setup_models",
     "pull", "verify", "is_installed", "installed_path", "cache_dir", "catalog_path",
 ]
@@ -39,8 +40,30 @@ log = logging.getLogger(__name__)
 _REPO_CATALOG = Path(__file__).resolve().parents[2] / "models" / "catalog.yaml"
 
 
+@dataclass(frozen=True)
+class ModelsConfig:
+    """The ``models:`` section of a config file. Unset values fall back to the environment."""
+
+    cache_dir: str | None = None
+    catalog: str | None = None
+
+
+_configured = ModelsConfig()
+
+
+def configure(config: ModelsConfig | None = None) -> None:
+    """Set process-wide defaults from a config file (the daemon calls this once at start-up).
+
+    A configured value overrides ``$EDGE_RTGI_MODEL_DIR`` / ``$EDGE_RTGI_CATALOG``; an explicit
+    ``cache_dir=`` / ``catalog=`` argument to any function here still wins. ``None`` resets.
+    """
+    global _configured
+    _configured = config or ModelsConfig()
+
+
 def catalog_path(override: str | os.PathLike | None = None) -> Path:
-    """The catalogue file: ``override``, else ``$EDGE_RTGI_CATALOG``, else the repo's models/catalog.yaml."""
+    """The catalogue file: ``override``, the configured one, ``$EDGE_RTGI_CATALOG``, or models/catalog.yaml."""
+    override = override or _configured.catalog
     if override:
         return Path(override).expanduser()
     env = os.environ.get("EDGE_RTGI_CATALOG")
@@ -118,8 +141,13 @@ def installed_path(name: str, *, cache_dir: str | os.PathLike | None = None,
     return None if manifest is None else _entry_path(root / entry.name, manifest)
 
 
-def _cache(override: str | os.PathLike | None) -> Path:
-    return cache_dir(override)
+def cache_dir(override: str | os.PathLike | None = None) -> Path:
+    """Where models live: ``override``, the configured ``cache_dir``, ``$EDGE_RTGI_MODEL_DIR``,
+    ``$XDG_CACHE_HOME/edge-rtgi/models``, ``~/.cache/edge-rtgi/models``, in that order."""
+    return _default_cache_dir(override or _configured.cache_dir)
+
+
+_cache = cache_dir  # for functions whose ``cache_dir`` argument shadows the name
 
 
 def _entry_path(folder: Path, manifest: Manifest) -> Path:

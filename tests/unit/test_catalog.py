@@ -13,6 +13,7 @@ import pytest
 from edge_rtgi import catalog
 from edge_rtgi.catalog.cache import MANIFEST_NAME, PinMismatchError, sha256_file, tree_digest
 from edge_rtgi.catalog.hub import probe_hub
+from edge_rtgi.config import from_dict
 from edge_rtgi.errors import ConfigError, DownloadError, ModelFileError, ModelNotFoundError
 
 SILERO_SHA256 = "4cbf549b8326f60f80f2536d9eefeb450a9abe83365a098031c89719f1be17d2"
@@ -260,3 +261,19 @@ def test_real_hub_endpoint_offline_here(tmp_path, monkeypatch):
     with pytest.raises(DownloadError, match="cannot reach the model hub at https://huggingface.co") as info:
         catalog.pull("whisper-small", cache_dir=tmp_path, progress=False)
     assert "whisper-tiny.en" in str(info.value)  # a registry-backed asr alternative
+
+
+def test_configured_values_override_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_RTGI_MODEL_DIR", str(tmp_path / "env"))
+    cat = write_catalog(tmp_path, silero_entry())
+    cfg = from_dict(catalog.ModelsConfig, {"cache_dir": str(tmp_path / "cfg"), "catalog": str(cat)})
+    catalog.configure(cfg)
+    try:
+        assert catalog.cache_dir() == tmp_path / "cfg"
+        assert catalog.cache_dir(tmp_path / "arg") == tmp_path / "arg"
+        assert catalog.resolve_model("vad-test") == tmp_path / "cfg" / "vad-test" / "silero.onnx"
+    finally:
+        catalog.configure(None)
+    assert catalog.cache_dir() == tmp_path / "env"
+    with pytest.raises(ConfigError, match="unknown key 'cache_path'"):
+        from_dict(catalog.ModelsConfig, {"cache_path": "x"})
