@@ -277,3 +277,14 @@ def test_configured_values_override_the_environment(tmp_path, monkeypatch):
     assert catalog.cache_dir() == tmp_path / "env"
     with pytest.raises(ConfigError, match="unknown key 'cache_path'"):
         from_dict(catalog.ModelsConfig, {"cache_path": "x"})
+
+
+def test_concurrent_pulls_of_one_model_install_it_once(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    cat, cache = write_catalog(tmp_path, silero_entry()), tmp_path / "cache"
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: catalog.resolve_model("vad-test", cache_dir=cache, catalog=cat), range(4)))
+    assert set(paths) == {cache / "vad-test" / "silero.onnx"}
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", "vad-test"]
+    assert catalog.verify("vad-test", cache_dir=cache, catalog=cat) == [("silero.onnx", True)]
