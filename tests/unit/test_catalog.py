@@ -288,3 +288,13 @@ def test_concurrent_pulls_of_one_model_install_it_once(tmp_path):
     assert set(paths) == {cache / "vad-test" / "silero.onnx"}
     assert sorted(p.name for p in cache.iterdir()) == [".locks", "vad-test"]
     assert catalog.verify("vad-test", cache_dir=cache, catalog=cat) == [("silero.onnx", True)]
+
+
+def test_leftovers_of_a_killed_pull_are_cleaned_up(tmp_path):
+    cat, cache = write_catalog(tmp_path, silero_entry()), tmp_path / "cache"
+    for leftover in (".partial-vad-test-999999", ".scratch-vad-test-999999", ".partial-vad-test-x-1"):
+        (cache / leftover).mkdir(parents=True)
+        (cache / leftover / "junk").write_bytes(b"x")
+    catalog.pull("vad-test", cache_dir=cache, catalog=cat, progress=False)
+    # another model's staging folder (vad-test-x) is not this pull's business
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", ".partial-vad-test-x-1", "vad-test"]
