@@ -170,3 +170,30 @@ def test_a_file_missing_on_the_hub_is_named(tmp_path, hub):
     del hub.published["voices/x.onnx.json"]
     with pytest.raises(DownloadError, match=rf"{REPO}@{COMMIT[:12]} has no file 'voices/x.onnx.json'"):
         catalog.pull("voice-x", cache_dir=tmp_path / "cache", catalog=hub_catalog(tmp_path), progress=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_hub_source_in_the_catalogue_exists_on_the_real_hub(monkeypatch):
+    """Where the real hub is reachable, each hub source's repo, revision and files exist (metadata only)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError
+
+    from edge_rtgi.catalog.hub import probe_hub
+
+    for var in ("HF_ENDPOINT", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        probe_hub()
+    except DownloadError:
+        pytest.skip("the model hub is not reachable from this machine")
+    api = HfApi()
+    for entry in catalog.list_entries():
+        for source in (s for s in entry.sources if s.kind == "hub"):
+            members = [f.member or f.name for f in source.files]
+            try:
+                found = {p.path for p in api.get_paths_info(source.repo, members, revision=source.revision)}
+            except GatedRepoError:
+                assert source.gated, f"{entry.name}: {source.repo} is gated but not marked gated"
+                continue
+            assert found == set(members), f"{entry.name}: missing on the hub: {set(members) - found}"
