@@ -50,12 +50,20 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny_tokenizer(folder: Path):
-    """Train a byte-level BPE on a fixed corpus and save tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def make_tiny_tokenizer(folder: Path, split_regex: str | None = None):
+    """Train a byte-level BPE on a fixed corpus and save tokenizer.json + tokenizer_config.json.
+
+    ``split_regex`` replaces GPT-2's pre-tokenizer split rule (Qwen2's tokenizer class in
+    transformers 5 imposes its own rule, so a tiny Qwen2 tokenizer must be trained with it).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_regex:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
@@ -83,8 +91,10 @@ def make_tiny_hf_model(arch: str, tmp_path: Path, seed: int = 0, max_shard_size:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from edge_rtgi.llm.tokenizer import _QWEN2_SPLIT
+
     folder = Path(tmp_path) / f"tiny-{arch}-{seed}"
-    tok = make_tiny_tokenizer(folder)
+    tok = make_tiny_tokenizer(folder, split_regex=_QWEN2_SPLIT if arch == "qwen2" else None)
     spec: dict[str, Any] = dict(
         vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -106,3 +116,101 @@ def make_tiny_hf_model(arch: str, tmp_path: Path, seed: int = 0, max_shard_size:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     return folder
+
+
+def _permute_for_llama_cpp(w, num_heads: int):
+    # What llama.cpp's converter does to Q/K rows of llama-arch models (rotate-half -> interleaved).
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(hf_folder: Path, out_path: Path, qtype: str = "F32") -> Path:
+    """Convert a ``make_tiny_hf_model`` folder to GGUF the way llama.cpp's converter does.
+
+    Writes llama.cpp's tensor names, permutes Q/K rows for llama/mistral, stores llama3 rope
+    scaling as a ``rope_freqs`` tensor, and carries the byte-level BPE tokenizer and chat
+    template in metadata. ``qtype`` ("F32", "F16", "Q8_0", "Q4_1"...) applies to 2-D weights.
+    """
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from safetensors.torch import load_file
+
+    from edge_rtgi.llm.model import ModelConfig, rope_inverse_frequencies
+
+    hf_folder, out_path = Path(hf_folder), Path(out_path)
+    hf = json.loads((hf_folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf)
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(hf_folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    arch = cfg.arch
+    writer = GGUFWriter(str(out_path), arch)
+    writer.add_name(f"tiny {arch}")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if cfg.sliding_window:
+        writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
+
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    tok_config = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[tok_config["bos_token"]])
+    writer.add_eos_token_id(vocab[tok_config["eos_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok_config["chat_template"])
+
+    gguf_type = GGMLQuantizationType[qtype]
+
+    def put(name: str, tensor: torch.Tensor, quantize: bool = True) -> None:
+        array = tensor.float().numpy()
+        if array.ndim == 2 and quantize and gguf_type != GGMLQuantizationType.F32:
+            data = quants.quantize(array, gguf_type)
+            writer.add_tensor(name, data, raw_dtype=gguf_type)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+
+    put("token_embd.weight", state["model.embed_tokens.weight"])
+    put("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        put("output.weight", state["lm_head.weight"])
+    if cfg.rope_scaling:  # llama.cpp keeps llama3 scaling as per-frequency divisors
+        base = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        scaled, _ = rope_inverse_frequencies(cfg)
+        put("rope_freqs.weight", (base.float() / scaled), quantize=False)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    permute = arch in ("llama", "mistral")
+    for i in range(cfg.num_layers):
+        for hf_name, gguf_name in names.items():
+            for suffix in ("weight", "bias"):
+                tensor = state.get(f"model.layers.{i}.{hf_name}.{suffix}")
+                if tensor is None:
+                    continue
+                if permute and gguf_name in ("attn_q", "attn_k"):
+                    heads = cfg.num_heads if gguf_name == "attn_q" else cfg.num_kv_heads
+                    tensor = _permute_for_llama_cpp(tensor, heads)
+                put(f"blk.{i}.{gguf_name}.{suffix}", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
