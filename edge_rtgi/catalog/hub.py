@@ -11,12 +11,14 @@ plain TCP connect with a short timeout, so a machine without the hub learns so i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import socket
 import tempfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -75,17 +77,14 @@ class _SilentTqdm(tqdm):
         super().__init__(*args, **kwargs)
 
 
-def _remote_metadata(source: SourceSpec, endpoint: str) -> tuple[str, dict]:
-    """Resolve the revision to a commit and fetch the hub's record of each file."""
-    from huggingface_hub import HfApi
+@contextlib.contextmanager
+def _hub_errors(source: SourceSpec, endpoint: str, doing: str) -> Iterator[None]:
+    """Turn the hub client's exceptions into one-line DownloadErrors that say what to do."""
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-    api = HfApi(endpoint=endpoint)
     repo = source.repo
     try:
-        commit = api.model_info(repo, revision=source.revision, timeout=HUB_API_TIMEOUT_S).sha
-        members = [f.member or f.name for f in source.files]
-        infos = {p.path: p for p in api.get_paths_info(repo, members, revision=commit)}
+        yield
     except GatedRepoError:
         raise DownloadError(
             f"{repo} is gated on the hub",
@@ -94,9 +93,20 @@ def _remote_metadata(source: SourceSpec, endpoint: str) -> tuple[str, dict]:
     except RevisionNotFoundError:
         raise DownloadError(f"{repo} has no revision {source.revision!r} on {endpoint}") from None
     except RepositoryNotFoundError:
-        raise DownloadError(f"{repo} is not on {endpoint} (or it is private)") from None
+        raise DownloadError(f"{repo} is not on {endpoint} (or it is private: set HF_TOKEN)") from None
     except Exception as exc:  # network and HTTP errors of several libraries end up here
-        raise DownloadError(f"hub request for {repo}@{source.revision} failed: {exc}") from None
+        raise DownloadError(f"{doing} failed: {exc}") from None
+
+
+def _remote_metadata(source: SourceSpec, endpoint: str) -> tuple[str, dict]:
+    """Resolve the revision to a commit and fetch the hub's record of each file."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=endpoint)
+    with _hub_errors(source, endpoint, f"hub request for {source.repo}@{source.revision}"):
+        commit = api.model_info(source.repo, revision=source.revision, timeout=HUB_API_TIMEOUT_S).sha
+        members = [f.member or f.name for f in source.files]
+        infos = {p.path: p for p in api.get_paths_info(source.repo, members, revision=commit)}
     return commit, infos
 
 
@@ -115,13 +125,11 @@ def fetch_hub(source: SourceSpec, folder: Path, scratch: Path, progress: bool,
             remote = infos.get(member)
             if remote is None:
                 raise DownloadError(f"{source.repo}@{commit[:12]} has no file {member!r}")
-            try:
+            with _hub_errors(source, endpoint, f"downloading {source.repo}/{member}"):
                 local = Path(hf_hub_download(
                     source.repo, member, revision=commit, local_dir=tmp, endpoint=endpoint,
                     etag_timeout=HUB_API_TIMEOUT_S, tqdm_class=None if progress else _SilentTqdm,
                 ))
-            except Exception as exc:
-                raise DownloadError(f"downloading {source.repo}/{member} failed: {exc}") from None
             sha = sha256_file(local)
             what = f"{f.name} (from {source.repo}@{commit[:12]}/{member})"
             if remote.lfs is not None:

@@ -36,6 +36,7 @@ class FakeRepo:
         self.published = dict(files)
         self.served = dict(files)
         self.lfs = lfs
+        self.gated = False  # True: metadata is public, downloads answer 403 GatedRepo (as the hub does)
 
     def path_info(self, path: str) -> dict:
         data = self.published[path]
@@ -65,6 +66,9 @@ def make_handler(repo: FakeRepo):
             if not m or m.group(2) not in repo.served:
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
             path = m.group(2)
+            if repo.gated:
+                return self._send(403, b"", {"X-Error-Code": "GatedRepo",
+                                             "X-Error-Message": "Access to this model is restricted."}, head)
             data = repo.served[path]
             etag = repo.path_info(path).get("lfs", {}).get("oid") or repo.path_info(path)["oid"]
             self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'}, head)
@@ -170,6 +174,14 @@ def test_a_file_missing_on_the_hub_is_named(tmp_path, hub):
     del hub.published["voices/x.onnx.json"]
     with pytest.raises(DownloadError, match=rf"{REPO}@{COMMIT[:12]} has no file 'voices/x.onnx.json'"):
         catalog.pull("voice-x", cache_dir=tmp_path / "cache", catalog=hub_catalog(tmp_path), progress=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_gated_repo_says_how_to_get_access(tmp_path, hub):
+    hub.gated = True
+    with pytest.raises(DownloadError, match=f"{REPO} is gated on the hub") as info:
+        catalog.pull("voice-x", cache_dir=tmp_path / "cache", catalog=hub_catalog(tmp_path), progress=False)
+    assert "accept its licence" in str(info.value) and "HF_TOKEN" in str(info.value)
 
 
 @pytest.mark.slow
