@@ -51,6 +51,7 @@ def _plan_from_args(args, loaded, table):
 def cmd_quantize(args) -> int:
     import torch
 
+    from edge_rtgi.device import resolve_dtype
     from edge_rtgi.llm.quant.checkpoint import save_quantized_checkpoint
     from edge_rtgi.llm.quant.plan import apply_quant_plan, model_groups
     from edge_rtgi.llm.quant.profile import DEFAULT_SCHEMES, calibration_text, profile_sensitivity
@@ -61,12 +62,17 @@ def cmd_quantize(args) -> int:
         raise ConfigError("nothing to do", hint="give --profile, a budget (--target-bits/--max-mb), --plan or --uniform")
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    # The full model stays fp32 (the benchmark's reference, and the best source to quantise from);
+    # profiling and the quantised model run in the activation dtype the kernels will see.
+    loaded = load_model(args.model, device=args.device, dtype="fp32")
+    run_dtype = resolve_dtype(args.dtype, loaded.model.device)
     table = None
     if args.profile:
         schemes = tuple(args.schemes.split(",")) if args.schemes else DEFAULT_SCHEMES
-        table = profile_sensitivity(loaded.model, loaded.tokenizer, schemes, args.window_tokens,
+        work = loaded.model if run_dtype == torch.float32 else copy.deepcopy(loaded.model).to(run_dtype)
+        table = profile_sensitivity(work, loaded.tokenizer, schemes, args.window_tokens,
                                     args.calib_windows, progress=not args.quiet)
+        del work
         table.info["model"] = str(args.model)
         out = args.out or "sensitivity.yaml"
         table.save(out)
@@ -80,7 +86,7 @@ def cmd_quantize(args) -> int:
     if args.report:
         groups = model_groups(loaded.model)
         quant = copy.deepcopy(loaded.model)
-        resolved = apply_quant_plan(quant, plan)
+        resolved = apply_quant_plan(quant, plan, dtype=run_dtype)
         quality = compare_quality(loaded.model, quant, loaded.tokenizer, calibration_text("heldout"))
         full_bytes = sum(2 * g.numel for g in groups)
         path = write_report(args.report, resolved, groups, quality, str(args.model), full_bytes)

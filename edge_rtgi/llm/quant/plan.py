@@ -174,10 +174,14 @@ def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -
         model.embed_tokens = TiedQuantEmbedding(new)
 
 
-def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path) -> dict[str, str]:
+def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path,
+                     dtype: torch.dtype | None = None) -> dict[str, str]:
     """Quantise ``model`` in place according to ``plan`` (a QuantPlan or a YAML path).
 
-    Returns the resolved scheme per group. Groups planned as ``none`` are left untouched.
+    Weights are quantised from the model's current precision; ``dtype``, when given, then moves
+    the whole model (activations, scales, unquantised tensors) to that dtype, so an fp32 model
+    can be quantised from its fp32 weights and run in bf16. Returns the resolved scheme per
+    group. Groups planned as ``none`` are left untouched.
     """
     if not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
@@ -186,8 +190,14 @@ def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path) -> dict[str
     for group in groups:
         scheme = parse_scheme(resolved[group.name])
         if scheme.bits < 16:
-            weight = model.get_submodule(group.module_path).weight
+            module = model.get_submodule(group.module_path)
+            if not isinstance(module, nn.Linear):
+                raise ConfigError(f"{group.name} is already quantised",
+                                  hint="apply a plan to a float model (load it again)")
+            weight = module.weight
             install_packed(model, group, quantize_weight(weight, scheme))
+    if dtype is not None:
+        model.to(dtype)  # packed codes keep their integer dtypes; bf16 scales convert exactly
     warn_if_slow_activations(model)
     return resolved
 

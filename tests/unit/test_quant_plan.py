@@ -1,0 +1,128 @@
+"""Plans, budgets and the greedy allocator, on synthetic groups and sensitivity tables (no model)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.quant.allocate import Budget, allocate
+from edge_rtgi.llm.quant.plan import QuantPlan, WeightGroup, plan_bits_per_weight, plan_nbytes, uniform_plan
+from edge_rtgi.llm.quant.profile import SensitivityTable
+
+SCHEMES = ("int8", "int4-g32", "int4-g64", "int4-g128")
+
+
+def _groups():
+    shapes = [(256, 128), (128, 128), (512, 128), (128, 256)]
+    return [WeightGroup(f"layers.{i}.{k}", f"layers.{i}.x", *shapes[j])
+            for i in range(3) for j, k in enumerate(("qkv", "o", "gate_up", "down"))] + [
+        WeightGroup("lm_head", "lm_head", 384, 128)]
+
+
+def _table(groups):
+    kl = {}
+    for n, g in enumerate(groups):
+        base = 0.001 * (1 + (n * 7) % 5) * (10 if g.name == "lm_head" else 1)
+        kl[g.name] = {"int8": base * 0.01, "int4-g32": base * 0.3, "int4-g64": base * 0.6, "int4-g128": base}
+    return SensitivityTable(kl, {g.name: (g.out_features, g.in_features) for g in groups})
+
+
+def _kl_sum(resolved, table):
+    return sum(0.0 if s == "none" else table.kl[g][s] for g, s in resolved.items())
+
+
+def test_greedy_respects_budget_and_beats_uniform_at_equal_size():
+    groups, table = _groups(), None
+    table = _table(groups)
+    uniform = uniform_plan(groups, "int4-g64").resolved(groups)
+    budget = Budget(plan_nbytes(uniform, groups), "uniform int4-g64 size")
+    mixed = allocate(groups, table, budget, SCHEMES).resolved(groups)
+    assert plan_nbytes(mixed, groups) <= budget.max_bytes
+    assert _kl_sum(mixed, table) < _kl_sum(uniform, table)
+    assert mixed["lm_head"] != "int4-g128"  # the most sensitive group gets more bits
+
+
+def test_greedy_is_close_to_exhaustive_optimum_on_a_small_problem():
+    groups = _groups()[:5]
+    table = _table(groups)
+    numel = sum(g.numel for g in groups)
+    for bits in (4.3, 4.6, 5.2, 6.5):
+        budget = Budget(int(bits * numel / 8), f"{bits}")
+        greedy = _kl_sum(allocate(groups, table, budget, SCHEMES).resolved(groups), table)
+        best = min(_kl_sum(dict(zip([g.name for g in groups], combo, strict=True)), table)
+                   for combo in itertools.product(SCHEMES, repeat=len(groups))
+                   if plan_nbytes(dict(zip([g.name for g in groups], combo, strict=True)), groups) <= budget.max_bytes)
+        assert greedy <= best * 1.25 + 1e-12, bits
+
+
+def test_budget_below_int4_everywhere_names_the_minimum():
+    groups = _groups()
+    with pytest.raises(ConfigError, match=r"below the smallest plan.*needs 4\.\d+ bits per weight") as err:
+        allocate(groups, _table(groups), Budget.from_args(groups, 3.0, None), SCHEMES)
+    assert "--target-bits >=" in str(err.value)
+    with pytest.raises(ConfigError, match="MB"):
+        allocate(groups, _table(groups), Budget.from_args(groups, None, 0.01), SCHEMES)
+    with pytest.raises(ConfigError, match="exactly one budget"):
+        Budget.from_args(groups, 4.5, 3.0)
+
+
+def test_generous_budget_keeps_everything_in_float():
+    groups = _groups()
+    plan = allocate(groups, _table(groups), Budget.from_args(groups, 16.0, None))
+    assert set(plan.resolved(groups).values()) == {"none"}
+
+
+def test_plan_yaml_round_trip_is_exact(tmp_path):
+    groups = _groups()
+    plan = allocate(groups, _table(groups), Budget.from_args(groups, 4.8, None), SCHEMES)
+    plan.save(tmp_path / "plan.yaml", groups)
+    again = QuantPlan.load(tmp_path / "plan.yaml")
+    assert again.resolved(groups) == plan.resolved(groups)
+    assert again.notes == plan.notes
+    assert plan_bits_per_weight(again.resolved(groups), groups) == plan.notes["bits_per_weight"] or abs(
+        plan_bits_per_weight(again.resolved(groups), groups) - plan.notes["bits_per_weight"]) < 1e-3
+
+
+def test_plan_naming_missing_groups_is_refused_with_the_names():
+    groups = _groups()
+    plan = QuantPlan({"layers.7.qkv": "int8", "layers.0.mlp": "int8", "lm_head": "int8"})
+    with pytest.raises(ConfigError, match=r"layers\.0\.mlp, layers\.7\.qkv"):
+        plan.validate(groups)
+
+
+def test_plan_files_are_strict(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("format: edge-rtgi-quant-plan/1\ngroups: {lm_head: int5}\n")
+    with pytest.raises(ConfigError, match="int5"):
+        QuantPlan.load(path)
+    path.write_text("format: edge-rtgi-quant-plan/1\nbits: 4\n")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        QuantPlan.load(path)
+    path.write_text("groups: {}\n")
+    with pytest.raises(ConfigError, match="not a quantisation plan"):
+        QuantPlan.load(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        QuantPlan.load(tmp_path / "missing.yaml")
+
+
+def test_scheme_that_does_not_fit_is_refused_and_uniform_falls_back():
+    groups = _groups()  # in_features 128/256: g128 fits, but a 96-wide group would not
+    odd = groups + [WeightGroup("layers.3.o", "x", 64, 96)]
+    with pytest.raises(ConfigError, match=r"layers\.3\.o=int4-g64"):
+        QuantPlan(default="int4-g64").validate(odd)
+    resolved = uniform_plan(odd, "int4-g64").resolved(odd)
+    assert resolved["layers.3.o"] == "int4-g32" and resolved["layers.0.qkv"] == "int4-g64"
+
+
+def test_sensitivity_table_round_trip(tmp_path):
+    groups = _groups()
+    table = _table(groups)
+    table.info["calibration"] = {"tokens": 512}
+    table.save(tmp_path / "s.yaml")
+    again = SensitivityTable.load(tmp_path / "s.yaml")
+    assert again.shapes == table.shapes and again.info["calibration"] == {"tokens": 512}
+    for name, row in table.kl.items():
+        for scheme, value in row.items():
+            assert again.kl[name][scheme] == pytest.approx(value, rel=1e-3)
