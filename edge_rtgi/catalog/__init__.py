@@ -33,7 +33,7 @@ from edge_rtgi.errors import ConfigError, DownloadError, EdgeRtgiError, ModelFil
 __all__ = [
     "CatalogEntry", "FileSpec", "SourceSpec", "PinMismatchError", "ROLES", "ModelsConfig", "configure",
     "resolve_model", "get_entry", "list_entries", "default_model", "setup_models",
-    "pull", "verify", "is_installed", "installed_path", "cache_dir", "catalog_path",
+    "pull", "verify", "remove", "is_installed", "installed_path", "cache_dir", "catalog_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -289,3 +289,18 @@ def _pins_for(entry: CatalogEntry, manifest: Manifest) -> dict[str, str]:
         if spec.kind == manifest.source_kind and manifest.source.startswith(spec.describe().split("@")[0]):
             return {f.name: f.sha256 for f in spec.files if f.sha256 and not f.tree}
     return {}
+
+
+def remove(name: str, *, cache_dir: str | os.PathLike | None = None,
+           catalog: str | os.PathLike | None = None) -> bool:
+    """Delete a model from the cache; False when it was not there."""
+    import shutil
+
+    entry = get_entry(name, catalog=catalog)
+    root = _cache(cache_dir)
+    folder = root / entry.name
+    if not folder.exists():
+        return False
+    with model_lock(root, entry.name):
+        shutil.rmtree(folder)
+    return True

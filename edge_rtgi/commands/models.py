@@ -14,7 +14,9 @@ def _size(num_bytes: int | None) -> str:
         return "?"
     if num_bytes >= 1 << 30:
         return f"{num_bytes / (1 << 30):.1f} GiB"
-    return f"{num_bytes / (1 << 20):.1f} MiB"
+    if num_bytes >= 1 << 20:
+        return f"{num_bytes / (1 << 20):.1f} MiB"
+    return f"{num_bytes / 1024:.1f} KiB"
 
 
 def _installed_size(entry: catalog.CatalogEntry, args) -> tuple[bool, int | None]:
@@ -86,6 +88,31 @@ def cmd_verify(args) -> int:
     return 1 if bad else 0
 
 
+def cmd_info(args) -> int:
+    e = catalog.get_entry(args.name, catalog=args.catalog)
+    path = catalog.installed_path(e.name, cache_dir=args.cache_dir, catalog=args.catalog)
+    print(f"{e.name}  ({e.role}{', default' if e.default else ''})")
+    print(f"  {e.description}")
+    print(f"  license: {e.license or '?'}")
+    for key, value in e.extra.items():
+        print(f"  {key}: {value}")
+    print(f"  installed: {path or 'no'}")
+    for i, s in enumerate(e.sources, 1):
+        print(f"  source {i}: {s.describe()}{' (gated)' if s.gated else ''}  {s.note}".rstrip())
+        for f in s.files:
+            pin = f"{'tree digest' if f.tree else 'sha256'} {f.sha256}" if f.sha256 else \
+                "hub-published sha256, checked at download"
+            print(f"    {f.name}{'/' if f.tree else ''}  {_size(f.size_bytes)}  {pin}")
+    return 0
+
+
+def cmd_remove(args) -> int:
+    for name in args.names:
+        removed = catalog.remove(name, cache_dir=args.cache_dir, catalog=args.catalog)
+        print(f"{name}: {'removed' if removed else 'not installed'}", file=sys.stderr)
+    return 0
+
+
 def register(subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", help="model cache (default: $EDGE_RTGI_MODEL_DIR or the XDG cache)")
@@ -110,6 +137,14 @@ def register(subparsers) -> None:
     q.add_argument("name", metavar="NAME")
     q.add_argument("--pull", action="store_true", help="pull it first if it is not installed")
     q.set_defaults(func=cmd_path)
+
+    q = sub.add_parser("info", parents=[common], help="an entry's sources, files, pins and licence")
+    q.add_argument("name", metavar="NAME")
+    q.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("remove", parents=[common], help="delete models from the cache")
+    q.add_argument("names", nargs="+", metavar="NAME")
+    q.set_defaults(func=cmd_remove)
 
     q = sub.add_parser("verify", parents=[common], help="re-hash installed models (exit 1 on a mismatch)")
     q.add_argument("names", nargs="*", metavar="NAME")

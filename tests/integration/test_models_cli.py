@@ -90,6 +90,12 @@ def test_pull_defaults_path_and_verify(cli, tmp_path, vad_catalog):
     assert proc.stdout.strip() == str(cache / "vad-test" / "silero.onnx")
     proc = cli("models", "verify", cache=cache, catalog=vad_catalog)
     assert proc.returncode == 0 and "vad-test: ok (1/1 files)" in proc.stdout
+    info = cli("models", "info", "vad-test", cache=cache, catalog=vad_catalog).stdout
+    assert f"installed: {cache / 'vad-test' / 'silero.onnx'}" in info
+    assert f"silero.onnx  ?  sha256 {SILERO_SHA256}" in info and "python-package faster_whisper" in info
+    assert cli("models", "remove", "vad-test", cache=cache, catalog=vad_catalog).returncode == 0
+    assert not (cache / "vad-test").exists()
+    assert "vad-test: not installed" in cli("models", "remove", "vad-test", cache=cache, catalog=vad_catalog).stderr
 
 
 def test_verify_detects_a_corrupted_cached_file(cli, tmp_path, vad_catalog):
