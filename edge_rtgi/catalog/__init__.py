@@ -233,29 +233,38 @@ def pull(name: str, force: bool = False, progress: bool = True, *, source: str |
     if not sources:
         raise ConfigError(f"model {name!r} has no {source} source",
                           hint=f"its sources: {', '.join(entry.source_kinds())}")
-    with model_lock(root, entry.name):
-        if not force and (found := installed_path(entry.name, cache_dir=root, catalog=catalog)):
-            return found
-        failures: list[EdgeRtgiError] = []
-        for spec in sources:
-            log.info("pulling %s from %s", entry.name, spec.describe())
-            try:
-                with staging_dir(root, entry.name) as (staged, scratch):
-                    hashes, described = _fetch(spec, staged, scratch, progress)
-                    manifest = new_manifest(entry.name, described, spec.kind, spec.path, staged, hashes)
-                    if not (staged / spec.path).exists():
-                        raise ModelFileError(f"{spec.describe()} did not provide {spec.path}")
-                    manifest.write(staged)
-                    install(staged, root / entry.name)
-                return _entry_path(root / entry.name, manifest)
-            except EdgeRtgiError as exc:
-                log.info("%s: %s failed: %s", entry.name, spec.describe(), exc)
-                exc.source = spec.describe()
-                failures.append(exc)
+    try:
+        with model_lock(root, entry.name):
+            if not force and (found := installed_path(entry.name, cache_dir=root, catalog=catalog)):
+                return found
+            failures: list[EdgeRtgiError] = []
+            for spec in sources:
+                try:
+                    return _pull_source(entry, spec, root, progress)
+                except EdgeRtgiError as exc:
+                    log.info("%s: %s failed: %s", entry.name, spec.describe(), exc)
+                    exc.source = spec.describe()
+                    failures.append(exc)
+    except OSError as exc:  # an unwritable or full cache is the user's to fix, not a crash
+        raise ModelFileError(f"cannot write model {entry.name} into the cache {root}: {exc}",
+                             hint="free some space, or point EDGE_RTGI_MODEL_DIR / --cache-dir elsewhere") from None
     if len(failures) == 1 and isinstance(failures[0], PinMismatchError):
         raise failures[0]
     summary = " | ".join(f"{e.source}: {e}" for e in failures)
     raise DownloadError(f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, sources, catalog))
+
+
+def _pull_source(entry: CatalogEntry, spec: SourceSpec, root: Path, progress: bool) -> Path:
+    """Fetch one source into a staging folder, write the manifest, rename into place."""
+    log.info("pulling %s from %s", entry.name, spec.describe())
+    with staging_dir(root, entry.name) as (staged, scratch):
+        hashes, described = _fetch(spec, staged, scratch, progress)
+        if not (staged / spec.path).exists():
+            raise ModelFileError(f"{spec.describe()} did not provide {spec.path}")
+        manifest = new_manifest(entry.name, described, spec.kind, spec.path, staged, hashes)
+        manifest.write(staged)
+        install(staged, root / entry.name)
+    return _entry_path(root / entry.name, manifest)
 
 
 _pull = pull  # resolve_model's ``pull`` flag shadows the function inside it

@@ -298,3 +298,11 @@ def test_leftovers_of_a_killed_pull_are_cleaned_up(tmp_path):
     catalog.pull("vad-test", cache_dir=cache, catalog=cat, progress=False)
     # another model's staging folder (vad-test-x) is not this pull's business
     assert sorted(p.name for p in cache.iterdir()) == [".locks", ".partial-vad-test-x-1", "vad-test"]
+
+
+def test_an_unwritable_cache_is_a_clear_error(tmp_path):
+    cat = write_catalog(tmp_path, silero_entry())
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(ModelFileError, match="cannot write model vad-test into the cache") as info:
+        catalog.pull("vad-test", cache_dir=tmp_path / "file" / "cache", catalog=cat, progress=False)
+    assert "EDGE_RTGI_MODEL_DIR" in str(info.value)
