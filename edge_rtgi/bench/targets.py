@@ -34,7 +34,7 @@ class EngineTarget:
         self.name = name
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[Chunk]:
-        params = {"max_tokens": request.max_tokens, "temperature": 0.0}
+        params = {"max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": request.ignore_eos}
         async with self.engine.add_request(list(request.prompt_token_ids), params) as deltas:
             async for delta in deltas:
                 usage = delta.usage
@@ -112,7 +112,7 @@ def plain_stream_fn(loaded: Any) -> TokenStreamFn:
     from edge_rtgi.llm.sampling import SamplingParams
 
     def stream(request: PreparedRequest, cancel: threading.Event) -> Iterator[tuple[tuple[int, ...], str]]:
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=request.ignore_eos)
         for delta in generate_stream(loaded, list(request.prompt_token_ids), params):
             if cancel.is_set():
                 return

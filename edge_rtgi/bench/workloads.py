@@ -89,6 +89,7 @@ class PreparedRequest:
     max_tokens: int
     reference: str | None = None
     source_text: str | None = None
+    ignore_eos: bool = False  # generate exactly max_tokens (speed measurements)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

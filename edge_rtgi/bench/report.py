@@ -1,0 +1,316 @@
+"""Markdown + PNG + JSON reports from a benchmark result dict (``runner.run_suite``'s output).
+
+``write_report(results, folder)`` writes ``report.md``, ``results.json`` and the figures
+(latency CDFs, throughput against offered load, ablation bars, peers). The markdown is built
+from the JSON alone, so ``edge-rtgi bench report results.json --report DIR`` re-renders it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from edge_rtgi.bench.targets_check import evaluate_targets
+
+
+def _f(value: Any, digits: int = 0, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:,.{digits}f}{unit}"
+
+
+def _pct(value: Any) -> str:
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.0f} %"
+
+
+def _dist(d: dict, digits: int = 0) -> str:
+    return f"{_f(d['p50'], digits)} / {_f(d['p95'], digits)} / {_f(d['p99'], digits)}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines + [""]
+
+
+# --- Figures ----------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency_cdfs(results: dict, path: Path) -> bool:
+    workloads = results.get("workloads") or []
+    if not workloads:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
+    for w in workloads:
+        for ax, key in zip(axes, ("ttft_ms", "itl_ms"), strict=True):
+            values = sorted(v for v in w["samples"][key] if not math.isnan(v))
+            if values:
+                ys = [0.0] + [(i + 1) / len(values) for i in range(len(values))]
+                ax.step([values[0], *values], ys, where="post", label=w["name"])
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    for ax, key, title in zip(axes, ("ttft_ms", "itl_ms"), ("TTFT", "inter-token latency"), strict=True):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel(f"{title} (ms, log scale)")
+        ax.set_ylabel("fraction of requests" if key == "ttft_ms" else "fraction of tokens")
+        ax.grid(alpha=0.3)
+        slos = {w["slo"]["ttft_ms" if key == "ttft_ms" else "itl_ms"] for w in workloads}
+        for s in slos:
+            ax.axvline(s, color="grey", linestyle="--", linewidth=0.8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Latency CDFs at each workload's offered load (dashed: SLOs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_ramp(results: dict, path: Path) -> bool:
+    ramp = results.get("ramp")
+    if not ramp or not ramp["stages"]:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 3.4), dpi=80)
+    rates = [s["rate_rps"] for s in ramp["stages"]]
+    ax.plot(rates, [s["metrics"]["throughput_tok_s"] for s in ramp["stages"]], "o-", label="throughput (tok/s)")
+    ax.set_xlabel("offered load (requests/s, Poisson)")
+    ax.set_ylabel("output tokens/s")
+    ax2 = ax.twinx()
+    ax2.plot(rates, [100 * s["metrics"]["slo_attainment"] for s in ramp["stages"]], "s--", color="tab:red",
+             label="SLO attainment (%)")
+    ax2.set_ylabel("requests meeting SLO (%)")
+    ax2.set_ylim(0, 105)
+    ax.grid(alpha=0.3)
+    fig.legend(loc="upper left", fontsize=8, bbox_to_anchor=(0.12, 0.9))
+    ax.set_title(f"Throughput against offered load ({ramp['workload']} workload)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_ablations(results: dict, path: Path) -> bool:
+    abl = results.get("ablations")
+    rows = [r for r in (abl or {}).get("rows", []) if "metrics" in r]
+    if not rows:
+        return False
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.4), dpi=80)
+    labels = [r["label"].replace("=", "=\n") for r in rows]
+    panels = (("TTFT p95 (ms)", lambda m: m["ttft_ms"]["p95"]), ("throughput (tok/s)", lambda m: m["throughput_tok_s"]),
+              ("SLO attainment (%)", lambda m: 100 * m["slo_attainment"]))
+    for ax, (title, get) in zip(axes, panels, strict=True):
+        ax.bar(range(len(rows)), [get(r["metrics"]) for r in rows], color="tab:blue")
+        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"Ablations on the {abl['workload']} workload (one switch changed per bar)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def plot_peers(results: dict, path: Path) -> bool:
+    peers = results.get("peers")
+    if not peers or not peers["entries"]:
+        return False
+    plt = _plt()
+    entries = peers["entries"]
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.6), dpi=80)
+    labels = [e["name"].split(" (")[0].replace("edge-rtgi ", "").replace("HF transformers", "HF") for e in entries]
+    panels = (("batch-1 decode (tok/s)", lambda e: e["batch1"]["decode_tok_s"]),
+              ("batch-1 TTFT (ms)", lambda e: e["batch1"]["ttft_ms"]),
+              ("throughput under load (tok/s)", lambda e: e["load"]["throughput_tok_s"]))
+    colors = ["tab:green" if e["kind"] == "ours" else "tab:grey" for e in entries]
+    for ax, (title, get) in zip(axes, panels, strict=True):
+        ax.barh(range(len(entries)), [get(e) for e in entries], color=colors)
+        ax.set_yticks(range(len(entries)), labels if ax is axes[0] else [""] * len(entries), fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Same model, same prompts, same thread count", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+FIGURES = (("latency_cdf.png", plot_latency_cdfs), ("throughput_vs_load.png", plot_ramp),
+           ("ablations.png", plot_ablations), ("peers.png", plot_peers))
+
+
+# --- Markdown ---------------------------------------------------------------------------------
+
+
+def _conditions(results: dict) -> list[str]:
+    m, cfg = results["machine"], results["config"]
+    opt = cfg["optimisations"]
+    git = m.get("git") or {}
+    load = m.get("load_average")
+    lines = [
+        "## Conditions", "",
+        f"- Date (UTC): {m['date_utc']}; commit `{(git.get('commit') or 'unknown')[:10]}`"
+        f"{' (with uncommitted changes)' if git.get('dirty') else ''}; whole run {_f(results.get('elapsed_s'), 0)} s.",
+        f"- Machine: {m['cpu']}, {m['cpu_count']} cores, {_f(m.get('memory_gib'), 0)} GiB"
+        f"{', GPU ' + m['cuda_device'] if m.get('cuda_device') else ', no GPU'}; {cfg['num_threads']} threads for every engine.",
+        f"- Load average at start / end: {', '.join(f'{x:.1f}' for x in load) if load else '–'} / "
+        f"{', '.join(f'{x:.1f}' for x in m.get('load_average_end') or []) or '–'} "
+        "(other processes shared the cores; absolute numbers are noisy, same-run ratios less so).",
+        "- Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
+        f"- Model: {results['model']['name']} (`{Path(results['model']['source']).name}`); engine dtype "
+        f"{results['model']['engine_dtype']}; quantisation: {opt['quant'] or 'none (not enabled in this run)'}.",
+        f"- Engine switches: prefix caching {'on' if opt['prefix_caching'] else 'off'}, max_num_seqs "
+        f"{opt['max_num_seqs']}, chunked prefill {'on' if opt['chunked_prefill'] else 'off'} "
+        f"({opt['max_num_batched_tokens']} tokens per step), kv dtype {opt['kv_dtype']}.",
+        "- Decoding: greedy everywhere. Each load run is one seeded run; latency percentiles are over its "
+        "requests (tokens for ITL). Batch-1 figures are medians of "
+        f"{cfg['decode_runs']} runs after a warm-up.", "",
+    ]
+    return lines
+
+
+def _targets(results: dict) -> list[str]:
+    rows = [[t["target"], t["measured"], t["status"]] for t in evaluate_targets(results)]
+    return ["## Where the engine stands against the targets", "", *_table(["target", "measured (this run)", "status"], rows)]
+
+
+def _workloads(results: dict) -> list[str]:
+    ws = results.get("workloads") or []
+    if not ws:
+        return []
+    rows = []
+    for w in ws:
+        m, load = w["metrics"], w["load"]
+        offered = f"{load['pattern']} {load['rate_rps']:g}/s" + (f" (bursts of {load['burst_size']})"
+                                                                  if load["pattern"] == "burst" else "")
+        rows.append([w["name"], f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}", offered,
+                     f"{m['num_ok']}/{m['num_requests']}", _dist(m["ttft_ms"]), _dist(m["itl_ms"], 1),
+                     _dist(m["e2e_ms"]), _f(m["throughput_tok_s"], 1), _f(m["goodput_rps"], 2),
+                     _f(m["peak_rss_mb"], 0), f"{m['kv_blocks_peak']}/{m['kv_blocks_total']}"])
+    header = ["workload", "SLO TTFT/ITL (ms)", "offered load", "ok/sent", "TTFT p50/p95/p99 (ms)",
+              "ITL p50/p95/p99 (ms)", "E2E p50/p95/p99 (ms)", "throughput (tok/s)", "goodput (req/s)",
+              "peak RSS (MiB)", "KV blocks peak/total"]
+    out = ["## Workloads on the engine", "", *_table(header, rows)]
+    errors = [(w["name"], e) for w in ws for e in w.get("errors", [])]
+    out += [f"- {name}: {e}" for name, e in errors] + ([""] if errors else [])
+    out += ["![latency CDFs](IMG/latency_cdf.png)", ""]
+    return out
+
+
+def _rtiq(results: dict) -> list[str]:
+    ws = results.get("workloads") or []
+    if not ws:
+        return []
+    rows = []
+    for w in ws:
+        q, r, kl = w["quality"], w["rtiq"], w["quality"].get("kl")
+        ref = (f"{_f(q['chrf_ref_optimised'], 1)} / {_f(q['chrf_ref_full'], 1)}"
+               if q.get("chrf_ref_full") is not None else "–")
+        kl_txt = (f"{kl['mean']:.4f} / {kl['p99']:.3f} / {100 * kl['top1_agreement']:.1f} %" if kl
+                  else "0 (same weights)")
+        rows.append([w["name"], f"**{r['value']:.2f}**", f"{r['quality_retention']:.3f}",
+                     _pct(r["slo_attainment"]), _pct(r["ttft_attainment"]), _pct(r["itl_attainment"]),
+                     _f(q["chrf_agreement"], 1), ref, kl_txt, str(q["num_outputs"])])
+    header = ["workload", "RTIQ", "quality retention", "meet TTFT+ITL", "meet TTFT", "meet ITL",
+              "chrF agreement", "chrF vs refs opt/full", "KL mean / p99 / top-1 agree", "outputs compared"]
+    return ["## RTIQ per workload, with its parts", "", *_table(header, rows),
+            "Quality retention basis: " + "; ".join(f"{w['name']}: {w['quality']['basis']}" for w in ws) + ".", ""]
+
+
+def _ramp(results: dict) -> list[str]:
+    ramp = results.get("ramp")
+    if not ramp:
+        return []
+    rows = [[f"{s['rate_rps']:g}", f"{s['metrics']['num_ok']}/{s['metrics']['num_requests']}",
+             _dist(s["metrics"]["ttft_ms"]), _f(s["metrics"]["itl_ms"]["p95"], 1),
+             _f(s["metrics"]["throughput_tok_s"], 1), _f(s["metrics"]["goodput_rps"], 2),
+             _pct(s["metrics"]["slo_attainment"])] for s in ramp["stages"]]
+    sat = (f"saturates at {ramp['saturation_rps']:g} req/s" if ramp["saturation_rps"] is not None
+           else "did not saturate within the ramp")
+    sus = f"{ramp['sustained_rps']:g} req/s" if ramp["sustained_rps"] is not None else "none of the stages"
+    return [f"## Ramp to saturation ({ramp['workload']} workload)", "",
+            *_table(["offered (req/s)", "ok/sent", "TTFT p50/p95/p99 (ms)", "ITL p95 (ms)", "throughput (tok/s)",
+                     "goodput (req/s)", "meet SLO"], rows),
+            f"Highest rate with at least {100 * ramp['threshold']:.0f} % of requests meeting the SLO: {sus}; {sat}.",
+            "", "![throughput against offered load](IMG/throughput_vs_load.png)", ""]
+
+
+def _ablations(results: dict) -> list[str]:
+    abl = results.get("ablations")
+    if not abl:
+        return []
+    rows = []
+    for r in abl["rows"]:
+        if "metrics" not in r:
+            rows.append([r["label"], "skipped: " + r["skipped"]] + [""] * 6)
+            continue
+        m = r["metrics"]
+        rows.append([r["label"], _dist(m["ttft_ms"]), _f(m["itl_ms"]["p95"], 1), _f(m["throughput_tok_s"], 1),
+                     _f(m["goodput_rps"], 2), _pct(m["slo_attainment"]), _pct(r["prefix_hit_rate"]),
+                     _f(r["requests_per_step"], 2)])
+    load = abl["load"]
+    return [f"## Ablations ({abl['workload']} workload, {load['pattern']} {load['rate_rps']:g} req/s, "
+            f"{load['num_requests']} requests)", "",
+            *_table(["switch changed", "TTFT p50/p95/p99 (ms)", "ITL p95 (ms)", "throughput (tok/s)",
+                     "goodput (req/s)", "meet SLO", "prefix-cache hits", "requests per step"], rows),
+            "![ablations](IMG/ablations.png)", ""]
+
+
+def _peers(results: dict) -> list[str]:
+    peers = results.get("peers")
+    if not peers:
+        return []
+    rows = [[e["name"], _f(e["batch1"]["decode_tok_s"], 1), _f(e["batch1"]["ttft_ms"], 0),
+             f"{e['batch1']['reference_prefix_match']}/{e['batch1']['tokens']}", _f(e["load"]["throughput_tok_s"], 1),
+             _f(e["load"]["ttft_ms"]["p95"], 0), _f(e["load"]["e2e_ms"]["p95"], 0)] for e in peers["entries"]]
+    out = [f"## Peers side by side (batch 1: {peers['decode_prompt_tokens']}-token prompt, "
+           f"{peers['decode_new_tokens']} new tokens; under load: {peers['load_requests']} voice prompts at once, "
+           f"{peers['load_max_tokens']} tokens each)", "",
+           *_table(["engine", "decode (tok/s, median)", "TTFT (ms, median)", "greedy tokens equal to fp32 ref",
+                    "throughput under load (tok/s)", "TTFT p95 under load (ms)", "E2E p95 under load (ms)"], rows)]
+    if peers["ratios"]:
+        rrows = [[r["vs"], f"{r['decode_speed']:.2f}x", f"{r['ttft']:.2f}x", f"{r['throughput_under_load']:.2f}x"]
+                 for r in peers["ratios"]]
+        out += ["Ratios ours / theirs (decode and throughput: higher is better; TTFT: lower is better):", "",
+                *_table(["vs", "batch-1 decode", "TTFT", "throughput under load"], rrows)]
+    out += [f"- Skipped {s['name']}: {s['reason']}" for s in peers["skipped"]]
+    return [*out, "", "![peers](IMG/peers.png)", ""]
+
+
+def render_markdown(results: dict, image_prefix: str = "") -> str:
+    """The report as markdown; figure links are ``image_prefix + name``."""
+    lines = ["# edge-rtgi benchmark report", ""]
+    for part in (_conditions, _targets, _workloads, _rtiq, _ramp, _ablations, _peers):
+        lines += part(results)
+    return "\n".join(lines).replace("IMG/", image_prefix)
+
+
+def write_report(results: dict, folder: str | Path, image_prefix: str = "") -> Path:
+    """Write report.md, results.json and the PNG figures into ``folder``; returns report.md's path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    made = {name for name, plot in FIGURES if plot(results, folder / name)}
+    text = render_markdown(results, image_prefix)
+    for name, _ in FIGURES:  # drop links to figures that had no data
+        if name not in made:
+            text = "\n".join(line for line in text.splitlines() if f"{image_prefix}{name}" not in line)
+    path = folder / "report.md"
+    path.write_text(text + "\n")
+    return path

@@ -1,0 +1,118 @@
+"""Run the benchmark sections in order and collect one JSON-friendly result with its conditions."""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import logging
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_rtgi.bench.suite import (
+    BenchConfig,
+    load_models,
+    make_engine,
+    run_ablations,
+    run_ramp_section,
+    run_workload,
+)
+from edge_rtgi.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SECTIONS = ("workloads", "ramp", "ablations", "peers")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> dict:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return {"commit": commit or None, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def machine_info() -> dict:
+    """The conditions of a run: hardware, load, versions, commit."""
+    mem_gib = None
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        pass
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": mem_gib, "cuda_device": cuda,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "versions": {p: _version(p) for p in ("edge-rtgi", "torch", "transformers", "ctranslate2",
+                                              "llama_cpp_python", "sacrebleu", "numpy")},
+        "git": _git_commit(),
+    }
+
+
+def check_sections(sections: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown benchmark section {unknown[0]!r}", hint=f"choose from {', '.join(SECTIONS)}")
+    return tuple(s for s in SECTIONS if s in sections)
+
+
+async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+    """Load the models once and run the requested sections; returns the full result dict."""
+    sections = check_sections(sections)
+    torch.set_num_threads(cfg.num_threads)
+    results: dict[str, Any] = {"machine": machine_info(), "config": asdict(cfg), "sections": list(sections)}
+    started = time.monotonic()
+    models = load_models(cfg)
+    results["model"] = {"name": cfg.model, "source": str(models.source), "engine_dtype": str(models.optimised.model.dtype),
+                        "quant": models.quant_report}
+    engine = make_engine(models.optimised, cfg.optimisations, cfg)
+    try:
+        if "workloads" in sections:
+            results["workloads"] = []
+            for name in cfg.workloads:
+                log.info("bench: workload %s", name)
+                results["workloads"].append(await run_workload(models, engine, cfg.workload(name), cfg))
+        if "ramp" in sections:
+            log.info("bench: ramp on %s", cfg.ramp_workload)
+            results["ramp"] = await run_ramp_section(models, engine, cfg)
+        if "peers" in sections:
+            from edge_rtgi.bench.peer_bench import run_peers_section
+
+            results["peers"] = await run_peers_section(models, engine, cfg, models.source)
+    finally:
+        engine.shutdown()
+    if "ablations" in sections:
+        log.info("bench: ablations on %s", cfg.ablation_workload)
+        results["ablations"] = await run_ablations(models, cfg)
+    results["elapsed_s"] = time.monotonic() - started
+    results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return results

@@ -1,0 +1,272 @@
+"""The benchmark suite: configuration (every optimisation is a switch) and the parts of a run.
+
+A run is a sequence of independent sections, each producing a JSON-friendly dict:
+
+- ``workloads``: each workload at its offered load on the engine, with quality retention
+  against the full model and the RTIQ.
+- ``ramp``: Poisson stages at rising rates on one workload, to find the saturation point.
+- ``ablations``: one workload with each optimisation switched off in turn.
+- ``peers``: batch-1 TTFT/decode speed and throughput under load for our engine, the plain
+  reference path and the peer engines, on the same token ids.
+
+``report.py`` turns the collected dict into markdown, PNG figures and JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_rtgi.bench.loadgen import LoadSpec, run_load, run_ramp
+from edge_rtgi.bench.metrics import SLO, RunMetrics
+from edge_rtgi.bench.peers import PEER_NAMES
+from edge_rtgi.bench.quality import kl_along_continuations, model_logits_fn, score_outputs
+from edge_rtgi.bench.rtiq import rtiq
+from edge_rtgi.bench.targets import EngineTarget
+from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
+from edge_rtgi.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Optimisations:
+    """The switches. Each field is one optimisation, so an ablation flips exactly one field.
+
+    ``max_num_seqs=1`` disables batching; ``max_num_batched_tokens`` is the chunked-prefill
+    size (tokens per step); ``dtype``/``kv_dtype`` choose the numerics; ``quant`` is the
+    ``edge_rtgi.llm.quant.apply_quant`` spec (a scheme such as "int8", a plan YAML, or a
+    quantised checkpoint). Later optimisations add fields here.
+    """
+
+    prefix_caching: bool = True
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    chunked_prefill: bool = True
+    dtype: str = "auto"
+    kv_dtype: str = "auto"
+    quant: str | None = None
+
+    def engine_config(self, model: str, num_threads: int | None) -> Any:
+        from edge_rtgi.llm.engine_config import EngineConfig
+
+        return EngineConfig(model=model, dtype=self.dtype, kv_dtype=self.kv_dtype,
+                            enable_prefix_caching=self.prefix_caching, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_chunked_prefill=self.chunked_prefill, num_threads=num_threads)
+
+    @property
+    def lossy(self) -> bool:
+        """Whether outputs may differ from the fp32 full model (beyond float rounding)."""
+        return self.quant is not None or self.dtype not in ("fp32", "float32") or self.kv_dtype != "auto"
+
+    def changed(self, spec: str) -> Optimisations:
+        """Apply one ``field=value`` change (an ablation), with the value parsed by field type."""
+        key, sep, raw = spec.partition("=")
+        types = {f.name: f.type for f in fields(self)}
+        if not sep or key not in types:
+            raise ConfigError(f"bad ablation {spec!r}", hint=f"write field=value with a field among {', '.join(types)}")
+        kind = str(types[key])
+        if "bool" in kind:
+            if raw.lower() not in ("true", "false", "on", "off", "1", "0"):
+                raise ConfigError(f"ablation {spec!r}: {key} takes true/false")
+            value: Any = raw.lower() in ("true", "on", "1")
+        elif "int" in kind:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(f"ablation {spec!r}: {key} takes an integer") from None
+        else:
+            value = None if raw.lower() in ("none", "") else raw
+        return replace(self, **{key: value})
+
+
+DEFAULT_ABLATIONS = ("prefix_caching=false", "max_num_seqs=1", "max_num_batched_tokens=64",
+                     "max_num_batched_tokens=1024", "dtype=fp32")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. Counts and bounds are small by default: this runs on 2 shared CPU cores."""
+
+    model: str = "smollm2-135m-instruct"
+    workloads: tuple[str, ...] = WORKLOAD_NAMES
+    optimisations: Optimisations = field(default_factory=Optimisations)
+    num_requests: int | None = None  # per workload; None: the workload's default
+    max_duration_s: float | None = None
+    rate_scale: float = 1.0  # multiplies every workload's offered rate
+    quality_prompts: int = 12  # distinct prompts per workload compared with the full model
+    ramp_workload: str = "voice"
+    ramp_rates_rps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
+    ramp_requests: int = 16
+    ablation_workload: str = "dialogue"
+    ablations: tuple[str, ...] = DEFAULT_ABLATIONS
+    peers: tuple[str, ...] = PEER_NAMES
+    decode_prompt_tokens: int = 64
+    decode_new_tokens: int = 128
+    decode_runs: int = 3
+    load_requests: int = 16  # throughput under load: this many requests at once
+    load_max_tokens: int = 32
+    num_threads: int = 2
+    seed: int = 0
+
+    def workload(self, name: str) -> Workload:
+        w = get_workload(name)
+        rate = w.load.rate_rps * self.rate_scale
+        return w.with_overrides(num_requests=self.num_requests, max_duration_s=self.max_duration_s, rate_rps=rate,
+                                seed=w.load.seed + self.seed)
+
+
+# --- Models -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Models:
+    """The optimised model (engine) and the full fp32 reference, loaded once per run."""
+
+    optimised: Any  # LoadedModel in the engine's dtype, with ``quant`` applied
+    full: Any  # LoadedModel, fp32, no lossy optimisation
+    source: Path
+    quant_report: dict | None = None
+
+
+def load_models(cfg: BenchConfig) -> Models:
+    from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.llm.weights import load_model
+
+    source = resolve_model(cfg.model, role="llm")
+    full = load_model(source, device="auto", dtype="fp32")
+    opt = cfg.optimisations
+    quant_report = None
+    if opt.dtype in ("fp32", "float32") and opt.quant is None:
+        optimised = full
+    else:
+        optimised = load_model(source, device="auto", dtype=opt.dtype)
+        if opt.quant is not None:
+            from edge_rtgi.llm.quant import apply_quant
+
+            quant_report = apply_quant(optimised.model, opt.quant)
+    return Models(optimised, full, Path(source), quant_report)
+
+
+def model_for(models: Models, opt: Optimisations, base: Optimisations) -> Any | None:
+    """The loaded model an engine with switches ``opt`` runs on, or None if neither copy fits."""
+    if opt.quant == base.quant and opt.dtype == base.dtype:
+        return models.optimised
+    if opt.quant is None and opt.dtype in ("fp32", "float32"):
+        return models.full
+    return None
+
+
+def make_engine(loaded: Any, opt: Optimisations, cfg: BenchConfig) -> Any:
+    from edge_rtgi.llm.engine import LLMEngine
+
+    return LLMEngine.from_loaded(loaded, opt.engine_config(cfg.model, cfg.num_threads))
+
+
+# --- Workloads --------------------------------------------------------------------------------
+
+
+def metrics_dict(m: RunMetrics) -> dict:
+    return asdict(m)
+
+
+async def _full_outputs(models: Models, requests: dict[str, PreparedRequest]) -> dict[str, tuple[list[int], str]]:
+    from edge_rtgi.llm.generate import generate
+    from edge_rtgi.llm.sampling import SamplingParams
+
+    def run() -> dict[str, tuple[list[int], str]]:
+        out = {}
+        for key, req in requests.items():
+            res = generate(models.full, list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens))
+            out[key] = (res.token_ids, res.text)
+        return out
+
+    return await asyncio.to_thread(run)
+
+
+async def measure_quality(models: Models, workload: Workload, requests: list[PreparedRequest],
+                          traces: list, max_prompts: int) -> dict:
+    """Quality retention of the traces' outputs against the full model (see quality.py)."""
+    by_key = {r.key: r for r in requests}
+    keys = list(dict.fromkeys(t.prompt_key for t in traces if t.ok))[:max_prompts]
+    full = await _full_outputs(models, {k: by_key[k] for k in keys})
+    pairs = [(t.text, full[t.prompt_key][1], by_key[t.prompt_key].reference)
+             for t in traces if t.ok and t.prompt_key in full]
+    kl = None
+    if models.optimised is not models.full:
+        sequences = [(list(by_key[k].prompt_token_ids), full[k][0]) for k in keys]
+        kl = await asyncio.to_thread(kl_along_continuations, model_logits_fn(models.full.model),
+                                     model_logits_fn(models.optimised.model), sequences)
+    refs = [p[2] for p in pairs] if workload.items and workload.items[0].reference else None
+    result = score_outputs(workload.name, [p[0] for p in pairs], [p[1] for p in pairs], refs, kl)
+    out = asdict(result)
+    out["kl_note"] = None if kl is not None else "same fp32 weights as the full model: KL is 0 by construction"
+    out["examples"] = [{"key": k, "full": full[k][1][:160]} for k in keys[:3]]
+    return out
+
+
+async def run_workload(models: Models, engine: Any, workload: Workload, cfg: BenchConfig) -> dict:
+    """One workload at its offered load; metrics, quality retention and RTIQ."""
+    requests = prepare(workload, models.optimised.tokenizer)
+    engine.reset_prefix_cache()
+    result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
+    metrics = result.metrics(workload.slo)
+    quality = await measure_quality(models, workload, requests, result.traces, cfg.quality_prompts)
+    index = rtiq(workload.name, quality["retention"], metrics)
+    return {
+        "name": workload.name, "description": workload.description, "slo": asdict(workload.slo),
+        "load": asdict(workload.load), "metrics": metrics_dict(metrics), "quality": quality, "rtiq": asdict(index),
+        "samples": {"ttft_ms": [t.ttft_ms for t in result.traces if t.ok],
+                    "itl_ms": [g for t in result.traces if t.ok for g in t.itl_ms],
+                    "e2e_ms": [t.e2e_ms for t in result.traces if t.ok]},
+        "errors": sorted({t.error for t in result.traces if t.error}),
+    }
+
+
+async def run_ramp_section(models: Models, engine: Any, cfg: BenchConfig) -> dict:
+    workload = cfg.workload(cfg.ramp_workload)
+    requests = prepare(workload, models.optimised.tokenizer)
+    engine.reset_prefix_cache()
+    ramp = await run_ramp(EngineTarget(engine), requests, cfg.ramp_rates_rps, workload.slo,
+                          requests_per_stage=cfg.ramp_requests, stage_duration_s=workload.load.max_duration_s,
+                          seed=cfg.seed)
+    return {"workload": workload.name, "slo": asdict(workload.slo), "threshold": ramp.attainment_threshold,
+            "sustained_rps": ramp.sustained_rps, "saturation_rps": ramp.saturation_rps,
+            "stages": [{"rate_rps": s.rate_rps, "metrics": metrics_dict(s.metrics)} for s in ramp.stages]}
+
+
+async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
+    """The ablation workload under the base switches, then with each change applied alone."""
+    workload = cfg.workload(cfg.ablation_workload)
+    requests = prepare(workload, models.optimised.tokenizer)
+    rows = []
+    for spec in ("baseline", *cfg.ablations):
+        opt = cfg.optimisations if spec == "baseline" else cfg.optimisations.changed(spec)
+        loaded = model_for(models, opt, cfg.optimisations)
+        if loaded is None:
+            rows.append({"label": spec, "skipped": "needs another copy of the weights; run it as its own config"})
+            continue
+        engine = make_engine(loaded, opt, cfg)
+        try:
+            result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
+            stats = engine.stats()
+        finally:
+            engine.shutdown()
+        rows.append({"label": spec, "optimisations": asdict(opt), "metrics": metrics_dict(result.metrics(workload.slo)),
+                     "prefix_hit_rate": stats.prefix_hit_rate, "requests_per_step": stats.requests_per_step,
+                     "tokens_per_step": stats.tokens_per_step, "preemptions": stats.num_preemptions})
+    return {"workload": workload.name, "slo": asdict(workload.slo), "load": asdict(workload.load), "rows": rows}
+
+
+def set_threads(num_threads: int) -> None:
+    torch.set_num_threads(num_threads)
+
+
+__all__ = ["SLO", "BenchConfig", "LoadSpec", "Models", "Optimisations", "load_models", "make_engine",
+           "run_ablations", "run_ramp_section", "run_workload"]
