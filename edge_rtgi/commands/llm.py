@@ -1,8 +1,8 @@
 """``edge-rtgi generate`` and ``edge-rtgi chat``: talk to a language model from the terminal.
 
 Both commands get tokens from a ``Backend``: one object with a tokenizer, a context size and
-``stream(prompt_ids, params)``. ``open_backend`` builds it (today: plain generation over a
-contiguous KV cache); switching the commands to the engine is a change to that one function.
+``stream(prompt_ids, params)``. ``open_backend`` builds it: the LLM engine by default, or with
+``--plain`` the plain generation path over a contiguous KV cache (the engine's reference).
 """
 
 from __future__ import annotations
@@ -27,14 +27,29 @@ class Backend:
     stream: Callable[[Sequence[int], SamplingParams], Iterator]
 
 
-def open_backend(model: str, device: str, dtype: str) -> Backend:
-    """Load ``model`` (catalogue name or path) and return the generation backend for the CLI."""
+def open_backend(model: str, device: str, dtype: str, plain: bool = False) -> Backend:
+    """Load ``model`` (catalogue name or path) and return the generation backend for the CLI.
+
+    Default: the LLM engine (paged KV, prefix cache). ``plain``: the reference path.
+    """
     from edge_rtgi.llm.generate import generate_stream
     from edge_rtgi.llm.weights import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
-    return Backend(tokenizer=loaded.tokenizer, context_tokens=loaded.config.max_position_embeddings,
-                   stream=lambda ids, params: generate_stream(loaded, ids, params))
+    if plain:
+        return Backend(tokenizer=loaded.tokenizer, context_tokens=loaded.config.max_position_embeddings,
+                       stream=lambda ids, params: generate_stream(loaded, ids, params))
+    from edge_rtgi.llm.engine import LLMEngine
+
+    engine = LLMEngine.from_loaded(loaded)
+
+    def stream(ids: Sequence[int], params: SamplingParams) -> Iterator:
+        for delta in engine.stream(list(ids), params):
+            if delta.error:
+                raise RequestError(delta.error)
+            yield delta
+
+    return Backend(tokenizer=loaded.tokenizer, context_tokens=engine.max_model_len, stream=stream)
 
 
 def default_model_name() -> str:
@@ -57,6 +72,7 @@ def _add_common(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, fp32, bf16, fp16")
+    parser.add_argument("--plain", action="store_true", help="use plain generation instead of the engine")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -87,7 +103,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise RequestError("the prompt is empty", hint="pass the prompt text as an argument, or - for stdin")
-    backend = open_backend(args.model or default_model_name(), args.device, args.dtype)
+    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain)
     # A raw prompt gets the model's own special tokens (e.g. BOS for Llama), as HF's generate does.
     prompt_ids = backend.tokenizer.encode(prompt, add_special_tokens=True)
     for delta in backend.stream(prompt_ids, params):
@@ -136,7 +152,7 @@ def chat_turn(backend: Backend, system: str | None, history: list[dict[str, str]
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    backend = open_backend(args.model or default_model_name(), args.device, args.dtype)
+    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain)
     if not getattr(backend.tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template", hint="use `edge-rtgi generate` instead")
     interactive = sys.stdin.isatty()

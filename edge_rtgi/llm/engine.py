@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,7 +173,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; send token ids")
-            return list(self.tokenizer.encode(prompt))
+            # Raw text gets the model's own special tokens (e.g. BOS), like the CLI and HF's generate.
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         prompt = list(prompt)
         if prompt and isinstance(prompt[0], Mapping):
             if self.tokenizer is None:
@@ -228,6 +229,30 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks (thread-safe; no-op if already done)."""
         self._commands.put(("abort", request_id))
+
+    def stream(self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, *,
+               priority: int = 0) -> Iterator[RequestDelta]:
+        """Synchronous streaming for threads without an event loop (the CLI).
+
+        Closing the generator early aborts the request. Without a running engine thread the
+        steps run in the caller's thread.
+        """
+        deltas: queue.SimpleQueue[RequestDelta] = queue.SimpleQueue()
+        rid = self.submit(prompt, params, deltas.put, priority=priority)
+        finished = False
+        try:
+            while not finished:
+                if not self.running_in_thread:
+                    while deltas.empty():
+                        self.step()
+                delta = deltas.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                self.abort(rid)
+                if not self.running_in_thread:
+                    self._drain_commands()
 
     def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None
                  ) -> list[GenerationResult]:
