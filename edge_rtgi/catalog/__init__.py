@@ -14,6 +14,7 @@ import difflib
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def setup_models(*, catalog: str | os.PathLike | None = None) -> list[str]:
 def _installed(entry: CatalogEntry, root: Path) -> Manifest | None:
     folder = root / entry.name
     manifest = Manifest.read(folder)
-    if manifest is None or not manifest.sizes_match(folder):
+    if manifest is None or not _matches_catalogue(entry, manifest) or not manifest.sizes_match(folder):
         return None
     return manifest
 
@@ -293,11 +294,32 @@ def verify(name: str, *, cache_dir: str | os.PathLike | None = None,
     return results
 
 
-def _pins_for(entry: CatalogEntry, manifest: Manifest) -> dict[str, str]:
+def _source_of(entry: CatalogEntry, manifest: Manifest) -> SourceSpec | None:
+    """The catalogue source an installed copy came from, if the catalogue still lists it."""
     for spec in entry.sources:
-        if spec.kind == manifest.source_kind and manifest.source.startswith(spec.describe().split("@")[0]):
-            return {f.name: f.sha256 for f in spec.files if f.sha256 and not f.tree}
-    return {}
+        if spec.kind != manifest.source_kind:
+            continue
+        if spec.kind == "hub":
+            pinned_commit = re.fullmatch(r"[0-9a-f]{40}", spec.revision or "") is not None
+            wanted = f"hub {spec.repo}@{spec.revision}" if pinned_commit else f"hub {spec.repo}@"
+            if manifest.source == wanted or (not pinned_commit and manifest.source.startswith(wanted)):
+                return spec
+        elif manifest.source == spec.describe():
+            return spec
+    return None
+
+
+def _pins_for(entry: CatalogEntry, manifest: Manifest) -> dict[str, str]:
+    spec = _source_of(entry, manifest)
+    return {} if spec is None else {f.name: f.sha256 for f in spec.files if f.sha256 and not f.tree}
+
+
+def _matches_catalogue(entry: CatalogEntry, manifest: Manifest) -> bool:
+    """False when the catalogue changed since the pull (another package version, pin or commit),
+    so that the new pins are fetched instead of serving the old files."""
+    if _source_of(entry, manifest) is None:
+        return False
+    return all(manifest.files.get(rel, {}).get("sha256") == sha for rel, sha in _pins_for(entry, manifest).items())
 
 
 def remove(name: str, *, cache_dir: str | os.PathLike | None = None,

@@ -306,3 +306,15 @@ def test_an_unwritable_cache_is_a_clear_error(tmp_path):
     with pytest.raises(ModelFileError, match="cannot write model vad-test into the cache") as info:
         catalog.pull("vad-test", cache_dir=tmp_path / "file" / "cache", catalog=cat, progress=False)
     assert "EDGE_RTGI_MODEL_DIR" in str(info.value)
+
+
+def test_a_changed_catalogue_pin_makes_the_cached_copy_stale(tmp_path):
+    cat, cache = write_catalog(tmp_path, silero_entry()), tmp_path / "cache"
+    catalog.pull("vad-test", cache_dir=cache, catalog=cat, progress=False)
+    assert catalog.is_installed("vad-test", cache_dir=cache, catalog=cat)
+    (tmp_path / "v2").mkdir()
+    other = write_catalog(tmp_path / "v2", silero_entry(sha256="'" + "1" * 64 + "'"))
+    assert not catalog.is_installed("vad-test", cache_dir=cache, catalog=other)
+    with pytest.raises(PinMismatchError):  # the new pin is fetched, not the old file served
+        catalog.resolve_model("vad-test", cache_dir=cache, catalog=other)
+    assert catalog.is_installed("vad-test", cache_dir=cache, catalog=cat)  # the old copy stays until replaced
