@@ -39,6 +39,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _REPO_CATALOG = Path(__file__).resolve().parents[2] / "models" / "catalog.yaml"
+# In a built wheel there is no repo: edge_rtgi/data/catalog.yaml (a symlink to the repo's file,
+# which the wheel build turns into a copy) is the catalogue then.
+_PACKAGED_CATALOG = Path(__file__).resolve().parents[1] / "data" / "catalog.yaml"
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,9 @@ def catalog_path(override: str | os.PathLike | None = None) -> Path:
     if override:
         return Path(override).expanduser()
     env = os.environ.get("EDGE_RTGI_CATALOG")
-    return Path(env).expanduser() if env else _REPO_CATALOG
+    if env:
+        return Path(env).expanduser()
+    return _REPO_CATALOG if _REPO_CATALOG.is_file() else _PACKAGED_CATALOG
 
 
 @functools.lru_cache(maxsize=8)

@@ -318,3 +318,9 @@ def test_a_changed_catalogue_pin_makes_the_cached_copy_stale(tmp_path):
     with pytest.raises(PinMismatchError):  # the new pin is fetched, not the old file served
         catalog.resolve_model("vad-test", cache_dir=cache, catalog=other)
     assert catalog.is_installed("vad-test", cache_dir=cache, catalog=cat)  # the old copy stays until replaced
+
+
+def test_the_packaged_catalogue_is_the_repo_catalogue():
+    from edge_rtgi.catalog import _PACKAGED_CATALOG, _REPO_CATALOG
+
+    assert _PACKAGED_CATALOG.read_bytes() == _REPO_CATALOG.read_bytes()
