@@ -1,0 +1,198 @@
+"""The daemon end to end over loopback, with real models and a real websockets client.
+
+Speech is made by the Piper voice at test time; the daemon runs silero VAD + whisper
+tiny.en, SmolLM2-135M (or Apertium) and Piper / espeak-ng; the reply audio that comes back
+is transcribed again (by whisper base) and compared with the reply text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from edge_rtgi.catalog import resolve_model
+from tests.integration.native_client import NativeClient, http_get, metric, speak_16k, transcribe, wer
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+QUESTION = "What do plants need to grow?"
+
+
+@pytest.fixture(scope="module")
+def piper():
+    from edge_rtgi.tts.piper import PiperVoice
+
+    return PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    # The judge of the reply audio is a different, larger model than the daemon's tiny.en
+    from edge_rtgi.asr.config import AsrConfig
+    from edge_rtgi.asr.whisper import WhisperAsr
+
+    return WhisperAsr(AsrConfig(model="whisper-base", language="en"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon():
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+
+    pipelines = load_pipelines([builtin_pipelines_dir()])
+    d = Daemon(DaemonConfig(server=ServerConfig(port=0)), pipelines, Resources())
+    for p in d.pipelines.values():
+        await d.resources.prepare(p)
+    await d.start()
+    yield d
+    await d.drain(timeout_s=1.0)
+    d.resources.close()
+
+
+def engine(daemon):
+    return daemon.resources.llm("smollm2-135m-instruct")
+
+
+async def test_spoken_question_gets_a_streamed_spoken_reply(daemon, piper, whisper):
+    c = await NativeClient.open(daemon.port)
+    try:
+        created = await c.wait_type("session.created")
+        assert created["protocol"] == "edge-rtgi.v1" and created["pipeline"] == "voice-assistant"
+        await c.stream(speak_16k(piper, QUESTION), speed=1.0)
+        final = await c.wait_type("transcript.final")
+        assert wer(QUESTION, final["text"]) <= 0.1, final["text"]
+        done = await c.wait_type("response.done")
+        assert done["status"] == "completed", done
+        rid = done["response_id"]
+        deltas = [h["delta"] for h in c.of("response.text.delta") if h["response_id"] == rid]
+        assert len(deltas) >= 2, "the reply must stream as several text deltas"
+        text = c.of("response.text.done")[0]["text"]
+        assert "".join(deltas).strip() == text == done["text"] and text
+        audio, rate = c.audio(rid)
+        assert rate == created["audio"]["output_sample_rate_hz"] and len(audio) > rate // 2
+        heard = transcribe(whisper, audio, rate)
+        assert wer(text, heard) <= 0.1, (text, heard)
+        # the reply's first audio came before its text was complete: clause-level streaming
+        kinds = [h["type"] for h, _ in c.messages]
+        assert kinds.index("response.audio") < kinds.index("response.text.done") or len(deltas) < 4
+        stats = done["stats"]
+        for part in ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "tts_first_chunk_ms", "voice_to_voice_ms"):
+            assert part in stats and stats[part] >= 0, stats
+        order = [h["type"] for h, _ in c.messages if not h["type"].startswith("response.audio")]
+        assert order.index("input.speech_started") < order.index("transcript.final") < order.index("response.created")
+    finally:
+        await c.close()
+
+
+async def test_spoken_english_is_captioned_and_spoken_in_spanish(daemon, piper):
+    c = await NativeClient.open(daemon.port, "?pipeline=translate-en-es")
+    try:
+        created = await c.wait_type("session.created")
+        assert created["session"]["target_language"] == "es"
+        await c.stream(speak_16k(piper, "Good morning. I would like a cup of coffee."), speed=2.0)
+        done = await c.wait_type("response.done")
+        assert done["status"] == "completed"
+        caption = c.of("response.text.done")[0]
+        assert wer("good morning i would like a cup of coffee", caption["source_text"]) <= 0.15
+        assert "café" in caption["text"].lower() and caption["text"] != caption["source_text"]
+        assert c.of("response.text.delta"), "translation text is sent as deltas too"
+        audio, rate = c.audio(done["response_id"])
+        assert len(audio) > rate // 2, "the translation is spoken"
+    finally:
+        await c.close()
+
+
+async def test_four_concurrent_sessions_are_batched(daemon, piper):
+    questions = ["How many days are in a week?", "What is the capital of France?",
+                 "What is the opposite of hot?", "Why do birds fly south in winter?"]
+    speech = [speak_16k(piper, q) for q in questions]
+    _, before = await http_get(daemon.port, "/metrics")
+    clients = [await NativeClient.open(daemon.port) for _ in questions]
+    try:
+        for c in clients:
+            await c.send(type="session.update", session={"max_reply_tokens": 48})
+        await asyncio.gather(*(c.stream(pcm, speed=2.0) for c, pcm in zip(clients, speech, strict=True)))
+        dones = await asyncio.gather(*(c.wait_type("response.done") for c in clients))
+        for c, q, done in zip(clients, questions, dones, strict=True):
+            assert wer(q, c.of("transcript.final")[0]["text"]) <= 0.2
+            assert done["status"] == "completed" and done["text"]
+            assert len(c.audio(done["response_id"])[0]) > 0
+        assert len({d["session_id"] for d in (c.of("session.created")[0] for c in clients)}) == 4
+    finally:
+        for c in clients:
+            await c.close()
+    _, after = await http_get(daemon.port, "/metrics")
+    steps = metric(after, "edge_rtgi_engine_steps_total") - metric(before, "edge_rtgi_engine_steps_total")
+    scheduled = (metric(after, "edge_rtgi_engine_scheduled_requests_total")
+                 - metric(before, "edge_rtgi_engine_scheduled_requests_total"))
+    assert steps > 0 and scheduled / steps > 1.0, (scheduled, steps)
+
+
+async def test_barge_in_cancels_the_reply_within_300_ms(daemon, piper):
+    c = await NativeClient.open(daemon.port)
+    try:
+        await c.wait_type("session.created")
+        await c.send(type="session.update", session={"max_reply_tokens": 200})
+        await c.send(type="text.input", text="Tell me a long story about a brave knight and a dragon.")
+        first = await c.wait_type("response.audio")
+        rid = first["response_id"]
+        await c.stream(speak_16k(piper, "Stop please.", lead_s=0.1), speed=1.0)
+        interrupted = await c.wait_type("response.interrupted", response_id=rid)
+        assert interrupted["reason"] == "barge_in"
+        started = [h for h in c.of("input.speech_started") if h["t_ms"] <= interrupted["t_ms"]][-1]
+        assert interrupted["t_ms"] - started["t_ms"] <= 300, (started, interrupted)
+        done = await c.wait_type("response.done", response_id=rid)
+        assert done["status"] == "interrupted"
+        heads = [h for h, _ in c.messages]
+        cut = heads.index(interrupted)
+        assert not [h for h in heads[cut:] if h.get("response_id") == rid
+                    and h["type"] in ("response.audio", "response.text.delta")], "cancelled audio leaked"
+        # the interruption's own turn is answered next
+        await c.wait_for(lambda h: h["type"] == "response.created" and h["response_id"] != rid)
+    finally:
+        await c.close()
+    eng = engine(daemon)
+    for _ in range(100):
+        if eng.stats().num_running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert eng.stats().num_running == 0
+
+
+async def test_disconnect_mid_reply_frees_engine_requests_and_kv_blocks(daemon):
+    eng = engine(daemon)
+    baseline = eng.stats().kv_blocks_used
+    c = await NativeClient.open(daemon.port)
+    await c.wait_type("session.created")
+    await c.send(type="session.update", session={"max_reply_tokens": 300})
+    await c.send(type="text.input", text="Tell me a very long story about the history of Rome.")
+    await c.wait_type("response.text.delta")
+    assert eng.stats().num_running == 1 and eng.stats().kv_blocks_used > baseline
+    c._reader.cancel()
+    c.ws.transport.abort()  # no closing handshake: like a client that crashed
+    for _ in range(100):
+        s = eng.stats()
+        if s.num_running == 0 and s.kv_blocks_used == baseline and not daemon.sessions:
+            break
+        await asyncio.sleep(0.1)
+    s = eng.stats()
+    assert s.num_running == 0 and s.num_waiting == 0
+    assert s.kv_blocks_used == baseline, (s.kv_blocks_used, baseline)
+    assert not daemon.sessions, "the session was closed"
+
+
+async def test_health_and_metrics(daemon):
+    status, body = await http_get(daemon.port, "/healthz")
+    assert status == 200 and '"status": "ok"' in body and "voice-assistant" in body
+    status, body = await http_get(daemon.port, "/metrics")
+    assert status == 200 and "# TYPE edge_rtgi_sessions_active gauge" in body
+    assert metric(body, "edge_rtgi_up") == 1 and metric(body, "edge_rtgi_responses_total") >= 1
+    assert metric(body, "edge_rtgi_voice_to_voice_ms_count") >= 1
+    status, _ = await http_get(daemon.port, "/nope")
+    assert status == 404
+    assert np.isfinite(metric(body, "edge_rtgi_engine_requests_per_step"))
