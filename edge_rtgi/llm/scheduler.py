@@ -121,9 +121,9 @@ class Scheduler:
             raise RequestError("the prompt is empty", hint="send at least one token")
         if request.num_prompt_tokens >= cfg.max_model_len:
             raise RequestError(
-                f"prompt of {request.num_prompt_tokens} tokens does not fit the context window of "
+                f"the prompt is {request.num_prompt_tokens} tokens but the context window is "
                 f"{cfg.max_model_len} tokens (at least one token must be generated)",
-                hint="shorten the prompt or raise max_model_len")
+                hint="shorten the prompt")
         worst_tokens = min(request.max_total_tokens, cfg.max_model_len)
         worst_blocks = kv.blocks_for_tokens(worst_tokens)
         if worst_blocks > kv.num_blocks:

@@ -122,7 +122,7 @@ async def test_bad_requests_fail_alone(engine, loaded, monkeypatch):
     for name in ("too_long", "bad_stop", "bad_param", "sampling", "too_big"):
         last = results[name][-1]
         assert last.finish_reason == "error" and last.error, name
-    assert "context window of 256" in results["too_long"][-1].error
+    assert "context window is 256 tokens" in results["too_long"][-1].error
     assert "stop strings" in results["bad_stop"][-1].error
     assert "temprature" in results["bad_param"][-1].error
     assert "NaN" in results["sampling"][-1].error

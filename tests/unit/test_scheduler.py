@@ -147,7 +147,7 @@ def test_too_big_request_rejected_with_sizes():
     s = make(num_blocks=4, block_size=4)
     with pytest.raises(RequestError, match=r"needs up to 19 tokens .*5 blocks of 4.* holds 4 blocks"):
         s.add_request(req("big", 10, max_tokens=10))
-    with pytest.raises(RequestError, match="context window of 256"):
+    with pytest.raises(RequestError, match="context window is 256 tokens"):
         s.add_request(req("long", 300))
     with pytest.raises(RequestError, match="empty"):
         s.add_request(req("empty", 0))
