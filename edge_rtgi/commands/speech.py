@@ -8,7 +8,6 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 
@@ -92,12 +91,21 @@ class _Printer:
             self._line_open = False
 
 
-async def _pump(source: AsyncIterator[np.ndarray], session, seconds: float | None) -> None:
+async def _pump(source, session, seconds: float | None, announce: bool) -> None:
     deadline = None if seconds is None else time.monotonic() + seconds
-    async for chunk in source:
-        session.feed(chunk)
-        if deadline is not None and time.monotonic() >= deadline:
-            break
+    chunks = source.__aiter__()
+    try:
+        async for chunk in chunks:
+            if announce:
+                # Said once audio really flows, so scripts can start talking at this point.
+                print("edge-rtgi: listening (Ctrl-C to stop)", file=sys.stderr, flush=True)
+                announce = False
+                deadline = None if seconds is None else time.monotonic() + seconds
+            session.feed(chunk)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+    finally:
+        await chunks.aclose()  # closes the PortAudio stream now, not at interpreter exit
     await session.close()
 
 
@@ -106,7 +114,7 @@ async def _transcribe_async(args: argparse.Namespace, source, asr) -> None:
 
     session = AsrSession(asr)
     printer = _Printer(args.json)
-    feeder = asyncio.create_task(_pump(source, session, args.seconds))
+    feeder = asyncio.create_task(_pump(source, session, args.seconds, announce=args.mic))
     try:
         async for event in session:
             printer(event)
