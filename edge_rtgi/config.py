@@ -90,19 +90,21 @@ def _strip_optional(tp: Any) -> Any:
     return tp
 
 
-def _coerce(value: Any, tp: Any, ctx: str) -> Any:
+def _coerce(value: Any, tp: Any, name: str, loc: str) -> Any:
+    """Convert ``value`` to type ``tp``; ``name`` is the dotted key path, ``loc`` its file:line."""
+    ctx = f"{loc}: {name}"
     tp = _strip_optional(tp)
     if value is None:
         return None
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, ctx)
+        return from_dict(tp, value, name)
     origin = typing.get_origin(tp)
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{ctx}: expected a list, got {type(value).__name__}")
         args = typing.get_args(tp)
         item_tp = args[0] if args else Any
-        return tuple(_coerce(v, item_tp, ctx) for v in value)
+        return tuple(_coerce(v, item_tp, name, loc) for v in value)
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{ctx}: expected a mapping, got {type(value).__name__}")
@@ -135,7 +137,7 @@ def from_dict(cls: type[T], data: Any, context: str | None = None) -> T:
                 f"{where(data, key)}: unknown key {key!r} in {ctx}",
                 hint=f"allowed keys: {', '.join(sorted(fields))}",
             )
-        kwargs[key] = _coerce(value, hints[key], f"{where(data, key)}: {ctx}.{key}")
+        kwargs[key] = _coerce(value, hints[key], f"{ctx}.{key}", where(data, key))
     try:
         obj = cls(**kwargs)
     except TypeError as exc:
