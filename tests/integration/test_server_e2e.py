@@ -186,7 +186,24 @@ async def test_disconnect_mid_reply_frees_engine_requests_and_kv_blocks(daemon):
     assert not daemon.sessions, "the session was closed"
 
 
+async def test_a_failed_turn_is_reported_and_the_session_goes_on(daemon):
+    c = await NativeClient.open(daemon.port)
+    try:
+        await c.wait_type("session.created")
+        await c.send(type="text.input", text="word " * 9000)  # longer than the 8k context
+        err = await c.wait_type("error")
+        assert err["code"] == "stage_failed" and "context window" in err["message"]
+        failed = await c.wait_type("response.done")
+        assert failed["status"] == "failed"
+        await c.send(type="text.input", text="What is the opposite of hot?")
+        done = await c.wait_for(lambda h: h["type"] == "response.done" and h["status"] == "completed")
+        assert "cold" in done["text"].lower()
+    finally:
+        await c.close()
+
+
 async def test_health_and_metrics(daemon):
+    # runs last in this module: the earlier tests' turns are in the counters
     status, body = await http_get(daemon.port, "/healthz")
     assert status == 200 and '"status": "ok"' in body and "voice-assistant" in body
     status, body = await http_get(daemon.port, "/metrics")
