@@ -74,6 +74,9 @@ def parse_wav_bytes(blob: bytes, where: str = "<bytes>") -> tuple[np.ndarray, in
     while pos + 8 <= len(blob):
         chunk_id, size = blob[pos:pos + 4], struct.unpack("<I", blob[pos + 4:pos + 8])[0]
         body_start = pos + 8
+        if chunk_id != b"data" and body_start + size > len(blob):
+            raise AudioError(f"{where}: truncated WAV file: the {chunk_id.decode('latin-1')!r} chunk is cut short",
+                             hint="the file was cut short; re-record or re-export it")
         if chunk_id == b"fmt ":
             fmt_info = _parse_fmt(blob[body_start:body_start + size], where)
         elif chunk_id == b"data":

@@ -25,7 +25,7 @@ _TITLES = frozenset({"dr", "mr", "mrs", "ms", "prof", "st", "sr", "jr", "mt", "f
                      "gov", "sen", "rep", "rev", "capt", "col", "lt", "sgt", "approx", "dept", "est", "inc",
                      "ltd", "co", "corp", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct",
                      "nov", "dec", "cf", "al"})
-_INITIALISM = re.compile(r"^(?:[A-Za-z]\.)+[A-Za-z]?$")  # e.g / i.e / U.S / J
+_INITIALISM = re.compile(r"^(?:[A-Za-z]\.)+[A-Za-z]?$")  # e.g / i.e / U.S
 _MARKS = re.compile(r"(\.\.\.|…|[.!?]+|[,;:])([\"'”’)\]]*)(?=\s)|\n\s*\n|\n")
 _MARKDOWN = re.compile(r"[*#`_]+|^\s*[-•]\s+", re.MULTILINE)
 _SPEAKABLE = re.compile(r"\w", re.UNICODE)
@@ -111,6 +111,8 @@ class ClauseSegmenter:
 
 def is_abbreviation(token: str) -> bool:
     """True for a title ("Dr"), an initialism ("U.S", "e.g") or an initial ("J"), without the final period."""
+    if len(token) == 1:
+        return token.isupper() and token != "I"  # "J. R. Tolkien", but "It was I."
     return token.lower() in _TITLES or bool(_INITIALISM.match(token))
 
 
