@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "edge_rtgi.commands.speech",
     "edge_rtgi.commands.quantize",
     "edge_rtgi.commands.serve",
+    "edge_rtgi.commands.bench",
 ]
 
 

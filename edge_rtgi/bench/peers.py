@@ -90,9 +90,13 @@ class HFPeer:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from edge_rtgi.device import resolve_device
+
         torch.set_num_threads(num_threads)
+        self.device = resolve_device("auto")
         kwargs = {"attn_implementation": attn} if attn else {}
-        self.model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=getattr(torch, dtype), **kwargs).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=getattr(torch, dtype), **kwargs)
+        self.model = self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
         self.name = f"HF transformers {'fp32' if dtype == 'float32' else 'bf16'}{' ' + attn if attn else ''}"
 
@@ -121,7 +125,7 @@ class HFPeer:
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool)
 
-        ids = torch.tensor([list(request.prompt_token_ids)])
+        ids = torch.tensor([list(request.prompt_token_ids)], device=self.device)
         kwargs: dict[str, Any] = dict(max_new_tokens=request.max_tokens, do_sample=False, streamer=Streamer(),
                                       stopping_criteria=StoppingCriteriaList([Cancelled()]),
                                       attention_mask=torch.ones_like(ids),
@@ -160,7 +164,9 @@ class CT2Peer:
         import ctranslate2
         from transformers import AutoTokenizer
 
-        self.generator = ctranslate2.Generator(str(ct2_folder), device="cpu", compute_type="int8",
+        cuda = ctranslate2.get_cuda_device_count() > 0
+        self.generator = ctranslate2.Generator(str(ct2_folder), device="cuda" if cuda else "cpu",
+                                               compute_type="int8_float16" if cuda else "int8",
                                                intra_threads=num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
         self.name = "CTranslate2 int8"
@@ -189,8 +195,9 @@ class LlamaCppPeer:
             raise PeerUnavailable("llama-cpp-python is not installed",
                                   hint="pip install 'edge-rtgi[llamacpp]' (builds llama.cpp from source, ~4 min)"
                                   ) from exc
+        # n_gpu_layers=-1 offloads everything when llama.cpp was built with CUDA; ignored otherwise
         self.llm = Llama(model_path=str(gguf_path), n_ctx=context_tokens, n_threads=num_threads,
-                         n_threads_batch=num_threads, n_batch=512, verbose=False)
+                         n_threads_batch=num_threads, n_batch=512, n_gpu_layers=-1, verbose=False)
         self.eos = self.llm.token_eos()
         self.name = f"llama.cpp ({gguf_path.suffix[1:]} {_gguf_type(gguf_path)})"
 

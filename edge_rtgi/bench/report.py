@@ -158,6 +158,14 @@ FIGURES = (("latency_cdf.png", plot_latency_cdfs), ("throughput_vs_load.png", pl
 # --- Markdown ---------------------------------------------------------------------------------
 
 
+def _model_line(results: dict, opt: dict) -> str:
+    model = results.get("model")
+    if not model:
+        return f"- Model: whatever the daemon at {results.get('daemon', {}).get('url')} serves."
+    return (f"- Model: {model['name']} (`{Path(model['source']).name}`); engine dtype {model['engine_dtype']}; "
+            f"quantisation: {opt['quant'] or 'none (not enabled in this run)'}.")
+
+
 def _conditions(results: dict) -> list[str]:
     m, cfg = results["machine"], results["config"]
     opt = cfg["optimisations"]
@@ -173,8 +181,7 @@ def _conditions(results: dict) -> list[str]:
         f"{', '.join(f'{x:.1f}' for x in m.get('load_average_end') or []) or '–'} "
         "(other processes shared the cores; absolute numbers are noisy, same-run ratios less so).",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
-        f"- Model: {results['model']['name']} (`{Path(results['model']['source']).name}`); engine dtype "
-        f"{results['model']['engine_dtype']}; quantisation: {opt['quant'] or 'none (not enabled in this run)'}.",
+        _model_line(results, opt),
         f"- Engine switches: prefix caching {'on' if opt['prefix_caching'] else 'off'}, max_num_seqs "
         f"{opt['max_num_seqs']}, chunked prefill {'on' if opt['chunked_prefill'] else 'off'} "
         f"({opt['max_num_batched_tokens']} tokens per step), kv dtype {opt['kv_dtype']}.",
@@ -186,6 +193,8 @@ def _conditions(results: dict) -> list[str]:
 
 
 def _targets(results: dict) -> list[str]:
+    if not (results.get("workloads") or results.get("peers")):
+        return []
     rows = [[t["target"], t["measured"], t["status"]] for t in evaluate_targets(results)]
     return ["## Where the engine stands against the targets", "", *_table(["target", "measured (this run)", "status"], rows)]
 
@@ -293,10 +302,25 @@ def _peers(results: dict) -> list[str]:
     return [*out, "", "![peers](IMG/peers.png)", ""]
 
 
+def _daemon(results: dict) -> list[str]:
+    daemon = results.get("daemon")
+    if not daemon:
+        return []
+    rows = [[w["name"], f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}", f"{w['load']['rate_rps']:g}/s",
+             f"{w['metrics']['num_ok']}/{w['metrics']['num_requests']}", _dist(w["metrics"]["ttft_ms"]),
+             _dist(w["metrics"]["itl_ms"], 1), _f(w["metrics"]["goodput_rps"], 2),
+             _pct(w["metrics"]["slo_attainment"])] for w in daemon["workloads"]]
+    return [f"## Workloads over WebSocket ({daemon['url']})", "",
+            "Latency as a client sees it (ITL per text delta); the daemon builds its own prompts, so quality "
+            "retention and RTIQ are not measured here.", "",
+            *_table(["workload", "SLO TTFT/ITL (ms)", "offered", "ok/sent", "TTFT p50/p95/p99 (ms)",
+                     "ITL p50/p95/p99 (ms)", "goodput (req/s)", "meet SLO"], rows)]
+
+
 def render_markdown(results: dict, image_prefix: str = "") -> str:
     """The report as markdown; figure links are ``image_prefix + name``."""
     lines = ["# edge-rtgi benchmark report", ""]
-    for part in (_conditions, _targets, _workloads, _rtiq, _ramp, _ablations, _peers):
+    for part in (_conditions, _targets, _workloads, _rtiq, _ramp, _ablations, _peers, _daemon):
         lines += part(results)
     return "\n".join(lines).replace("IMG/", image_prefix)
 

@@ -116,3 +116,30 @@ async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS) -> d
     results["elapsed_s"] = time.monotonic() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return results
+
+
+async def run_daemon_workloads(cfg: BenchConfig, url: str) -> dict[str, Any]:
+    """Drive a running daemon over WebSocket with each workload's source texts (latency only).
+
+    The daemon builds its own prompts (its pipeline's system prompt, or its translator), so
+    there is no same-prompt comparison with the full model here: no quality retention or RTIQ.
+    """
+    from edge_rtgi.bench.loadgen import run_load
+    from edge_rtgi.bench.targets import WebSocketTarget
+    from edge_rtgi.bench.workloads import PreparedRequest
+
+    results: dict[str, Any] = {"machine": machine_info(), "config": asdict(cfg), "sections": ["daemon"],
+                               "daemon": {"url": url, "workloads": []}}
+    started = time.monotonic()
+    target = WebSocketTarget(url)
+    for name in cfg.workloads:
+        workload = cfg.workload(name)
+        requests = [PreparedRequest(key=i.key, workload=name, prompt_token_ids=(), max_tokens=workload.max_tokens,
+                                    source_text=i.source_text) for i in workload.items]
+        result = await run_load(target, requests, workload.load, workload=name)
+        m = result.metrics(workload.slo)
+        results["daemon"]["workloads"].append({
+            "name": name, "slo": asdict(workload.slo), "load": asdict(workload.load), "metrics": asdict(m),
+            "errors": sorted({t.error for t in result.traces if t.error})})
+    results["elapsed_s"] = time.monotonic() - started
+    return results

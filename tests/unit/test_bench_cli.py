@@ -1,0 +1,103 @@
+"""Bench configuration, switches, target checks, and the GPU script's reduced CPU mode end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edge_rtgi.bench.metrics import SLO, summarise
+from edge_rtgi.bench.rtiq import rtiq
+from edge_rtgi.bench.suite import BenchConfig, Optimisations
+from edge_rtgi.bench.targets_check import evaluate_targets
+from edge_rtgi.config import load_config
+from edge_rtgi.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_each_optimisation_is_a_switch():
+    base = Optimisations()
+    assert base.changed("prefix_caching=false").prefix_caching is False
+    assert base.changed("max_num_seqs=1").max_num_seqs == 1
+    assert base.changed("quant=int8").quant == "int8"
+    assert base.changed("quant=none").quant is None
+    cfg = base.changed("max_num_batched_tokens=64").engine_config("m", 2)
+    assert (cfg.max_num_batched_tokens, cfg.enable_prefix_caching, cfg.num_threads) == (64, True, 2)
+    with pytest.raises(ConfigError, match="bad ablation"):
+        base.changed("speculative=true")
+    with pytest.raises(ConfigError, match="integer"):
+        base.changed("max_num_seqs=many")
+
+
+def test_bench_config_loads_strictly_from_yaml(tmp_path):
+    path = tmp_path / "bench.yaml"
+    path.write_text("workloads: [voice]\noptimisations:\n  prefix_caching: false\nramp_rates_rps: [1, 2]\n")
+    cfg = load_config(BenchConfig, path)
+    assert cfg.workloads == ("voice",) and cfg.optimisations.prefix_caching is False
+    assert cfg.ramp_rates_rps == (1.0, 2.0)
+    path.write_text("workload: [voice]\n")
+    with pytest.raises(ConfigError, match="unknown key 'workload'"):
+        load_config(BenchConfig, path)
+
+
+def test_rtiq_multiplies_retention_by_attainment():
+    from tests.unit.test_bench_metrics import make_trace
+
+    traces = [make_trace(0, 0.0, 100.0, 20.0, 5), make_trace(1, 0.0, 900.0, 20.0, 5)]
+    index = rtiq("voice", 0.9, summarise(traces, SLO()))
+    assert index.value == pytest.approx(0.45)
+    assert (index.slo_attainment, index.ttft_attainment, index.itl_attainment) == (0.5, 0.5, 1.0)
+    with pytest.raises(ValueError):
+        rtiq("voice", 1.2, summarise(traces, SLO()))
+
+
+def _results(decode_ratio, load_ratio, voice_p95, rate=4.0, llamacpp_skipped=True):
+    ratios = [{"vs": "HF", "kind": "hf-fp32", "decode_speed": decode_ratio, "ttft": 0.5,
+               "throughput_under_load": load_ratio}]
+    skipped = [{"name": "llamacpp", "reason": "llama-cpp-python is not installed"}] if llamacpp_skipped else []
+    voice = {"name": "voice", "metrics": {"ttft_ms": {"p95": voice_p95}}, "load": {"rate_rps": rate},
+             "quality": {"retention": 0.97}}
+    return {"config": {"optimisations": {"quant": None}}, "workloads": [voice],
+            "peers": {"ratios": ratios, "skipped": skipped}}
+
+
+def test_targets_are_checked_against_fixed_bars():
+    statuses = [r["status"] for r in evaluate_targets(_results(2.5, 4.0, 450))]
+    assert statuses == ["**met**", "not measured", "not met", "**met**", "**met**"]
+    assert "not installed" in evaluate_targets(_results(2.5, 4.0, 450))[1]["measured"]
+    assert [r["status"] for r in evaluate_targets(_results(1.9, 6.0, 650))][:4] == [
+        "not met", "not measured", "**met**", "not met"]
+    assert evaluate_targets(_results(2.5, 6.0, 100, rate=2.0))[3]["status"].startswith("not comparable")
+
+
+def test_cli_rejects_bad_settings():
+    from edge_rtgi.cli import main
+
+    assert main(["bench", "workloads", "--workloads", "chat"]) == 2
+    assert main(["bench", "peers", "--peers", "vllm"]) == 2
+    assert main(["bench", "ramp", "--connect", "ws://127.0.0.1:1"]) == 2
+
+
+@pytest.mark.slow
+def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
+    out = tmp_path / "report"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out), "--cpu"], cwd=ROOT,
+                          capture_output=True, text=True, env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["sections"] == ["workloads", "ramp", "ablations", "peers"]
+    assert [w["name"] for w in results["workloads"]] == ["voice", "code"]
+    for w in results["workloads"]:
+        assert w["metrics"]["num_requests"] == 3 and 0.0 <= w["rtiq"]["value"] <= 1.0
+        assert 0.0 <= w["quality"]["retention"] <= 1.0
+    kinds = [e["kind"] for e in results["peers"]["entries"]]
+    assert kinds[:2] == ["ours", "plain"] and ("hf-fp32" in kinds or results["peers"]["skipped"])
+    assert results["machine"]["git"]["commit"]
+    text = (out / "report.md").read_text()
+    for heading in ("## Conditions", "## Where the engine stands", "## RTIQ per workload", "## Ramp",
+                    "## Ablations", "## Peers side by side"):
+        assert heading in text
+    for png in ("latency_cdf.png", "throughput_vs_load.png", "ablations.png", "peers.png"):
+        assert (out / png).stat().st_size > 1000
