@@ -7,11 +7,13 @@ Logits arrive in fp32. Greedy is ``temperature == 0``. A seeded request owns a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from edge_rtgi.errors import RequestError
+
+if TYPE_CHECKING:  # torch is imported lazily so that `edge-rtgi --help` and the CLI start fast
+    import torch
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        import torch
+
         if self.seed is None:
             return None
         gen = torch.Generator(device=device)
@@ -66,6 +70,8 @@ class SamplingParams:
 
 def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     """Apply temperature, top-k and top-p to one row of fp32 logits [V]; returns new logits."""
+    import torch
+
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -82,6 +88,8 @@ def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 
 def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """Pick one token id from fp32 logits [V]."""
+    import torch
+
     if params.greedy:
         return int(torch.argmax(logits))
     probs = filter_logits(logits, params).softmax(-1)
