@@ -189,3 +189,41 @@ async def test_bad_input_then_good_turn(daemon, piper, whisper):
             assert turn["errors"] == [] and turn["response"].status == "completed"
             assert wer(QUESTION, turn["transcript"] or "") <= 0.2
             assert turn["text"].strip() and "response.output_text.delta" in turn["types"]
+
+
+async def test_barge_in_cancels_the_reply(daemon, piper):
+    question = speak_24k(piper, "Tell me a long story about a dragon and a brave knight.", tail_silence_s=1.0)
+    interruption = speak_24k(piper, "Stop, please stop.", tail_silence_s=1.0)
+    async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 300,
+                                           "instructions": "You tell long, detailed stories."})
+        await stream_audio(conn, question, paced=True)
+        while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "response.output_audio.delta":
+            assert event.type != "response.done", "the reply ended before any audio"
+        await stream_audio(conn, interruption, paced=True)  # the user talks over the reply
+        seen = []
+        while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "response.done":
+            seen.append(event.type)
+    assert "input_audio_buffer.speech_started" in seen
+    assert event.response.status == "cancelled"
+    assert event.response.status_details.reason == "turn_detected"
+    assert "response.output_audio.done" in seen  # the closing events a client expects are all there
+
+
+async def test_translation_session_extension(daemon, piper):
+    speech = speak_24k(piper, "Good morning, my friend.")
+    async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
+        await conn.session.update(session={"type": "realtime", "edge_rtgi": {"pipeline": "translate-en-es"},
+                                           "audio": {"input": {"turn_detection": None}}})
+        while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "session.updated":
+            pass
+        assert event.to_dict()["session"]["edge_rtgi"] == {"pipeline": "translate-en-es"}
+        await stream_audio(conn, speech)
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        turn = await collect_turn(conn)
+    assert turn["errors"] == [] and turn["response"].status == "completed"
+    assert wer("Good morning, my friend.", turn["transcript"] or "") <= 0.25
+    translation = _norm(turn["text"])
+    assert "amigo" in translation and "buenos" in translation, turn["text"]
+    assert sum(len(a) for a in turn["audio"]) > 24000 * 0.5  # spoken by the Spanish voice

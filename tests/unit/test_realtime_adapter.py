@@ -49,7 +49,7 @@ class ScriptedCore:
         self.queue.put_nowait(F.Transcript(turn_id=99, text=text, final=True))
 
     async def create_response(self, turn_id=None, source_text=None, timing=None):
-        self.calls.append(("create_response",))
+        self.calls.append(("create_response", source_text))
         return "resp_x"
 
     async def cancel_response(self, response_id=None, reason="client_cancel"):
@@ -184,7 +184,7 @@ async def test_manual_turn_full_lifecycle(h):
     deltas = "".join(e["delta"] for e in h.sent if e["type"].endswith("transcription.delta"))
     assert deltas == "What is the capital of France?"
     assert all(e["item_id"] == user_item for e in h.sent if "item_id" in e)
-    assert h.core.named("create_response")
+    assert h.core.named("create_response") == [("create_response", "What is the capital of France?")]
     h.take()
 
     voice = (np.sin(np.arange(2205) / 10) * 5000).astype(np.int16)  # 100 ms at 22.05 kHz
@@ -210,6 +210,26 @@ async def test_manual_turn_full_lifecycle(h):
     assert done["usage"]["input_tokens"] == 30 and done["usage"]["output_tokens"] == 4
     assert done["output"][0]["content"][0] == {"type": "output_audio", "transcript": "Paris is."}
     assert done["edge_rtgi"]["stats"]["llm_ttft_ms"] == 80.0
+
+
+async def test_commit_of_silence_completes_with_empty_transcript(h):
+    await h.client({"type": "session.update", "session": {"type": "realtime",
+                                                          "audio": {"input": {"turn_detection": None}}}})
+    await h.client({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(9600)).decode()})
+    await h.client({"type": "input_audio_buffer.commit"})
+    await h.client({"type": "response.create", "event_id": "c5"})
+    h.take()
+    await h.core_emits(F.AudioCommitted())  # the core processed the commit and heard no speech
+    types = h.types()
+    assert types[:2] == ["conversation.item.input_audio_transcription.completed", "conversation.item.done"]
+    assert h.sent[0]["transcript"] == ""
+    assert h.last_error()["code"] == "input_audio_buffer_commit_empty"
+    assert h.last_error()["event_id"] == "c5"  # it answers the deferred response.create
+    assert not h.core.named("create_response")
+    await h.client({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hola"}]}})
+    await h.client({"type": "response.create"})  # the session is still usable
+    assert h.core.named("create_response") == [("create_response", "Hola")]
 
 
 async def test_text_only_modality_emits_output_text(h):

@@ -93,6 +93,7 @@ class RealtimeAdapter:
         self._turn_items: dict[int, str] = {}  # core turn id -> user item id
         self._speech_item: tuple[int, str] | None = None  # server VAD: the turn being spoken
         self._awaiting_transcript: deque[str] = deque()  # committed items without a final transcript
+        self._manual_commits: deque[str] = deque()  # items of client commits the core has not confirmed
         self._typed_echoes: deque[str] = deque()  # texts of conversation.item.create still to come back
         self._transcribed: dict[str, str] = {}  # item id -> transcript text sent as deltas
         self._deferred_create: ClientEvent | None = None
@@ -141,7 +142,9 @@ class RealtimeAdapter:
         except EdgeRtgiError as exc:
             param = "session.edge_rtgi.pipeline" if "pipeline" in str(exc) else "session"
             raise RealtimeProtocolError("invalid_value", str(exc), param) from None
-        self.config = new  # session.updated is sent when the core confirms (SessionUpdated)
+        self.config = new
+        # Sent from here, not on the core's SessionUpdated, so it precedes replies to later events.
+        await self.emit("session.updated", session=self._session_wire())
 
     async def _on_input_audio_buffer_append(self, event: ClientEvent) -> None:
         fmt = self.config.input_format
@@ -165,6 +168,7 @@ class RealtimeAdapter:
         else:
             item_id = self.ids("item")
         await self._commit_item(item_id)
+        self._manual_commits.append(item_id)
         await self.session.commit_audio()
 
     async def _commit_item(self, item_id: str) -> None:
@@ -245,7 +249,19 @@ class RealtimeAdapter:
         if self._awaiting_transcript:
             self._deferred_create = event  # answered when the committed turn's transcript is final
             return
-        await self.session.create_response()
+        await self._create_response()
+
+    async def _create_response(self, timing: F.Transcript | None = None) -> None:
+        """Ask the core for a response to the latest user item (its text is the translate source)."""
+        users = [item for item in self.conversation.items() if item.role == "user" and item.text().strip()]
+        if not users:
+            raise RealtimeProtocolError("invalid_request", "there is nothing to respond to yet; append and commit "
+                                        "audio or create a user message item first", None)
+        try:
+            await self.session.create_response(turn_id=timing.turn_id if timing else None,
+                                               source_text=users[-1].text().strip(), timing=timing)
+        except EdgeRtgiError as exc:
+            raise RealtimeProtocolError("invalid_request", str(exc)) from None
 
     async def _on_response_cancel(self, event: ClientEvent) -> None:
         response_id = optional(event.data, "response_id", str)
@@ -275,17 +291,16 @@ class RealtimeAdapter:
         async for frame in self.session.events():
             if observe is not None:
                 observe(frame)
-            try:
-                await self.on_frame(frame)
-            except RealtimeProtocolError as exc:  # e.g. a deferred response.create that failed
-                await self.send_error(exc, None)
+            await self.on_frame(frame)
 
     async def on_frame(self, frame: Any) -> None:  # noqa: C901 - one branch per frame type
         """Write one core event as Realtime server events."""
         if isinstance(frame, F.SessionStarted):
             await self.emit("session.created", session=self._session_wire())
         elif isinstance(frame, F.SessionUpdated):
-            await self.emit("session.updated", session=self._session_wire())
+            return  # answered in _on_session_update
+        elif isinstance(frame, F.AudioCommitted):
+            await self._on_audio_committed()
         elif isinstance(frame, (F.SpeechStarted, F.SpeechStopped)) and self.config.turn_detection is None:
             return  # manual turns: the client commits, VAD events are not part of the protocol
         elif isinstance(frame, F.SpeechStarted):
@@ -351,9 +366,17 @@ class RealtimeAdapter:
                             content_index=0, delta=delta)
             self._transcribed[item_id] = sent + delta
         if frame.final:
-            await self._complete_user_item(item_id, text)
+            await self._complete_user_item(item_id, text, frame)
 
-    async def _complete_user_item(self, item_id: str, text: str) -> None:
+    async def _on_audio_committed(self) -> None:
+        """The core processed a client commit; a committed item with no speech gets an empty transcript."""
+        if not self._manual_commits:
+            return
+        item_id = self._manual_commits.popleft()
+        if item_id in self._awaiting_transcript:
+            await self._complete_user_item(item_id, "", None)
+
+    async def _complete_user_item(self, item_id: str, text: str, timing: F.Transcript | None) -> None:
         self._awaiting_transcript.remove(item_id)
         self._transcribed.pop(item_id, None)
         item = self.conversation.get(item_id)
@@ -366,15 +389,15 @@ class RealtimeAdapter:
                                    "seconds": round(self._item_audio_s.pop(item_id, 0.0), 3)})
         await self.emit("conversation.item.done", previous_item_id=None, item=item.to_wire())
         if self._deferred_create is not None and not self._awaiting_transcript:
-            self._deferred_create = None
-            if not text.strip():
-                raise RealtimeProtocolError("input_audio_buffer_commit_empty",
-                                            "the committed audio holds no speech, so there is nothing to "
-                                            "respond to", None)
+            deferred, self._deferred_create = self._deferred_create, None
             try:
-                await self.session.create_response()
-            except EdgeRtgiError as exc:
-                raise RealtimeProtocolError("invalid_request", str(exc)) from None
+                if not text.strip():
+                    raise RealtimeProtocolError("input_audio_buffer_commit_empty",
+                                                "the committed audio holds no speech, so there is nothing to "
+                                                "respond to", None)
+                await self._create_response(timing)
+            except RealtimeProtocolError as exc:  # the answer to that response.create
+                await self.send_error(exc, deferred.event_id)
 
     async def _on_response_started(self, frame: F.ResponseStarted) -> None:
         item = Item(id=self.ids("item"), role="assistant", content=[])

@@ -58,6 +58,7 @@ async def serve_connection(daemon: Any, ws: Any) -> None:
         await ws.close(1008, "cannot open session")
         return
     adapter = RealtimeAdapter(session, send, model=model, config=config, metrics=daemon.metrics)
+    await adapter.on_frame(await session.next_event())  # session.created before any reply
     writer = asyncio.create_task(_pump(daemon, adapter), name=f"realtime-writer-{session.session_id}")
     try:
         async for message in ws:
