@@ -89,11 +89,9 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve the model through the catalogue, load it, and build an engine."""
         from edge_rtgi.catalog import resolve_model
-        from edge_rtgi.device import resolve_device, resolve_dtype
         from edge_rtgi.llm.weights import load_model
 
-        device = resolve_device(config.device)
-        loaded = load_model(resolve_model(config.model, role="llm"), device, resolve_dtype(config.dtype, device))
+        loaded = load_model(resolve_model(config.model, role="llm"), config.device, config.dtype)
         return cls.from_loaded(loaded, config)
 
     @classmethod
@@ -126,7 +124,7 @@ class LLMEngine:
         while not self._stop.is_set():
             if not self.scheduler.has_unfinished():
                 try:  # idle: sleep until a command arrives
-                    self._commands.put(self._commands.get(timeout=0.5))
+                    self._handle(self._commands.get(timeout=0.5))
                 except queue.Empty:
                     continue
             self.step()
@@ -281,20 +279,23 @@ class LLMEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                self._handle(self._commands.get_nowait())
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                req, stream = cmd[1], cmd[2]
-                try:
-                    self.scheduler.add_request(req)
-                except EdgeRtgiError as exc:
-                    stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
-                    continue
-                stream.request = req
-                self._streams[req.request_id] = stream
-            elif cmd[0] == "abort" and cmd[1] in self.scheduler.requests:
-                self._emit(self.scheduler.finish_request(cmd[1], RequestStatus.FINISHED_ABORTED))
+
+    def _handle(self, cmd: tuple) -> None:
+        """Apply one command, in the order commands were sent (an abort never overtakes its add)."""
+        if cmd[0] == "add":
+            req, stream = cmd[1], cmd[2]
+            try:
+                self.scheduler.add_request(req)
+            except EdgeRtgiError as exc:
+                stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
+                return
+            stream.request = req
+            self._streams[req.request_id] = stream
+        elif cmd[0] == "abort" and cmd[1] in self.scheduler.requests:
+            self._emit(self.scheduler.finish_request(cmd[1], RequestStatus.FINISHED_ABORTED))
 
     def step(self) -> bool:
         """One iteration: take commands, schedule, run, deliver. False when there was no work."""
