@@ -105,7 +105,7 @@ async def collect_turn(conn) -> dict:
         elif event.type in ("response.output_audio_transcript.delta", "response.output_text.delta"):
             out["text"] += event.delta
         elif event.type == "response.output_audio.delta":
-            out["audio"].append(np.frombuffer(base64.b64decode(event.delta), dtype="<i2"))
+            out["audio"].append(base64.b64decode(event.delta))  # bytes in the session's output format
         elif event.type == "error":
             out["errors"].append(event.error)
         elif event.type == "response.done":
@@ -120,7 +120,7 @@ def check_spoken_reply(turn: dict, whisper) -> None:
     assert turn["types"].count("response.output_audio_transcript.delta") >= 2, "text must stream as deltas"
     reply = turn["text"].strip()
     assert reply and turn["response"].output[0].content[0].transcript == turn["text"]
-    audio = np.concatenate(turn["audio"])
+    audio = np.frombuffer(b"".join(turn["audio"]), dtype="<i2")
     assert len(audio) > 24000 * 0.5
     heard = transcribe_24k(whisper, audio)
     assert cer(reply, heard) <= 0.15, (reply, heard)
@@ -226,4 +226,46 @@ async def test_translation_session_extension(daemon, piper):
     assert wer("Good morning, my friend.", turn["transcript"] or "") <= 0.25
     translation = _norm(turn["text"])
     assert "amigo" in translation and "buenos" in translation, turn["text"]
-    assert sum(len(a) for a in turn["audio"]) > 24000 * 0.5  # spoken by the Spanish voice
+    assert sum(len(a) for a in turn["audio"]) > 2 * 24000 * 0.5  # spoken by the Spanish voice
+
+
+async def test_token_origin_and_g711_audio(daemon, piper, whisper):
+    """The daemon's admission rules hold for /v1/realtime; G.711 in and out works with real speech."""
+    from websockets.exceptions import InvalidStatus
+
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+    from edge_rtgi.server.openai_realtime.codecs import ulaw_decode, ulaw_encode
+
+    token = "realtime-test-token-0123456789"
+    guarded = Daemon(DaemonConfig(server=ServerConfig(port=0, token=token)), daemon.pipelines, daemon.resources)
+    await guarded.start()
+    base = f"ws://127.0.0.1:{guarded.port}/v1"
+    try:
+        with pytest.raises(InvalidStatus) as refused:
+            async with openai.AsyncOpenAI(api_key="wrong", websocket_base_url=base).realtime.connect(model="x"):
+                pass
+        assert refused.value.response.status_code == 401
+        with pytest.raises(InvalidStatus) as refused:
+            async with openai.AsyncOpenAI(api_key=token, websocket_base_url=base).realtime.connect(
+                    model="x", extra_headers={"Origin": "https://evil.example"}):
+                pass
+        assert refused.value.response.status_code == 403
+
+        speech_8k = float32_to_pcm16(resample(pcm16_to_float32(speak_24k(piper, QUESTION)), 24000, 8000))
+        async with openai.AsyncOpenAI(api_key=token, websocket_base_url=base).realtime.connect(model="x") as conn:
+            await conn.session.update(session={"type": "realtime", "audio": {
+                "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+                "output": {"format": {"type": "audio/pcmu"}}}})
+            for i in range(0, len(speech_8k), 1600):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(ulaw_encode(speech_8k[i:i + 1600])).decode())
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()
+            turn = await collect_turn(conn)
+    finally:
+        await guarded.drain(timeout_s=1.0)
+    assert turn["errors"] == [] and turn["response"].status == "completed"
+    assert wer(QUESTION, turn["transcript"] or "") <= 0.2, turn["transcript"]
+    mulaw = b"".join(turn["audio"])  # one byte per sample at 8 kHz
+    heard = whisper.transcribe(resample(pcm16_to_float32(ulaw_decode(mulaw)), 8000, 16000)).text
+    assert cer(turn["text"], heard) <= 0.2, (turn["text"], heard)
