@@ -182,6 +182,10 @@ def _conditions(results: dict) -> list[str]:
         "(other processes shared the cores; absolute numbers are noisy, same-run ratios less so).",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
         _model_line(results, opt),
+    ]
+    if results.get("daemon"):
+        return [*lines, "- Decoding and prompts: as the daemon's pipeline sets them; one seeded run per workload.", ""]
+    lines += [
         f"- Engine switches: prefix caching {'on' if opt['prefix_caching'] else 'off'}, max_num_seqs "
         f"{opt['max_num_seqs']}, chunked prefill {'on' if opt['chunked_prefill'] else 'off'} "
         f"({opt['max_num_batched_tokens']} tokens per step), kv dtype {opt['kv_dtype']}.",
@@ -309,12 +313,14 @@ def _daemon(results: dict) -> list[str]:
     rows = [[w["name"], f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}", f"{w['load']['rate_rps']:g}/s",
              f"{w['metrics']['num_ok']}/{w['metrics']['num_requests']}", _dist(w["metrics"]["ttft_ms"]),
              _dist(w["metrics"]["itl_ms"], 1), _f(w["metrics"]["goodput_rps"], 2),
-             _pct(w["metrics"]["slo_attainment"])] for w in daemon["workloads"]]
+             _pct(w["metrics"]["slo_attainment"]), _f(w.get("chrf_vs_references"), 1)] for w in daemon["workloads"]]
     return [f"## Workloads over WebSocket ({daemon['url']})", "",
             "Latency as a client sees it (ITL per text delta); the daemon builds its own prompts, so quality "
             "retention and RTIQ are not measured here.", "",
             *_table(["workload", "SLO TTFT/ITL (ms)", "offered", "ok/sent", "TTFT p50/p95/p99 (ms)",
-                     "ITL p50/p95/p99 (ms)", "goodput (req/s)", "meet SLO"], rows)]
+                     "ITL p50/p95/p99 (ms)", "goodput (req/s)", "meet SLO", "chrF vs refs"], rows),
+            *[f"- {w['name']}: sent {e['sent']!r}, received {e['received']!r}" for w in daemon["workloads"]
+              for e in w.get("examples", [])[:1]], ""]
 
 
 def render_markdown(results: dict, image_prefix: str = "") -> str:

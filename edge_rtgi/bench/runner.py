@@ -136,10 +136,21 @@ async def run_daemon_workloads(cfg: BenchConfig, url: str) -> dict[str, Any]:
         workload = cfg.workload(name)
         requests = [PreparedRequest(key=i.key, workload=name, prompt_token_ids=(), max_tokens=workload.max_tokens,
                                     source_text=i.source_text) for i in workload.items]
+        requests_by_key = {r.key: r.source_text for r in requests}
         result = await run_load(target, requests, workload.load, workload=name)
         m = result.metrics(workload.slo)
+        ok = [t for t in result.traces if t.ok]
+        refs = {i.key: i.reference for i in workload.items}
+        chrf_refs = None
+        if ok and all(refs[t.prompt_key] for t in ok):
+            from edge_rtgi.bench.quality import chrf
+
+            chrf_refs = chrf([t.text for t in ok], [refs[t.prompt_key] for t in ok])
         results["daemon"]["workloads"].append({
             "name": name, "slo": asdict(workload.slo), "load": asdict(workload.load), "metrics": asdict(m),
+            "chrf_vs_references": chrf_refs,
+            "examples": [{"sent": requests_by_key[t.prompt_key], "received": t.text[:200]} for t in ok[:3]],
             "errors": sorted({t.error for t in result.traces if t.error})})
     results["elapsed_s"] = time.monotonic() - started
+    results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return results
