@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "edge_rtgi.commands.quantize",
     "edge_rtgi.commands.serve",
     "edge_rtgi.commands.bench",
+    "edge_rtgi.commands.bench_llm",  # adds `bench llm` to the bench group
 ]
 
 

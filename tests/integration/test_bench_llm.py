@@ -1,0 +1,31 @@
+"""`edge-rtgi bench llm` runs end to end on a tiny model and writes its report (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.tiny_models import make_tiny_hf_model
+
+
+def test_bench_llm_smoke(tmp_path):
+    folder = make_tiny_hf_model("llama", tmp_path, seed=1)
+    report = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge_rtgi.cli", "bench", "llm", "--model", str(folder), "--dtype", "fp32",
+         "--runs", "1", "--decode-tokens", "4", "--ttft-prompt-tokens", "96", "--cached-prefix-tokens", "64",
+         "--concurrency", "3", "--concurrent-max-tokens", "4", "--threads", "1", "--report", str(report)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| batch-1 decode, tok/s |" in proc.stdout and "speed-up" in proc.stdout
+    results = json.loads((report / "llm.json").read_text())
+    assert results["ours"]["cached_tokens"] == 64  # the shared prefix is exactly 4 blocks of 16
+    assert results["ours"]["decode_tok_s"]["runs"] == 1 and results["hf"]["throughput_tok_s"]["median"] > 0
+    assert (report / "llm.md").read_text().startswith("# edge-rtgi bench llm")
+
+
+def test_bench_llm_rejects_bad_sizes():
+    proc = subprocess.run([sys.executable, "-m", "edge_rtgi.cli", "bench", "llm", "--ttft-prompt-tokens", "64",
+                           "--cached-prefix-tokens", "64"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--cached-prefix-tokens (64)" in proc.stderr
