@@ -266,6 +266,17 @@ async def test_server_vad_turn_and_barge_in(h):
     assert done["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
 
 
+async def test_vad_turn_without_words_completes_empty(h):
+    h.take()
+    await h.core_emits(F.SpeechStarted(turn_id=3, audio_ms=100), F.SpeechStopped(turn_id=3, audio_ms=400))
+    item_id = h.sent[0]["item_id"]
+    h.take()
+    await h.core_emits(F.Transcript(turn_id=3, text="", final=True))  # noise: the core ends the turn empty
+    assert h.types() == ["conversation.item.input_audio_transcription.completed", "conversation.item.done"]
+    assert h.sent[0]["item_id"] == item_id and h.sent[0]["transcript"] == ""
+    assert not h.adapter._awaiting_transcript  # a later response.create does not wait on it
+
+
 async def test_response_cancel_and_conflicts(h):
     await h.client({"type": "response.cancel", "event_id": "c9"})
     err = h.last_error()

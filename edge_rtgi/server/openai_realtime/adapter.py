@@ -281,6 +281,11 @@ class RealtimeAdapter:
             await self.session.cancel_response(active.id, reason="client_cancel")
             await self.emit("output_audio_buffer.cleared", response_id=active.id)
 
+    def _live(self, response_id: str) -> ResponseStream | None:
+        """The response's stream while it is in progress (late frames of a finished one are dropped)."""
+        stream = self.responses.get(response_id)
+        return stream if stream is not None and stream.status == "in_progress" else None
+
     def _active_response(self) -> ResponseStream | None:
         return next((r for r in self.responses.values() if r.status == "in_progress"), None)
 
@@ -315,13 +320,13 @@ class RealtimeAdapter:
         elif isinstance(frame, F.ResponseStarted):
             await self._on_response_started(frame)
         elif isinstance(frame, F.TextDelta):
-            if (stream := self.responses.get(frame.response_id)) is not None:
+            if (stream := self._live(frame.response_id)) is not None:
                 await self._emit_all(stream.text_delta(frame.delta))
         elif isinstance(frame, F.TextDone):
-            if (stream := self.responses.get(frame.response_id)) is not None and not stream.text:
+            if (stream := self._live(frame.response_id)) is not None and not stream.text:
                 await self._emit_all(stream.text_delta(frame.text))
         elif isinstance(frame, F.AudioOut):
-            if (stream := self.responses.get(frame.response_id)) is not None:
+            if (stream := self._live(frame.response_id)) is not None:
                 await self._emit_all(stream.audio(frame.pcm, frame.sample_rate_hz))
         elif isinstance(frame, F.ResponseInterrupted):
             self._interrupt_reasons[frame.response_id] = frame.reason

@@ -61,6 +61,7 @@ SERVER_EVENTS = (
     "response.output_audio.delta",
     "response.output_audio.done",
     "response.done",
+    "output_audio_buffer.cleared",
 )
 
 # Beta spelling -> GA spelling. Client types are normalised on the way in; the server
