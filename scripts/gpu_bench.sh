@@ -27,7 +27,7 @@ if [[ "$MODE" == gpu ]]; then
   fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
   # A GPU serves far more than the CPU defaults: scale the offered loads and ramp further.
-  timeout --signal=INT 480 "${BENCH[@]}" --threads "$(nproc)" --rate-scale 4 \
+  timeout --signal=INT 480 "${BENCH[@]}" --threads "$(nproc)" --rate-scale 4 --num-requests 48 --ramp-requests 64 \
     --ramp-rates 4,8,16,32,64 --peers hf-fp32,hf-bf16,ct2-int8,llamacpp "$@"
 else
   # Reduced CPU mode: one workload, few requests, short outputs, one peer.

@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,23 @@ def check_sections(sections: list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for s in SECTIONS if s in sections)
 
 
-async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
-    """Load the models once and run the requested sections; returns the full result dict."""
+def warm_up(engine: Any, tokenizer: Any) -> None:
+    """A few short batched requests so the first measured run does not pay one-off start-up costs."""
+    from edge_rtgi.bench.workloads import system_prompt
+    from edge_rtgi.llm.sampling import SamplingParams
+
+    prompts = [tokenizer.encode(system_prompt())[:48 + 8 * i] for i in range(3)]
+    engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.reset_prefix_cache()
+
+
+async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS,
+                    on_section: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Load the models once and run the requested sections; returns the full result dict.
+
+    ``on_section`` gets the results so far after each section (the CLI rewrites its report then,
+    so a run cut short by a time limit still leaves the finished sections behind).
+    """
     sections = check_sections(sections)
     torch.set_num_threads(cfg.num_threads)
     results: dict[str, Any] = {"machine": machine_info(), "config": asdict(cfg), "sections": list(sections)}
@@ -94,27 +110,36 @@ async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS) -> d
     models = load_models(cfg)
     results["model"] = {"name": cfg.model, "source": str(models.source), "engine_dtype": str(models.optimised.model.dtype),
                         "quant": models.quant_report}
+    def done_section() -> None:
+        results["elapsed_s"] = time.monotonic() - started
+        results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+        if on_section is not None:
+            on_section(results)
+
     engine = make_engine(models.optimised, cfg.optimisations, cfg)
     try:
+        warm_up(engine, models.optimised.tokenizer)
         if "workloads" in sections:
             results["workloads"] = []
             for name in cfg.workloads:
                 log.info("bench: workload %s", name)
                 results["workloads"].append(await run_workload(models, engine, cfg.workload(name), cfg))
+            done_section()
         if "ramp" in sections:
             log.info("bench: ramp on %s", cfg.ramp_workload)
             results["ramp"] = await run_ramp_section(models, engine, cfg)
+            done_section()
         if "peers" in sections:
             from edge_rtgi.bench.peer_bench import run_peers_section
 
             results["peers"] = await run_peers_section(models, engine, cfg, models.source)
+            done_section()
     finally:
         engine.shutdown()
     if "ablations" in sections:
         log.info("bench: ablations on %s", cfg.ablation_workload)
         results["ablations"] = await run_ablations(models, cfg)
-    results["elapsed_s"] = time.monotonic() - started
-    results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    done_section()
     return results
 
 

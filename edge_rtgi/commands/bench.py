@@ -50,6 +50,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, help="chunked-prefill size: tokens per step")
     p.add_argument("--threads", type=int, help="threads for every engine (default 2)")
     p.add_argument("--seed", type=int, help="load-generator seed offset")
+    p.add_argument("--ramp-requests", type=int, help="requests per ramp stage")
     p.add_argument("--ramp-rates", type=lambda v: tuple(float(x) for x in _split(v)), metavar="R1,R2,...",
                    help="offered rates (req/s) of the ramp stages")
     p.add_argument("--quick", action="store_true", help="a reduced run: few requests, short outputs (a smoke test)")
@@ -99,7 +100,7 @@ def build_config(args: argparse.Namespace):
                                  ("rate_scale", args.rate_scale), ("peers", args.peers),
                                  ("ablations", tuple(args.ablation) if args.ablation else None),
                                  ("num_threads", args.threads), ("seed", args.seed),
-                                 ("ramp_rates_rps", args.ramp_rates)) if v is not None}
+                                 ("ramp_rates_rps", args.ramp_rates), ("ramp_requests", args.ramp_requests)) if v is not None}
     opt = cfg.optimisations
     opt_changes = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant), ("max_num_seqs", args.max_num_seqs),
                                      ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
@@ -134,7 +135,11 @@ def run_command(args: argparse.Namespace) -> int:
     else:
         from edge_rtgi.bench.runner import run_suite
 
-        results = asyncio.run(run_suite(cfg, tuple(args.sections)))
+        def checkpoint(partial: dict) -> None:
+            if args.report:
+                write_report(partial, args.report)
+
+        results = asyncio.run(run_suite(cfg, tuple(args.sections), on_section=checkpoint))
     if args.report:
         path = write_report(results, args.report)
         print(f"report written to {path}")
