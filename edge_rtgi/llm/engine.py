@@ -70,9 +70,12 @@ class LLMEngine:
         storage_cls = Int8PagedKVStorage if self.config.kv_dtype == "int8" else PagedKVStorage
         self.storage = storage_cls(mcfg.num_layers, num_blocks, self.config.block_size, mcfg.num_kv_heads,
                                    mcfg.head_dim, model.dtype, model.device)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill:  # a whole prompt must fit one step
+            budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(
-            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.max_model_len,
-            self.config.enable_chunked_prefill, mcfg.sliding_window), self.kv)
+            budget, self.config.max_num_seqs, self.max_model_len, self.config.enable_chunked_prefill,
+            mcfg.sliding_window), self.kv)
         self.runner = ModelRunner(model, self.storage, self.config.decode_mode)
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))

@@ -24,6 +24,8 @@ class EngineConfig:
     ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
     gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
     ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales.
+    Without chunked prefill the per-step budget is raised to ``max_model_len`` so that any
+    prompt fits one step.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -73,6 +75,7 @@ class EngineStats:
     num_steps: int = 0
     num_batched_tokens: int = 0
     num_scheduled_requests: int = 0
+    max_requests_per_step: int = 0
     num_preemptions: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
@@ -99,6 +102,7 @@ class EngineStats:
         self.num_steps += 1
         self.num_batched_tokens += output.num_batched_tokens
         self.num_scheduled_requests += len(output.scheduled)
+        self.max_requests_per_step = max(self.max_requests_per_step, len(output.scheduled))
 
     def snapshot(self, kv: KVCacheManager, scheduler: Scheduler) -> EngineStats:
         return replace(
