@@ -152,6 +152,11 @@ class AsrStage(Stage):
                     self._turn(ev.utterance_id), int(ev.speech_end_audio_s * 1000), t_s=ev.t_s))
             elif isinstance(ev, FinalTranscript):
                 await self._final(ev)
+        for ev in events:  # a VAD turn that held no words still ends with an (empty) final
+            if isinstance(ev, SpeechEnded) and self._speech_ended.pop(ev.utterance_id, None) is not None \
+                    and getattr(self.ctx.settings, "turn_detection", True):
+                turn = self._turns.pop(ev.utterance_id, None) or self.ctx.new_turn_id()
+                await self.ctx.on_final_transcript(F.Transcript(turn, "", final=True, t_s=ev.t_s))
         if committed and self._held:
             await self._release_held()
 
