@@ -271,17 +271,20 @@ def _ablations(results: dict) -> list[str]:
     rows = []
     for r in abl["rows"]:
         if "metrics" not in r:
-            rows.append([r["label"], "skipped: " + r["skipped"]] + [""] * 6)
+            rows.append([r["label"], "skipped: " + r["skipped"]] + [""] * 9)
             continue
-        m = r["metrics"]
+        m, q = r["metrics"], r.get("quality") or {}
+        kl = (q.get("kl") or {}).get("mean")
         rows.append([r["label"], _dist(m["ttft_ms"]), _f(m["itl_ms"]["p95"], 1), _f(m["throughput_tok_s"], 1),
-                     _f(m["goodput_rps"], 2), _pct(m["slo_attainment"]), _pct(r["prefix_hit_rate"]),
-                     _f(r["requests_per_step"], 2)])
+                     _f(m["goodput_rps"], 2), _pct(m["slo_attainment"]), _f(q.get("retention"), 3),
+                     "0" if kl is None and q else _f(kl, 4), _f((r.get("rtiq") or {}).get("value"), 2),
+                     _pct(r["prefix_hit_rate"]), _f(r["requests_per_step"], 2)])
     load = abl["load"]
     return [f"## Ablations ({abl['workload']} workload, {load['pattern']} {load['rate_rps']:g} req/s, "
             f"{load['num_requests']} requests)", "",
             *_table(["switch changed", "TTFT p50/p95/p99 (ms)", "ITL p95 (ms)", "throughput (tok/s)",
-                     "goodput (req/s)", "meet SLO", "prefix-cache hits", "requests per step"], rows),
+                     "goodput (req/s)", "meet SLO", "quality retention", "KL mean", "RTIQ", "prefix-cache hits",
+                     "requests per step"], rows),
             "![ablations](IMG/ablations.png)", ""]
 
 

@@ -87,7 +87,7 @@ class Optimisations:
 
 
 DEFAULT_ABLATIONS = ("prefix_caching=false", "max_num_seqs=1", "max_num_batched_tokens=64",
-                     "max_num_batched_tokens=1024", "dtype=fp32")
+                     "max_num_batched_tokens=1024", "dtype=fp32", "quant=int8")
 
 
 @dataclass(frozen=True)
@@ -133,25 +133,33 @@ class Models:
     full: Any  # LoadedModel, fp32, no lossy optimisation
     source: Path
     quant_report: dict | None = None
+    # (prompt key, max_tokens) -> the full model's greedy (token ids, text), shared by all sections
+    full_outputs: dict[tuple[str, int], tuple[list[int], str]] = field(default_factory=dict)
+
+
+def load_optimised(source: Path, opt: Optimisations) -> tuple[Any, dict | None]:
+    """A copy of the weights in ``opt.dtype`` with ``opt.quant`` applied."""
+    from edge_rtgi.llm.weights import load_model
+
+    loaded = load_model(source, device="auto", dtype=opt.dtype)
+    if opt.quant is None:
+        return loaded, None
+    from edge_rtgi.llm.quant import apply_quant
+
+    return loaded, apply_quant(loaded.model, opt.quant)
 
 
 def load_models(cfg: BenchConfig) -> Models:
     from edge_rtgi.catalog import resolve_model
     from edge_rtgi.llm.weights import load_model
 
-    source = resolve_model(cfg.model, role="llm")
+    source = Path(resolve_model(cfg.model, role="llm"))
     full = load_model(source, device="auto", dtype="fp32")
     opt = cfg.optimisations
-    quant_report = None
     if opt.dtype in ("fp32", "float32") and opt.quant is None:
-        optimised = full
-    else:
-        optimised = load_model(source, device="auto", dtype=opt.dtype)
-        if opt.quant is not None:
-            from edge_rtgi.llm.quant import apply_quant
-
-            quant_report = apply_quant(optimised.model, opt.quant)
-    return Models(optimised, full, Path(source), quant_report)
+        return Models(full, full, source)
+    optimised, quant_report = load_optimised(source, opt)
+    return Models(optimised, full, source, quant_report)
 
 
 def model_for(models: Models, opt: Optimisations, base: Optimisations) -> Any | None:
@@ -176,38 +184,40 @@ def metrics_dict(m: RunMetrics) -> dict:
     return asdict(m)
 
 
-async def _full_outputs(models: Models, requests: dict[str, PreparedRequest]) -> dict[str, tuple[list[int], str]]:
+async def _full_outputs(models: Models, requests: list[PreparedRequest]) -> dict[str, tuple[list[int], str]]:
+    """The full model's greedy outputs (plain path, fp32), computed once per prompt and budget."""
     from edge_rtgi.llm.generate import generate
     from edge_rtgi.llm.sampling import SamplingParams
 
-    def run() -> dict[str, tuple[list[int], str]]:
-        out = {}
-        for key, req in requests.items():
-            res = generate(models.full, list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens))
-            out[key] = (res.token_ids, res.text)
-        return out
+    def run() -> None:
+        for req in requests:
+            if (req.key, req.max_tokens) not in models.full_outputs:
+                res = generate(models.full, list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens))
+                models.full_outputs[(req.key, req.max_tokens)] = (res.token_ids, res.text)
 
-    return await asyncio.to_thread(run)
+    await asyncio.to_thread(run)
+    return {r.key: models.full_outputs[(r.key, r.max_tokens)] for r in requests}
 
 
-async def measure_quality(models: Models, workload: Workload, requests: list[PreparedRequest],
+async def measure_quality(models: Models, optimised: Any, workload: Workload, requests: list[PreparedRequest],
                           traces: list, max_prompts: int) -> dict:
-    """Quality retention of the traces' outputs against the full model (see quality.py)."""
+    """Quality retention of the traces' outputs (from ``optimised``) against the full model."""
     by_key = {r.key: r for r in requests}
     keys = list(dict.fromkeys(t.prompt_key for t in traces if t.ok))[:max_prompts]
-    full = await _full_outputs(models, {k: by_key[k] for k in keys})
-    pairs = [(t.text, full[t.prompt_key][1], by_key[t.prompt_key].reference)
-             for t in traces if t.ok and t.prompt_key in full]
+    full = await _full_outputs(models, [by_key[k] for k in keys])
+    compared = [t for t in traces if t.ok and t.prompt_key in full]
     kl = None
-    if models.optimised is not models.full:
+    if optimised is not models.full:
         sequences = [(list(by_key[k].prompt_token_ids), full[k][0]) for k in keys]
         kl = await asyncio.to_thread(kl_along_continuations, model_logits_fn(models.full.model),
-                                     model_logits_fn(models.optimised.model), sequences)
-    refs = [p[2] for p in pairs] if workload.items and workload.items[0].reference else None
-    result = score_outputs(workload.name, [p[0] for p in pairs], [p[1] for p in pairs], refs, kl)
+                                     model_logits_fn(optimised.model), sequences)
+    refs = [by_key[t.prompt_key].reference for t in compared] if workload.items[0].reference else None
+    result = score_outputs(workload.name, [t.text for t in compared], [full[t.prompt_key][1] for t in compared],
+                           refs, kl)
     out = asdict(result)
     out["kl_note"] = None if kl is not None else "same fp32 weights as the full model: KL is 0 by construction"
-    out["examples"] = [{"key": k, "full": full[k][1][:160]} for k in keys[:3]]
+    first = {t.prompt_key: t.text for t in reversed(compared)}
+    out["examples"] = [{"key": k, "full": full[k][1][:200], "optimised": first.get(k, "")[:200]} for k in keys[:3]]
     return out
 
 
@@ -217,7 +227,8 @@ async def run_workload(models: Models, engine: Any, workload: Workload, cfg: Ben
     engine.reset_prefix_cache()
     result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
     metrics = result.metrics(workload.slo)
-    quality = await measure_quality(models, workload, requests, result.traces, cfg.quality_prompts)
+    quality = await measure_quality(models, models.optimised, workload, requests, result.traces,
+                                    cfg.quality_prompts)
     index = rtiq(workload.name, quality["retention"], metrics)
     return {
         "name": workload.name, "description": workload.description, "slo": asdict(workload.slo),
@@ -249,16 +260,18 @@ async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
     for spec in ("baseline", *cfg.ablations):
         opt = cfg.optimisations if spec == "baseline" else cfg.optimisations.changed(spec)
         loaded = model_for(models, opt, cfg.optimisations)
-        if loaded is None:
-            rows.append({"label": spec, "skipped": "needs another copy of the weights; run it as its own config"})
-            continue
+        if loaded is None:  # another dtype or quantisation: its own copy of the weights
+            loaded, _ = load_optimised(models.source, opt)
         engine = make_engine(loaded, opt, cfg)
         try:
             result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
             stats = engine.stats()
         finally:
             engine.shutdown()
-        rows.append({"label": spec, "optimisations": asdict(opt), "metrics": metrics_dict(result.metrics(workload.slo)),
+        metrics = result.metrics(workload.slo)
+        quality = await measure_quality(models, loaded, workload, requests, result.traces, cfg.quality_prompts)
+        rows.append({"label": spec, "optimisations": asdict(opt), "metrics": metrics_dict(metrics),
+                     "quality": quality, "rtiq": asdict(rtiq(workload.name, quality["retention"], metrics)),
                      "prefix_hit_rate": stats.prefix_hit_rate, "requests_per_step": stats.requests_per_step,
                      "tokens_per_step": stats.tokens_per_step, "preemptions": stats.num_preemptions})
     return {"workload": workload.name, "slo": asdict(workload.slo), "load": asdict(workload.load), "rows": rows}
