@@ -84,6 +84,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         self._stop = threading.Event()
+        self._closed = False
         self._thread: threading.Thread | None = None
         if start:
             self.start()
@@ -112,7 +113,8 @@ class LLMEngine:
             self._thread.start()
 
     def shutdown(self) -> None:
-        """Abort everything and stop the thread."""
+        """Abort everything and stop the thread; later requests get an error delta."""
+        self._closed = True
         self._stop.set()
         self._commands.put(("wake",))
         if self._thread is not None:
@@ -130,7 +132,13 @@ class LLMEngine:
                     self._handle(self._commands.get(timeout=0.5))
                 except queue.Empty:
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - a bug in one step must not hang every caller
+                log.exception("engine step crashed; failing the requests in flight")
+                for rid in list(self.scheduler.requests):
+                    self._emit(self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR,
+                                                             "internal engine error (see the log)"))
 
     @property
     def running_in_thread(self) -> bool:
@@ -147,6 +155,8 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         arrival = time.monotonic()
         try:
+            if self._closed:
+                raise RequestError("the engine has been shut down")
             params = self._params(params)
             prompt_ids = self._tokenize(prompt)
             req = Request(rid, prompt_ids, params, priority=priority, deadline_ms=deadline_ms,

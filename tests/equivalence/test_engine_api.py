@@ -143,3 +143,10 @@ async def test_requests_join_while_others_run(engine):
     stats = engine.stats()
     assert stats.num_steps > 0 and stats.requests_per_step > 1.0
     assert stats.kv_blocks_used == 0 and stats.kv_blocks_total == 48
+
+
+async def test_requests_after_shutdown_fail_with_an_error(loaded):
+    eng = LLMEngine.from_loaded(loaded, EngineConfig(block_size=4, num_kv_blocks=16))
+    eng.shutdown()
+    deltas = [d async for d in eng.add_request("Hello!", SamplingParams(max_tokens=3))]
+    assert len(deltas) == 1 and deltas[0].finish_reason == "error" and "shut down" in deltas[0].error
