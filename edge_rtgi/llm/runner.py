@@ -65,13 +65,18 @@ class ModelRunner:
     def _metadata(self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
                   ) -> PagedAttentionMetadata:
         new_slots: list[Tensor] = []
-        decode_slots = []
-        for sr in decodes:
-            slots, positions = self._key_slots(sr)
-            new_slots.append(slots[-1:])
-            if self.window is not None:
-                slots = slots[positions > sr.start_position - self.window]
-            decode_slots.append(slots)
+        padded = mask = per_seq = None
+        if decodes and self.decode_mode == "padded":
+            padded, mask, decode_new = self._padded_decodes(decodes)
+            new_slots.append(decode_new)
+        elif decodes:
+            per_seq = []
+            for sr in decodes:
+                slots, positions = self._key_slots(sr)
+                new_slots.append(slots[-1:])
+                if self.window is not None:
+                    slots = slots[positions > sr.start_position - self.window]
+                per_seq.append(slots)
         chunk_md = []
         q_start = len(decodes)
         for sr in chunks:
@@ -79,35 +84,48 @@ class ModelRunner:
             n = len(sr.token_ids)
             new_slots.append(slots[-n:])
             plain_causal = self.window is None and sr.start_position == 0 and len(slots) == n
-            mask = None
+            chunk_mask = None
             if not plain_causal:
                 q_pos = torch.arange(sr.start_position, sr.start_position + n, device=self.device)
-                mask = causal_window_mask(q_pos, positions, self.window)
-            chunk_md.append(ChunkAttention(q_start, n, slots, mask, plain_causal))
+                chunk_mask = causal_window_mask(q_pos, positions, self.window)
+            chunk_md.append(ChunkAttention(q_start, n, slots, chunk_mask, plain_causal))
             q_start += n
-        padded, mask = None, None
-        if decodes and self.decode_mode == "padded":
-            padded, mask = self._pad(decode_slots)
         return PagedAttentionMetadata(
-            slot_mapping=torch.cat(new_slots),
+            slot_mapping=torch.cat(new_slots) if len(new_slots) > 1 else new_slots[0],
             num_decodes=len(decodes),
             decode_slots=padded,
             decode_mask=mask,
-            decode_seq_slots=decode_slots if decodes and self.decode_mode == "per_seq" else None,
+            decode_seq_slots=per_seq,
             chunks=chunk_md,
         )
 
-    def _pad(self, seq_slots: list[Tensor]) -> tuple[Tensor, Tensor | None]:
-        lengths = [len(s) for s in seq_slots]
-        longest = max(lengths)
-        if min(lengths) == longest:
-            return torch.stack(seq_slots), None
-        padded = torch.zeros(len(seq_slots), longest, dtype=torch.long, device=self.device)
-        for b, s in enumerate(seq_slots):
-            padded[b, :len(s)] = s
-        lens = torch.tensor(lengths, device=self.device)
-        mask = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
-        return padded, mask[:, None, None, :]
+    def _padded_decodes(self, decodes: list[ScheduledRequest]) -> tuple[Tensor, Tensor | None, Tensor]:
+        """All decodes' key slots as one [B, S_max] tensor, a mask, and each new token's slot [B].
+
+        Built with a handful of batched ops whatever B is: the per-step cost of a big decode
+        batch must not grow with a Python loop of small tensor ops.
+        """
+        bs = self.block_size
+        ctx = [sr.start_position + 1 for sr in decodes]
+        longest = max(ctx)
+        num_blocks = -(-longest // bs)
+        rows = [sr.block_ids[:num_blocks] + [-1] * (num_blocks - len(sr.block_ids[:num_blocks]))
+                for sr in decodes]
+        table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, nb]
+        slots = (table.clamp_min(0)[:, :, None] * bs + self._offsets).flatten(1)[:, :longest]  # [B, S]
+        ctx_len = torch.tensor(ctx, device=self.device)
+        new = slots.gather(1, (ctx_len - 1)[:, None]).squeeze(1)
+        # Released blocks (sliding window) inside a sequence's own context must be masked out.
+        holes = any(-1 in sr.block_ids[:-(-c // bs)] for sr, c in zip(decodes, ctx, strict=True))
+        if min(ctx) == longest and self.window is None and not holes:
+            return slots, None, new
+        positions = torch.arange(longest, device=self.device)[None, :]
+        allowed = positions < ctx_len[:, None]
+        if self.window is not None:
+            allowed &= positions > (ctx_len - 1 - self.window)[:, None]
+        if holes:
+            allowed &= (table >= 0).repeat_interleave(bs, dim=1)[:, :longest]
+        return slots, allowed[:, None, None, :], new
 
     # --- the step --------------------------------------------------------------------------
 
