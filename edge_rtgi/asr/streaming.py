@@ -42,6 +42,7 @@ from edge_rtgi.errors import AudioError
 log = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 16000
+_LANGUAGE_LOCK_SAMPLES = 2 * SAMPLE_RATE_HZ  # language detection on less audio is unreliable
 
 
 @dataclass
@@ -159,8 +160,8 @@ class StreamingTranscriber:
         audio = self._ring.read(utt.start_index, end)
         hyp = self.asr.transcribe(audio, prefix=utt.agreement.committed_text or None, language=utt.language,
                                   timestamps=timestamps, beam_size=beam_size)
-        if utt.language is None and hyp.language:
-            utt.language = hyp.language  # detected once, then fixed so hypotheses agree
+        if utt.language is None and hyp.language and end - utt.start_index >= _LANGUAGE_LOCK_SAMPLES:
+            utt.language = hyp.language  # detected once on enough audio, then fixed so hypotheses agree
         return hyp
 
     def _emit_partial(self, utt: _Utterance, tentative: str, end: int) -> None:
