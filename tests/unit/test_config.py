@@ -1,0 +1,74 @@
+"""Strict YAML config loading and the device/dtype policy."""
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from edge_rtgi.config import from_dict, load_config, parse_yaml
+from edge_rtgi.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Inner:
+    rate_hz: int = 16000
+    name: str = "x"
+
+
+@dataclass(frozen=True)
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+    items: tuple[Inner, ...] = ()
+    gain: float = 1.0
+    label: str | None = None
+
+    def __post_init__(self):
+        if self.gain < 0:
+            raise ValueError("gain must be >= 0")
+
+
+def test_nested_values_and_lists_are_built():
+    cfg = from_dict(Outer, parse_yaml("inner:\n  rate_hz: 8000\nitems:\n  - name: a\n  - name: b\ngain: 2\n"))
+    assert cfg.inner.rate_hz == 8000
+    assert [i.name for i in cfg.items] == ["a", "b"]
+    assert cfg.gain == 2.0 and isinstance(cfg.gain, float)
+
+
+def test_unknown_key_names_file_line_and_allowed_keys(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("gain: 1\ninner:\n  rate_hz: 1\n  rate: 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(Outer, path)
+    msg = str(info.value)
+    assert f"{path}:4" in msg and "'rate'" in msg and "rate_hz" in msg
+    assert msg.count(str(path)) == 1  # the location is named once, not repeated per nesting level
+
+
+def test_wrong_type_and_validation_errors_are_config_errors():
+    with pytest.raises(ConfigError, match=r"<s>:2: Outer.inner.rate_hz: expected int"):
+        from_dict(Outer, parse_yaml("inner:\n  rate_hz: fast\n", "<s>"))
+    with pytest.raises(ConfigError, match="gain must be >= 0"):
+        from_dict(Outer, parse_yaml("gain: -1\n"))
+    with pytest.raises(ConfigError, match="expected int"):
+        from_dict(Inner, parse_yaml("rate_hz: true\n"))
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"bad.yaml:2: invalid YAML"):
+        parse_yaml("a: 1\n b: [\n", "bad.yaml")
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(Outer, tmp_path / "nope.yaml")
+
+
+def test_dtype_policy():
+    import torch
+
+    from edge_rtgi.device import cpu_has_bf16, resolve_device, resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("fp32", cpu) == torch.float32
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if cpu_has_bf16() else torch.float32)
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        resolve_dtype("int3", cpu)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            resolve_device("cuda")
