@@ -37,7 +37,8 @@ def _status(value: float | None, bar: float, higher_is_better: bool = True) -> s
 def _ratio_row(results: dict, target: str, kind: str, key: str, bar: float, note: str = "") -> dict[str, Any]:
     value = _ratio(results, kind, key)
     if value is None:
-        reason = _skipped(results, kind) or "peers section not run"
+        peers = results.get("peers")
+        reason = _skipped(results, kind) or ("peers section not run" if not peers else f"{kind} not among the peers run")
         return {"target": target, "measured": f"– ({reason})", "status": "not measured", "value": None}
     return {"target": target, "measured": f"{value:.2f}x{note}", "status": _status(value, bar), "value": value}
 
