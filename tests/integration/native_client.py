@@ -119,8 +119,9 @@ class NativeClient:
                     await self._changed.wait()
         return await asyncio.wait_for(find(), timeout)
 
-    async def wait_type(self, kind: str, **fields) -> dict:
-        return await self.wait_for(lambda h: h["type"] == kind and all(h.get(k) == v for k, v in fields.items()))
+    async def wait_type(self, kind: str, timeout: float = EVENT_TIMEOUT_S, **fields) -> dict:
+        return await self.wait_for(lambda h: h["type"] == kind and all(h.get(k) == v for k, v in fields.items()),
+                                   timeout)
 
     def audio(self, response_id: str) -> tuple[np.ndarray, int]:
         chunks = [(np.frombuffer(p, "<i2"), h["sample_rate_hz"]) for h, p in self.messages
