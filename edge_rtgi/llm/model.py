@@ -271,12 +271,11 @@ def causal_window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tens
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """Grouped-query attention. q: [Tq, Hq, D], k/v: [Tk, Hkv, D], mask: [Tq, Tk] -> [Tq, Hq, D]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    # enable_gqa lets SDPA share each KV head across its query group without copying the
+    # whole cache prefix Hq/Hkv times on every decode step.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+        enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)
 
