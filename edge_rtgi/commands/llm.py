@@ -157,7 +157,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise RequestError("this model has no chat template", hint="use `edge-rtgi generate` instead")
     interactive = sys.stdin.isatty()
     if interactive:
-        print("Type a message; /reset clears the conversation, /quit or Ctrl-D ends.", file=sys.stderr)
+        print("Type a message; Ctrl-C stops a reply, /reset clears the conversation, /quit or Ctrl-D ends.",
+              file=sys.stderr)
     history: list[dict[str, str]] = []
     while True:
         try:
@@ -178,5 +179,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except RequestError as exc:  # one bad turn does not end the session
             history.pop()
             print(f"edge-rtgi: error: {exc}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the session
+            history.pop()
+            print("\n(reply interrupted)", file=sys.stderr)
             continue
         history.append({"role": "assistant", "content": reply})
