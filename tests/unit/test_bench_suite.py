@@ -1,0 +1,42 @@
+"""The whole suite (workloads, ramp, ablations) and its report on a tiny seeded model, in seconds."""
+
+import json
+
+import pytest
+
+from edge_rtgi.bench.report import write_report
+from edge_rtgi.bench.runner import run_suite
+from edge_rtgi.bench.suite import BenchConfig, Optimisations
+from tests.tiny_models import make_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("tiny"), seed=2, max_position_embeddings=4096,
+                              rope_scaling=None)
+
+
+async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path):
+    cfg = BenchConfig(model=str(tiny_folder), optimisations=Optimisations(dtype="fp32"), num_requests=3,
+                      max_duration_s=30.0, rate_scale=10.0, quality_prompts=2, ramp_rates_rps=(5.0, 50.0),
+                      ramp_requests=3, ablations=("prefix_caching=false", "max_num_seqs=1", "dtype=bf16"))
+    results = await run_suite(cfg, ("workloads", "ramp", "ablations"))
+    assert [w["name"] for w in results["workloads"]] == ["dialogue", "code", "translation", "voice"]
+    for w in results["workloads"]:
+        assert w["metrics"]["num_requests"] == 3 and w["metrics"]["num_ok"] == 3, w["errors"]
+        # fp32 engine against the fp32 full model: same weights, same numerics on greedy paths
+        assert w["quality"]["kl"] is None and w["quality"]["chrf_agreement"] == pytest.approx(100.0)
+        assert w["rtiq"]["value"] == pytest.approx(w["rtiq"]["slo_attainment"] * w["quality"]["retention"])
+        assert w["metrics"]["kv_blocks_total"] > 0 and w["metrics"]["peak_rss_mb"] > 0
+    rows = {r["label"]: r for r in results["ablations"]["rows"]}
+    assert set(rows) == {"baseline", "prefix_caching=false", "max_num_seqs=1", "dtype=bf16"}
+    assert rows["prefix_caching=false"]["prefix_hit_rate"] == 0.0
+    assert rows["max_num_seqs=1"]["requests_per_step"] == pytest.approx(1.0)
+    assert rows["dtype=bf16"]["quality"]["kl"]["mean"] > 0.0  # its own bf16 weights: a real KL
+    assert [s["rate_rps"] for s in results["ramp"]["stages"]][0] == 5.0
+
+    report = write_report(json.loads(json.dumps(results, default=str)), tmp_path / "out")
+    text = report.read_text()
+    assert "## RTIQ per workload" in text and "## Ablations" in text and "## Ramp" in text
+    assert "peers section not run" in text
+    assert (tmp_path / "out" / "latency_cdf.png").is_file() and not (tmp_path / "out" / "peers.png").exists()
