@@ -1,0 +1,53 @@
+"""``edge-rtgi translate --mic`` through a real PulseAudio null sink: captions and audio.
+
+The microphone is the monitor of the null sink ``vmic`` (the speech tests' fixture); the
+translation is spoken into a second null sink ``vspk`` so it cannot echo into the mic.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edge_rtgi.audio import write_wav
+from edge_rtgi.audio.wav import read_wav
+from edge_rtgi.tts import make_tts
+from tests.integration.native_client import wer
+from tests.integration.test_mic_pulse import _wait_for, pulse  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.slow, pytest.mark.audio]
+
+TEXT = "Good morning. I would like a cup of coffee."
+
+
+def test_translate_mic_prints_captions_speaks_and_writes_audio(pulse, tmp_path):  # noqa: F811
+    subprocess.run(["pactl", "load-module", "module-null-sink", "sink_name=vspk"], env=pulse, check=True,
+                   capture_output=True, timeout=30)
+    subprocess.run(["pactl", "set-default-sink", "vspk"], env=pulse, check=True, timeout=30)
+    voice = make_tts("piper-en_US-joe-medium")
+    pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, pcm, voice.sample_rate_hz)
+    out_wav = tmp_path / "translated.wav"
+    err_path, out_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
+    with open(err_path, "w") as err, open(out_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "edge_rtgi.cli", "translate", "--mic", "--from", "en",
+                                 "--to", "es", "--duration", f"{len(pcm) / voice.sample_rate_hz + 5:.1f}",
+                                 "--out", str(out_wav)], stdout=out, stderr=err, env=pulse)
+        try:
+            _wait_for(err_path, "listening", 240)
+            subprocess.run(["paplay", "-d", "vmic", str(wav)], env=pulse, check=True, timeout=60)
+            assert proc.wait(timeout=240) == 0, err_path.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    lines = out_path.read_text().splitlines()
+    sources = " ".join(line[len("[source] "):] for line in lines if line.startswith("[source] "))
+    translations = " ".join(line[len("[translation] "):] for line in lines if line.startswith("[translation] "))
+    assert wer(TEXT, sources) <= 0.2, lines
+    assert "café" in translations.lower(), lines
+    audio, rate = read_wav(out_wav)
+    assert rate == 22050 and len(audio) / rate > 1.0, "the spoken translation was recorded"
