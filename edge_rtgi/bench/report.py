@@ -235,9 +235,9 @@ def _rtiq(results: dict) -> list[str]:
         q, r, kl = w["quality"], w["rtiq"], w["quality"].get("kl")
         ref = (f"{_f(q['chrf_ref_optimised'], 1)} / {_f(q['chrf_ref_full'], 1)}"
                if q.get("chrf_ref_full") is not None else "–")
-        kl_txt = (f"{kl['mean']:.4f} / {kl['p99']:.3f} / {100 * kl['top1_agreement']:.1f} %" if kl
+        kl_txt = (f"{_f(kl['mean'], 4)} / {_f(kl['p99'], 3)} / {_pct(kl['top1_agreement'])}" if kl
                   else "0 (same weights)")
-        rows.append([w["name"], f"**{r['value']:.2f}**", f"{r['quality_retention']:.3f}",
+        rows.append([w["name"], f"**{_f(r['value'], 2)}**", _f(r["quality_retention"], 3),
                      _pct(r["slo_attainment"]), _pct(r["ttft_attainment"]), _pct(r["itl_attainment"]),
                      _f(q["chrf_agreement"], 1), ref, kl_txt, str(q["num_outputs"])])
     header = ["workload", "RTIQ", "quality retention", "meet TTFT+ITL", "meet TTFT", "meet ITL",
@@ -301,7 +301,7 @@ def _peers(results: dict) -> list[str]:
            *_table(["engine", "decode (tok/s, median)", "TTFT (ms, median)", "greedy tokens equal to fp32 ref",
                     "throughput under load (tok/s)", "TTFT p95 under load (ms)", "E2E p95 under load (ms)"], rows)]
     if peers["ratios"]:
-        rrows = [[r["vs"], f"{r['decode_speed']:.2f}x", f"{r['ttft']:.2f}x", f"{r['throughput_under_load']:.2f}x"]
+        rrows = [[r["vs"], _f(r["decode_speed"], 2, "x"), _f(r["ttft"], 2, "x"), _f(r["throughput_under_load"], 2, "x")]
                  for r in peers["ratios"]]
         out += ["Ratios ours / theirs (decode and throughput: higher is better; TTFT: lower is better):", "",
                 *_table(["vs", "batch-1 decode", "TTFT", "throughput under load"], rrows)]
@@ -334,11 +334,25 @@ def render_markdown(results: dict, image_prefix: str = "") -> str:
     return "\n".join(lines).replace("IMG/", image_prefix)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with NaN/inf as None and tuples as lists, so results.json is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return str(value)
+
+
 def write_report(results: dict, folder: str | Path, image_prefix: str = "") -> Path:
     """Write report.md, results.json and the PNG figures into ``folder``; returns report.md's path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    results = json_safe(results)
+    (folder / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False))
     made = {name for name, plot in FIGURES if plot(results, folder / name)}
     text = render_markdown(results, image_prefix)
     for name, _ in FIGURES:  # drop links to figures that had no data

@@ -28,7 +28,7 @@ def _skipped(results: dict, kind: str) -> str | None:
 
 
 def _status(value: float | None, bar: float, higher_is_better: bool = True) -> str:
-    if value is None or math.isnan(value):
+    if value is None or not math.isfinite(value):
         return "not measured"
     met = value >= bar if higher_is_better else value < bar
     return "**met**" if met else "not met"
@@ -64,8 +64,9 @@ def evaluate_targets(results: dict) -> list[dict[str, Any]]:
         status = _status(p95, VOICE_TTFT_P95_MS, higher_is_better=False)
         if rate != VOICE_RATE_RPS:
             status = f"not comparable (offered {rate:g} req/s)"
+        measured = f"{p95:.0f} ms at {rate:g} req/s" if p95 is not None else f"no completed request at {rate:g} req/s"
         rows.append({"target": f"voice TTFT p95 < {VOICE_TTFT_P95_MS:g} ms at {VOICE_RATE_RPS:g} req/s",
-                     "measured": f"{p95:.0f} ms at {rate:g} req/s", "status": status, "value": p95})
+                     "measured": measured, "status": status, "value": p95})
     retentions = [w["quality"]["retention"] for w in results.get("workloads") or []]
     if retentions:
         worst = min(retentions)

@@ -140,11 +140,9 @@ def run_command(args: argparse.Namespace) -> int:
                 write_report(partial, args.report)
 
         results = asyncio.run(run_suite(cfg, tuple(args.sections), on_section=checkpoint))
+    sys.stdout.write(render_markdown(results) + "\n")
     if args.report:
-        path = write_report(results, args.report)
-        print(f"report written to {path}")
-    else:
-        sys.stdout.write(render_markdown(results) + "\n")
+        print(f"report written to {write_report(results, args.report)}")
     return 0
 
 
