@@ -108,6 +108,8 @@ async def run_peers_section(models: Any, engine: Any, cfg: Any, gguf_path: Any) 
     ours = f"edge-rtgi engine ({_describe(cfg.optimisations)})"
     entries.append(await _measure(ours, "ours", EngineTarget(engine, ours), engine.reset_prefix_cache,
                                   decode_req, load_reqs, cfg, reference))
+    for spec in cfg.peer_variants:
+        entries.append(await _measure_variant(models, cfg, spec, decode_req, load_reqs, reference))
     entries.append(await _measure("edge-rtgi plain path (fp32, request by request)", "plain", plain,
                                   lambda: None, decode_req, load_reqs, cfg, reference))
     plain.close()
@@ -131,6 +133,26 @@ async def run_peers_section(models: Any, engine: Any, cfg: Any, gguf_path: Any) 
             "entries": entries, "skipped": skipped, "ratios": ratios(entries)}
 
 
+async def _measure_variant(models: Any, cfg: Any, spec: str, decode_req: PreparedRequest,
+                           load_reqs: list[PreparedRequest], reference: list[int]) -> dict:
+    """Our engine with one switch changed (its own weights when dtype or quantisation differ)."""
+    from edge_rtgi.bench.suite import load_optimised, make_engine, model_for
+
+    opt = cfg.optimisations.changed(spec)
+    loaded = model_for(models, opt, cfg.optimisations)
+    if loaded is None:
+        loaded, _ = load_optimised(models.source, opt)
+    engine = make_engine(loaded, opt, cfg)
+    name = f"edge-rtgi engine ({_describe(opt)})"
+    try:
+        entry = await _measure(name, "ours-variant", EngineTarget(engine, name), engine.reset_prefix_cache,
+                               decode_req, load_reqs, cfg, reference)
+    finally:
+        engine.shutdown()
+    entry["variant"] = spec
+    return entry
+
+
 def _describe(opt: Any) -> str:
     parts = [f"dtype {opt.dtype}", f"batch<={opt.max_num_seqs}",
              "prefix cache" if opt.prefix_caching else "no prefix cache"]
@@ -140,18 +162,16 @@ def _describe(opt: Any) -> str:
 
 
 def ratios(entries: list[dict]) -> list[dict]:
-    """ours / theirs for decode speed, TTFT (lower is better) and throughput under load."""
-    ours = next((e for e in entries if e["kind"] == "ours"), None)
-    if ours is None:
-        return []
+    """For each of our engines, ours / theirs for decode speed, TTFT (lower is better) and throughput."""
     out = []
-    for e in entries:
-        if e is ours:
-            continue
-        out.append({
-            "vs": e["name"], "kind": e["kind"],
-            "decode_speed": ours["batch1"]["decode_tok_s"] / e["batch1"]["decode_tok_s"],
-            "ttft": ours["batch1"]["ttft_ms"] / e["batch1"]["ttft_ms"],
-            "throughput_under_load": ours["load"]["throughput_tok_s"] / e["load"]["throughput_tok_s"],
-        })
+    for ours in (e for e in entries if e["kind"].startswith("ours")):
+        for e in entries:
+            if e["kind"].startswith("ours"):
+                continue
+            out.append({
+                "ours": ours["name"], "ours_kind": ours["kind"], "vs": e["name"], "kind": e["kind"],
+                "decode_speed": ours["batch1"]["decode_tok_s"] / e["batch1"]["decode_tok_s"],
+                "ttft": ours["batch1"]["ttft_ms"] / e["batch1"]["ttft_ms"],
+                "throughput_under_load": ours["load"]["throughput_tok_s"] / e["load"]["throughput_tok_s"],
+            })
     return out

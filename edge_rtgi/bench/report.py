@@ -126,6 +126,12 @@ def plot_ablations(results: dict, path: Path) -> bool:
     return True
 
 
+def _short_label(entry: dict) -> str:
+    if entry["kind"] == "ours-variant":
+        return f"engine {entry.get('variant', '')}"
+    return entry["name"].split(" (")[0].replace("edge-rtgi ", "").replace("HF transformers", "HF")
+
+
 def plot_peers(results: dict, path: Path) -> bool:
     peers = results.get("peers")
     if not peers or not peers["entries"]:
@@ -133,11 +139,11 @@ def plot_peers(results: dict, path: Path) -> bool:
     plt = _plt()
     entries = peers["entries"]
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.6), dpi=80)
-    labels = [e["name"].split(" (")[0].replace("edge-rtgi ", "").replace("HF transformers", "HF") for e in entries]
+    labels = [_short_label(e) for e in entries]
     panels = (("batch-1 decode (tok/s)", lambda e: e["batch1"]["decode_tok_s"]),
               ("batch-1 TTFT (ms)", lambda e: e["batch1"]["ttft_ms"]),
               ("throughput under load (tok/s)", lambda e: e["load"]["throughput_tok_s"]))
-    colors = ["tab:green" if e["kind"] == "ours" else "tab:grey" for e in entries]
+    colors = ["tab:green" if e["kind"].startswith("ours") else "tab:grey" for e in entries]
     for ax, (title, get) in zip(axes, panels, strict=True):
         ax.barh(range(len(entries)), [get(e) for e in entries], color=colors)
         ax.set_yticks(range(len(entries)), labels if ax is axes[0] else [""] * len(entries), fontsize=8)
@@ -301,10 +307,11 @@ def _peers(results: dict) -> list[str]:
            *_table(["engine", "decode (tok/s, median)", "TTFT (ms, median)", "greedy tokens equal to fp32 ref",
                     "throughput under load (tok/s)", "TTFT p95 under load (ms)", "E2E p95 under load (ms)"], rows)]
     if peers["ratios"]:
-        rrows = [[r["vs"], _f(r["decode_speed"], 2, "x"), _f(r["ttft"], 2, "x"), _f(r["throughput_under_load"], 2, "x")]
+        rrows = [[r.get("ours", "edge-rtgi engine").replace("edge-rtgi engine ", ""), r["vs"],
+                  _f(r["decode_speed"], 2, "x"), _f(r["ttft"], 2, "x"), _f(r["throughput_under_load"], 2, "x")]
                  for r in peers["ratios"]]
         out += ["Ratios ours / theirs (decode and throughput: higher is better; TTFT: lower is better):", "",
-                *_table(["vs", "batch-1 decode", "TTFT", "throughput under load"], rrows)]
+                *_table(["our engine", "vs", "batch-1 decode", "TTFT", "throughput under load"], rrows)]
     out += [f"- Skipped {s['name']}: {s['reason']}" for s in peers["skipped"]]
     return [*out, "", "![peers](IMG/peers.png)", ""]
 

@@ -107,6 +107,8 @@ class BenchConfig:
     ablation_workload: str = "dialogue"
     ablations: tuple[str, ...] = DEFAULT_ABLATIONS
     peers: tuple[str, ...] = PEER_NAMES
+    # our engine with other switches, measured beside the peers too (e.g. with quantisation)
+    peer_variants: tuple[str, ...] = ("quant=int8",)
     decode_prompt_tokens: int = 64
     decode_new_tokens: int = 128
     decode_runs: int = 3

@@ -13,11 +13,11 @@ VOICE_RATE_RPS = 4.0
 QUALITY_RETENTION = 0.962  # the RTGI framework's headline figure
 
 
-def _ratio(results: dict, kind: str, key: str) -> float | None:
-    for r in (results.get("peers") or {}).get("ratios", []):
-        if r["kind"] == kind:
-            return r[key]
-    return None
+def _ratios(results: dict, kind: str, key: str) -> list[tuple[str, str, float]]:
+    """(our engine's name, its kind, ratio) against peer ``kind``, main engine first."""
+    rows = [(r.get("ours", "edge-rtgi engine"), r.get("ours_kind", "ours"), r[key])
+            for r in (results.get("peers") or {}).get("ratios", []) if r["kind"] == kind and r[key] is not None]
+    return sorted(rows, key=lambda row: row[1] != "ours")
 
 
 def _skipped(results: dict, kind: str) -> str | None:
@@ -35,12 +35,21 @@ def _status(value: float | None, bar: float, higher_is_better: bool = True) -> s
 
 
 def _ratio_row(results: dict, target: str, kind: str, key: str, bar: float, note: str = "") -> dict[str, Any]:
-    value = _ratio(results, kind, key)
-    if value is None:
+    """The main engine's ratio decides; a better variant (e.g. quantised) is named beside it."""
+    rows = _ratios(results, kind, key)
+    if not rows:
         peers = results.get("peers")
         reason = _skipped(results, kind) or ("peers section not run" if not peers else f"{kind} not among the peers run")
         return {"target": target, "measured": f"– ({reason})", "status": "not measured", "value": None}
-    return {"target": target, "measured": f"{value:.2f}x{note}", "status": _status(value, bar), "value": value}
+    main_value = rows[0][2] if rows[0][1] == "ours" else None
+    best_name, _, best = max(rows, key=lambda row: row[2])
+    measured = f"{main_value:.2f}x (engine as configured){note}" if main_value is not None else ""
+    if best_name != (rows[0][0] if main_value is not None else None):
+        measured += f"{'; ' if measured else ''}{best:.2f}x with {best_name.replace('edge-rtgi engine ', '')}"
+    status = _status(main_value, bar)
+    if status != "**met**" and _status(best, bar) == "**met**":
+        status = "met only with a variant"
+    return {"target": target, "measured": measured, "status": status, "value": main_value}
 
 
 def evaluate_targets(results: dict) -> list[dict[str, Any]]:
@@ -51,7 +60,7 @@ def evaluate_targets(results: dict) -> list[dict[str, Any]]:
                    "decode_speed", DECODE_VS_HF_FP32),
         _ratio_row(results, f"batch-1 decode >= {DECODE_VS_LLAMACPP:g}x llama.cpp Q4_1 (once quantisation exists)",
                    "llamacpp", "decode_speed", DECODE_VS_LLAMACPP,
-                   "" if quant else " (no quantisation in this run)"),
+                   "" if quant else ", no quantisation"),
         _ratio_row(results, f"throughput under load >= {THROUGHPUT_VS_HF:g}x HF transformers request by request",
                    "hf-fp32", "throughput_under_load", THROUGHPUT_VS_HF),
     ]
