@@ -204,20 +204,11 @@ def _byte_level_pre_tokenizer(pre: str | None):
     return byte_level
 
 
-def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
-    """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata.
-
-    Supports byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM, Llama 3, Qwen2).
-    """
-    kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
-    if kind != "gpt2" or not tokens:
-        raise ModelFileError(
-            f"{source}: GGUF tokenizer type {kind!r} is not supported (only byte-level BPE, 'gpt2')",
-            hint="use the model's HF folder (tokenizer.json) instead")
-    alphabet = set(_byte_alphabet().values())
+def _byte_level_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[BackendTokenizer, set[str]]:
+    """Byte-level BPE (GPT-2 style): tokens are spelled in GPT-2's printable byte alphabet."""
     spell = _byte_alphabet()
-    vocab = {}
+    alphabet = set(spell.values())
+    vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         if not set(token) <= alphabet:  # a control token spelled in raw text, e.g. with a space
             token = "".join(spell[b] for b in token.encode("utf-8"))
@@ -226,10 +217,61 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     backend.pre_tokenizer = _byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     backend.decoder = decoders.ByteLevel()
+    return backend, alphabet
 
+
+def _sentencepiece_merges(tokens: list[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    # A SentencePiece BPE vocabulary has no merge list; a token's score is its merge rank.
+    # Every split of a token into two known pieces is a merge, ordered by the token's score.
+    vocab = {t: i for i, t in enumerate(tokens)}
+    candidates = []
+    for token, score in zip(tokens, scores, strict=False):
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        candidates += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
+def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[BackendTokenizer, None]:
+    """SentencePiece BPE with byte fallback (Llama 2, Mistral v0.1 files)."""
+    scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    vocab = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_sentencepiece_merges(tokens, scores),
+                                          unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix_space else []))
+    return backend, None
+
+
+def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
+    """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata.
+
+    Supports byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM, Llama 3, Qwen2) and
+    SentencePiece BPE with byte fallback (``"llama"``: Llama 2, Mistral v0.1).
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
+    if kind not in ("gpt2", "llama") or not tokens:
+        raise ModelFileError(
+            f"{source}: GGUF tokenizer type {kind!r} is not supported (only 'gpt2' byte-level BPE and "
+            "'llama' SentencePiece BPE)", hint="use the model's HF folder (tokenizer.json) instead")
+    backend, alphabet = (_byte_level_backend if kind == "gpt2" else _sentencepiece_backend)(meta, tokens)
+
+    # Control tokens (<|im_start|>, <s>) are matched whole and skipped when decoding; user-defined
+    # ones (<think>) are matched whole but kept. A byte-level "control" token spelled outside the
+    # byte alphabet is a llama.cpp mislabel and is left alone, as transformers does.
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    control = [t for t, k in zip(tokens, types, strict=False) if k == _GGUF_CONTROL and set(t) <= alphabet]
-    user = [t for t, k in zip(tokens, types, strict=False) if k == _GGUF_USER_DEFINED and set(t) <= alphabet]
+    spelled = (lambda t: set(t) <= alphabet) if alphabet else (lambda t: True)
+    control = [t for t, k in zip(tokens, types, strict=False) if k == _GGUF_CONTROL and spelled(t)]
+    user = [t for t, k in zip(tokens, types, strict=False) if k == _GGUF_USER_DEFINED and spelled(t)]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     if user:
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
@@ -239,10 +281,12 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
         return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
 
     bos, eos = token_at("bos_token_id"), token_at("eos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
-    else:
+    elif kind == "gpt2":
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     # Chat models often end a turn with a token other than EOS (Llama 3's <|eot_id|>).
     eos_ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
