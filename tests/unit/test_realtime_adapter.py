@@ -152,6 +152,18 @@ async def test_session_created_and_update_maps_to_core_settings(h):
     assert changes["turn_detection"] is False and changes["auto_response"] is False
 
 
+async def test_unknown_pipeline_is_an_error_and_keeps_the_session(h):
+    from edge_rtgi.errors import ConfigError
+
+    h.take()
+    h.core.update_error = ConfigError("unknown pipeline 'klingon'", hint="available: voice-assistant")
+    await h.client({"type": "session.update", "event_id": "u1",
+                    "session": {"type": "realtime", "edge_rtgi": {"pipeline": "klingon"}}})
+    err = h.last_error()
+    assert err["param"] == "session.edge_rtgi.pipeline" and "klingon" in err["message"] and err["event_id"] == "u1"
+    assert h.adapter.config.pipeline is None
+
+
 async def test_beta_session_shape_is_accepted(h):
     await h.client({"type": "session.update", "session": {
         "modalities": ["text", "audio"], "input_audio_format": "g711_ulaw", "output_audio_format": "pcm16",
