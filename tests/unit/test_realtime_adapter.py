@@ -328,6 +328,11 @@ async def test_user_text_item(h):
     ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
     ({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 10},
      "item_not_found", "item_id"),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "system", "content": [
+        {"type": "input_text", "text": "be nice"}]}}, "invalid_value", "item.role"),
+    ({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}, "invalid_value",
+     "item.type"),
+    ({"type": "response.create", "response": {"input": [{"type": "message"}]}}, "invalid_value", "response.input"),
 ])
 async def test_bad_input_gets_error_and_session_stays_usable(h, message, code, param):
     h.take()

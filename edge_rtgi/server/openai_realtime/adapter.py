@@ -198,7 +198,7 @@ class RealtimeAdapter:
         if item.role == "user":
             self._typed_echoes.append(text)
             await self.session.add_user_text(text, respond=False)
-        else:  # assistant / system context goes straight into the pipeline's history
+        else:  # earlier assistant turns go straight into the pipeline's history
             self.session.conversation.append((item.role, text))
         await self.emit("conversation.item.added", previous_item_id=previous, item=item.to_wire())
         await self.emit("conversation.item.done", previous_item_id=previous, item=item.to_wire())

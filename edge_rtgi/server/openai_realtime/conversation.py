@@ -64,9 +64,12 @@ def parse_message_item(item: object, new_id: str) -> Item:
             "invalid_value", f"item type {kind!r} is not supported by edge-rtgi (no tools); only 'message'",
             "item.type")
     role = require(item, "role", str, "item.role")
-    allowed = {"user": _USER_PARTS, "system": {"input_text": "text"}, "assistant": _ASSISTANT_PARTS}.get(role)
+    if role == "system":  # the pipeline's LLM sees one system prompt: the session's instructions
+        raise RealtimeProtocolError("invalid_value", "system message items are not supported by edge-rtgi; "
+                                    "set session.instructions with session.update instead", "item.role")
+    allowed = {"user": _USER_PARTS, "assistant": _ASSISTANT_PARTS}.get(role)
     if allowed is None:
-        raise RealtimeProtocolError("invalid_value", f"item.role must be user, assistant or system, got {role!r}",
+        raise RealtimeProtocolError("invalid_value", f"item.role must be user or assistant, got {role!r}",
                                     "item.role")
     content = require(item, "content", list, "item.content")
     parts = []
