@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 
 import jiwer
@@ -70,6 +71,7 @@ class NativeClient:
     def __init__(self, ws):
         self.ws = ws
         self.messages: list[tuple[dict, bytes | None]] = []
+        self.arrival: list[float] = []  # time.monotonic() when each message arrived
         self._changed = asyncio.Condition()
         self._reader = asyncio.create_task(self._read())
 
@@ -86,6 +88,7 @@ class NativeClient:
                 self.messages[-1] = (head, msg)
             else:
                 self.messages.append((json.loads(msg), None))
+                self.arrival.append(time.monotonic())
             async with self._changed:
                 self._changed.notify_all()
 

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Voice-to-voice latency of the daemon: end of user speech -> first reply audio byte.
+
+Each utterance (a question from edge_rtgi/bench/data/voice_questions.json, spoken by the
+Piper voice) is streamed at real time over a loopback WebSocket to an in-process daemon
+running the voice-assistant pipeline (silero VAD + whisper tiny.en + SmolLM2-135M +
+Piper). The client knows exactly when it sent the last speech sample, so its
+voice-to-voice time is measured on its own clock, up to the first ``response.audio``
+frame received. The server's per-turn parts are reported beside it:
+
+    endpointing (silence until VAD ends the turn), ASR final, LLM TTFT, first clause,
+    TTS first chunk.
+
+Baseline, measured in the same run on the same models and utterances: a non-streaming
+cascade (one-shot whisper on the utterance, the whole LLM reply, then the whole reply
+synthesised), timed stage by stage, plus the same endpointing delay. The report prints
+medians, p95 and the ratio streaming / baseline.
+
+    .venv/bin/python scripts/bench_voice.py --utterances 20 [--out bench-voice.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample  # noqa: E402
+from tests.integration.native_client import NativeClient  # noqa: E402
+
+PARTS = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_chunk_ms",
+         "voice_to_voice_ms")
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+async def start_daemon():
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+
+    pipes = load_pipelines([builtin_pipelines_dir()])
+    daemon = Daemon(DaemonConfig(server=ServerConfig(port=0)), {"voice-assistant": pipes["voice-assistant"]},
+                    Resources())
+    await daemon.resources.prepare(pipes["voice-assistant"])
+    await daemon.start()
+    return daemon, pipes["voice-assistant"]
+
+
+def speak(voice, text: str) -> tuple[np.ndarray, int]:
+    """(int16 16 kHz PCM with 0.3 s lead and 1.5 s tail silence, index of the last speech sample)."""
+    pcm = np.concatenate(list(voice.synthesize_stream(text)))
+    audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
+    lead, tail = np.zeros(4800, np.float32), np.zeros(24000, np.float32)
+    return float32_to_pcm16(np.concatenate([lead, audio, tail])), len(lead) + len(audio)
+
+
+async def one_turn(port: int, pcm: np.ndarray, speech_end: int) -> dict:
+    c = await NativeClient.open(port)
+    try:
+        await c.wait_type("session.created")
+        loop = asyncio.get_running_loop()
+        sent_speech_end = None
+        step, start = 320, loop.time()
+        for i in range(0, len(pcm), step):
+            await c.ws.send(pcm[i:i + step].astype("<i2").tobytes())
+            if sent_speech_end is None and i + step >= speech_end:
+                sent_speech_end = time.monotonic()
+            delay = start + (i + step) / 16000 - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if c.of("response.audio"):
+                break  # the reply started: the rest of the tail silence is not needed
+        first_audio = await c.wait_type("response.audio", timeout=120)
+        first_audio_t = next(t for t, (h, _) in zip(c.arrival, c.messages, strict=False) if h is first_audio)
+        done = await c.wait_type("response.done", timeout=120)
+        final = c.of("transcript.final")[0]["text"]
+        row = {k: done["stats"].get(k) for k in PARTS}
+        row.update(client_voice_to_voice_ms=(first_audio_t - sent_speech_end) * 1000.0, transcript=final,
+                   reply=done["text"], status=done["status"])
+        return row
+    finally:
+        await c.close()
+
+
+def baseline_turn(resources, pipeline, voice_pcm: np.ndarray, speech_end: int, question: str) -> dict:
+    """The non-streaming cascade on the same models: each stage waits for the previous one."""
+    from edge_rtgi.asr.config import AsrConfig
+    from edge_rtgi.llm.sampling import SamplingParams
+    from edge_rtgi.pipeline.config import AssistantStageConfig, TtsStageConfig
+
+    asr_cfg = pipeline.stage(AsrConfig)
+    assistant = pipeline.stage(AssistantStageConfig)
+    whisper = resources.whisper(asr_cfg)
+    engine = resources.llm(assistant.model)
+    voice = resources.voice(pipeline.stage(TtsStageConfig).voice)
+    t0 = time.perf_counter()
+    text = whisper.transcribe(pcm16_to_float32(voice_pcm[:speech_end + 3200])).text
+    t1 = time.perf_counter()
+    messages = [{"role": "system", "content": assistant.system_prompt}, {"role": "user", "content": text}]
+    reply = engine.generate([engine.tokenizer.encode_chat(messages)],
+                            SamplingParams(max_tokens=assistant.max_reply_tokens))[0].text.strip()
+    t2 = time.perf_counter()
+    for _ in voice.synthesize_stream(reply or "Okay."):
+        pass
+    t3 = time.perf_counter()
+    return {"asr_ms": (t1 - t0) * 1000, "llm_ms": (t2 - t1) * 1000, "tts_ms": (t3 - t2) * 1000,
+            "endpointing_ms": float(asr_cfg.vad.min_silence_ms)}
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--utterances", type=int, default=20)
+    ap.add_argument("--out", help="write the raw rows and the summary as JSON here")
+    args = ap.parse_args()
+    questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
+    questions = [questions[i % len(questions)] for i in range(args.utterances)]
+    print(f"bench_voice: starting the daemon (voice-assistant) for {len(questions)} utterances...", flush=True)
+    daemon, pipeline = await start_daemon()
+    from edge_rtgi.pipeline.config import TtsStageConfig
+
+    voice = daemon.resources.voice(pipeline.stage(TtsStageConfig).voice)
+    spoken = [speak(voice, q) for q in questions]
+    rows = []
+    for i, (q, (pcm, end)) in enumerate(zip(questions, spoken, strict=True)):
+        row = await one_turn(daemon.port, pcm, end)
+        rows.append(row)
+        print(f"  {i + 1:2d} v2v {row['client_voice_to_voice_ms']:6.0f} ms | {q!r} -> {row['transcript']!r} "
+              f"-> {row['reply'][:60]!r}", flush=True)
+    base = [await asyncio.to_thread(baseline_turn, daemon.resources, pipeline, pcm, end, q)
+            for q, (pcm, end) in zip(questions, spoken, strict=True)]
+    await daemon.drain(timeout_s=1)
+    daemon.resources.close()
+
+    summary = {"n": len(rows)}
+    print(f"\nvoice-to-voice latency over {len(rows)} utterances (ms; median / p95):")
+    for key in ("client_voice_to_voice_ms", *PARTS):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        summary[key] = {"median": statistics.median(vals) if vals else None, "p95": pct(vals, 0.95), "n": len(vals)}
+        print(f"  {key:28s} {summary[key]['median'] or float('nan'):8.0f} {summary[key]['p95']:8.0f}   (n={len(vals)})")
+    base_total = [b["endpointing_ms"] + b["asr_ms"] + b["llm_ms"] + b["tts_ms"] for b in base]
+    for key in ("asr_ms", "llm_ms", "tts_ms"):
+        print(f"  baseline {key:19s} {statistics.median([b[key] for b in base]):8.0f} {pct([b[key] for b in base], .95):8.0f}")
+    med_stream = summary["client_voice_to_voice_ms"]["median"]
+    med_base = statistics.median(base_total)
+    summary["baseline_non_streaming_ms"] = {"median": med_base, "p95": pct(base_total, 0.95)}
+    print(f"  baseline non-streaming total  {med_base:8.0f} {pct(base_total, .95):8.0f}")
+    print(f"\nstreaming / non-streaming median ratio: {med_stream / med_base:.2f} "
+          f"(target: median voice-to-voice <= 1000 ms; got {med_stream:.0f} ms)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows, "baseline": base}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
