@@ -9,16 +9,14 @@ pushes back on the one before it) and hands its output to the session through a
   clause), and
 - makes the worker skip that response's frames still waiting in the inbox.
 
-Blocking work (ASR passes, TTS synthesis, subprocesses) runs in worker threads through
-``iterate_in_thread`` / ``asyncio.to_thread``; a stage never blocks the event loop.
+Blocking work (ASR passes, TTS synthesis, subprocesses) runs in worker threads or
+subprocesses; a stage never blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -96,58 +94,3 @@ class Stage:
             self.ctx.stage_failed(self, frame, exc)
         finally:
             self._current = None
-
-
-_DONE = object()
-
-
-async def iterate_in_thread(make_iter: Callable[[], Iterator[Any]], max_ahead: int = 8) -> AsyncIterator[Any]:
-    """Run a blocking iterator in a worker thread and yield its items on the event loop.
-
-    This is the fix for pipecat's bug with lazy generators such as faster-whisper's
-    ``transcribe()``: the generator is created *and consumed* in the thread, so decoding
-    never runs on the loop. Closing the async iterator (e.g. on cancellation) tells the
-    thread to stop after its current item.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue(maxsize=max_ahead)
-    stop = threading.Event()
-
-    def put(item: Any) -> None:
-        fut = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
-        while not stop.is_set():
-            try:
-                fut.result(timeout=0.1)
-                return
-            except TimeoutError:
-                continue
-            except Exception:  # loop closed
-                stop.set()
-        fut.cancel()
-
-    def work() -> None:
-        try:
-            for item in make_iter():
-                if stop.is_set():
-                    return
-                put(item)
-        except BaseException as exc:  # handed to the consumer
-            put(("__exc__", exc))
-        finally:
-            put(_DONE)
-
-    worker = loop.run_in_executor(None, work)
-    try:
-        while True:
-            item = await queue.get()
-            if item is _DONE:
-                break
-            if isinstance(item, tuple) and len(item) == 2 and item[0] == "__exc__":
-                raise item[1]
-            yield item
-    finally:
-        stop.set()
-        while not queue.empty():  # unblock a producer waiting for room
-            queue.get_nowait()
-        if worker.done():
-            worker.exception()
