@@ -101,3 +101,13 @@ def test_session_update_ga_and_errors():
         with pytest.raises(RealtimeProtocolError) as err:
             apply_session_update(cfg, session)
         assert err.value.param == param, err.value
+
+
+def test_heard_prefix_keeps_whole_words():
+    from edge_rtgi.server.openai_realtime.conversation import heard_prefix
+
+    text = "The capital of France is Paris."
+    assert heard_prefix(text, 1.0) == text
+    assert heard_prefix(text, 0.0) == ""
+    assert heard_prefix(text, 0.5) == "The capital of"  # 15 of 31 characters
+    assert heard_prefix(text, 0.02) == ""  # never half a word

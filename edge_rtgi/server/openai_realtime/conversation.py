@@ -2,29 +2,22 @@
 
 The pipeline keeps its own chat history for the LLM; this mirror exists so that item ids,
 ``previous_item_id``, ``conversation.item.retrieve`` and ``conversation.item.truncate`` behave
-as clients expect. Assistant audio items remember which text was spoken in which stretch of
-audio, so truncating at ``audio_end_ms`` keeps exactly the text the user heard.
+as clients expect. Truncating an assistant audio item at ``audio_end_ms`` keeps the words that
+fit the heard share of its audio, measured in characters: the pipeline does not report which
+text each audio chunk speaks (the LLM runs ahead of TTS), and speech time is close to
+proportional to text length.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import optional, require
 
 _USER_PARTS = {"input_text": "text", "input_audio": "transcript", "text": "text"}
 _ASSISTANT_PARTS = {"output_text": "text", "text": "text", "output_audio": "transcript", "audio": "transcript"}
-
-
-@dataclass
-class SpokenSpan:
-    """A clause of assistant text and the stretch of output audio that speaks it."""
-
-    text: str
-    audio_start_ms: float
-    audio_end_ms: float
 
 
 @dataclass
@@ -35,7 +28,6 @@ class Item:
     role: str
     content: list[dict]
     status: str = "completed"
-    spans: list[SpokenSpan] = field(default_factory=list)  # assistant audio only
     audio_ms: float = 0.0  # assistant audio only: total audio sent
 
     def text(self) -> str:
@@ -93,6 +85,17 @@ def parse_message_item(item: object, new_id: str) -> Item:
     return Item(id=item_id, role=role, content=parts)
 
 
+def heard_prefix(text: str, heard_fraction: float) -> str:
+    """The whole words of ``text`` within the first ``heard_fraction`` of its characters."""
+    budget = len(text.strip()) * min(1.0, max(0.0, heard_fraction)) + 0.5
+    kept: list[str] = []
+    for word in text.split():
+        if len(" ".join(kept + [word])) > budget:
+            break
+        kept.append(word)
+    return " ".join(kept)
+
+
 def _ga_part_type(role: str, ptype: str) -> str:
     if role == "assistant":
         return "output_audio" if ptype in ("audio", "output_audio") else "output_text"
@@ -144,7 +147,7 @@ class Conversation:
         return copy.deepcopy(self.get(item_id).to_wire())
 
     def truncate(self, item_id: object, content_index: object, audio_end_ms: object) -> Item:
-        """Cut an assistant audio item at ``audio_end_ms``; its transcript keeps only heard clauses."""
+        """Cut an assistant audio item at ``audio_end_ms``; its transcript keeps the words heard by then."""
         item = self.get(item_id)
         if item.role != "assistant" or not any(p["type"] == "output_audio" for p in item.content):
             raise RealtimeProtocolError("invalid_value", f"item {item_id!r} is not an assistant audio message; "
@@ -159,16 +162,8 @@ class Conversation:
                 "invalid_value", f"audio_end_ms {audio_end_ms} is past the end of the item's audio "
                 f"({item.audio_ms:.0f} ms)", "audio_end_ms")
         part = item.content[content_index]
-        if item.spans:
-            heard = [span.text.strip() for span in item.spans if span.audio_start_ms < audio_end_ms]
-            part["transcript"] = " ".join(t for t in heard if t)
-        elif item.audio_ms > 0:
-            # No clause timing from the pipeline: keep the share of words that fits the heard share
-            # of audio, which is close for a steady speaking rate.
-            words = (part.get("transcript") or "").split()
-            keep = round(len(words) * min(1.0, audio_end_ms / item.audio_ms))
-            part["transcript"] = " ".join(words[:keep])
-        item.spans = [s for s in item.spans if s.audio_start_ms < audio_end_ms]
+        if item.audio_ms > 0:
+            part["transcript"] = heard_prefix(part.get("transcript") or "", audio_end_ms / item.audio_ms)
         item.audio_ms = float(audio_end_ms)
         item.status = "incomplete"
         return item

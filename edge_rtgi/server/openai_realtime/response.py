@@ -15,7 +15,7 @@ import numpy as np
 
 from edge_rtgi.audio.pcm import Resampler, float32_to_pcm16, pcm16_to_float32
 from edge_rtgi.server.openai_realtime.codecs import AudioFormat, encode_base64
-from edge_rtgi.server.openai_realtime.conversation import Item, SpokenSpan
+from edge_rtgi.server.openai_realtime.conversation import Item
 
 # Reasons the protocol knows for a response that did not complete.
 CANCEL_REASONS = {"barge_in": "turn_detected", "client_cancel": "client_cancelled",
@@ -57,7 +57,6 @@ class ResponseStream:
         self.status = "in_progress"
         self._resampler: Resampler | None = None
         self._resampler_src_hz: int | None = None
-        self._pending_text = ""  # text not yet attributed to an audio span
         self.audio_samples = 0
         self.audio_chunks = 0
         part_type = "output_audio" if self.audio_out else "output_text"
@@ -105,7 +104,6 @@ class ResponseStream:
         if not delta:
             return []
         self.text += delta
-        self._pending_text += delta
         key = "transcript" if self.audio_out else "text"
         self.item.content[0][key] = self.text
         kind = "response.output_audio_transcript.delta" if self.audio_out else "response.output_text.delta"
@@ -116,13 +114,8 @@ class ResponseStream:
         if not self.audio_out or len(pcm) == 0:
             return []
         out = self._resample(pcm, sample_rate_hz)
-        start_ms = self.item.audio_ms
         self.audio_samples += len(out)
         self.item.audio_ms = 1000.0 * self.audio_samples / self.format.sample_rate_hz
-        if self._pending_text.strip():
-            # The text that arrived since the last chunk is what this stretch of audio speaks.
-            self.item.spans.append(SpokenSpan(self._pending_text, start_ms, self.item.audio_ms))
-            self._pending_text = ""
         if len(out) == 0:
             return []
         self.audio_chunks += 1
@@ -154,9 +147,6 @@ class ResponseStream:
         self.status = status
         if text is not None and status == "completed" and text.strip() and not self.text.strip():
             self.text_delta(text)  # a pipeline that only reports the whole text at the end
-        if self._pending_text.strip() and self.item.spans:
-            last = self.item.spans[-1]
-            last.text += self._pending_text
         events = self._flush_audio()
         self.item.status = "completed" if status == "completed" else "incomplete"
         where = self._where()
