@@ -124,7 +124,7 @@ def check_spoken_reply(turn: dict, whisper) -> None:
     assert len(audio) > 24000 * 0.5
     heard = transcribe_24k(whisper, audio)
     assert cer(reply, heard) <= 0.15, (reply, heard)
-    assert turn["response"].usage.output_tokens > 0
+    assert turn["response"].usage.output_tokens > 0 and turn["response"].usage.input_tokens > 0
 
 
 async def test_manual_commit_turn_with_official_client(daemon, piper, whisper):

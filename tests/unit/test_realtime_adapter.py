@@ -385,3 +385,15 @@ def test_core_settings_defaults_match_protocol_defaults():
     assert s["turn_detection"] and s["auto_response"] and s["barge_in"]
     assert (s["vad_threshold"], s["vad_prefix_padding_ms"], s["vad_min_silence_ms"]) == (0.5, 300, 500)
     assert s["input_sample_rate_hz"] == 24000 and s["output_sample_rate_hz"] == 24000
+
+
+def test_connection_url_picks_model_and_pipeline():
+    from edge_rtgi.server.openai_realtime.connection import initial_config
+
+    pipelines = {"voice-assistant": None, "translate-en-es": None}
+    config, model = initial_config("/v1/realtime?model=gpt-realtime", pipelines)
+    assert model == "gpt-realtime" and config.pipeline is None  # any model name works; default pipeline
+    config, model = initial_config("/v1/realtime?model=translate-en-es", pipelines)
+    assert config.pipeline == "translate-en-es"
+    config, model = initial_config("/v1/realtime?pipeline=translate-en-es", pipelines)
+    assert model == "edge-rtgi" and config.pipeline == "translate-en-es"
