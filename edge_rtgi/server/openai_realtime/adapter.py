@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 
 MIN_COMMIT_MS = 100  # the protocol's minimum for input_audio_buffer.commit
 _RESPONSE_IGNORED = {"conversation", "metadata", "tools", "tool_choice", "prompt", "reasoning",
-                     "parallel_tool_calls", "audio", "instructions", "output_modalities", "max_output_tokens"}
+                     "parallel_tool_calls", "audio", "instructions", "output_modalities", "max_output_tokens",
+                     # the beta spellings of the same per-response settings
+                     "modalities", "voice", "output_audio_format", "temperature", "max_response_output_tokens"}
 
 
 def core_settings(config: RealtimeSessionConfig) -> dict:
