@@ -158,10 +158,12 @@ class ModelRunner:
                 ) -> ModelRunnerOutput:
         tokens: dict[str, int] = {}
         errors: dict[str, str] = {}
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        # One reduction per row: NaN or inf anywhere makes the row's sum non-finite.
+        finite = logits.sum(dim=-1).isfinite().tolist()
         greedy_rows = [i for i, rid in enumerate(request_ids) if params[rid].greedy and finite[i]]
         if greedy_rows:
-            picked = logits[greedy_rows].argmax(dim=-1).tolist()
+            rows = logits if len(greedy_rows) == len(request_ids) else logits[greedy_rows]
+            picked = rows.argmax(dim=-1).tolist()
             for i, tok in zip(greedy_rows, picked, strict=True):
                 tokens[request_ids[i]] = tok
         for i, rid in enumerate(request_ids):
