@@ -4,7 +4,7 @@ Four figures, each a median over ``runs`` timed runs after one untimed warm-up:
 
 - batch-1 decode tok/s: one greedy request, ``decode_tokens`` new tokens after a
   ``prompt_tokens`` prompt. Rate = (n - 1) / (time of last token - time of first token), so
-  prefill is excluded on both sides (HF: from ``generate`` with 1 and with n new tokens);
+  prefill is excluded on both sides (HF: token times taken by a streamer);
 - TTFT of a ``ttft_prompt_tokens`` prompt, cold (prefix cache emptied) and with the first
   ``cached_prefix_tokens`` already cached by an earlier request (a shared system prompt);
 - total throughput of ``concurrency`` requests submitted together (HF: one after another,
@@ -113,19 +113,40 @@ class _HF:
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
 
-    def _generate_s(self, prompt: list[int], n: int) -> float:
+    def _generate(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+        """Wall time of ``generate`` and the time each new token reached the streamer."""
+        from transformers.generation.streamers import BaseStreamer
+
         torch = self.torch
+        stamps: list[float] = []
+
+        class Stamps(BaseStreamer):
+            def __init__(self) -> None:
+                self.prompt_seen = False
+
+            def put(self, value: Any) -> None:  # first call: the prompt; then one call per token
+                if self.prompt_seen:
+                    stamps.append(time.perf_counter())
+                self.prompt_seen = True
+
+            def end(self) -> None:
+                pass
+
         ids = torch.tensor([prompt])
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
+                                      min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=Stamps())
         elapsed = time.perf_counter() - start
         assert out.shape[1] == len(prompt) + n
-        return elapsed
+        return elapsed, stamps
+
+    def _generate_s(self, prompt: list[int], n: int) -> float:
+        return self._generate(prompt, n)[0]
 
     def decode_rate(self, prompt: list[int], n: int) -> float:
-        return (n - 1) / (self._generate_s(prompt, n) - self._generate_s(prompt, 1))
+        stamps = self._generate(prompt, n)[1]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
     def ttft_ms(self, prompt: list[int]) -> float:
         return self._generate_s(prompt, 1) * 1e3
