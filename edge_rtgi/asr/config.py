@@ -15,7 +15,7 @@ DEFAULT_HALLUCINATIONS = (
     "please subscribe",
     "subscribe to my channel",
     "like and subscribe",
-    "subtitles by the amara org community",
+    "subtitles by the amara.org community",
     "transcribed by",
     "you",
     "bye",
@@ -77,7 +77,7 @@ class AsrConfig:
     task: str = "transcribe"
     beam_size: int = 1
     final_beam_size: int = 1
-    min_chunk_ms: int = 500
+    min_chunk_ms: int = 1000
     agreement_n: int = 2
     holdback_words: int = 1
     max_utterance_s: float = 20.0

@@ -138,8 +138,11 @@ class StreamingTranscriber:
         if utt is not None:
             now = self._ring.total_written
             silence_start = self.vad.silence_start_index
-            if silence_start is not None and now - silence_start >= self._pad:
-                if self.config.speculative_final and (utt.speculative is None or utt.speculative[0] != silence_start):
+            if silence_start is not None:
+                # Speech may be over: no partial decode now (it would delay the final); once the
+                # pad has arrived, decode the likely final while the endpoint timer runs.
+                fresh = utt.speculative is None or utt.speculative[0] != silence_start
+                if self.config.speculative_final and fresh and now - silence_start >= self._pad:
                     self._speculate(utt, silence_start)
             elif now - utt.last_decode_end >= self._min_chunk:
                 self._partial(utt, now)
@@ -213,8 +216,10 @@ class StreamingTranscriber:
 
     def _is_hallucination(self, text: str, hyp: Hypothesis) -> bool:
         """Last-resort filter: the whole utterance is a stock phrase and whisper was unsure."""
-        normalized = " ".join(filter(None, (normalize_word(w) for w in text.split())))
-        if normalized not in self.config.hallucination_blocklist or not hyp.segments:
+        def norm(phrase: str) -> str:
+            return " ".join(filter(None, (normalize_word(w) for w in phrase.split())))
+
+        if not hyp.segments or norm(text) not in {norm(p) for p in self.config.hallucination_blocklist}:
             return False
         unsure = min(s.avg_logprob for s in hyp.segments) < -0.5 or max(s.no_speech_prob for s in hyp.segments) > 0.2
         return unsure

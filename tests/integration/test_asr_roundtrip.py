@@ -1,0 +1,136 @@
+"""TTS -> streaming ASR round trip on the project's sentences, plus silence and noise.
+
+The Piper voice speaks tests/data/sentences_en.txt (synthesised once per module into a tmp
+folder); whisper tiny.en transcribes each file through the streaming path, fed in 20/30/40 ms
+chunks on a simulated clock (see ``stream_samples``), and once more in one shot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_rtgi.asr import (
+    AsrConfig,
+    FinalTranscript,
+    PartialTranscript,
+    SileroVad,
+    SpeechEnded,
+    SpeechStarted,
+    StreamingTranscriber,
+    WhisperAsr,
+)
+from edge_rtgi.asr.evaluation import final_text, stability_problems, stream_samples, word_error_rate
+from edge_rtgi.audio import read_wav_mono, resample, write_wav
+from edge_rtgi.tts import make_tts
+
+pytestmark = pytest.mark.slow
+
+SENTENCES = [s.strip() for s in (Path(__file__).parents[1] / "data" / "sentences_en.txt").read_text().splitlines()
+             if s.strip()]
+LEAD_IN = np.zeros(8000, np.float32)  # 0.5 s of silence before speech, as a speaker would leave
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[tuple[str, np.ndarray]]:
+    voice = make_tts("piper-en_US-joe-medium")
+    folder = tmp_path_factory.mktemp("piper_corpus")
+    out = []
+    for i, text in enumerate(SENTENCES):
+        pcm = np.concatenate(list(voice.synthesize_stream(text)))
+        path = folder / f"s{i:02d}.wav"
+        write_wav(path, pcm, voice.sample_rate_hz)
+        out.append((text, read_wav_mono(path)))  # through the WAV reader and resampler, like a user file
+    return out
+
+
+@pytest.fixture(scope="module")
+def asr() -> WhisperAsr:
+    return WhisperAsr(AsrConfig(model="whisper-tiny.en", cpu_threads=2))
+
+
+@pytest.fixture(scope="module")
+def vad() -> SileroVad:
+    return SileroVad()
+
+
+@pytest.fixture(scope="module")
+def streamed(corpus, asr, vad) -> list[list]:
+    return [stream_samples(StreamingTranscriber(asr, vad=vad), np.concatenate([LEAD_IN, x])) for _, x in corpus]
+
+
+def test_corpus_is_about_twenty_sentences():
+    assert 18 <= len(SENTENCES) <= 25
+
+
+def test_streaming_wer_is_low_and_not_worse_than_one_shot(corpus, asr, streamed):
+    refs = [t for t, _ in corpus]
+    stream_hyps = [final_text(ev) for ev in streamed]
+    one_shot_hyps = [asr.transcribe(x).text for _, x in corpus]
+    wer_stream, wer_one_shot = word_error_rate(refs, stream_hyps), word_error_rate(refs, one_shot_hyps)
+    print(f"\nWER streaming {wer_stream:.2%}, one-shot {wer_one_shot:.2%} over {len(refs)} files")
+    for ref, hyp in zip(refs, stream_hyps, strict=True):
+        if word_error_rate([ref], [hyp]) > 0:
+            print(f"  ref: {ref}\n  hyp: {hyp}")
+    assert wer_stream <= 0.05
+    # Tolerance: one word over the whole corpus (~220 words), for a tie broken differently
+    # by the two decodes; a systematic loss (dropped tails, repeats) costs far more.
+    n_words = sum(len(r.split()) for r in refs)
+    assert wer_stream <= wer_one_shot + 1.0 / n_words + 1e-9
+
+
+def test_partials_are_stable_on_every_file(streamed):
+    for events in streamed:
+        assert stability_problems(events) == []
+        kinds = [type(e) for e in events]
+        assert kinds[0] is SpeechStarted and kinds[-1] is FinalTranscript and kinds[-2] is SpeechEnded
+        assert kinds.count(FinalTranscript) == 1, "one sentence is one utterance"
+        partials = [e for e in events if isinstance(e, PartialTranscript)]
+        assert partials, "partials must appear while the sentence is spoken"
+        # Committed text grows while speaking: by the end most words are committed.
+        assert len(partials[-1].committed_text.split()) >= 1
+
+
+def test_final_carries_timestamps_within_the_audio(corpus, streamed):
+    for (_, x), events in zip(corpus, streamed, strict=True):
+        final = next(e for e in events if isinstance(e, FinalTranscript))
+        duration_s = (len(LEAD_IN) + len(x)) / 16000
+        assert 0.0 <= final.start_audio_s < final.speech_end_audio_s <= duration_s + 0.05
+        assert final.endpoint_audio_s >= final.speech_end_audio_s
+        assert final.segments and all(s.start_audio_s <= s.end_audio_s for s in final.segments)
+        assert " ".join(s.text for s in final.segments) == final.text
+
+
+@pytest.mark.parametrize("kind", ["silence", "white_noise"])
+def test_silence_and_noise_give_no_transcript(asr, vad, kind):
+    rng = np.random.default_rng(7)
+    audio = np.zeros(160000, np.float32) if kind == "silence" else (rng.standard_normal(160000) * 0.05).astype(np.float32)
+    events = stream_samples(StreamingTranscriber(asr, vad=vad), audio)
+    assert [e for e in events if isinstance(e, (PartialTranscript, FinalTranscript))] == []
+
+
+def test_long_speech_is_split_without_losing_words(corpus, asr, vad):
+    """Four sentences without pauses (about 13 s) exceed max_utterance_s (10 s) and get split."""
+    config = AsrConfig(model="whisper-tiny.en", max_utterance_s=10.0)
+    texts = [t for t, _ in corpus[:4]]
+    audio = np.concatenate([x for _, x in corpus[:4]])
+    events = stream_samples(StreamingTranscriber(asr, config=config, vad=vad), audio)
+    ends = [e for e in events if isinstance(e, SpeechEnded)]
+    finals = [e for e in events if isinstance(e, FinalTranscript)]
+    assert stability_problems(events) == []
+    assert any(e.reason == "max_length" for e in ends)
+    assert all(f.speech_end_audio_s - f.start_audio_s <= 10.0 + 0.1 for f in finals)
+    # Words at a forced cut may be clipped; everything else must survive.
+    assert word_error_rate([" ".join(texts)], [final_text(events)]) <= 0.10
+
+
+def test_unsupported_rate_and_channels_are_converted(tmp_path, corpus, asr, vad):
+    text, x = corpus[0]
+    stereo_48k = resample(x, 16000, 48000)
+    stereo_48k = np.stack([stereo_48k, stereo_48k * 0.5], axis=1)
+    path = tmp_path / "stereo48k.wav"
+    write_wav(path, stereo_48k, 48000)
+    events = stream_samples(StreamingTranscriber(asr, vad=vad), np.concatenate([LEAD_IN, read_wav_mono(path)]))
+    assert word_error_rate([text], [final_text(events)]) <= 0.1
