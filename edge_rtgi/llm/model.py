@@ -190,9 +190,10 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend) -> Tensor:
         # x: [T, hidden]
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads are rotated together: half the small kernels per layer at batch 1
+        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
         return self.o_proj(out.reshape(T, self.q_size))
