@@ -202,6 +202,44 @@ async def test_a_failed_turn_is_reported_and_the_session_goes_on(daemon):
         await c.close()
 
 
+async def test_multi_turn_history_is_kept_and_its_prefix_is_cached(daemon):
+    c = await NativeClient.open(daemon.port)
+    try:
+        await c.wait_type("session.created")
+        await c.send(type="session.update", session={"audio_output": False})
+        await c.send(type="text.input", text="What is the capital of France?")
+        first = await c.wait_type("response.done")
+        await c.send(type="text.input", text="And what is the capital of Spain?")
+        second = await c.wait_for(lambda h: h["type"] == "response.done" and h is not first)
+        u1, u2 = first["usage"], second["usage"]
+        assert u2["prompt_tokens"] > u1["prompt_tokens"] + 10, "the second prompt carries the first exchange"
+        assert u2["cached_tokens"] >= 32, "the system prompt and first turn come from the prefix cache"
+        assert not c.of("response.audio"), "audio_output: false sends text only"
+    finally:
+        await c.close()
+
+
+async def test_history_trimming_keeps_the_system_prompt(daemon):
+    from edge_rtgi.errors import RequestError
+    from edge_rtgi.pipeline.stages.text import trim_history
+
+    tok = engine(daemon).tokenizer
+    turns = []
+    for i in range(12):
+        turns += [("user", f"Question number {i} about something."), ("assistant", f"Answer number {i}.")]
+    turns.append(("user", "The last question?"))
+    full = len(tok.encode_chat([{"role": "system", "content": "Be brief."}]
+                               + [{"role": r, "content": t} for r, t in turns]))
+    msgs = trim_history(tok, "Be brief.", turns, budget_tokens=full // 2)
+    assert msgs[0] == {"role": "system", "content": "Be brief."}
+    assert msgs[1]["role"] == "user" and msgs[-1]["content"] == "The last question?"
+    assert len(tok.encode_chat(msgs)) <= full // 2 and len(msgs) < len(turns) + 1
+    assert trim_history(tok, "Be brief.", turns, budget_tokens=full + 10)[1:] == [
+        {"role": r, "content": t} for r, t in turns]
+    with pytest.raises(RequestError, match="does not fit"):
+        trim_history(tok, "Be brief.", turns, budget_tokens=5)
+
+
 async def test_health_and_metrics(daemon):
     # runs last in this module: the earlier tests' turns are in the counters
     status, body = await http_get(daemon.port, "/healthz")
