@@ -240,6 +240,32 @@ async def test_history_trimming_keeps_the_system_prompt(daemon):
         trim_history(tok, "Be brief.", turns, budget_tokens=5)
 
 
+async def test_llm_translation_backend_streams_within_its_budget(daemon):
+    from edge_rtgi import frames as F
+    from edge_rtgi.pipeline.config import parse_pipeline
+    from edge_rtgi.pipeline.session import Session, SessionSettings
+    from edge_rtgi.pipeline.translate import translation_budget_tokens
+
+    pipe = parse_pipeline("name: tr-llm\nstages:\n  - asr: {}\n  - translate:\n      backend: llm\n"
+                          "      model: smollm2-135m-instruct\n      budget_ratio: 1.5\n", "tr-llm.yaml")
+    session = await Session.open({"tr-llm": pipe}, daemon.resources, SessionSettings())
+    try:
+        source = "The train leaves at nine in the morning."
+        await session.add_user_text(source)
+        events = []
+        while not isinstance(events[-1] if events else None, F.ResponseDone):
+            events.append(await asyncio.wait_for(session.next_event(), 120))
+        done = events[-1]
+        budget = translation_budget_tokens(len(engine(daemon).tokenizer.encode(source)), 1.5, 16)
+        assert done.status == "completed" and 1 <= done.usage["completion_tokens"] <= budget
+        deltas = [e for e in events if isinstance(e, F.TextDelta)]
+        assert len(deltas) >= 2 and "".join(d.delta for d in deltas).strip() == done.text
+        caption = next(e for e in events if isinstance(e, F.TextDone))
+        assert caption.source_text == source
+    finally:
+        await session.close()
+
+
 async def test_health_and_metrics(daemon):
     # runs last in this module: the earlier tests' turns are in the counters
     status, body = await http_get(daemon.port, "/healthz")
