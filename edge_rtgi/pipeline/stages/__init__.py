@@ -1,0 +1,1 @@
+"""Pipeline stages: ASR, assistant / translate, TTS (see edge_rtgi.pipeline.build)."""
