@@ -106,8 +106,10 @@ class StreamingTranscriber:
 
     def _start_utterance(self, speech_start: int, start: int) -> None:
         cfg = self.config
-        self._active = _Utterance(self._next_id, start, speech_start, LocalAgreement(cfg.agreement_n, cfg.holdback_words),
-                                  last_decode_end=start)
+        agreement = LocalAgreement(cfg.agreement_n, cfg.holdback_words)
+        language = cfg.language if self.asr.multilingual else "en"
+        self._active = _Utterance(self._next_id, start, speech_start, agreement, last_decode_end=start,
+                                  language=language)
         self._next_id += 1
         self._events.append(SpeechStarted(self._active.id, speech_start / SAMPLE_RATE_HZ))
 
@@ -211,7 +213,7 @@ class StreamingTranscriber:
         else:
             segments = (TranscriptSegment(text, start_s, end / SAMPLE_RATE_HZ),)
         events.append(FinalTranscript(utt.id, text, segments, start_s, speech_end_s, endpoint_s,
-                                      utt.language, decode_ms))
+                                      utt.language or hyp.language, decode_ms))
         return events
 
     def _is_hallucination(self, text: str, hyp: Hypothesis) -> bool:
