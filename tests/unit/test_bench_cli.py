@@ -93,7 +93,8 @@ def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
         assert w["metrics"]["num_requests"] == 3 and 0.0 <= w["rtiq"]["value"] <= 1.0
         assert 0.0 <= w["quality"]["retention"] <= 1.0
     kinds = [e["kind"] for e in results["peers"]["entries"]]
-    assert kinds[:2] == ["ours", "plain"] and ("hf-fp32" in kinds or results["peers"]["skipped"])
+    assert kinds[:3] == ["ours", "ours-variant", "plain"] and ("hf-fp32" in kinds or results["peers"]["skipped"])
+    assert results["peers"]["entries"][1]["variant"] == "quant=int8"
     assert results["machine"]["git"]["commit"]
     text = (out / "report.md").read_text()
     for heading in ("## Conditions", "## Where the engine stands", "## RTIQ per workload", "## Ramp",
