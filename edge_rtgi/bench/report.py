@@ -368,3 +368,24 @@ def write_report(results: dict, folder: str | Path, image_prefix: str = "") -> P
     path = folder / "report.md"
     path.write_text(text + "\n")
     return path
+
+
+RESULTS_HEADING = "## Results on this machine"
+
+
+def embed_in_doc(results: dict, doc: str | Path, image_prefix: str, how: str) -> None:
+    """Replace everything from ``RESULTS_HEADING`` to the end of ``doc`` with this report.
+
+    Headings are demoted one level so the report nests under that heading; ``how`` (the command
+    that produced the run) is written first.
+    """
+    doc = Path(doc)
+    text = doc.read_text()
+    if RESULTS_HEADING not in text:
+        from edge_rtgi.errors import ConfigError
+
+        raise ConfigError(f"{doc} has no {RESULTS_HEADING!r} heading to put the results under")
+    body = render_markdown(json_safe(results), image_prefix).split("\n", 2)[2]  # drop the report's title
+    body = "\n".join("#" + line if line.startswith("## ") else line for line in body.splitlines())
+    head = text.split(RESULTS_HEADING)[0]
+    doc.write_text(f"{head}{RESULTS_HEADING}\n\nProduced by `{how}`.\n\n{body.strip()}\n")

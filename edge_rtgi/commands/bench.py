@@ -71,6 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="re-render a saved results.json", description="re-render a saved results.json")
     p.add_argument("results", help="a results.json written by --report")
     p.add_argument("--report", metavar="DIR", required=True, help="where to write report.md and figures")
+    p.add_argument("--into", metavar="DOC.md", help="also put the report under the doc's "
+                   "'## Results on this machine' heading (figures linked relative to the doc)")
     p.set_defaults(func=report_command)
     parser.set_defaults(func=lambda args: parser.print_help() or 1)
 
@@ -126,6 +128,7 @@ def run_command(args: argparse.Namespace) -> int:
     from edge_rtgi.bench.report import render_markdown, write_report
 
     cfg = build_config(args)
+    config_file = args.config
     if args.connect:
         if tuple(args.sections) != ("workloads",):
             raise ConfigError("--connect drives a daemon with the workloads only", hint="use `bench workloads --connect`")
@@ -140,9 +143,20 @@ def run_command(args: argparse.Namespace) -> int:
                 write_report(partial, args.report)
 
         results = asyncio.run(run_suite(cfg, tuple(args.sections), on_section=checkpoint))
+    if config_file:
+        results["config_file"] = config_file
     sys.stdout.write(render_markdown(results) + "\n")
     if args.report:
         print(f"report written to {write_report(results, args.report)}")
+    if args.into:
+        import os
+
+        from edge_rtgi.bench.report import embed_in_doc
+
+        prefix = os.path.relpath(Path(args.report).resolve(), Path(args.into).resolve().parent).replace(os.sep, "/")
+        config = " --config " + results["config_file"] if results.get("config_file") else ""
+        embed_in_doc(results, args.into, prefix + "/", f"edge-rtgi bench all{config} --report {args.report}")
+        print(f"results embedded in {args.into}")
     return 0
 
 
@@ -158,4 +172,13 @@ def report_command(args: argparse.Namespace) -> int:
     if not isinstance(results, dict) or "machine" not in results:
         raise ConfigError(f"{args.results} is not a results.json written by `edge-rtgi bench --report`")
     print(f"report written to {write_report(results, args.report)}")
+    if args.into:
+        import os
+
+        from edge_rtgi.bench.report import embed_in_doc
+
+        prefix = os.path.relpath(Path(args.report).resolve(), Path(args.into).resolve().parent).replace(os.sep, "/")
+        config = " --config " + results["config_file"] if results.get("config_file") else ""
+        embed_in_doc(results, args.into, prefix + "/", f"edge-rtgi bench all{config} --report {args.report}")
+        print(f"results embedded in {args.into}")
     return 0
