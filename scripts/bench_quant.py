@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out/quant")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bits", type=float, nargs="*", default=[4.75, 5.25], help="extra mixed budgets (all candidates)")
+    ap.add_argument("--bits", type=float, nargs="*", default=[4.75, 5.5], help="extra mixed budgets (all candidates)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "quality"])
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     table = SensitivityTable.load(args.sensitivity) if args.sensitivity else None
     plans = plans_to_compare(groups, table, args.bits if table else [])
     prompt = full.tokenizer.encode(calibration_text("heldout"))[:PROMPT_TOKENS]
-    rows = {}
+    rows, full_cache = {}, {}
     for label, plan in [("fp32 (full)", None), ("bf16", None)] + list(plans.items()):
         if label == "fp32 (full)":
             model = full.model
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         if "decode" not in args.skip:
             row.update(decode_speed(model, full.tokenizer, prompt, args.runs))
         if "quality" not in args.skip and model is not full.model:
-            row.update(vars(compare_quality(full.model, model, full.tokenizer, calibration_text("heldout"))))
+            row.update(vars(compare_quality(full.model, model, full.tokenizer, calibration_text("heldout"),
+                                            full_cache=full_cache)))
         rows[label] = row
         print(label, json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
         if model is not full.model:

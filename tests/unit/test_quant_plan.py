@@ -68,10 +68,12 @@ def test_budget_below_int4_everywhere_names_the_minimum():
         Budget.from_args(groups, 4.5, 3.0)
 
 
-def test_generous_budget_keeps_everything_in_float():
+def test_generous_budget_keeps_everything_in_float_only_when_none_is_a_candidate():
     groups = _groups()
-    plan = allocate(groups, _table(groups), Budget.from_args(groups, 16.0, None))
+    plan = allocate(groups, _table(groups), Budget.from_args(groups, 16.0, None), SCHEMES + ("none",))
     assert set(plan.resolved(groups).values()) == {"none"}
+    plan = allocate(groups, _table(groups), Budget.from_args(groups, 16.0, None))
+    assert set(plan.resolved(groups).values()) == {"int8"}
 
 
 def test_plan_yaml_round_trip_is_exact(tmp_path):

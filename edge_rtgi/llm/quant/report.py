@@ -70,8 +70,14 @@ class QualityResult:
 
 @torch.no_grad()
 def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str, window_tokens: int = 256,
-                    prompt_tokens: int = 48, new_tokens: int = 24, max_prompts: int = 12) -> QualityResult:
-    """Every number in ``QualityResult`` for ``quant`` against ``full`` on ``text``."""
+                    prompt_tokens: int = 48, new_tokens: int = 24, max_prompts: int = 12,
+                    full_cache: dict | None = None) -> QualityResult:
+    """Every number in ``QualityResult`` for ``quant`` against ``full`` on ``text``.
+
+    ``full_cache``: a dict reused across calls with the same ``full``/``text``, so comparing several
+    quantised models runs the full model once.
+    """
+    cache = full_cache if full_cache is not None else {}
     ids = torch.tensor(list(getattr(tokenizer.encode(text), "ids", tokenizer.encode(text))))
     kl_sum = nll_f = nll_q = agree = 0.0
     count = 0
@@ -79,7 +85,9 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str, win
         window = ids[start:start + window_tokens + 1]
         if len(window) < 2:
             break
-        lf, lq = window_logits(full, window[:-1]), window_logits(quant, window[:-1])
+        if ("logits", start) not in cache:
+            cache[("logits", start)] = window_logits(full, window[:-1])
+        lf, lq = cache[("logits", start)], window_logits(quant, window[:-1])
         logp, logq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
         target = window[1:].to(lf.device)
         kl_sum += float((logp.exp() * (logp - logq)).sum())
@@ -92,7 +100,9 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str, win
     for start in range(0, len(ids) - prompt_tokens - new_tokens + 1, stride)[:max_prompts]:
         prompt = ids[start:start + prompt_tokens]
         truths.append(tokenizer.decode(ids[start + prompt_tokens:start + prompt_tokens + new_tokens].tolist()))
-        texts_f.append(tokenizer.decode(greedy_continuation(full, prompt, new_tokens)))
+        if ("text", start) not in cache:
+            cache[("text", start)] = tokenizer.decode(greedy_continuation(full, prompt, new_tokens))
+        texts_f.append(cache[("text", start)])
         texts_q.append(tokenizer.decode(greedy_continuation(quant, prompt, new_tokens)))
     scored = score_outputs("quant-heldout", texts_q, texts_f, references=truths)
     return QualityResult(kl_sum / count, math.exp(nll_f / count), math.exp(nll_q / count), agree / count,
