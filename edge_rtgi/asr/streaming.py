@@ -190,7 +190,9 @@ class StreamingTranscriber:
         self._emit_partial(utt, " ".join(tail), end)
 
     def _finalize(self, utt: _Utterance) -> list[AsrEvent]:
-        end = min(utt.end_index + self._pad, self._ring.total_written)
+        # A forced split gets no pad after it: that audio belongs to the next utterance.
+        pad = 0 if utt.reason == "max_length" else self._pad
+        end = min(utt.end_index + pad, self._ring.total_written)
         spec = utt.speculative
         if spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed):
             hyp, decode_ms = spec[2], 0.0
