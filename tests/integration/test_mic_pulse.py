@@ -83,3 +83,26 @@ def test_transcribe_mic_through_pulseaudio(pulse, tmp_path):
     finals = [e["text"] for e in events if e["type"] == "final_transcript"]
     assert any(e["type"] == "speech_started" for e in events)
     assert word_error_rate([TEXT], [" ".join(finals)]) <= 0.1, finals
+
+
+def test_speak_plays_on_the_pulseaudio_speaker(pulse, tmp_path):
+    """``speak`` without --out plays through PortAudio; we record the null sink's monitor."""
+    from edge_rtgi.audio import read_wav
+
+    if shutil.which("parecord") is None:
+        pytest.skip("parecord (pulseaudio-utils) is not installed")
+    captured = tmp_path / "captured.wav"
+    recorder = subprocess.Popen(["parecord", "-d", "vmic.monitor", "--file-format=wav", str(captured)], env=pulse)
+    try:
+        time.sleep(1.0)
+        done = subprocess.run([sys.executable, "-m", "edge_rtgi.cli", "speak", "Testing the speaker, one two three.",
+                               "--voice", "espeak"], env=pulse, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        time.sleep(0.5)
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        recorder.wait(timeout=30)
+    audio, rate = read_wav(captured)
+    mono = audio if audio.ndim == 1 else audio.mean(axis=1)
+    loud = np.abs(mono) > 0.05
+    assert loud.sum() / rate > 0.5, "the speech must have reached the speaker"
