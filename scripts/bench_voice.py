@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -132,7 +133,9 @@ async def main() -> int:
     args = ap.parse_args()
     questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
     questions = [questions[i % len(questions)] for i in range(args.utterances)]
-    print(f"bench_voice: starting the daemon (voice-assistant) for {len(questions)} utterances...", flush=True)
+    load_start = os.getloadavg()[0]
+    print(f"bench_voice: starting the daemon (voice-assistant) for {len(questions)} utterances "
+          f"({os.cpu_count()} CPUs, load average {load_start:.1f})...", flush=True)
     daemon, pipeline = await start_daemon()
     from edge_rtgi.pipeline.config import TtsStageConfig
 
@@ -149,7 +152,10 @@ async def main() -> int:
     await daemon.drain(timeout_s=1)
     daemon.resources.close()
 
-    summary = {"n": len(rows)}
+    summary = {"n": len(rows), "cpus": os.cpu_count(), "load_average": [load_start, os.getloadavg()[0]]}
+    if max(summary["load_average"]) > (os.cpu_count() or 1):
+        print(f"\nwarning: the machine was oversubscribed (load average {load_start:.1f} -> "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); latencies are inflated accordingly")
     print(f"\nvoice-to-voice latency over {len(rows)} utterances (ms; median / p95):")
     for key in ("client_voice_to_voice_ms", *PARTS):
         vals = [r[key] for r in rows if r.get(key) is not None]
