@@ -166,6 +166,8 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
             if head["type"] == "session.created":
                 output.sample_rate_hz = head["audio"]["output_sample_rate_hz"]
                 break
+        if getattr(args, "no_barge_in", False):
+            await transport.send({"type": "session.update", "session": {"barge_in": False}})
         if not args.no_speak and output.sample_rate_hz:
             from edge_rtgi.audio.devices import SpeakerSink
 
@@ -233,4 +235,6 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("voice", help="talk to the voice assistant")
     _live_args(p)
+    p.add_argument("--no-barge-in", action="store_true",
+                   help="do not cut replies when you speak (for a speaker without echo cancellation)")
     p.set_defaults(func=cmd_voice)
