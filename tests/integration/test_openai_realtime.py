@@ -77,6 +77,9 @@ async def daemon():
     pipelines = load_pipelines([builtin_pipelines_dir()])
     config = DaemonConfig(server=ServerConfig(port=0))
     d = Daemon(config, pipelines, Resources())
+    # Load the models first, as `edge-rtgi serve` does (preload): a session opened on a cold daemon
+    # waits for them, and meanwhile the client's keepalive pings go unread.
+    await d.resources.prepare(pipelines["voice-assistant"])
     await d.start()
     yield d
     await d.drain(timeout_s=1.0)
