@@ -66,10 +66,12 @@ class PagedAttentionBackend:
             out[:md.num_decodes] = self._decodes(layer, q[:md.num_decodes])
         for c in md.chunks:
             keys, values = self.storage.gather(layer, c.slots)  # [S, Hkv, D]
+            # 4-D inputs ([1, H, T, D]) select PyTorch's fused CPU flash kernel; 3-D ones fall
+            # back to the unfused math path.
             o = F.scaled_dot_product_attention(
-                q[c.q_start:c.q_start + c.q_len].transpose(0, 1), keys.transpose(0, 1),
-                values.transpose(0, 1), attn_mask=c.mask, is_causal=c.causal, enable_gqa=True)
-            out[c.q_start:c.q_start + c.q_len] = o.transpose(0, 1)
+                q[c.q_start:c.q_start + c.q_len].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None], attn_mask=c.mask, is_causal=c.causal, enable_gqa=True)
+            out[c.q_start:c.q_start + c.q_len] = o[0].transpose(0, 1)
         return out
 
     def _decodes(self, layer: int, q: Tensor) -> Tensor:
@@ -80,8 +82,9 @@ class PagedAttentionBackend:
             for b, slots in enumerate(md.decode_seq_slots):
                 keys, values = self.storage.gather(layer, slots)  # [S, Hkv, D]
                 outs.append(F.scaled_dot_product_attention(
-                    q[b].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1), enable_gqa=True))
-            return torch.cat(outs, dim=1).transpose(0, 1)
+                    q[b, None, :, None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                    enable_gqa=True))  # [1, Hq, 1, D]
+            return torch.cat(outs, dim=0).squeeze(2)
         keys, values = self.storage.gather(layer, md.decode_slots)  # [B, S, Hkv, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
