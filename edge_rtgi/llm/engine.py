@@ -93,9 +93,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve the model through the catalogue, load it, and build an engine."""
         from edge_rtgi.catalog import resolve_model
+        from edge_rtgi.llm.quant import apply_quant
         from edge_rtgi.llm.weights import load_model
 
         loaded = load_model(resolve_model(config.model, role="llm"), config.device, config.dtype)
+        apply_quant(loaded.model, config.quant)
         return cls.from_loaded(loaded, config)
 
     @classmethod
@@ -315,19 +317,22 @@ class LLMEngine:
         self._drain_commands()
         if not self.scheduler.has_unfinished():
             return False
+        t0 = time.perf_counter()
         output = self.scheduler.schedule()
         if output.is_empty:
             return False
         params = {s.request_id: self.scheduler.requests[s.request_id].params for s in output.scheduled}
+        t1 = time.perf_counter()
         try:
             result = self.runner.execute(output, params)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("engine step failed")
             result = ModelRunnerOutput({}, {s.request_id: f"engine step failed: {exc}" for s in output.scheduled})
+        t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(output, result)
-        self._stats.record_step(output)
         for update in updates:
             self._emit(update)
+        self._stats.record_step(output, schedule_s=t1 - t0, run_s=t2 - t1, update_s=time.perf_counter() - t2)
         return True
 
     def _emit(self, update: RequestUpdate) -> None:

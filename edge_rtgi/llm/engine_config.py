@@ -42,6 +42,7 @@ class EngineConfig:
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
     num_threads: int | None = None
+    quant: str | None = None  # plan YAML, quantised .safetensors or scheme name: edge_rtgi.llm.quant.apply_quant
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
@@ -80,6 +81,11 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_blocks_cached: int = 0
+    # Where step time goes (seconds, summed): scheduling, the runner (forward + sampling),
+    # and bookkeeping after it (scheduler update, detokenising, delivering deltas).
+    schedule_s: float = 0.0
+    run_s: float = 0.0
+    update_s: float = 0.0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_running: int = 0
@@ -98,7 +104,11 @@ class EngineStats:
         """Share of admitted prompt tokens served from the prefix cache."""
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
-    def record_step(self, output: SchedulerOutput) -> None:
+    def record_step(self, output: SchedulerOutput, schedule_s: float = 0.0, run_s: float = 0.0,
+                    update_s: float = 0.0) -> None:
+        self.schedule_s += schedule_s
+        self.run_s += run_s
+        self.update_s += update_s
         self.num_steps += 1
         self.num_batched_tokens += output.num_batched_tokens
         self.num_scheduled_requests += len(output.scheduled)
