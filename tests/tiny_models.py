@@ -123,6 +123,26 @@ def _permute_for_llama_cpp(w, num_heads: int):
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _write_tokenizer_metadata(writer, hf_folder: Path, arch: str) -> None:
+    """The byte-level BPE of tokenizer.json as llama.cpp's tokenizer.ggml.* metadata."""
+    tok = json.loads((hf_folder / "tokenizer.json").read_text())
+    tok_config = json.loads((hf_folder / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab[tok_config["bos_token"]])
+    writer.add_eos_token_id(vocab[tok_config["eos_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok_config["chat_template"])
+
+
 def write_tiny_gguf(hf_folder: Path, out_path: Path, qtype: str = "F32") -> Path:
     """Convert a ``make_tiny_hf_model`` folder to GGUF the way llama.cpp's converter does.
 
@@ -159,22 +179,7 @@ def write_tiny_gguf(hf_folder: Path, out_path: Path, qtype: str = "F32") -> Path
     if cfg.sliding_window:
         writer.add_uint32(f"{arch}.attention.sliding_window", cfg.sliding_window)
 
-    tok = json.loads((hf_folder / "tokenizer.json").read_text())
-    tok_config = json.loads((hf_folder / "tokenizer_config.json").read_text())
-    vocab = dict(tok["model"]["vocab"])
-    special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    vocab.update(special)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(vocab[tok_config["bos_token"]])
-    writer.add_eos_token_id(vocab[tok_config["eos_token"]])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(tok_config["chat_template"])
+    _write_tokenizer_metadata(writer, hf_folder, arch)
 
     gguf_type = GGMLQuantizationType[qtype]
 
