@@ -31,7 +31,7 @@ if [[ "$MODE" == gpu ]]; then
     --ramp-rates 4,8,16,32,64 --peers hf-fp32,hf-bf16,ct2-int8,llamacpp "$@"
 else
   # Reduced CPU mode: one workload, few requests, short outputs, one peer.
-  timeout --signal=INT 900 "${BENCH[@]}" --quick --threads 2 --workloads voice,code --peers hf-fp32 \
+  timeout --signal=INT 1500 "${BENCH[@]}" --quick --threads 2 --workloads voice,code --peers hf-fp32 \
     --ramp-rates 2,8 "$@"
 fi
 echo "gpu_bench: report in $OUT_DIR/report.md"
