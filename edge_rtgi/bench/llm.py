@@ -72,7 +72,13 @@ class _Ours:
     def decode_rate(self, prompt: list[int], n: int) -> float:
         from edge_rtgi.llm.sampling import SamplingParams
 
+        before = self.engine.stats()
         usage = self.engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0].usage
+        after = self.engine.stats()
+        steps = after.num_steps - before.num_steps
+        self.step_breakdown_ms = {  # mean per step of this run (prefill step included)
+            phase: round((getattr(after, phase) - getattr(before, phase)) / steps * 1e3, 3)
+            for phase in ("schedule_s", "run_s", "update_s")}
         times = usage.token_times_ms
         return (len(times) - 1) / ((times[-1] - times[0]) / 1e3)
 
@@ -204,6 +210,7 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
         "throughput_tok_s": _measure(lambda: ours.throughput(concurrent, cfg.concurrent_max_tokens), cfg.runs),
     }
     out["ours"]["cached_tokens"] = cached_tokens[-1] if cached_tokens else 0
+    out["ours"]["decode_step_breakdown_ms"] = ours.step_breakdown_ms
     stats = ours.engine.stats()
     out["ours"]["engine_stats"] = stats.as_dict()
     ours.engine.shutdown()
@@ -263,4 +270,8 @@ def render(results: dict[str, Any]) -> str:
               f" tok/s; engine/plain = {r['engine_vs_plain_decode']:.2f}",
               f"- prefix cache: TTFT falls by {r['ttft_reduction_from_cache']:.0%} with "
               f"{r['cached_share_of_prompt']:.0%} of the prompt cached"]
+    b = o.get("decode_step_breakdown_ms")
+    if b:
+        lines.append(f"- batch-1 engine step, mean ms: schedule {b['schedule_s']}, forward + sampling "
+                     f"{b['run_s']}, update + detokenise + deliver {b['update_s']}")
     return "\n".join(lines)
