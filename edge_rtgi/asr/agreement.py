@@ -55,6 +55,28 @@ def strip_prefix_words(committed: list[str], hypothesis: list[str]) -> list[str]
     return hypothesis[len(committed):] if len(hypothesis) > len(committed) else []
 
 
+def tail_after(committed: list[str], hypothesis: list[str]) -> list[str] | None:
+    """Words of a free (unprefixed) ``hypothesis`` that follow the ``committed`` words.
+
+    The hypothesis may word the committed part slightly differently, so after an exact
+    prefix match fails, the last three (then two) committed words are looked up and the
+    words after the occurrence nearest to where they should be are returned. None if the
+    committed words cannot be located.
+    """
+    if common_prefix_len(committed, hypothesis) == len(committed):
+        return hypothesis[len(committed):]
+    norm_h = [normalize_word(w) for w in hypothesis]
+    for n in (3, 2):
+        if len(committed) < n:
+            continue
+        gram = [normalize_word(w) for w in committed[-n:]]
+        hits = [i for i in range(len(norm_h) - n + 1) if norm_h[i:i + n] == gram]
+        if hits:
+            best = min(hits, key=lambda i: abs(i - (len(committed) - n)))
+            return hypothesis[best + n:]
+    return None
+
+
 class LocalAgreement:
     """Commit policy over successive hypotheses of one utterance."""
 

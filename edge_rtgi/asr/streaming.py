@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edge_rtgi.asr.agreement import LocalAgreement, normalize_word, split_words
+from edge_rtgi.asr.agreement import LocalAgreement, normalize_word, split_words, tail_after
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.asr.events import (
     AsrEvent,
@@ -194,29 +194,54 @@ class StreamingTranscriber:
         pad = 0 if utt.reason == "max_length" else self._pad
         end = min(utt.end_index + pad, self._ring.total_written)
         spec = utt.speculative
-        if spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed):
-            hyp, decode_ms = spec[2], 0.0
-        else:
-            t0 = time.perf_counter()
-            hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
-            decode_ms = (time.perf_counter() - t0) * 1000.0
-        words = utt.agreement.final_words(split_words(hyp.text))
+        t0 = time.perf_counter()
+        reused = spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed)
+        hyp = spec[2] if reused else self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
+        words, final_hyp = self._final_words(utt, hyp, end)
+        decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
+        hyp = final_hyp
         text = " ".join(words)
         start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, utt.end_index / SAMPLE_RATE_HZ
-        endpoint_s = utt.endpoint_index / SAMPLE_RATE_HZ
+        endpoint_s, end_s = utt.endpoint_index / SAMPLE_RATE_HZ, end / SAMPLE_RATE_HZ
         events: list[AsrEvent] = [SpeechEnded(utt.id, speech_end_s, endpoint_s, utt.reason)]
         if not text or (not utt.agreement.committed and self._is_hallucination(text, hyp)):
             if text:
                 log.info("dropped a likely hallucination: %r", text)
             return events
         if split_words(hyp.text) == words:
-            segments = tuple(TranscriptSegment(s.text, start_s + s.start_s, start_s + min(s.end_s, end / SAMPLE_RATE_HZ - start_s))
+            segments = tuple(TranscriptSegment(s.text, start_s + s.start_s, start_s + min(s.end_s, end_s - start_s))
                              for s in hyp.segments if s.text)
         else:
-            segments = (TranscriptSegment(text, start_s, end / SAMPLE_RATE_HZ),)
+            segments = (TranscriptSegment(text, start_s, end_s),)
         events.append(FinalTranscript(utt.id, text, segments, start_s, speech_end_s, endpoint_s,
                                       utt.language or hyp.language, decode_ms))
         return events
+
+    def _final_words(self, utt: _Utterance, hyp: Hypothesis, end: int) -> tuple[list[str], Hypothesis]:
+        """``committed + tail``, guarding against whisper ending a forced-prefix decode early.
+
+        Given a prefix that ends a sentence, whisper sometimes predicts the end of text even
+        though more speech follows (seen on a forced split: "...leave the house." and nothing
+        for "My sister bought a"). When the tail is empty although the last hypothesis had
+        words, or the decode's timestamps leave over a second of speech unexplained, decode
+        once more without the prefix and take its words after the committed ones.
+        """
+        agreement = utt.agreement
+        words = agreement.final_words(split_words(hyp.text))
+        tail_len = len(words) - len(agreement.committed)
+        heard_s = max((s.end_s for s in hyp.segments), default=0.0)
+        unexplained_s = (end - utt.start_index) / SAMPLE_RATE_HZ - heard_s
+        if not agreement.committed or not ((tail_len == 0 and agreement.tentative) or unexplained_s > 1.0):
+            return words, hyp
+        free = self.asr.transcribe(self._ring.read(utt.start_index, end), language=utt.language, timestamps=True,
+                                   beam_size=self.config.final_beam_size)
+        tail = tail_after(agreement.committed, split_words(free.text))
+        if tail is None:
+            tail = list(agreement.tentative)
+        if len(tail) > tail_len:
+            log.info("final decode stopped early; tail recovered without the prefix: %r", " ".join(tail))
+            return agreement.committed + tail, free
+        return words, hyp
 
     def _is_hallucination(self, text: str, hyp: Hypothesis) -> bool:
         """Last-resort filter: the whole utterance is a stock phrase and whisper was unsure."""

@@ -66,3 +66,12 @@ def test_strip_prefix_never_repeats_committed_words():
     # A decode that diverged inside the committed words contributes only what lies beyond them.
     assert strip_prefix_words(_w("a b c"), _w("a x")) == []
     assert strip_prefix_words(_w("a b c"), _w("a x c d")) == ["d"]
+
+
+def test_tail_after_locates_committed_words_in_a_free_hypothesis():
+    from edge_rtgi.asr.agreement import tail_after
+
+    assert tail_after(_w("leave the house."), _w("Leave the house. My sister")) == ["My", "sister"]
+    # Worded differently at the start, but the last committed words are found.
+    assert tail_after(_w("Please turn off the lights"), _w("Please switch off the lights now")) == ["now"]
+    assert tail_after(_w("a b c"), _w("x y z")) is None
