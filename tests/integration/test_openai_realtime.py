@@ -192,6 +192,14 @@ async def test_bad_input_then_good_turn(daemon, piper, whisper):
             assert turn["errors"] == [] and turn["response"].status == "completed"
             assert wer(QUESTION, turn["transcript"] or "") <= 0.2
             assert turn["text"].strip() and "response.output_text.delta" in turn["types"]
+        # a typed user turn works in the same session
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": QUESTION}]})
+        await conn.response.create()
+        turn = await collect_turn(conn)
+        assert turn["errors"] == [] and turn["response"].status == "completed"
+        assert "conversation.item.input_audio_transcription.completed" not in turn["types"]
+        assert "paris" in _norm(turn["text"]), turn["text"]
 
 
 async def test_barge_in_cancels_the_reply(daemon, piper):
