@@ -48,7 +48,6 @@ SERVER_EVENTS = (
     "conversation.item.truncated",
     "conversation.item.input_audio_transcription.delta",
     "conversation.item.input_audio_transcription.completed",
-    "conversation.item.input_audio_transcription.failed",
     "response.created",
     "response.output_item.added",
     "response.output_item.done",
