@@ -185,21 +185,62 @@ class CT2Peer:
         self.generator = None
 
 
+_PROBE = """
+import sys
+import llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval(llm.tokenize(b"Hello there", add_bos=False))
+"""
+
+
+def llamacpp_extra_buffers_work(gguf_path: Path) -> bool:
+    """Whether llama.cpp's extra buffer types (AMX tiles, repacked weights) run here.
+
+    A build for a CPU that advertises AMX uses AMX tile instructions, which raise SIGILL where
+    the kernel does not grant AMX state (seen in sandboxed VMs). The failure kills the whole
+    process, so it is probed in a child process first.
+    """
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, str(gguf_path)], capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
 class LlamaCppPeer:
     """llama.cpp through llama-cpp-python on the GGUF file itself (Q4_1 for SmolLM2)."""
 
     def __init__(self, gguf_path: Path, num_threads: int, context_tokens: int = 2048):
         try:
-            from llama_cpp import Llama
+            import llama_cpp
+            import llama_cpp.llama_cpp as low_level
         except ImportError as exc:
             raise PeerUnavailable("llama-cpp-python is not installed",
                                   hint="pip install 'edge-rtgi[llamacpp]' (builds llama.cpp from source, ~4 min)"
                                   ) from exc
-        # n_gpu_layers=-1 offloads everything when llama.cpp was built with CUDA; ignored otherwise
-        self.llm = Llama(model_path=str(gguf_path), n_ctx=context_tokens, n_threads=num_threads,
-                         n_threads_batch=num_threads, n_batch=512, n_gpu_layers=-1, verbose=False)
+        self.extra_buffers = llamacpp_extra_buffers_work(gguf_path)
+        defaults = low_level.llama_model_default_params
+        if not self.extra_buffers:
+            log.warning("llama.cpp's extra buffer types crash on this machine (SIGILL); running without them")
+
+            def without_extra_buffers():
+                params = defaults()
+                params.use_extra_bufts = False
+                return params
+
+            low_level.llama_model_default_params = without_extra_buffers
+        try:
+            # n_gpu_layers=-1 offloads everything when llama.cpp was built with CUDA; ignored otherwise
+            self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context_tokens, n_threads=num_threads,
+                                       n_threads_batch=num_threads, n_batch=512, n_gpu_layers=-1, verbose=False)
+        finally:
+            low_level.llama_model_default_params = defaults
         self.eos = self.llm.token_eos()
-        self.name = f"llama.cpp ({gguf_path.suffix[1:]} {_gguf_type(gguf_path)})"
+        self.name = (f"llama.cpp {_gguf_type(gguf_path)} (llama-cpp-python {llama_cpp.__version__}"
+                     f"{'' if self.extra_buffers else ', no extra buffer types'})")
 
     def reset(self) -> None:
         """Forget cached prompt state so the next request starts cold."""

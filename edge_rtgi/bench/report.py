@@ -187,6 +187,7 @@ def _conditions(results: dict) -> list[str]:
         f"{', '.join(f'{x:.1f}' for x in m.get('load_average_end') or []) or '–'} "
         "(other processes shared the cores; absolute numbers are noisy, same-run ratios less so).",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
+        "- Environment: " + (", ".join(f"`{k}={v}`" for k, v in (m.get("env") or {}).items()) or "nothing set") + ".",
         _model_line(results, opt),
     ]
     if results.get("daemon"):

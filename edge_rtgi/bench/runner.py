@@ -29,6 +29,8 @@ from edge_rtgi.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SECTIONS = ("workloads", "ramp", "ablations", "peers")
+ENV_RECORDED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CT2_USE_MKL", "LLAMA_CPP_LIB_PATH",
+                "CUDA_VISIBLE_DEVICES", "EDGE_RTGI_MODEL_DIR")
 
 
 def _version(package: str) -> str | None:
@@ -76,6 +78,8 @@ def machine_info() -> dict:
         "versions": {p: _version(p) for p in ("edge-rtgi", "torch", "transformers", "ctranslate2",
                                               "llama_cpp_python", "sacrebleu", "numpy")},
         "git": _git_commit(),
+        # settings that change how the libraries under test behave
+        "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
     }
 
 
