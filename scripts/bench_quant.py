@@ -138,7 +138,7 @@ def quantised_copy(full, plan: QuantPlan):
 
 def plans_to_compare(groups, table: SensitivityTable | None, extra_bits: list[float]) -> dict[str, QuantPlan]:
     """Uniform plans, and mixed plans of exactly the uniform plans' sizes (same candidate family)."""
-    plans = {f"uniform {s}": uniform_plan(groups, s) for s in ("int8", "int4-g64", "int4sym-g64", "int4sym-g32")}
+    plans = {f"uniform {s}": uniform_plan(groups, s) for s in ("int4-g64", "int4sym-g64", "int4sym-g32", "int8")}
     if table is None:
         return plans
     asym, sym = ("int8", "int4-g64", "int4-g128"), ("int8", "int4sym-g32", "int4sym-g64", "int4sym-g128")
@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bits", type=float, nargs="*", default=[4.75, 5.5], help="extra mixed budgets (all candidates)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "quality"])
+    ap.add_argument("--decode-for", nargs="*", help="measure decode only for models whose label starts with one of these")
+    ap.add_argument("--prompts", type=int, default=12, help="held-out prompts for the chrF retention")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -185,11 +187,11 @@ def main(argv=None) -> int:
             resolved = plan.resolved(groups)
             row.update(bits_per_weight=round(plan_bits_per_weight(resolved, groups), 4),
                        groups_mb=round(plan_nbytes(resolved, groups) / 1e6, 2), plan=resolved)
-        if "decode" not in args.skip:
+        if "decode" not in args.skip and (not args.decode_for or label.startswith(tuple(args.decode_for))):
             row.update(decode_speed(model, full.tokenizer, prompt, args.runs))
         if "quality" not in args.skip and model is not full.model:
             row.update(vars(compare_quality(full.model, model, full.tokenizer, calibration_text("heldout"),
-                                            full_cache=full_cache)))
+                                            max_prompts=args.prompts, full_cache=full_cache)))
         rows[label] = row
         print(label, json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
         if model is not full.model:
