@@ -83,7 +83,10 @@ class AsrConfig:
     agreement_n: int = 2
     holdback_words: int = 1
     max_utterance_s: float = 20.0
-    # Decode the tail as soon as this much silence is seen, before the endpoint fires.
+    # Real-time sessions (AsrSession) wait for factor x (last partial decode time) of new audio
+    # between partials, so a slow CPU is never busy with a stale partial when speech ends.
+    partial_interval_factor: float = 2.0
+    # Decode the tail as soon as the pad of trailing silence is in, before the endpoint fires.
     speculative_final: bool = True
     no_speech_threshold: float = 0.6
     log_prob_threshold: float = -1.0
@@ -100,5 +103,7 @@ class AsrConfig:
             raise ValueError(f"max_utterance_s must be in [2, 28] (whisper sees 30 s), got {self.max_utterance_s}")
         if self.min_chunk_ms < 50 or self.cpu_threads < 1 or self.beam_size < 1 or self.final_beam_size < 1:
             raise ValueError("min_chunk_ms >= 50, cpu_threads >= 1 and beam sizes >= 1 are required")
+        if self.partial_interval_factor < 0:
+            raise ValueError(f"partial_interval_factor must be >= 0, got {self.partial_interval_factor}")
         if self.holdback_words < 0:
             raise ValueError(f"holdback_words must be >= 0, got {self.holdback_words}")

@@ -72,6 +72,10 @@ class StreamingTranscriber:
         self.vad.reset()  # the VAD's sample indices must match the ring's
         self._pad = self.config.vad.speech_pad_ms * SAMPLE_RATE_HZ // 1000
         self._min_chunk = self.config.min_chunk_ms * SAMPLE_RATE_HZ // 1000
+        # New audio needed before the next partial decode; a real-time driver may raise it
+        # when decodes are slow (see AsrSession), never below min_chunk_ms.
+        self.partial_interval_samples = self._min_chunk
+        self.last_partial_decode_s = 0.0  # wall time the last partial decode took
         self._max_len = int(self.config.max_utterance_s * SAMPLE_RATE_HZ)
         self._ring = RingBuffer(int((self.config.max_utterance_s + 8.0) * SAMPLE_RATE_HZ))
         self._events: list[AsrEvent] = []
@@ -146,7 +150,7 @@ class StreamingTranscriber:
                 fresh = utt.speculative is None or utt.speculative[0] != silence_start
                 if self.config.speculative_final and fresh and now - silence_start >= self._pad:
                     self._speculate(utt, silence_start)
-            elif now - utt.last_decode_end >= self._min_chunk:
+            elif now - utt.last_decode_end >= max(self._min_chunk, self.partial_interval_samples):
                 self._partial(utt, now)
         events, self._events = self._events, []
         return events
@@ -176,7 +180,9 @@ class StreamingTranscriber:
             self._events.append(PartialTranscript(utt.id, key[0], key[1], end / SAMPLE_RATE_HZ))
 
     def _partial(self, utt: _Utterance, end: int) -> None:
+        t0 = time.perf_counter()
         hyp = self._decode(utt, end, timestamps=False)
+        self.last_partial_decode_s = time.perf_counter() - t0
         utt.last_decode_end = end
         utt.agreement.update(split_words(hyp.text))
         self._emit_partial(utt, utt.agreement.tentative_text, end)
@@ -308,7 +314,13 @@ class AsrSession:
             tr.insert_audio(chunk)
         if commit:
             tr.commit()
-        return tr.finish() if closing else tr.process_iter()
+        events = tr.finish() if closing else tr.process_iter()
+        # On a slow or shared CPU, back-to-back partial decodes would keep the worker busy when
+        # speech ends, and the final would queue behind a stale partial. Space partials so
+        # decoding takes at most 1/factor of real time; the final is never delayed by this.
+        factor = tr.config.partial_interval_factor
+        tr.partial_interval_samples = int(factor * tr.last_partial_decode_s * SAMPLE_RATE_HZ)
+        return events
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
