@@ -57,7 +57,7 @@ def load_model(source: str | Path, device: str | torch.device = "auto",
         cfg, fetch, tokenizer, rope_factors = _open_hf_folder(path)
     else:
         cfg, fetch, tokenizer, rope_factors = _open_gguf(path)
-    state = assemble_state_dict(cfg, fetch, path)
+    state = assemble_state_dict(cfg, fetch, path, torch_dtype)
     model = _build_model(cfg, state, torch_device, torch_dtype, rope_factors)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path)
 
@@ -312,8 +312,12 @@ def _slots(cfg: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
 
 
 def assemble_state_dict(cfg: ModelConfig, fetch: Callable[[str], tuple[Tensor, Path] | None],
-                        source: Path) -> dict[str, Tensor]:
-    """Our state dict (fused layout), from a name -> (tensor, file) lookup over HF tensor names."""
+                        source: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Our state dict (fused layout), from a name -> (tensor, file) lookup over HF tensor names.
+
+    Each tensor is cast to ``dtype`` as soon as it is read, so a dequantised GGUF never sits
+    in memory in fp32 as a whole when the model runs in bf16.
+    """
     state: dict[str, Tensor] = {}
     for ours, parts in _slots(cfg).items():
         pieces = []
@@ -326,7 +330,7 @@ def assemble_state_dict(cfg: ModelConfig, fetch: Callable[[str], tuple[Tensor, P
             if tuple(tensor.shape) != shape:
                 raise ModelFileError(f"{file}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
                                      f"the config implies {shape}", hint="the weights do not match config.json")
-            pieces.append(tensor)
+            pieces.append(tensor if dtype is None else tensor.to(dtype))
         state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     return state
 
