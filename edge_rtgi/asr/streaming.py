@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 SAMPLE_RATE_HZ = 16000
 _LANGUAGE_LOCK_SAMPLES = 2 * SAMPLE_RATE_HZ  # language detection on less audio is unreliable
+_MIN_DECODE_SAMPLES = SAMPLE_RATE_HZ // 10
 
 
 @dataclass
@@ -119,6 +120,7 @@ class StreamingTranscriber:
 
     def _end_active(self, end_index: int, reason: str) -> None:
         utt, self._active = self._active, None
+        end_index = max(end_index, utt.start_index)  # silence can predate a forced split
         utt.end_index, utt.endpoint_index, utt.reason = end_index, self._ring.total_written, reason
         self._ended.append(utt)
 
@@ -145,6 +147,8 @@ class StreamingTranscriber:
             now = self._ring.total_written
             silence_start = self.vad.silence_start_index
             if silence_start is not None:
+                # After a forced split the silence may have begun before this utterance did.
+                silence_start = max(silence_start, utt.start_index)
                 # Speech may be over: no partial decode now (it would delay the final); once the
                 # pad has arrived, decode the likely final while the endpoint timer runs.
                 fresh = utt.speculative is None or utt.speculative[0] != silence_start
@@ -199,6 +203,9 @@ class StreamingTranscriber:
         # A forced split gets no pad after it: that audio belongs to the next utterance.
         pad = 0 if utt.reason == "max_length" else self._pad
         end = min(utt.end_index + pad, self._ring.total_written)
+        if end - utt.start_index < _MIN_DECODE_SAMPLES:  # nothing left to hear (e.g. after a split)
+            return [SpeechEnded(utt.id, utt.end_index / SAMPLE_RATE_HZ, utt.endpoint_index / SAMPLE_RATE_HZ,
+                                utt.reason)]
         spec = utt.speculative
         t0 = time.perf_counter()
         reused = spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed)
