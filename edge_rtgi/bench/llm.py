@@ -40,6 +40,7 @@ class LLMBenchConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
+    quant: str | None = None  # a weight quantisation scheme or plan for our model (edge_rtgi.llm.quant)
     prompt_tokens: int = 64
     decode_tokens: int = 64
     ttft_prompt_tokens: int = 512
@@ -182,6 +183,10 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.num_threads)
     source = resolve_model(cfg.model, role="llm")
     loaded = load_model(source, device="cpu", dtype=cfg.dtype)
+    if cfg.quant:
+        from edge_rtgi.llm.quant import apply_quant
+
+        apply_quant(loaded.model, cfg.quant)
     ours = _Ours(loaded, cfg)
     tok = loaded.tokenizer
     decode_prompt = _prompt(tok, cfg.prompt_tokens)
@@ -264,7 +269,8 @@ def render(results: dict[str, Any]) -> str:
         (f"{cfg['concurrency']} concurrent requests x {cfg['concurrent_max_tokens']} tokens, total tok/s",
          "throughput_tok_s", ".1f", r.get("throughput_vs_hf")),
     ]
-    lines = [f"model {cfg['model']}, engine dtype {results['engine_dtype']}, HF transformers fp32 eager, "
+    quant = f" + {cfg['quant']} weights" if cfg.get("quant") else ""
+    lines = [f"model {cfg['model']}, engine dtype {results['engine_dtype']}{quant}, HF transformers fp32 eager, "
              f"{cfg['num_threads']} threads; medians of n timed runs after a warm-up",
              "", "| measurement | engine | HF fp32 | speed-up |", "|---|---|---|---|"]
     for label, key, fmt, ratio in rows:

@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add_bench_subcommand("llm", help=help_text, description=help_text)
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalogue name or path")
     p.add_argument("--dtype", default="auto", help="engine dtype: auto (bf16 where native), fp32, bf16")
+    p.add_argument("--quant", default=None, help="weight quantisation for our model: int8, int4-g64 or a plan YAML")
     p.add_argument("--runs", type=int, default=3, help="timed runs per figure (median reported)")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens in the batch-1 decode run")
     p.add_argument("--ttft-prompt-tokens", type=int, default=512, help="prompt length of the TTFT runs")
@@ -38,7 +39,7 @@ def cmd_bench_llm(args: argparse.Namespace) -> int:
     if not 0 < args.cached_prefix_tokens < args.ttft_prompt_tokens:
         raise ConfigError(f"--cached-prefix-tokens ({args.cached_prefix_tokens}) must be between 0 and "
                           f"--ttft-prompt-tokens ({args.ttft_prompt_tokens})")
-    cfg = replace(LLMBenchConfig(), model=args.model, dtype=args.dtype, runs=args.runs,
+    cfg = replace(LLMBenchConfig(), model=args.model, dtype=args.dtype, quant=args.quant, runs=args.runs,
                   decode_tokens=args.decode_tokens, ttft_prompt_tokens=args.ttft_prompt_tokens,
                   cached_prefix_tokens=args.cached_prefix_tokens, concurrency=args.concurrency,
                   concurrent_max_tokens=args.concurrent_max_tokens, num_threads=args.threads, hf=not args.no_hf)
