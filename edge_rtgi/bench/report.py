@@ -264,7 +264,8 @@ def _ramp(results: dict) -> list[str]:
     sat = (f"saturates at {ramp['saturation_rps']:g} req/s" if ramp["saturation_rps"] is not None
            else "did not saturate within the ramp")
     sus = f"{ramp['sustained_rps']:g} req/s" if ramp["sustained_rps"] is not None else "none of the stages"
-    return [f"## Ramp to saturation ({ramp['workload']} workload)", "",
+    note = [f"Note: {ramp['note']}", ""] if ramp.get("note") else []
+    return [f"## Ramp to saturation ({ramp['workload']} workload)", "", *note,
             *_table(["offered (req/s)", "ok/sent", "TTFT p50/p95/p99 (ms)", "ITL p95 (ms)", "throughput (tok/s)",
                      "goodput (req/s)", "meet SLO"], rows),
             f"Highest rate with at least {100 * ramp['threshold']:.0f} % of requests meeting the SLO: {sus}; {sat}.",

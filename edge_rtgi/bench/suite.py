@@ -248,7 +248,7 @@ async def run_ramp_section(models: Models, engine: Any, cfg: BenchConfig) -> dic
     engine.reset_prefix_cache()
     ramp = await run_ramp(EngineTarget(engine), requests, cfg.ramp_rates_rps, workload.slo,
                           requests_per_stage=cfg.ramp_requests, stage_duration_s=workload.load.max_duration_s,
-                          seed=cfg.seed)
+                          seed=cfg.seed, stop_after_saturation=False)  # every rate: the curve is the point
     return {"workload": workload.name, "slo": asdict(workload.slo), "threshold": ramp.attainment_threshold,
             "sustained_rps": ramp.sustained_rps, "saturation_rps": ramp.saturation_rps,
             "stages": [{"rate_rps": s.rate_rps, "metrics": metrics_dict(s.metrics)} for s in ramp.stages]}
