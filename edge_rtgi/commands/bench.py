@@ -148,15 +148,6 @@ def run_command(args: argparse.Namespace) -> int:
     sys.stdout.write(render_markdown(results) + "\n")
     if args.report:
         print(f"report written to {write_report(results, args.report)}")
-    if args.into:
-        import os
-
-        from edge_rtgi.bench.report import embed_in_doc
-
-        prefix = os.path.relpath(Path(args.report).resolve(), Path(args.into).resolve().parent).replace(os.sep, "/")
-        config = " --config " + results["config_file"] if results.get("config_file") else ""
-        embed_in_doc(results, args.into, prefix + "/", f"edge-rtgi bench all{config} --report {args.report}")
-        print(f"results embedded in {args.into}")
     return 0
 
 
