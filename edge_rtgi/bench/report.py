@@ -110,13 +110,20 @@ def plot_ablations(results: dict, path: Path) -> bool:
     if not rows:
         return False
     plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.4), dpi=80)
-    labels = [r["label"].replace("=", "=\n") for r in rows]
-    panels = (("TTFT p95 (ms)", lambda m: m["ttft_ms"]["p95"]), ("throughput (tok/s)", lambda m: m["throughput_tok_s"]),
-              ("SLO attainment (%)", lambda m: 100 * m["slo_attainment"]))
+    fig, axes = plt.subplots(1, 4, figsize=(12, 3.8), dpi=80)
+    labels = [r["label"] for r in rows]
+    panels = (("TTFT p95 (ms, log)", lambda r: r["metrics"]["ttft_ms"]["p95"]),
+              ("throughput (tok/s)", lambda r: r["metrics"]["throughput_tok_s"]),
+              ("SLO attainment (%)", lambda r: 100 * (r["metrics"]["slo_attainment"] or 0.0)),
+              ("quality retention", lambda r: (r.get("quality") or {}).get("retention")))
     for ax, (title, get) in zip(axes, panels, strict=True):
-        ax.bar(range(len(rows)), [get(r["metrics"]) for r in rows], color="tab:blue")
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
+        values = [get(r) for r in rows]
+        ax.bar(range(len(rows)), [v if v is not None else 0.0 for v in values], color="tab:blue")
+        ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=35, ha="right")
+        if title.startswith("TTFT"):
+            ax.set_yscale("log")
+        elif title.startswith("SLO"):
+            ax.set_ylim(0, 100)
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"Ablations on the {abl['workload']} workload (one switch changed per bar)", fontsize=10)
