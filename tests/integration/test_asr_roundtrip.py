@@ -176,3 +176,17 @@ async def test_async_session_in_real_time(tmp_path, corpus, asr):
     # Events were produced while audio was still arriving, not all at the end.
     started = next(e for e in events if isinstance(e, SpeechStarted))
     assert started.t_s < finals[0].t_s
+
+
+def test_blocklist_drops_only_unsure_stock_phrases(asr, vad):
+    """The last-resort filter: a whole-utterance stock phrase that whisper was unsure of."""
+    from edge_rtgi.asr.whisper import DecodedSegment, Hypothesis
+
+    def hyp(text: str, avg_logprob: float, no_speech_prob: float) -> Hypothesis:
+        return Hypothesis(text, (DecodedSegment(text, 0.0, 1.0, avg_logprob, no_speech_prob, 1.2),), "en", 1.0)
+
+    tr = StreamingTranscriber(asr, vad=vad)
+    assert tr._is_hallucination("Thanks for watching!", hyp("Thanks for watching!", -0.9, 0.05))
+    assert tr._is_hallucination("Subtitles by the Amara.org community", hyp("x", -0.2, 0.5))
+    assert not tr._is_hallucination("Thanks for watching!", hyp("Thanks for watching!", -0.1, 0.01))  # sure: kept
+    assert not tr._is_hallucination("Thanks for the tea.", hyp("Thanks for the tea.", -0.9, 0.05))
