@@ -146,3 +146,12 @@ def test_missing_path():
 def test_unknown_name_in_process():
     with pytest.raises(ModelNotFoundError):
         load_model("no-such-model-xyz")
+
+
+@pytest.mark.parametrize("backend", [[], ["--plain"]])
+def test_chat_repl_runs_turns_from_stdin(tiny_folder, backend):
+    proc = run_cli("chat", "--model", str(tiny_folder), "--dtype", "fp32", "--max-tokens", "4", "--system", "Be brief.",
+                   *backend, stdin="Hello!\n/reset\nWhat is the capital of France?\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout.endswith("\n") and proc.stdout.count("\n") >= 2  # a reply per message, each ended
