@@ -106,7 +106,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prof.add_argument("--profile", action="store_true", help="measure the sensitivity table")
     prof.add_argument("--out", help="where --profile writes the table (default sensitivity.yaml)")
     prof.add_argument("--schemes", help="comma-separated candidate schemes (default: int8 and int4/int4sym g32/64/128)")
-    prof.add_argument("--calib-windows", type=int, default=2, help="calibration windows (default 2)")
+    prof.add_argument("--calib-windows", type=int, default=1, help="calibration windows (default 1)")
     prof.add_argument("--window-tokens", type=int, default=256, help="tokens per calibration window (default 256)")
     alloc = p.add_argument_group("bit allocation")
     alloc.add_argument("--sensitivity", help="a table from an earlier --profile")
