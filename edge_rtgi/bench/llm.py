@@ -1,7 +1,8 @@
 """``edge-rtgi bench llm``: the engine against HF transformers, same model, same prompts, same run.
 
-Four figures, each a median over ``runs`` timed runs after one untimed warm-up (HF's
-throughput pass, already warm from its earlier figures, skips it):
+Four figures, each a median over ``runs`` timed runs after one untimed warm-up (the
+throughput passes, already warm from the earlier figures, skip it). Engine and HF runs
+alternate run by run, so a change in machine load during the benchmark hits both alike:
 
 - batch-1 decode tok/s: one greedy request, ``decode_tokens`` new tokens after a
   ``prompt_tokens`` prompt. Rate = (n - 1) / (time of last token - time of first token), so
@@ -101,6 +102,7 @@ class _Ours:
     def throughput(self, prompts: list[list[int]], n: int) -> float:
         from edge_rtgi.llm.sampling import SamplingParams
 
+        self.engine.reset_prefix_cache()  # repeated passes must not gain from the previous one
         start = time.perf_counter()
         results = self.engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
         elapsed = time.perf_counter() - start
@@ -173,6 +175,19 @@ def _measure(fn: Any, runs: int, warmup: bool = True) -> dict[str, Any]:
     return {"median": median(values), "runs": runs, "values": values}
 
 
+def _measure_interleaved(fns: dict[str, Any], runs: int, warmup: bool = True) -> dict[str, dict[str, Any]]:
+    """Like ``_measure`` for several contenders, alternating them run by run, so that a change
+    in machine load during the benchmark hits every contender alike."""
+    if warmup:
+        for fn in fns.values():
+            fn()
+    values: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            values[name].append(fn())
+    return {name: {"median": median(v), "runs": runs, "values": v} for name, v in values.items()}
+
+
 def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     """Run every measurement; returns a JSON-ready dict (see ``render``)."""
     import torch
@@ -208,29 +223,29 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
 
     cached_tokens: list[int] = []
     out: dict[str, Any] = {"config": asdict(cfg), "engine_dtype": str(loaded.model.dtype).replace("torch.", "")}
-    log.info("measuring the engine")
-    out["ours"] = {
-        "decode_tok_s": _measure(lambda: ours.decode_rate(decode_prompt, cfg.decode_tokens), cfg.runs),
-        "plain_decode_tok_s": _measure(lambda: ours.plain_decode_rate(decode_prompt, cfg.decode_tokens), cfg.runs),
-        "ttft_cold_ms": _measure(cold, cfg.runs),
-        "ttft_cached_ms": _measure(cached, cfg.runs),
-        "throughput_tok_s": _measure(lambda: ours.throughput(concurrent, cfg.concurrent_max_tokens), cfg.runs),
-    }
+    hf = _HF(Path(source), cfg.model) if cfg.hf else None
+    log.info("measuring the engine%s, interleaved run by run", " and HF transformers fp32" if hf else "")
+
+    def pair(ours_fn: Any, hf_fn: Any | None, warmup: bool = True) -> dict[str, dict[str, Any]]:
+        fns = {"ours": ours_fn, **({"hf": hf_fn} if hf and hf_fn else {})}
+        return _measure_interleaved(fns, cfg.runs, warmup)
+
+    decode = pair(lambda: ours.decode_rate(decode_prompt, cfg.decode_tokens),
+                  hf and (lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens)))
+    plain = _measure(lambda: ours.plain_decode_rate(decode_prompt, cfg.decode_tokens), cfg.runs)
+    ttft = pair(cold, hf and (lambda: hf.ttft_ms(long_prompt)))
+    cached_ttft = _measure(cached, cfg.runs)
+    # HF is already warm from the runs above; a request-by-request pass is long enough
+    throughput = pair(lambda: ours.throughput(concurrent, cfg.concurrent_max_tokens),
+                      hf and (lambda: hf.throughput(concurrent, cfg.concurrent_max_tokens)), warmup=False)
+    out["ours"] = {"decode_tok_s": decode["ours"], "plain_decode_tok_s": plain, "ttft_cold_ms": ttft["ours"],
+                   "ttft_cached_ms": cached_ttft, "throughput_tok_s": throughput["ours"]}
     out["ours"]["cached_tokens"] = cached_tokens[-1] if cached_tokens else 0
     out["ours"]["decode_step_breakdown_ms"] = ours.step_breakdown_ms
-    stats = ours.engine.stats()
-    out["ours"]["engine_stats"] = stats.as_dict()
+    out["ours"]["engine_stats"] = ours.engine.stats().as_dict()
     ours.engine.shutdown()
-    if cfg.hf:
-        log.info("measuring HF transformers fp32")
-        hf = _HF(Path(source), cfg.model)
-        out["hf"] = {
-            "decode_tok_s": _measure(lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens), cfg.runs),
-            "ttft_cold_ms": _measure(lambda: hf.ttft_ms(long_prompt), cfg.runs),
-            # already warm from the runs above; one request-by-request pass is long enough
-            "throughput_tok_s": _measure(lambda: hf.throughput(concurrent, cfg.concurrent_max_tokens), cfg.runs,
-                                         warmup=False),
-        }
+    if hf:
+        out["hf"] = {"decode_tok_s": decode["hf"], "ttft_cold_ms": ttft["hf"], "throughput_tok_s": throughput["hf"]}
     return out
 
 
