@@ -18,6 +18,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,11 +180,15 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
         if args.mic:
             print("edge-rtgi: listening (Ctrl-C to stop)", file=sys.stderr, flush=True)
         await run_live(transport, source, output)
-        if speaker is not None:
-            await asyncio.wait_for(speaker.drain(), 120)
+        if speaker is not None:  # let the last reply play out (estimated: real time since its first chunk)
+            remaining_s = output.playback_end_s - time.monotonic() if output.playback_end_s else 0.0
+            await asyncio.sleep(min(max(remaining_s, 0.0) + 0.3, 120.0))
     finally:
         if speaker is not None:
-            speaker.close()
+            # PortAudio can stall after an underrun; never let closing it hang the command
+            closer = threading.Thread(target=speaker.close, daemon=True)
+            closer.start()
+            closer.join(5)
         await transport.close()
     if args.out:
         pcm = output.audio_pcm()

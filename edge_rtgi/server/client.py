@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -110,6 +111,7 @@ class LiveOutput:
     responses: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     open_responses: set[str] = field(default_factory=set)
+    playback_end_s: float | None = None  # when the speaker should have played everything
     _partial_shown: bool = False
 
     def _line(self, text: str) -> None:
@@ -140,8 +142,11 @@ class LiveOutput:
                 self.audio.append(pcm)
             if self.speaker is not None:
                 self.speaker.write(pcm)
+                now = time.monotonic()
+                self.playback_end_s = max(self.playback_end_s or now, now) + len(pcm) / head["sample_rate_hz"]
         elif kind == "response.interrupted" and self.speaker is not None:
             self.speaker.clear()
+            self.playback_end_s = None
         elif kind == "response.done":
             self.open_responses.discard(head["response_id"])
             self.responses.append(head)
