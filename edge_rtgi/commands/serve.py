@@ -108,16 +108,22 @@ async def _mic_chunks(duration_s: float | None, device: str | None) -> Any:
 
     mic = MicrophoneSource(sample_rate_hz=16000, chunk_ms=20, device=device)
     loop = asyncio.get_running_loop()
-    if duration_s:
-        loop.call_later(duration_s, mic.stop)
-    stop = asyncio.Event()
+    deadline = loop.time() + duration_s if duration_s else None
     loop.add_signal_handler(signal.SIGINT, mic.stop)
+    it = mic.__aiter__()
     try:
-        async for chunk in mic:
-            yield _pcm16(chunk)
-            if stop.is_set():
+        while True:
+            # the deadline is enforced here: a stalled input stream must not hold the command
+            timeout = None if deadline is None else deadline - loop.time()
+            if timeout is not None and timeout <= 0:
                 break
+            try:
+                chunk = await asyncio.wait_for(it.__anext__(), timeout)
+            except (StopAsyncIteration, asyncio.TimeoutError):
+                break
+            yield _pcm16(chunk)
     finally:
+        mic.stop()
         loop.remove_signal_handler(signal.SIGINT)
 
 
