@@ -8,7 +8,6 @@ second null sink can stall at shutdown on this machine (see the daemon report).
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from edge_rtgi.audio import write_wav
 from edge_rtgi.audio.wav import read_wav
 from edge_rtgi.tts import make_tts
 from tests.integration.native_client import wer
-from tests.integration.test_mic_pulse import _wait_for, pulse  # noqa: F401 - the fixture
+from tests.integration.test_mic_pulse import pulse, run_cli_with_mic  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.audio]
 
@@ -33,19 +32,10 @@ def test_translate_mic_prints_captions_and_writes_audio(pulse, tmp_path):  # noq
     wav = tmp_path / "speech.wav"
     write_wav(wav, pcm, voice.sample_rate_hz)
     out_wav = tmp_path / "translated.wav"
-    err_path, out_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
-    with open(err_path, "w") as err, open(out_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_rtgi.cli", "translate", "--mic", "--from", "en",
-                                 "--to", "es", "--duration", f"{len(pcm) / voice.sample_rate_hz + 5:.1f}",
-                                 "--no-speak", "--out", str(out_wav)], stdout=out, stderr=err, env=pulse)
-        try:
-            _wait_for(err_path, "listening", 240)
-            subprocess.run(["paplay", "-d", "vmic", str(wav)], env=pulse, check=True, timeout=60)
-            assert proc.wait(timeout=240) == 0, err_path.read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    lines = out_path.read_text().splitlines()
+    stdout = run_cli_with_mic(["translate", "--mic", "--from", "en", "--to", "es",
+                               "--duration", f"{len(pcm) / voice.sample_rate_hz + 5:.1f}",
+                               "--no-speak", "--out", str(out_wav)], wav, pulse, tmp_path)
+    lines = stdout.splitlines()
     sources = " ".join(line[len("[source] "):] for line in lines if line.startswith("[source] "))
     translations = " ".join(line[len("[translation] "):] for line in lines if line.startswith("[translation] "))
     assert wer(TEXT, sources) <= 0.2, lines

@@ -61,17 +61,13 @@ def _wait_for(path: Path, needle: str, timeout_s: float) -> None:
     raise AssertionError(f"{needle!r} not seen in {path} after {timeout_s} s: {path.read_text()!r}")
 
 
-def test_transcribe_mic_through_pulseaudio(pulse, tmp_path):
-    voice = make_tts("piper-en_US-joe-medium")
-    pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
-    wav = tmp_path / "speech.wav"
-    write_wav(wav, pcm, voice.sample_rate_hz)
-    speech_s = len(pcm) / voice.sample_rate_hz
-
+def run_cli_with_mic(cli_args: list[str], wav: Path, pulse: dict, tmp_path: Path) -> str:
+    """Run ``edge-rtgi CLI_ARGS`` in a subprocess, play ``wav`` into the virtual microphone once it
+    listens, and return its stdout. The command must end by itself with exit 0."""
     err_path, out_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
     with open(err_path, "w") as err, open(out_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_rtgi.cli", "transcribe", "--mic", "--json",
-                                 "--seconds", f"{speech_s + 6:.1f}"], stdout=out, stderr=err, env=pulse)
+        proc = subprocess.Popen([sys.executable, "-m", "edge_rtgi.cli", *cli_args],
+                                stdout=out, stderr=err, env=pulse)
         try:
             _wait_for(err_path, "listening", 240)
             subprocess.run(["paplay", "-d", "vmic", str(wav)], env=pulse, check=True, timeout=60)
@@ -79,7 +75,19 @@ def test_transcribe_mic_through_pulseaudio(pulse, tmp_path):
         finally:
             if proc.poll() is None:
                 proc.kill()
-    events = [json.loads(line) for line in out_path.read_text().splitlines() if line.strip()]
+    return out_path.read_text()
+
+
+def test_transcribe_mic_through_pulseaudio(pulse, tmp_path):
+    voice = make_tts("piper-en_US-joe-medium")
+    pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
+    wav = tmp_path / "speech.wav"
+    write_wav(wav, pcm, voice.sample_rate_hz)
+    speech_s = len(pcm) / voice.sample_rate_hz
+
+    stdout = run_cli_with_mic(["transcribe", "--mic", "--json", "--seconds", f"{speech_s + 6:.1f}"],
+                              wav, pulse, tmp_path)
+    events = [json.loads(line) for line in stdout.splitlines() if line.strip()]
     finals = [e["text"] for e in events if e["type"] == "final_transcript"]
     assert any(e["type"] == "speech_started" for e in events)
     assert word_error_rate([TEXT], [" ".join(finals)]) <= 0.1, finals
