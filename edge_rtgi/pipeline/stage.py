@@ -15,6 +15,7 @@ subprocesses; a stage never blocks the event loop.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 from typing import Any, Protocol
@@ -40,7 +41,7 @@ class StageContext(Protocol):
         """Report a failure on one frame; the stage keeps running."""
 
 
-class Stage:
+class Stage(abc.ABC):
     """Base class: subclasses implement ``handle(frame)`` and may override ``cancel``."""
 
     name = "stage"
@@ -55,8 +56,9 @@ class Stage:
         """Prepare per-session state (models are loaded by ``Resources``), start the worker."""
         self._worker = asyncio.create_task(self._run(), name=f"stage-{self.name}")
 
+    @abc.abstractmethod
     async def handle(self, frame: Any) -> None:
-        raise NotImplementedError
+        """Process one data frame from the inbox (runs in the stage's worker task)."""
 
     def cancel(self, response_id: str) -> None:
         """Stop work on ``response_id`` now. Subclasses also abort external work, then call super."""
