@@ -15,7 +15,6 @@ subprocesses; a stage never blocks the event loop.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import logging
 from typing import Any, Protocol
@@ -41,7 +40,7 @@ class StageContext(Protocol):
         """Report a failure on one frame; the stage keeps running."""
 
 
-class Stage(abc.ABC):
+class Stage:
     """Base class: subclasses implement ``handle(frame)`` and may override ``cancel``."""
 
     name = "stage"
@@ -56,9 +55,8 @@ class Stage(abc.ABC):
         """Prepare per-session state (models are loaded by ``Resources``), start the worker."""
         self._worker = asyncio.create_task(self._run(), name=f"stage-{self.name}")
 
-    @abc.abstractmethod
     async def handle(self, frame: Any) -> None:
-        """Process one data frame from the inbox (runs in the stage's worker task)."""
+        raise NotImplementedError
 
     def cancel(self, response_id: str) -> None:
         """Stop work on ``response_id`` now. Subclasses also abort external work, then call super."""
