@@ -56,7 +56,12 @@ class Stage:
         self._worker = asyncio.create_task(self._run(), name=f"stage-{self.name}")
 
     async def handle(self, frame: Any) -> None:
-        raise NotImplementedError
+        """Process one data frame from the inbox.
+
+        Not abstract on purpose: a stage that consumes its input another way (the ASR stage reads
+        audio in its own ``_run`` loop) never receives frames here.
+        """
+        raise TypeError(f"stage {self.name!r} received a frame but implements neither handle() nor _run()")
 
     def cancel(self, response_id: str) -> None:
         """Stop work on ``response_id`` now. Subclasses also abort external work, then call super."""
