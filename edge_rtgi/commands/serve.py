@@ -103,15 +103,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- translate / voice
 
 
-async def _mic_chunks(duration_s: float | None, device: str | None) -> Any:
+# PortAudio's input stream (through ALSA's pulse plugin, for one) captures nothing until its
+# first callback, which comes 0.4-2 s after ``start()`` on a loaded machine. Whatever is said
+# before that is lost, so "listening" may only be announced once the first block is in.
+MIC_FIRST_BLOCK_TIMEOUT_S = 20.0
+
+
+async def _mic_chunks(duration_s: float | None, device: str | None, on_live: Any = None) -> Any:
+    """PCM16 chunks from the microphone. ``on_live()`` runs when audio really flows, and
+    ``duration_s`` counts from that moment."""
     from edge_rtgi.audio.devices import MicrophoneSource
 
     mic = MicrophoneSource(sample_rate_hz=16000, chunk_ms=20, device=device)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + duration_s if duration_s else None
     loop.add_signal_handler(signal.SIGINT, mic.stop)
     it = mic.__aiter__()
     try:
+        try:
+            first = await asyncio.wait_for(it.__anext__(), MIC_FIRST_BLOCK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise AudioError(f"the microphone delivered no audio within {MIC_FIRST_BLOCK_TIMEOUT_S:.0f} s",
+                             hint="check the input device (--mic-device) and that the sound server runs") from None
+        except StopAsyncIteration:
+            return
+        if on_live is not None:
+            on_live()
+        deadline = loop.time() + duration_s if duration_s else None
+        yield _pcm16(first)
         while True:
             # the deadline is enforced here: a stalled input stream must not hold the command
             timeout = None if deadline is None else deadline - loop.time()
@@ -125,6 +143,15 @@ async def _mic_chunks(duration_s: float | None, device: str | None) -> Any:
     finally:
         mic.stop()
         loop.remove_signal_handler(signal.SIGINT)
+        await it.aclose()  # closes the PortAudio stream now, not at interpreter exit
+        if mic.dropped_chunks:  # processing fell behind real time for longer than the mic queue
+            print(f"edge-rtgi: warning: dropped {mic.dropped_chunks * mic.chunk_ms / 1000:.1f} s of microphone "
+                  "audio because processing fell behind", file=sys.stderr, flush=True)
+
+
+def _announce_listening() -> None:
+    # scripts (and the mic tests) start talking when they read this line
+    print("edge-rtgi: listening (Ctrl-C to stop)", file=sys.stderr, flush=True)
 
 
 async def _file_chunks(path: str, realtime: bool) -> Any:
@@ -181,10 +208,8 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
 
             speaker = SpeakerSink(output.sample_rate_hz, device=args.speaker_device)
             output.speaker = speaker
-        source = (_mic_chunks(args.duration, args.mic_device) if args.mic
+        source = (_mic_chunks(args.duration, args.mic_device, on_live=_announce_listening) if args.mic
                   else _file_chunks(args.input, realtime=args.realtime))
-        if args.mic:
-            print("edge-rtgi: listening (Ctrl-C to stop)", file=sys.stderr, flush=True)
         await run_live(transport, source, output)
         if speaker is not None:  # let the last reply play out (estimated: real time since its first chunk)
             remaining_s = output.playback_end_s - time.monotonic() if output.playback_end_s else 0.0

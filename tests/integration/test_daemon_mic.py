@@ -23,7 +23,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.audio]
 TEXT = "Good morning. I would like a cup of coffee."
 
 
-@pytest.mark.xfail(strict=False, reason="known intermittent bug (issue 5 open): translate --mic sometimes hears only a fragment of the played WAV")
 def test_translate_mic_prints_captions_and_writes_audio(pulse, tmp_path):  # noqa: F811
     subprocess.run(["pactl", "load-module", "module-null-sink", "sink_name=vspk"], env=pulse, check=True,
                    capture_output=True, timeout=30)
