@@ -80,9 +80,22 @@ class TtsStageConfig:
 
     ``voice`` is a catalogue name (a Piper voice), a Piper ``.onnx`` path, or
     ``espeak:<language>`` (the espeak-ng program, e.g. ``espeak:es``).
+
+    The first chunk of a reply is spoken early: at a clause mark once it has
+    ``first_clause_min_words`` words, or before a conjunction ("and", "because", ...) once
+    it has ``first_break_after_words`` words (None: only at marks). Later chunks are whole
+    sentences. See ``edge_rtgi.tts.segmenter``.
     """
 
     voice: str = "piper-en_US-joe-medium"
+    first_clause_min_words: int = 3
+    first_break_after_words: int | None = 4
+
+    def __post_init__(self) -> None:
+        if self.first_clause_min_words < 1:
+            raise ValueError("first_clause_min_words must be >= 1")
+        if self.first_break_after_words is not None and self.first_break_after_words < 1:
+            raise ValueError("first_break_after_words must be >= 1 (or null: only at marks)")
 
 
 STAGE_KINDS: dict[str, type] = {

@@ -91,6 +91,15 @@ def test_bad_values_and_top_level_keys():
         parse_pipeline("stages:\n  - asr: {}\n  - assistant: {max_reply_tokens: many}\n", "c.yaml")
     with pytest.raises(ConfigError, match="input_sample_rate_hz"):
         parse_pipeline("input_sample_rate_hz: 3\nstages:\n  - asr: {}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="first_break_after_words must be >= 1"):
+        parse_pipeline("stages:\n  - asr: {}\n  - assistant: {}\n  - tts: {first_break_after_words: 0}\n", "c.yaml")
+
+
+def test_first_chunk_settings_reach_the_tts_stage():
+    pipe = parse_pipeline("stages:\n  - asr: {}\n  - assistant: {}\n"
+                          "  - tts: {first_clause_min_words: 2, first_break_after_words: null}\n", "c.yaml")
+    tts = pipe.stage(TtsStageConfig)
+    assert (tts.first_clause_min_words, tts.first_break_after_words) == (2, None)
 
 
 def test_duplicate_pipeline_names(tmp_path):

@@ -45,7 +45,7 @@ def test_chunk_is_emitted_as_soon_as_the_boundary_is_certain():
     "He moved to the U.S. with J. R. Tolkien's books.",
 ])
 def test_numbers_and_abbreviations_do_not_split(text):
-    assert _stream(text, min_first_clause_words=100) == [text]
+    assert _stream(text, min_first_clause_words=100, first_break_after_words=None) == [text]
 
 
 def test_ellipsis_and_question_marks():
@@ -87,3 +87,62 @@ def test_delta_size_does_not_change_the_result():
     for step in (1, 2, 3, 5, 11):
         assert _stream(text, step=step) == expected
     assert "".join(expected).replace(" ", "") == text.replace(" ", "")
+
+
+def test_long_first_sentence_breaks_before_a_conjunction():
+    text = "The sky looks blue to us because air scatters blue light more than red light. It is simple."
+    assert _stream(text) == [
+        "The sky looks blue to us",
+        "because air scatters blue light more than red light.",
+        "It is simple.",
+    ]
+
+
+def test_break_word_needs_enough_words_and_only_for_the_first_chunk():
+    # "and" after two words is too early; later sentences keep whole (natural prosody)
+    assert _stream("Salt and pepper are fine. Then add milk and eggs and flour and stir well.") == [
+        "Salt and pepper are fine.", "Then add milk and eggs and flour and stir well."]
+    # a clause mark that comes first still wins
+    assert _stream("Well, here we go now, and then we will see.") == ["Well, here we go now,", "and then we will see."]
+
+
+def test_long_subject_breaks_before_its_verb_but_not_after_a_pronoun():
+    assert _stream("The capital of Australia is Canberra. It is small.") == [
+        "The capital of Australia", "is Canberra.", "It is small."]
+    assert _stream("Cats purr because they are happy and calm.") == ["Cats purr because they are happy", "and calm."]
+    # the subject counts from the last clause mark: "the weather" is too short
+    assert _stream("In spring, the weather is mild.") == ["In spring, the weather is mild."]
+    assert _stream("A big dog is here.") == ["A big dog is here."]  # fewer than four words before "is"
+
+
+def test_no_break_inside_quotes_or_brackets():
+    assert _stream('The famous old play "Romeo and Juliet" was written by Shakespeare.') == [
+        'The famous old play "Romeo and Juliet"', "was written by Shakespeare."]
+    assert _stream("We saw four big cats (lions and tigers) and left.") == [
+        "We saw four big cats (lions and tigers)", "and left."]
+
+
+def test_break_word_must_be_a_whole_word():
+    assert _stream("The old android stands near the orange tree.") == ["The old android stands near the orange tree."]
+    assert _stream("One two three four five six andante slowly.") == ["One two three four five six andante slowly."]
+    seg = ClauseSegmenter()
+    assert seg.push("One two three four five six and") == []  # "and" or "android"? wait for the space
+    assert seg.push(" seven.") == ["One two three four five six"]
+    assert seg.flush() == ["and seven."]
+
+
+@pytest.mark.parametrize("text", [
+    "It costs 3.50 dollars or 1,000 yen and 2.5 euros in the U.S. today.",
+    "Dr. Smith met Mrs. Jones and Prof. Brown at St. Mary with J. R. Tolkien.",
+])
+def test_break_cut_keeps_numbers_and_abbreviations_whole(text):
+    chunks = _stream(text)
+    assert " ".join(chunks) == text
+    for piece in ("3.50", "1,000", "2.5", "U.S.", "Dr. Smith", "Mrs. Jones", "Prof. Brown", "St. Mary", "J. R."):
+        if piece in text:
+            assert any(piece in c for c in chunks), (piece, chunks)
+
+
+def test_first_break_setting_is_validated():
+    with pytest.raises(ValueError, match="first_break_after_words"):
+        ClauseSegmenter(first_break_after_words=0)

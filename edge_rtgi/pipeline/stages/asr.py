@@ -199,4 +199,10 @@ class AsrStage(Stage):
         if commit:
             tr.commit()
             self._in_speech = False
-        return tr.process_iter()
+        events = tr.process_iter()
+        # As in AsrSession: on a slow or shared CPU, back-to-back partial decodes keep this
+        # worker busy when speech ends, and the (speculative) final then waits behind a stale
+        # partial. Space partials so they take at most 1/factor of real time.
+        tr.partial_interval_samples = int(tr.config.partial_interval_factor * tr.last_partial_decode_s
+                                          * SAMPLE_RATE_HZ)
+        return events
