@@ -4,6 +4,11 @@ Rules (measured on the 2-core AVX-512 dev box, see docs/benchmarks.md):
 - CUDA when present: fp16 on pre-Ampere / Jetson Nano class, bf16 on Ampere and later.
 - CPU: bf16 activations when the CPU has native bf16 (AVX512_BF16 or AMX), because the
   int8/int4 weight kernels are only fast with bf16 activations; otherwise fp32.
+- Weights (``quant: auto``): int8 per-channel weight-only on a CPU running bf16, because a
+  batch-1 decode step reads every weight once and ``_weight_int8pack_mm`` with bf16 activations
+  beats both fp32 and bf16 ``F.linear`` there (KL 0.005 nats from the fp32 model on SmolLM2,
+  docs/quantization.md); full precision everywhere else (fp32 activations make the int8
+  kernel slower than fp32 ``F.linear``; on CUDA the int4 path is opt-in).
 Everything that places tensors asks ``resolve_device`` / ``resolve_dtype`` rather than
 deciding for itself.
 """
@@ -68,3 +73,17 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
         log.warning("this CPU has no native bf16; bf16 will be emulated and slow. Consider dtype: fp32")
     return dtype
+
+
+def resolve_weight_quant(name: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Map a config ``quant`` value to an ``edge_rtgi.llm.quant.apply_quant`` spec, or None.
+
+    "auto" picks int8 weights where they are the faster decode path (CPU with bf16
+    activations) and full precision elsewhere; "none" (or None) keeps full precision; any
+    other value (a scheme name, a plan YAML, a quantised checkpoint) is passed through.
+    """
+    if name in (None, "", "none"):
+        return None
+    if name == "auto":
+        return "int8" if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16() else None
+    return name

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ class LLMBenchConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"
-    quant: str | None = None  # a weight quantisation scheme or plan for our model (edge_rtgi.llm.quant)
+    quant: str | None = "auto"  # our weights, as the engine's ``quant`` setting: auto, none, int8, a plan...
     prompt_tokens: int = 64
     decode_tokens: int = 64
     ttft_prompt_tokens: int = 512
@@ -193,11 +193,13 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     import torch
 
     from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.device import resolve_weight_quant
     from edge_rtgi.llm.weights import load_model
 
     torch.set_num_threads(cfg.num_threads)
     source = resolve_model(cfg.model, role="llm")
     loaded = load_model(source, device="cpu", dtype=cfg.dtype)
+    cfg = replace(cfg, quant=resolve_weight_quant(cfg.quant, loaded.model.device, loaded.model.dtype))
     if cfg.quant:
         from edge_rtgi.llm.quant import apply_quant
 

@@ -27,15 +27,20 @@ class Backend:
     stream: Callable[[Sequence[int], SamplingParams], Iterator]
 
 
-def open_backend(model: str, device: str, dtype: str, plain: bool = False) -> Backend:
+def open_backend(model: str, device: str, dtype: str, plain: bool = False, quant: str | None = "auto") -> Backend:
     """Load ``model`` (catalogue name or path) and return the generation backend for the CLI.
 
-    Default: the LLM engine (paged KV, prefix cache). ``plain``: the reference path.
+    Default: the LLM engine (paged KV, prefix cache). ``plain``: the reference path. Both run
+    on the same weights: ``quant`` ("auto", "none", a scheme, plan or checkpoint) is applied
+    before either is built.
     """
+    from edge_rtgi.device import resolve_weight_quant
     from edge_rtgi.llm.generate import generate_stream
+    from edge_rtgi.llm.quant import apply_quant
     from edge_rtgi.llm.weights import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
+    apply_quant(loaded.model, resolve_weight_quant(quant, loaded.model.device, loaded.model.dtype))
     if plain:
         return Backend(tokenizer=loaded.tokenizer, context_tokens=loaded.config.max_position_embeddings,
                        stream=lambda ids, params: generate_stream(loaded, ids, params))
@@ -72,6 +77,8 @@ def _add_common(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, fp32, bf16, fp16")
+    parser.add_argument("--quant", default="auto",
+                        help="weights: auto (int8 on a bf16 CPU), none, int8, int4-g64, a plan YAML or a checkpoint")
     parser.add_argument("--plain", action="store_true", help="use plain generation instead of the engine")
 
 
@@ -103,7 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise RequestError("the prompt is empty", hint="pass the prompt text as an argument, or - for stdin")
-    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain)
+    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain, args.quant)
     # A raw prompt gets the model's own special tokens (e.g. BOS for Llama), as HF's generate does.
     prompt_ids = backend.tokenizer.encode(prompt, add_special_tokens=True)
     for delta in backend.stream(prompt_ids, params):
@@ -152,7 +159,7 @@ def chat_turn(backend: Backend, system: str | None, history: list[dict[str, str]
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain)
+    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain, args.quant)
     if not getattr(backend.tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template", hint="use `edge-rtgi generate` instead")
     interactive = sys.stdin.isatty()

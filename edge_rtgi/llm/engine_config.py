@@ -42,7 +42,9 @@ class EngineConfig:
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
     num_threads: int | None = None
-    quant: str | None = None  # plan YAML, quantised .safetensors or scheme name: edge_rtgi.llm.quant.apply_quant
+    # "auto" (int8 weights on a bf16 CPU, see edge_rtgi.device.resolve_weight_quant), "none",
+    # or a plan YAML, quantised .safetensors or scheme name for edge_rtgi.llm.quant.apply_quant
+    quant: str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):

@@ -72,3 +72,21 @@ def test_dtype_policy():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+def test_weight_quant_policy(monkeypatch):
+    """quant: auto means int8 weights only where they are the fast path: a CPU running bf16."""
+    import torch
+
+    from edge_rtgi import device as dev
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(dev, "cpu_has_bf16", lambda: True)
+    assert dev.resolve_weight_quant("auto", cpu, torch.bfloat16) == "int8"
+    assert dev.resolve_weight_quant("auto", cpu, torch.float32) is None  # int8 kernel is slow with fp32 x
+    assert dev.resolve_weight_quant("auto", cuda, torch.bfloat16) is None
+    assert dev.resolve_weight_quant("none", cpu, torch.bfloat16) is None
+    assert dev.resolve_weight_quant(None, cpu, torch.bfloat16) is None
+    assert dev.resolve_weight_quant("int4-g64", cpu, torch.float32) == "int4-g64"
+    monkeypatch.setattr(dev, "cpu_has_bf16", lambda: False)  # bf16 requested on a CPU that emulates it
+    assert dev.resolve_weight_quant("auto", cpu, torch.bfloat16) is None
