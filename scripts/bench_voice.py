@@ -16,7 +16,11 @@ cascade (one-shot whisper on the utterance, the whole LLM reply, then the whole 
 synthesised), timed stage by stage, plus the same endpointing delay. The report prints
 medians, p95 and the ratio streaming / baseline.
 
-    .venv/bin/python scripts/bench_voice.py --utterances 20 [--out bench-voice.json]
+    .venv/bin/python scripts/bench_voice.py --utterances 20 [--out bench-voice.json] [--report bench-voice.md]
+
+``--report`` writes a Markdown section (table of medians and p95 with the number of
+utterances, the load average sampled during the run, the commit) for docs/daemon.md.
+``--no-baseline`` skips the non-streaming cascade (quicker while iterating).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +45,15 @@ from tests.integration.native_client import NativeClient  # noqa: E402
 
 PARTS = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_chunk_ms",
          "voice_to_voice_ms")
+LABELS = {
+    "client_voice_to_voice_ms": "**voice-to-voice** (client clock: last speech sample sent -> first reply audio received)",
+    "endpointing_ms": "endpointing (VAD silence until the turn ends)",
+    "asr_final_ms": "ASR final (after the endpoint)",
+    "llm_ttft_ms": "LLM time to first token (after the final)",
+    "first_clause_ms": "first speakable chunk (after the first token)",
+    "tts_first_chunk_ms": "TTS first audio (after the first chunk)",
+    "voice_to_voice_ms": "voice-to-voice on the server's clock (speech end -> first audio sent)",
+}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -130,6 +144,8 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--utterances", type=int, default=20)
     ap.add_argument("--out", help="write the raw rows and the summary as JSON here")
+    ap.add_argument("--report", help="write a Markdown table for docs/daemon.md here")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the non-streaming cascade")
     args = ap.parse_args()
     questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
     questions = [questions[i % len(questions)] for i in range(args.utterances)]
@@ -144,35 +160,89 @@ async def main() -> int:
     rows = []
     for i, (q, (pcm, end)) in enumerate(zip(questions, spoken, strict=True)):
         row = await one_turn(daemon.port, pcm, end)
+        row["load_average_1m"] = os.getloadavg()[0]
         rows.append(row)
-        print(f"  {i + 1:2d} v2v {row['client_voice_to_voice_ms']:6.0f} ms | {q!r} -> {row['transcript']!r} "
-              f"-> {row['reply'][:60]!r}", flush=True)
-    base = [await asyncio.to_thread(baseline_turn, daemon.resources, pipeline, pcm, end, q)
-            for q, (pcm, end) in zip(questions, spoken, strict=True)]
+        parts = " ".join(f"{k.removesuffix('_ms').split('_')[0]} {_f(row[k]).strip()}" for k in PARTS[:-1])
+        print(f"  {i + 1:2d} v2v {row['client_voice_to_voice_ms']:6.0f} ms ({parts}; load {row['load_average_1m']:.1f}) "
+              f"| {q!r} -> {row['transcript']!r} -> {row['reply'][:60]!r}", flush=True)
+    base = [] if args.no_baseline else [
+        await asyncio.to_thread(baseline_turn, daemon.resources, pipeline, pcm, end, q)
+        for q, (pcm, end) in zip(questions, spoken, strict=True)]
     await daemon.drain(timeout_s=1)
     daemon.resources.close()
-
-    summary = {"n": len(rows), "cpus": os.cpu_count(), "load_average": [load_start, os.getloadavg()[0]]}
-    if max(summary["load_average"]) > (os.cpu_count() or 1):
-        print(f"\nwarning: the machine was oversubscribed (load average {load_start:.1f} -> "
-              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); latencies are inflated accordingly")
-    print(f"\nvoice-to-voice latency over {len(rows)} utterances (ms; median / p95):")
-    for key in ("client_voice_to_voice_ms", *PARTS):
-        vals = [r[key] for r in rows if r.get(key) is not None]
-        summary[key] = {"median": statistics.median(vals) if vals else None, "p95": pct(vals, 0.95), "n": len(vals)}
-        print(f"  {key:28s} {summary[key]['median'] or float('nan'):8.0f} {summary[key]['p95']:8.0f}   (n={len(vals)})")
-    base_total = [b["endpointing_ms"] + b["asr_ms"] + b["llm_ms"] + b["tts_ms"] for b in base]
-    for key in ("asr_ms", "llm_ms", "tts_ms"):
-        print(f"  baseline {key:19s} {statistics.median([b[key] for b in base]):8.0f} {pct([b[key] for b in base], .95):8.0f}")
-    med_stream = summary["client_voice_to_voice_ms"]["median"]
-    med_base = statistics.median(base_total)
-    summary["baseline_non_streaming_ms"] = {"median": med_base, "p95": pct(base_total, 0.95)}
-    print(f"  baseline non-streaming total  {med_base:8.0f} {pct(base_total, .95):8.0f}")
-    print(f"\nstreaming / non-streaming median ratio: {med_stream / med_base:.2f} "
-          f"(target: median voice-to-voice <= 1000 ms; got {med_stream:.0f} ms)")
+    summary = summarize(rows, base, load_start)
+    print_summary(summary)
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": summary, "rows": rows, "baseline": base}, indent=2))
+    if args.report:
+        Path(args.report).write_text(markdown_report(summary))
+        print(f"wrote {args.report}")
     return 0
+
+
+def summarize(rows: list[dict], base: list[dict], load_start: float) -> dict:
+    """Medians, p95 and counts of every part, the load average and the baseline."""
+    loads = [load_start] + [r["load_average_1m"] for r in rows]
+    summary: dict = {"n": len(rows), "cpus": os.cpu_count(), "commit": _commit(),
+                     "load_average_1m": {"start": load_start, "median": statistics.median(loads), "max": max(loads)},
+                     "parts": {}}
+    for key in ("client_voice_to_voice_ms", *PARTS):
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        summary["parts"][key] = {"median": statistics.median(vals) if vals else None,
+                                 "p95": pct(vals, 0.95), "n": len(vals)}
+    if base:
+        totals = [b["endpointing_ms"] + b["asr_ms"] + b["llm_ms"] + b["tts_ms"] for b in base]
+        summary["baseline"] = {k: {"median": statistics.median([b[k] for b in base]),
+                                   "p95": pct([b[k] for b in base], 0.95)} for k in ("asr_ms", "llm_ms", "tts_ms")}
+        summary["baseline"]["total_ms"] = {"median": statistics.median(totals), "p95": pct(totals, 0.95)}
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    load, cpus = summary["load_average_1m"], summary["cpus"]
+    if load["max"] > (cpus or 1):
+        print(f"\nwarning: the machine was oversubscribed (load average {load['start']:.1f} at the start, "
+              f"median {load['median']:.1f}, max {load['max']:.1f} on {cpus} CPUs); latencies are inflated")
+    print(f"\nvoice-to-voice latency over {summary['n']} utterances (ms; median / p95), "
+          f"load average median {load['median']:.1f}:")
+    for key, v in summary["parts"].items():
+        print(f"  {key:28s} {_f(v['median'])} {_f(v['p95'])}   (n={v['n']})")
+    med = summary["parts"]["client_voice_to_voice_ms"]["median"]
+    if "baseline" in summary:
+        for key, v in summary["baseline"].items():
+            print(f"  baseline {key:19s} {_f(v['median'])} {_f(v['p95'])}")
+        ratio = med / summary["baseline"]["total_ms"]["median"] if med else float("nan")
+        print(f"\nstreaming / non-streaming median ratio: {ratio:.2f}")
+    print(f"target: median voice-to-voice <= 1000 ms; got {_f(med).strip()} ms")
+
+
+def markdown_report(summary: dict) -> str:
+    """A section for docs/daemon.md: the table plus the conditions it was measured in."""
+    load = summary["load_average_1m"]
+    lines = [f"Measured with `scripts/bench_voice.py --utterances {summary['n']}` at commit {summary['commit']} "
+             f"on {summary['cpus']} CPUs; load average (1 min) {load['start']:.1f} at the start, "
+             f"median {load['median']:.1f}, max {load['max']:.1f} during the run. One fresh session per "
+             "utterance; parts are server-side marks, each measured from the end of the previous part.",
+             "", "| part (ms) | median | p95 | n |", "|---|---|---|---|"]
+    for key, v in summary["parts"].items():
+        lines.append(f"| {LABELS[key]} | {_f(v['median']).strip()} | {_f(v['p95']).strip()} | {v['n']} |")
+    if "baseline" in summary:
+        b = summary["baseline"]["total_ms"]
+        lines.append(f"| non-streaming cascade, same run (one-shot whisper + whole reply + whole synthesis) | "
+                     f"{_f(b['median']).strip()} | {_f(b['p95']).strip()} | {summary['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(value: float | None) -> str:
+    return f"{value:8.0f}" if value is not None and value == value else "     n/a"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 if __name__ == "__main__":
