@@ -8,7 +8,10 @@ Rules (measured on the 2-core AVX-512 dev box, see docs/benchmarks.md):
   batch-1 decode step reads every weight once and ``_weight_int8pack_mm`` with bf16 activations
   beats both fp32 and bf16 ``F.linear`` there (KL 0.005 nats from the fp32 model on SmolLM2,
   docs/quantization.md); full precision everywhere else (fp32 activations make the int8
-  kernel slower than fp32 ``F.linear``; on CUDA the int4 path is opt-in).
+  kernel slower than fp32 ``F.linear``; on CUDA the int4 path is opt-in). The weight-only
+  kernels slow down in proportion to the rows of their input, so ``auto`` also keeps a
+  dequantised bf16 copy for inputs of more than ``AUTO_QUANT_KERNEL_MAX_ROWS`` rows (prefill
+  chunks, wide decode batches); see ``keep_dense_copy`` in edge_rtgi/llm/quant/kernels.py.
 Everything that places tensors asks ``resolve_device`` / ``resolve_dtype`` rather than
 deciding for itself.
 """
@@ -73,6 +76,11 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_bf16():
         log.warning("this CPU has no native bf16; bf16 will be emulated and slow. Consider dtype: fp32")
     return dtype
+
+
+# Rows up to which the int8 weight-only kernel beat bf16 F.linear on a 576x3072 weight here:
+# 4 rows 0.54x the time, 16 rows 3.3x, 256 rows 8.9x (1 thread, medians of 5).
+AUTO_QUANT_KERNEL_MAX_ROWS = 8
 
 
 def resolve_weight_quant(name: str | None, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -193,17 +193,14 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     import torch
 
     from edge_rtgi.catalog import resolve_model
-    from edge_rtgi.device import resolve_weight_quant
+    from edge_rtgi.llm.quant import apply_engine_quant
     from edge_rtgi.llm.weights import load_model
 
     torch.set_num_threads(cfg.num_threads)
     source = resolve_model(cfg.model, role="llm")
     loaded = load_model(source, device="cpu", dtype=cfg.dtype)
-    cfg = replace(cfg, quant=resolve_weight_quant(cfg.quant, loaded.model.device, loaded.model.dtype))
-    if cfg.quant:
-        from edge_rtgi.llm.quant import apply_quant
-
-        apply_quant(loaded.model, cfg.quant)
+    applied = apply_engine_quant(loaded.model, cfg.quant)
+    cfg = replace(cfg, quant=f"{applied} ({cfg.quant})" if applied and cfg.quant == "auto" else applied)
     ours = _Ours(loaded, cfg)
     tok = loaded.tokenizer
     decode_prompt = _prompt(tok, cfg.prompt_tokens)

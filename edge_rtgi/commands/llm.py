@@ -34,13 +34,12 @@ def open_backend(model: str, device: str, dtype: str, plain: bool = False, quant
     on the same weights: ``quant`` ("auto", "none", a scheme, plan or checkpoint) is applied
     before either is built.
     """
-    from edge_rtgi.device import resolve_weight_quant
     from edge_rtgi.llm.generate import generate_stream
-    from edge_rtgi.llm.quant import apply_quant
+    from edge_rtgi.llm.quant import apply_engine_quant
     from edge_rtgi.llm.weights import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
-    apply_quant(loaded.model, resolve_weight_quant(quant, loaded.model.device, loaded.model.dtype))
+    apply_engine_quant(loaded.model, quant)
     if plain:
         return Backend(tokenizer=loaded.tokenizer, context_tokens=loaded.config.max_position_embeddings,
                        stream=lambda ids, params: generate_stream(loaded, ids, params))

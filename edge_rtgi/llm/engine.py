@@ -93,12 +93,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve the model through the catalogue, load it, and build an engine."""
         from edge_rtgi.catalog import resolve_model
-        from edge_rtgi.device import resolve_weight_quant
-        from edge_rtgi.llm.quant import apply_quant
+        from edge_rtgi.llm.quant import apply_engine_quant
         from edge_rtgi.llm.weights import load_model
 
         loaded = load_model(resolve_model(config.model, role="llm"), config.device, config.dtype)
-        apply_quant(loaded.model, resolve_weight_quant(config.quant, loaded.model.device, loaded.model.dtype))
+        apply_engine_quant(loaded.model, config.quant)
         return cls.from_loaded(loaded, config)
 
     @classmethod

@@ -55,6 +55,25 @@ def test_quantisation_error_bounds(scheme_name, bound, gen):
     assert _rel(quantize_weight(weight, parse_scheme(scheme_name)).dequantize(), weight) < bound, f"seed {SEED}"
 
 
+@pytest.mark.parametrize("scheme_name", ["int8", "int4-g64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_serves_many_row_inputs_with_the_same_weights(scheme_name, dtype, gen):
+    """``quant: auto`` keeps a dequantised copy for prefill-sized inputs: same weights, same result."""
+    n, k, max_rows = 192, 256, 4
+    packed = quantize_weight(torch.randn(n, k, generator=gen), parse_scheme(scheme_name))
+    layer = make_quant_linear(packed, None, dtype, torch.device("cpu"))
+    base_bytes = layer.resident_bytes()
+    layer.keep_dense_copy(max_rows)
+    assert torch.equal(layer.dense_weight, packed.dequantize().to(dtype))
+    assert layer.resident_bytes() == base_bytes + n * k * layer.dense_weight.element_size()
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, max_rows, max_rows + 1, 64):  # kernel, kernel, dense, dense
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        ref = x.double() @ packed.dequantize().double().T
+        assert _rel(layer(x), ref) < bound, f"seed {SEED}, {rows} rows"
+    assert "dense_weight" not in layer.state_dict()  # never written to a checkpoint
+
+
 def test_byte_accounting_matches_resident_buffers(gen):
     weight = torch.randn(128, 256, generator=gen)
     for name in ALL_SCHEMES:

@@ -18,6 +18,24 @@ from edge_rtgi.llm.quant.plan import QuantPlan, apply_quant_plan, model_groups, 
 from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weight
 
 
+def apply_engine_quant(model: nn.Module, setting: str | None) -> str | None:
+    """The engine's ``quant`` setting: "auto" and "none" resolved by ``edge_rtgi.device``,
+    anything else passed to ``apply_quant``. Returns the spec applied (None: full precision).
+
+    "auto" keeps a dequantised copy for many-row inputs as well (prefill, wide batches), so it
+    trades memory for speed; an explicit scheme such as "int8" stores the quantised weights only.
+    """
+    from edge_rtgi.device import AUTO_QUANT_KERNEL_MAX_ROWS, resolve_weight_quant
+
+    spec = resolve_weight_quant(setting, model.device, model.dtype)
+    apply_quant(model, spec)
+    if setting == "auto" and spec is not None:
+        from edge_rtgi.llm.quant.kernels import keep_dense_copies
+
+        keep_dense_copies(model, AUTO_QUANT_KERNEL_MAX_ROWS)
+    return spec
+
+
 def apply_quant(model: nn.Module, spec: str | Path | None) -> dict[str, str] | None:
     """The one hook for ``quant:`` in configs: a ``.safetensors`` quantised checkpoint, a plan
     YAML path, or a scheme name applied to every group (``int8``, ``int4-g64``). None: no-op."""
@@ -31,5 +49,5 @@ def apply_quant(model: nn.Module, spec: str | Path | None) -> dict[str, str] | N
     return apply_quant_plan(model, uniform_plan(model_groups(model), text))
 
 
-__all__ = ["QuantPlan", "QuantScheme", "apply_quant", "apply_quant_plan", "load_quantized_checkpoint",
+__all__ = ["QuantPlan", "QuantScheme", "apply_engine_quant", "apply_quant", "apply_quant_plan", "load_quantized_checkpoint",
            "model_groups", "parse_scheme", "quantize_weight", "save_quantized_checkpoint", "uniform_plan"]

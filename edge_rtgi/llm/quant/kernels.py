@@ -38,6 +38,41 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.scheme_name = packed.scheme.name
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+        self.register_buffer("dense_weight", None, persistent=False)  # see keep_dense_copy
+
+    max_kernel_rows: int = 0
+
+    def keep_dense_copy(self, max_kernel_rows: int) -> None:
+        """Run inputs of more than ``max_kernel_rows`` rows through ``F.linear`` on a dequantised
+        copy of the weights, in the activation dtype.
+
+        The weight-only kernels cost time in proportion to the rows (they dequantise inside),
+        so they win at batch-1 decode and lose badly to bf16 GEMM for prefill chunks and wide
+        decode batches (9x at 256 rows on this CPU). The copy holds the *dequantised* weights,
+        so both paths compute with the same weight values; it costs memory (not saved in
+        checkpoints, but counted by ``resident_bytes``).
+        """
+        dtype = self._activation_dtype()
+        self.dense_weight = self.dequantized_weight(dtype)
+        self.max_kernel_rows = max_kernel_rows
+
+    def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
+        """The full [N, K] weight matrix as the kernel sees it."""
+        return self.gather_rows(torch.arange(self.out_features, device=self._activation_device()), dtype)
+
+    def _dense(self, x2: Tensor) -> Tensor | None:
+        if self.dense_weight is None or x2.shape[0] <= self.max_kernel_rows:
+            return None
+        return F.linear(x2, self.dense_weight)
+
+    def _activation_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def _activation_device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
 
     def _out(self, y: Tensor, shape: torch.Size) -> Tensor:
         if self.bias is not None:
@@ -63,7 +98,11 @@ class Int8Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.scales.dtype:
             x2 = x2.to(self.scales.dtype)
-        return self._out(_int8_mm(x2, self.qweight, self.scales), x.shape)
+        y = self._dense(x2)
+        return self._out(_int8_mm(x2, self.qweight, self.scales) if y is None else y, x.shape)
+
+    def _activation_dtype(self) -> torch.dtype:
+        return self.scales.dtype
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
@@ -116,12 +155,18 @@ class Int4Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != self.scales_and_zeros.dtype:
             x2 = x2.to(self.scales_and_zeros.dtype)
+        y = self._dense(x2)
+        if y is not None:
+            return self._out(y, x.shape)
         if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
                                                            self.scales_and_zeros)
         return self._out(y, x.shape)
+
+    def _activation_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows for a tied embedding, read from the packed weights (no second copy on CPU)."""
@@ -182,3 +227,13 @@ class TiedQuantEmbedding(nn.Module):
         # Rows come out in the head's activation dtype, which follows model.to(dtype).
         dtype = head.scales.dtype if isinstance(head, Int8Linear) else head.scales_and_zeros.dtype
         return head.gather_rows(flat, dtype).view(*ids.shape, self.embedding_dim)
+
+
+def keep_dense_copies(model: nn.Module, max_kernel_rows: int) -> int:
+    """``keep_dense_copy`` on every quantised layer; returns the extra bytes this costs."""
+    extra = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.keep_dense_copy(max_kernel_rows)
+            extra += module.dense_weight.numel() * module.dense_weight.element_size()
+    return extra
