@@ -193,15 +193,21 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     import torch
 
     from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.device import resolve_weight_quant
     from edge_rtgi.llm.quant import apply_engine_quant
     from edge_rtgi.llm.weights import load_model
 
     torch.set_num_threads(cfg.num_threads)
     source = resolve_model(cfg.model, role="llm")
     loaded = load_model(source, device="cpu", dtype=cfg.dtype)
+    # With quantised weights, the same engine on full-precision weights decodes in the same
+    # interleaved runs, so the report separates what the weights gain from the rest.
+    quantised = resolve_weight_quant(cfg.quant, loaded.model.device, loaded.model.dtype) is not None
+    full = load_model(source, device="cpu", dtype=cfg.dtype) if quantised else None
     applied = apply_engine_quant(loaded.model, cfg.quant)
     cfg = replace(cfg, quant=f"{applied} ({cfg.quant})" if applied and cfg.quant == "auto" else applied)
     ours = _Ours(loaded, cfg)
+    ours_full = _Ours(full, cfg) if full is not None and applied else None
     tok = loaded.tokenizer
     decode_prompt = _prompt(tok, cfg.prompt_tokens)
     long_prompt = _prompt(tok, cfg.ttft_prompt_tokens)
@@ -225,12 +231,15 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     hf = _HF(Path(source), cfg.model) if cfg.hf else None
     log.info("measuring the engine%s, interleaved run by run", " and HF transformers fp32" if hf else "")
 
-    def pair(ours_fn: Any, hf_fn: Any | None, warmup: bool = True) -> dict[str, dict[str, Any]]:
-        fns = {"ours": ours_fn, **({"hf": hf_fn} if hf and hf_fn else {})}
+    def pair(ours_fn: Any, hf_fn: Any | None, warmup: bool = True, **more: Any) -> dict[str, dict[str, Any]]:
+        fns = {"ours": ours_fn, **({"hf": hf_fn} if hf and hf_fn else {}), **more}
         return _measure_interleaved(fns, cfg.runs, warmup)
 
+    full_decode = {"full": lambda: ours_full.decode_rate(decode_prompt, cfg.decode_tokens)} if ours_full else {}
     decode = pair(lambda: ours.decode_rate(decode_prompt, cfg.decode_tokens),
-                  hf and (lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens)))
+                  hf and (lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens)), **full_decode)
+    if ours_full:
+        ours_full.engine.shutdown()
     plain = _measure(lambda: ours.plain_decode_rate(decode_prompt, cfg.decode_tokens), cfg.runs)
     ttft = pair(cold, hf and (lambda: hf.ttft_ms(long_prompt)))
     cached_ttft = _measure(cached, cfg.runs)
@@ -240,6 +249,8 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     out["ours"] = {"decode_tok_s": decode["ours"], "plain_decode_tok_s": plain, "ttft_cold_ms": ttft["ours"],
                    "ttft_cached_ms": cached_ttft, "throughput_tok_s": throughput["ours"]}
     out["ours"]["cached_tokens"] = cached_tokens[-1] if cached_tokens else 0
+    if "full" in decode:
+        out["ours"]["full_precision_decode_tok_s"] = decode["full"]
     out["ours"]["decode_step_breakdown_ms"] = ours.step_breakdown_ms
     out["ours"]["engine_stats"] = ours.engine.stats().as_dict()
     ours.engine.shutdown()
@@ -259,6 +270,8 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     }
     if h:
         out["decode_vs_hf"] = o["decode_tok_s"]["median"] / h["decode_tok_s"]["median"]
+        if "full_precision_decode_tok_s" in o:
+            out["full_precision_decode_vs_hf"] = o["full_precision_decode_tok_s"]["median"] / h["decode_tok_s"]["median"]
         out["ttft_cold_speedup_vs_hf"] = h["ttft_cold_ms"]["median"] / o["ttft_cold_ms"]["median"]
         out["throughput_vs_hf"] = o["throughput_tok_s"]["median"] / h["throughput_tok_s"]["median"]
     return out
@@ -294,6 +307,11 @@ def render(results: dict[str, Any]) -> str:
               f" tok/s; engine/plain = {r['engine_vs_plain_decode']:.2f}",
               f"- prefix cache: TTFT falls by {r['ttft_reduction_from_cache']:.0%} with "
               f"{r['cached_share_of_prompt']:.0%} of the prompt cached"]
+    if "full_precision_decode_tok_s" in o:
+        vs_hf = r.get("full_precision_decode_vs_hf")
+        lines.append(f"- the engine on full-precision {results['engine_dtype']} weights, same interleaved runs: "
+                     f"{cell(o, 'full_precision_decode_tok_s', '.1f')} tok/s batch-1 decode"
+                     + (f", {vs_hf:.2f}x HF fp32" if vs_hf else ""))
     b = o.get("decode_step_breakdown_ms")
     if b:
         lines.append(f"- batch-1 engine step, mean ms: schedule {b['schedule_s']}, forward + sampling "

@@ -6,14 +6,17 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.tiny_models import make_tiny_hf_model
 
 
-def test_bench_llm_smoke(tmp_path):
+@pytest.mark.parametrize("dtype,quant", [("fp32", "auto"), ("bf16", "int8")])
+def test_bench_llm_smoke(tmp_path, dtype, quant):
     folder = make_tiny_hf_model("llama", tmp_path, seed=1)
     report = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "edge_rtgi.cli", "bench", "llm", "--model", str(folder), "--dtype", "fp32",
+        [sys.executable, "-m", "edge_rtgi.cli", "bench", "llm", "--model", str(folder), "--dtype", dtype, "--quant", quant,
          "--runs", "1", "--decode-tokens", "4", "--ttft-prompt-tokens", "96", "--cached-prefix-tokens", "64",
          "--concurrency", "3", "--concurrent-max-tokens", "4", "--threads", "1", "--report", str(report)],
         capture_output=True, text=True, timeout=600)
@@ -23,6 +26,8 @@ def test_bench_llm_smoke(tmp_path):
     assert results["ours"]["cached_tokens"] == 64  # the shared prefix is exactly 4 blocks of 16
     assert results["ours"]["decode_tok_s"]["runs"] == 1 and results["hf"]["throughput_tok_s"]["median"] > 0
     assert (report / "llm.md").read_text().startswith("# edge-rtgi bench llm")
+    # quantised weights: the same engine on full-precision weights is timed alongside
+    assert ("full_precision_decode_tok_s" in results["ours"]) == (quant == "int8")
 
 
 def test_bench_llm_rejects_bad_sizes():
