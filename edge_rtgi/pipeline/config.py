@@ -89,7 +89,7 @@ class TtsStageConfig:
 
     voice: str = "piper-en_US-joe-medium"
     first_clause_min_words: int = 3
-    first_break_after_words: int | None = 4
+    first_break_after_words: int | None = 3
 
     def __post_init__(self) -> None:
         if self.first_clause_min_words < 1:

@@ -54,7 +54,7 @@ class ClauseSegmenter:
     """Incremental text -> speakable chunks. ``push`` deltas, then ``flush`` at the end."""
 
     def __init__(self, min_first_clause_words: int = 3, max_chunk_chars: int = 220,
-                 first_break_after_words: int | None = 4):
+                 first_break_after_words: int | None = 3):
         """``first_break_after_words`` None: the first chunk ends only at a mark."""
         if min_first_clause_words < 1 or max_chunk_chars < 1:
             raise ValueError("min_first_clause_words and max_chunk_chars must be >= 1")

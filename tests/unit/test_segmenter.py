@@ -99,9 +99,11 @@ def test_long_first_sentence_breaks_before_a_conjunction():
 
 
 def test_break_word_needs_enough_words_and_only_for_the_first_chunk():
-    # "and" after two words is too early; later sentences keep whole (natural prosody)
-    assert _stream("Salt and pepper are fine. Then add milk and eggs and flour and stir well.") == [
-        "Salt and pepper are fine.", "Then add milk and eggs and flour and stir well."]
+    # "and" after one word is too early; later sentences keep whole (natural prosody)
+    assert _stream("Tea and cake. Then add milk and eggs and flour and stir well.") == [
+        "Tea and cake.", "Then add milk and eggs and flour and stir well."]
+    assert _stream("Salt and pepper are fine.", first_break_after_words=4) == ["Salt and pepper are fine."]
+    assert _stream("Salt and pepper are fine.") == ["Salt and pepper", "are fine."]
     # a clause mark that comes first still wins
     assert _stream("Well, here we go now, and then we will see.") == ["Well, here we go now,", "and then we will see."]
 
@@ -112,7 +114,7 @@ def test_long_subject_breaks_before_its_verb_but_not_after_a_pronoun():
     assert _stream("Cats purr because they are happy and calm.") == ["Cats purr because they are happy", "and calm."]
     # the subject counts from the last clause mark: "the weather" is too short
     assert _stream("In spring, the weather is mild.") == ["In spring, the weather is mild."]
-    assert _stream("A big dog is here.") == ["A big dog is here."]  # fewer than four words before "is"
+    assert _stream("My dog is here.") == ["My dog is here."]  # a subject of fewer than three words
 
 
 def test_no_break_inside_quotes_or_brackets():
