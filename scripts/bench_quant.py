@@ -6,12 +6,21 @@ Everything is measured in one run against baselines from the same run (medians o
 - kernels: each SmolLM2 matrix shape at batch 1 and 8, fp32 vs bf16 activations: F.linear
   against the int8 and int4 weight-only kernels;
 - decode: greedy batch-1 decode (64-token prompt, 128 new tokens) on the project's plain path
-  (``edge_rtgi.llm.generate``) for fp32, bf16, uniform int8/int4 and the mixed plans, plus
-  llama.cpp on the original Q4_1 GGUF when llama-cpp-python is installed;
+  (``edge_rtgi.llm.generate``) for fp32, bf16, uniform int8/int4, the mixed plans and the chosen
+  operating point, and llama.cpp on the original Q4_1 GGUF (``edge_rtgi.bench.peers``), the
+  engines interleaved run by run so that load from other jobs hits them alike;
 - memory: resident bytes of every model's weights (parameters + buffers);
-- quality: mixed plans from a sensitivity table vs uniform plans of equal size, on the held-out text.
+- quality: uniform plans, mixed plans of exactly the uniform plans' sizes, and a budget sweep of
+  mixed plans, on the evaluation text (``compare_quality``: KL, perplexity, top-1 agreement and
+  the benchmark's quality retention, each with a bootstrap interval). The operating point is the
+  smallest mixed plan whose retention interval lies at or above --target-retention.
 
     python scripts/bench_quant.py --sensitivity sens.yaml --out bench_out/quant
+    python scripts/bench_quant.py --sensitivity sens.yaml --skip kernels decode   # quality only
+    python scripts/bench_quant.py --sensitivity sens.yaml --skip kernels quality  # decode only
+
+Quality goes to ``quality.json``, decode to ``decode.json`` and kernels to ``kernels.json`` in
+--out, each written as soon as its part is done, so the parts can run at different times.
 """
 
 from __future__ import annotations
@@ -19,14 +28,19 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from edge_rtgi.bench.peers import LlamaCppPeer, PeerUnavailable
+from edge_rtgi.bench.quality import bootstrap_mean_interval
+from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.llm.generate import generate_stream
 from edge_rtgi.llm.quant.allocate import Budget, allocate
 from edge_rtgi.llm.quant.kernels import make_quant_linear
@@ -79,46 +93,64 @@ def bench_kernels(runs: int) -> list[dict]:
     return rows
 
 
-def decode_speed(model, tokenizer, prompt: list[int], runs: int) -> dict:
-    """Median decode tok/s (after the first token) and median time to first token, batch 1."""
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    rates, ttfts = [], []
-    for _ in range(runs + 1):  # the first run warms up
-        start = time.perf_counter()
-        first = None
-        count = 0
-        for delta in generate_stream((model, tokenizer), prompt, params):
+def load_average() -> list[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return []
+
+
+class OurDecoder:
+    """One of our models on the plain path: one timed greedy run = first-token time, decode tok/s."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def once(self, prompt: list[int]) -> tuple[float, float]:
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+        start, first, count = time.perf_counter(), None, 0
+        for delta in generate_stream((self.model, self.tokenizer), prompt, params):
             count += len(delta.token_ids)
             if first is None:
                 first = time.perf_counter()
-        end = time.perf_counter()
-        rates.append((count - 1) / (end - first))
-        ttfts.append(first - start)
-    return {"decode_tok_s": statistics.median(rates[1:]), "ttft_ms": 1e3 * statistics.median(ttfts[1:]),
-            "runs": runs}
+        return first - start, (count - 1) / (time.perf_counter() - first)
 
 
-def llamacpp_speed(gguf: Path, prompt: list[int], runs: int, threads: int) -> dict | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(gguf), n_ctx=512, n_threads=threads, n_batch=64, verbose=False)
-    rates, ttfts = [], []
-    for _ in range(runs + 1):
-        llm.reset()
-        start = time.perf_counter()
-        first, count = None, 0
-        for _tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            count += 1
+class LlamaCppDecoder:
+    """llama.cpp on the catalogue GGUF through the peer benchmark's loader (AMX probe included)."""
+
+    def __init__(self, gguf: Path, threads: int):
+        self.peer = LlamaCppPeer(gguf, threads, context_tokens=512)
+        self.name = self.peer.name
+
+    def once(self, prompt: list[int]) -> tuple[float, float]:
+        request = PreparedRequest("decode", "decode", tuple(prompt), NEW_TOKENS, ignore_eos=True)
+        self.peer.reset()
+        start, first, count = time.perf_counter(), None, 0
+        for ids, _text in self.peer.stream(request, threading.Event()):
+            count += len(ids)
             if first is None:
                 first = time.perf_counter()
-            if count == NEW_TOKENS:
-                break
-        end = time.perf_counter()
-        rates.append((count - 1) / (end - first))
-        ttfts.append(first - start)
-    return {"decode_tok_s": statistics.median(rates[1:]), "ttft_ms": 1e3 * statistics.median(ttfts[1:]), "runs": runs}
+        return first - start, (count - 1) / (time.perf_counter() - first)
+
+
+def decode_interleaved(decoders: dict, prompt: list[int], runs: int) -> dict[str, dict]:
+    """Round-robin: one warm-up run each, then ``runs`` rounds in which every engine runs once."""
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in decoders}
+    loads = []
+    for round_index in range(runs + 1):
+        for name, decoder in decoders.items():
+            ttft_s, rate = decoder.once(prompt)
+            if round_index:  # round 0 warms every engine up
+                samples[name].append((ttft_s, rate))
+        loads.append(load_average())
+        print(f"decode round {round_index}/{runs} load {loads[-1]}", flush=True)
+    rows = {}
+    for name, runs_ in samples.items():
+        rates = [r for _, r in runs_]
+        rows[name] = {"decode_tok_s": round(statistics.median(rates), 2), "decode_tok_s_runs": [round(r, 2) for r in rates],
+                      "ttft_ms": round(1e3 * statistics.median(t for t, _ in runs_), 1), "runs": len(runs_)}
+    return {"models": rows, "load_average_per_round": loads}
 
 
 def resident_mb(model) -> float:
@@ -136,19 +168,115 @@ def quantised_copy(full, plan: QuantPlan):
     return model
 
 
-def plans_to_compare(groups, table: SensitivityTable | None, extra_bits: list[float]) -> dict[str, QuantPlan]:
-    """Uniform plans, and mixed plans of exactly the uniform plans' sizes (same candidate family)."""
-    plans = {f"uniform {s}": uniform_plan(groups, s) for s in ("int4-g64", "int4sym-g64", "int4sym-g32", "int8")}
+# Every candidate except the asymmetric g32 scheme, which re-encodes this Q4_1 file almost
+# exactly (DESIGN.md's trap) and so would hide where bits are really lost.
+UNALIGNED = ("int8", "int4-g64", "int4-g128", "int4sym-g32", "int4sym-g64", "int4sym-g128")
+
+
+def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[float]) -> dict[str, QuantPlan]:
+    """Uniform plans, mixed plans of exactly the uniform plans' sizes, and a mixed budget sweep.
+
+    Ordered so that an interrupted run has the operating-point sweep and its equal-size
+    comparison first.
+    """
+    uniform = {f"uniform {s}": uniform_plan(groups, s) for s in ("int4sym-g32", "int4-g64", "int4sym-g64", "int8")}
     if table is None:
-        return plans
+        return uniform
     asym, sym = ("int8", "int4-g64", "int4-g128"), ("int8", "int4sym-g32", "int4sym-g64", "int4sym-g128")
-    for base, family, label in (("uniform int4-g64", asym, "asym g64/g128+int8"),
-                                ("uniform int4sym-g64", sym, "sym+int8"), ("uniform int4sym-g32", sym, "sym+int8")):
-        size = plan_nbytes(plans[base].resolved(groups), groups)
-        plans[f"mixed {label} @ {base.split()[1]} size"] = allocate(groups, table, Budget(size, f"{size} B"), family)
-    for bits in extra_bits:
-        plans[f"mixed all @ {bits} bits"] = allocate(groups, table, Budget.from_args(groups, bits, None))
+
+    def equal_size(base: str, family: tuple[str, ...]) -> QuantPlan:
+        size = plan_nbytes(uniform[base].resolved(groups), groups)
+        return allocate(groups, table, Budget(size, f"{size} B"), family)
+
+    plans = {"uniform int4sym-g32": uniform["uniform int4sym-g32"],
+             "mixed sym+int8 @ int4sym-g32 size": equal_size("uniform int4sym-g32", sym)}
+    for bits in sweep_bits:
+        plans[f"mixed unaligned @ {bits} bits"] = allocate(groups, table, Budget.from_args(groups, bits, None), UNALIGNED)
+    plans["uniform int8"] = uniform["uniform int8"]
+    for base, family, label in (("uniform int4-g64", asym, "asym g64/g128+int8"), ("uniform int4sym-g64", sym, "sym+int8")):
+        plans[base] = uniform[base]
+        plans[f"mixed {label} @ {base.split()[1]} size"] = equal_size(base, family)
     return plans
+
+
+def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
+    """The smallest mixed plan whose whole retention interval is >= ``target`` (and the smallest
+    whose point estimate is), by resident bytes of the quantised groups."""
+    mixed = sorted((r["groups_mb"], label) for label, r in rows.items()
+                   if label.startswith("mixed") and "quality_retention" in r)
+    by_low = next((label for _, label in mixed if rows[label]["retention_low"] >= target), None)
+    by_point = next((label for _, label in mixed if rows[label]["quality_retention"] >= target), None)
+    return {"target_retention": target, "by_interval": by_low, "by_point_estimate": by_point}
+
+
+def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
+    """Mean KL(a) - KL(b) over the same windows, with a bootstrap interval (negative: a is better)."""
+    diff = [x - y for x, y in zip(rows[a]["window_kl_sums"], rows[b]["window_kl_sums"], strict=True)]
+    low, high = bootstrap_mean_interval(diff, rows[a]["window_tokens"])
+    return {"a": a, "b": b, "kl_diff": round(sum(diff) / sum(rows[a]["window_tokens"]), 5),
+            "low": round(low, 5), "high": round(high, 5)}
+
+
+def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> dict:
+    """Quality (and resident size) of bf16 and every plan against the fp32 model; written as it goes."""
+    rows, full_cache, loads = {}, {}, []
+    for label, plan in [("bf16", None)] + list(plans.items()):
+        start = time.perf_counter()
+        model = copy.deepcopy(full.model).to(torch.bfloat16) if plan is None else quantised_copy(full.model, plan)
+        row = {"resident_weights_mb": round(resident_mb(model), 2)}
+        if plan is not None:
+            resolved = plan.resolved(groups)
+            row.update(bits_per_weight=round(plan_bits_per_weight(resolved, groups), 4),
+                       groups_mb=round(plan_nbytes(resolved, groups) / 1e6, 2), plan=resolved)
+        row.update(vars(compare_quality(full.model, model, full.tokenizer, calibration_text("eval"),
+                                        max_prompts=args.prompts, new_tokens=args.new_tokens, full_cache=full_cache)))
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        loads.append(load_average())
+        rows[label] = row
+        del model
+        print(label, json.dumps({k: v for k, v in row.items() if k not in ("plan", "window_kl_sums", "window_tokens")}),
+              flush=True)
+        result = {"threads": args.quality_threads, "load_average_per_model": loads, "models": rows}
+        (out / "quality.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    result["operating_point"] = choose_operating_point(rows, args.target_retention)
+    pairs = [(m, u) for m, u in (("mixed sym+int8 @ int4sym-g32 size", "uniform int4sym-g32"),
+                                 ("mixed asym g64/g128+int8 @ int4-g64 size", "uniform int4-g64"),
+                                 ("mixed sym+int8 @ int4sym-g64 size", "uniform int4sym-g64")) if m in rows and u in rows]
+    result["paired_kl"] = [paired_kl(rows, m, u) for m, u in pairs]
+    (out / "quality.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print("operating point", json.dumps(result["operating_point"]), json.dumps(result["paired_kl"]), flush=True)
+    return result
+
+
+def decode_pass(full, groups, plans: dict[str, QuantPlan], labels: list[str], args, out: Path) -> dict:
+    """Interleaved batch-1 decode of our fp32 path, the chosen models and llama.cpp Q4_1."""
+    torch.set_num_threads(args.threads)
+    prompt = full.tokenizer.encode(calibration_text("eval"))[:PROMPT_TOKENS]
+    decoders: dict = {"fp32 (full)": OurDecoder(full.model, full.tokenizer)}
+    sizes = {"fp32 (full)": round(resident_mb(full.model), 2)}
+    for label in labels:
+        model = copy.deepcopy(full.model).to(torch.bfloat16) if label == "bf16" else quantised_copy(full.model, plans[label])
+        decoders[label], sizes[label] = OurDecoder(model, full.tokenizer), round(resident_mb(model), 2)
+    llama_note = None
+    if str(full.source).endswith(".gguf"):
+        try:
+            lcpp = LlamaCppDecoder(Path(full.source), args.threads)
+            decoders["llama.cpp Q4_1"] = lcpp
+            llama_note = lcpp.name
+        except PeerUnavailable as exc:
+            llama_note = str(exc)
+    result = decode_interleaved(decoders, prompt, args.runs)
+    base, lcpp_row = result["models"]["fp32 (full)"], result["models"].get("llama.cpp Q4_1")
+    for label, row in result["models"].items():
+        row["resident_weights_mb"] = sizes.get(label)
+        row["vs_fp32"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
+        if lcpp_row:
+            row["vs_llamacpp"] = round(row["decode_tok_s"] / lcpp_row["decode_tok_s"], 3)
+        print(f"{label:<45} {row['decode_tok_s']:8.2f} tok/s  x{row['vs_fp32']:.2f} fp32"
+              + (f"  x{row['vs_llamacpp']:.2f} llama.cpp" if lcpp_row else ""), flush=True)
+    result.update(threads=args.threads, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS, llama_cpp=llama_note)
+    (out / "decode.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
+    return result
 
 
 def main(argv=None) -> int:
@@ -156,53 +284,48 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sensitivity", help="table from `edge-rtgi quantize --profile` (enables mixed plans)")
     ap.add_argument("--out", default="bench_out/quant")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bits", type=float, nargs="*", default=[4.75, 5.5], help="extra mixed budgets (all candidates)")
+    ap.add_argument("--runs", type=int, default=3, help="timed decode rounds (after one warm-up round)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for kernels and decode (ours and llama.cpp)")
+    ap.add_argument("--quality-threads", type=int, default=1,
+                    help="threads for the quality pass (1: OpenMP spin-waits on busy shared cores)")
+    ap.add_argument("--bits", type=float, nargs="*", default=[5.25, 5.5, 6.0, 6.5, 7.0],
+                    help="budget sweep of mixed plans (all candidates but the aligned int4-g32)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "quality"])
-    ap.add_argument("--decode-for", nargs="*", help="measure decode only for models whose label starts with one of these")
-    ap.add_argument("--prompts", type=int, default=12, help="held-out prompts for the chrF retention")
+    ap.add_argument("--decode-for", nargs="*", default=["bf16", "uniform int8", "uniform int4-g64", "chosen"],
+                    help="models to time besides fp32 and llama.cpp: labels, or 'chosen' (the operating point "
+                         "from this run's or an earlier run's quality.json)")
+    ap.add_argument("--prompts", type=int, default=64, help="evaluation prompts for the chrF retention")
+    ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
+    ap.add_argument("--target-retention", type=float, default=0.97)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"threads": args.threads, "runs": args.runs}
     if "kernels" not in args.skip:
-        results["kernels_us"] = bench_kernels(max(args.runs, 20))
+        torch.set_num_threads(args.threads)
+        rows = bench_kernels(max(args.runs, 20))
+        (out / "kernels.json").write_text(json.dumps({"threads": args.threads, "kernels_us": rows}, indent=1))
     full = load_model(args.model, device="cpu", dtype="fp32")
     groups = model_groups(full.model)
     table = SensitivityTable.load(args.sensitivity) if args.sensitivity else None
     plans = plans_to_compare(groups, table, args.bits if table else [])
-    prompt = full.tokenizer.encode(calibration_text("heldout"))[:PROMPT_TOKENS]
-    rows, full_cache = {}, {}
-    for label, plan in [("fp32 (full)", None), ("bf16", None)] + list(plans.items()):
-        if label == "fp32 (full)":
-            model = full.model
-        elif label == "bf16":
-            model = copy.deepcopy(full.model).to(torch.bfloat16)
-        else:
-            model = quantised_copy(full.model, plan)
-        row = {"resident_weights_mb": round(resident_mb(model), 2)}
-        if plan is not None:
-            resolved = plan.resolved(groups)
-            row.update(bits_per_weight=round(plan_bits_per_weight(resolved, groups), 4),
-                       groups_mb=round(plan_nbytes(resolved, groups) / 1e6, 2), plan=resolved)
-        if "decode" not in args.skip and (not args.decode_for or label.startswith(tuple(args.decode_for))):
-            row.update(decode_speed(model, full.tokenizer, prompt, args.runs))
-        if "quality" not in args.skip and model is not full.model:
-            row.update(vars(compare_quality(full.model, model, full.tokenizer, calibration_text("heldout"),
-                                            max_prompts=args.prompts, full_cache=full_cache)))
-        rows[label] = row
-        print(label, json.dumps({k: v for k, v in row.items() if k != "plan"}), flush=True)
-        if model is not full.model:
-            del model
+    if "quality" not in args.skip:
+        torch.set_num_threads(args.quality_threads)
+        quality_pass(full, groups, plans, args, out)
     if "decode" not in args.skip:
-        lcpp = llamacpp_speed(full.source, prompt, args.runs, args.threads) if str(full.source).endswith(".gguf") else None
-        rows["llama.cpp Q4_1"] = lcpp or {"note": "llama-cpp-python is not installed"}
-        print("llama.cpp Q4_1", json.dumps(rows["llama.cpp Q4_1"]), flush=True)
-    results["models"] = rows
-    (out / "results.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    print(f"-> {out / 'results.json'}", file=sys.stderr)
+        labels = []
+        for label in args.decode_for:
+            if label == "chosen":
+                quality = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
+                label = (quality.get("operating_point") or {}).get("by_interval") or (
+                    quality.get("operating_point") or {}).get("by_point_estimate")
+                if label is None:
+                    print("no operating point in quality.json; 'chosen' skipped", file=sys.stderr)
+                    continue
+            if label != "bf16" and label not in plans:
+                ap.error(f"--decode-for {label!r}: not a model of this run ({', '.join(plans)})")
+            labels.append(label)
+        decode_pass(full, groups, plans, list(dict.fromkeys(labels)), args, out)
+    print(f"-> {out}", file=sys.stderr)
     return 0
 
 

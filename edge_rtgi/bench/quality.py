@@ -139,3 +139,109 @@ def score_outputs(workload: str, optimised_texts: Sequence[str], full_texts: Seq
                              agreement / 100.0, "chrF agreement / 100 (full model scores 0 on references)")
     return QualityResult(workload, len(optimised_texts), agreement, None, None, kl, agreement / 100.0,
                          "chrF agreement with the full model / 100")
+
+
+# --- How sure is a retention number? Paired bootstrap over prompts -----------------------------
+
+
+def chrf_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> list[list[int]]:
+    """Per-pair chrF sufficient statistics (sacrebleu's n-gram match counts).
+
+    Corpus chrF is a function of the *sum* of these rows, so a resampled corpus can be
+    scored by summing rows instead of re-running the tokenizer: that is what makes a
+    bootstrap over prompts cheap.
+    """
+    from sacrebleu.metrics import CHRF
+
+    return CHRF()._extract_corpus_statistics(list(hypotheses), [list(references)])
+
+
+def chrf_from_statistics(rows: Sequence[Sequence[int]]) -> float:
+    """Corpus chrF (0..100) from summed ``chrf_statistics`` rows; equals ``chrf`` on the same pairs."""
+    from sacrebleu.metrics import CHRF
+
+    total = [sum(col) for col in zip(*rows, strict=True)]
+    return float(CHRF()._compute_score_from_stats(total).score)
+
+
+@dataclass(frozen=True)
+class RetentionInterval:
+    """Quality retention with a paired-bootstrap percentile interval over prompts.
+
+    ``retention`` is exactly ``score_outputs(...).retention`` (capped at 1); ``uncapped`` is the
+    same ratio without the cap, so a model that beats the full model by chance is visible.
+    ``low``/``high`` bound the central ``level`` share of resampled retentions (capped like the
+    point value); ``std`` is the bootstrap standard deviation of the uncapped ratio.
+    """
+
+    retention: float
+    uncapped: float
+    low: float
+    high: float
+    std: float
+    level: float
+    resamples: int
+    num_prompts: int
+    basis: str
+
+
+def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str],
+                       references: Sequence[str | None] | None = None, resamples: int = 2000,
+                       level: float = 0.95, seed: int = 0) -> RetentionInterval:
+    """Retention as ``score_outputs`` defines it, with a paired bootstrap over the prompts.
+
+    Each resample draws prompts with replacement and scores the optimised and the full
+    outputs of the *same* draw, so prompts that are hard for both models cancel out.
+    Pairs where both texts are empty are left out, as ``chrf`` does.
+    """
+    import numpy as np
+
+    refs = list(references or [])
+    with_refs = bool(refs) and all(r is not None for r in refs)
+    if with_refs:
+        full_rows = chrf_statistics(full_texts, refs)
+        if chrf_from_statistics(full_rows) <= 0:
+            with_refs = False
+    if with_refs:
+        opt_rows = chrf_statistics(optimised_texts, refs)
+        basis = "chrF vs references, optimised / full"
+    else:  # the agreement basis: chrF(opt, full) / chrF(full, full) = agreement / 100
+        keep = [i for i, (o, f) in enumerate(zip(optimised_texts, full_texts, strict=True)) if o.strip() or f.strip()]
+        opt_rows = chrf_statistics([optimised_texts[i] for i in keep], [full_texts[i] for i in keep])
+        full_rows = chrf_statistics([full_texts[i] for i in keep], [full_texts[i] for i in keep])
+        basis = "chrF agreement with the full model / 100"
+    opt, full = np.asarray(opt_rows, dtype=np.int64), np.asarray(full_rows, dtype=np.int64)
+    n = len(opt)
+    if n == 0:
+        return RetentionInterval(1.0, 1.0, 1.0, 1.0, 0.0, level, 0, 0, basis)
+    point = _ratio(chrf_from_statistics(opt), chrf_from_statistics(full))
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    counts = np.stack([np.bincount(d, minlength=n) for d in draws])  # [resamples, n]
+    ratios = np.array([_ratio(chrf_from_statistics([counts[b] @ opt]), chrf_from_statistics([counts[b] @ full]))
+                       for b in range(resamples)])
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return RetentionInterval(min(1.0, point), point, min(1.0, float(low)), min(1.0, float(high)),
+                             float(ratios.std()), level, resamples, n, basis)
+
+
+def _ratio(optimised_score: float, full_score: float) -> float:
+    return 1.0 if full_score <= 0 else optimised_score / full_score
+
+
+def bootstrap_mean_interval(unit_sums: Sequence[float], unit_counts: Sequence[int], resamples: int = 2000,
+                            level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile interval of a per-token mean, resampling whole units (windows) with replacement.
+
+    Resampling windows rather than tokens keeps the strong correlation between neighbouring
+    tokens inside each draw, so the interval is not falsely narrow. Works for differences too
+    (pass per-window sums of ``kl_a - kl_b`` for a paired comparison).
+    """
+    import numpy as np
+
+    sums, counts = np.asarray(unit_sums, dtype=np.float64), np.asarray(unit_counts, dtype=np.float64)
+    draws = np.random.default_rng(seed).integers(0, len(sums), size=(resamples, len(sums)))
+    means = sums[draws].sum(1) / counts[draws].sum(1)
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(low), float(high)

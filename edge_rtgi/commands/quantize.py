@@ -87,7 +87,7 @@ def cmd_quantize(args) -> int:
         groups = model_groups(loaded.model)
         quant = copy.deepcopy(loaded.model)
         resolved = apply_quant_plan(quant, plan, dtype=run_dtype)
-        quality = compare_quality(loaded.model, quant, loaded.tokenizer, calibration_text("heldout"))
+        quality = compare_quality(loaded.model, quant, loaded.tokenizer, calibration_text("eval"))
         full_bytes = sum(2 * g.numel for g in groups)
         path = write_report(args.report, resolved, groups, quality, str(args.model), full_bytes)
         print(path.read_text(encoding="utf-8").split("\n\n![")[0])

@@ -17,7 +17,12 @@ from edge_rtgi.llm.quant import apply_quant, load_quantized_checkpoint, save_qua
 from edge_rtgi.llm.quant.kernels import Int4Linear, Int8Linear, TiedQuantEmbedding
 from edge_rtgi.llm.quant.plan import QuantPlan, apply_quant_plan, model_groups
 from edge_rtgi.llm.quant.profile import calibration_text, profile_sensitivity
-from edge_rtgi.llm.quant.report import window_logits
+from edge_rtgi.llm.quant.report import (
+    compare_quality,
+    greedy_continuation,
+    greedy_continuations,
+    window_logits,
+)
 from edge_rtgi.llm.weights import load_model
 from tests.tiny_models import make_tiny_hf_model
 
@@ -142,3 +147,24 @@ def test_smollm2_int8_everything_is_close_and_int4_g64_is_not_free():
     kl4 = _mean_kl(loaded.model, quant4, ids)
     assert kl8 < 0.02
     assert kl4 > 2 * kl8
+
+
+def test_batched_greedy_continuations_equal_one_by_one(tiny):
+    """The report decodes its evaluation prompts as one batch; each row must be the batch-1 result."""
+    ids = _ids(tiny, 120)
+    prompts = torch.stack([ids[i * 20:i * 20 + 16] for i in range(5)])
+    quant = copy.deepcopy(tiny.model)
+    apply_quant_plan(quant, QuantPlan(default="int8"))
+    for model in (tiny.model, quant):
+        batched = greedy_continuations(model, prompts, 12)
+        assert batched == [greedy_continuation(model, p, 12) for p in prompts]
+
+
+def test_compare_quality_of_the_full_model_against_itself_is_perfect(tiny):
+    text = calibration_text("heldout")
+    result = compare_quality(tiny.model, tiny.model, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
+                             new_tokens=8, max_prompts=6, resamples=200)
+    assert result.mean_kl == pytest.approx(0.0, abs=1e-9) and result.next_token_agreement == 1.0
+    assert result.quality_retention == result.retention_low == result.retention_high == 1.0
+    assert result.prompts == 6 and sum(result.window_tokens) == result.tokens
+    assert result.kl_low <= result.mean_kl <= result.kl_high + 1e-12

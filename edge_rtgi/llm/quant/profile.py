@@ -35,8 +35,15 @@ DEFAULT_SCHEMES = ("int8", "int4-g32", "int4-g64", "int4-g128", "int4sym-g32", "
 
 
 def calibration_text(part: str = "calibration") -> str:
-    """The project's calibration text (``part="calibration"``) or its held-out tail (``"heldout"``)."""
-    text = (Path(__file__).resolve().parents[2] / "data" / "calibration.txt").read_text(encoding="utf-8")
+    """One of the project's texts: ``"calibration"`` (profiling), or for evaluation ``"eval"``
+    (``bench/data/quant_eval.txt``, ~7,300 tokens) or ``"heldout"`` (the calibration file's
+    short held-out tail, ~690 tokens). None of the evaluation texts is used for profiling."""
+    root = Path(__file__).resolve().parents[2]
+    if part == "eval":
+        return (root / "bench" / "data" / "quant_eval.txt").read_text(encoding="utf-8").strip()
+    if part not in ("calibration", "heldout"):
+        raise ValueError(f"unknown text {part!r}: use 'calibration', 'eval' or 'heldout'")
+    text = (root / "data" / "calibration.txt").read_text(encoding="utf-8")
     calib, _, heldout = text.partition(HELDOUT_MARKER)
     return calib.strip() if part == "calibration" else heldout.strip()
 

@@ -1,13 +1,16 @@
 """Quality of a quantised model against the full model, and the ``--report`` directory.
 
-Measured on the held-out part of the calibration text (never used for profiling):
+Measured on the evaluation text ``edge_rtgi/bench/data/quant_eval.txt`` (about 7,300 tokens
+written for the project; never used for profiling):
 
-- mean KL(full || quantised) of next-token distributions, and both perplexities;
+- mean KL(full || quantised) of next-token distributions, teacher-forced over the whole text,
+  and both perplexities, with a bootstrap interval of the KL over 256-token windows;
 - next-token agreement: how often the two models' top-1 predictions coincide;
 - quality retention, the benchmark's definition (``edge_rtgi.bench.quality.score_outputs``):
   optimised score / full score, capped at 1, where the score is the corpus chrF of greedy
-  continuations of held-out prompts against the text's true continuation. The chrF agreement
-  between the two models' continuations is reported too.
+  continuations of evenly spaced prompts against the text's true continuation, with a paired
+  bootstrap interval over prompts (``retention_interval``). The chrF agreement between the two
+  models' continuations is reported too.
 
 "Full model" is the same weights in fp32 on the plain path, as the benchmark defines it.
 """
@@ -16,14 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edge_rtgi.bench.quality import score_outputs
+from edge_rtgi.bench.quality import bootstrap_mean_interval, retention_interval, score_outputs
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant.plan import GROUP_KINDS, WeightGroup, plan_nbytes
 from edge_rtgi.llm.quant.schemes import parse_scheme
@@ -54,8 +57,57 @@ def greedy_continuation(model: nn.Module, prompt: Tensor, new_tokens: int) -> li
     return out
 
 
+class BatchKVCache:
+    """Keys and values of ``batch`` equal-length sequences that advance in lockstep.
+
+    The model's flat token axis holds the sequences back to back ([B * T] rows, sequence-major),
+    so one forward pass serves all of them; attention is per sequence, causal within the new
+    tokens. Used to decode many evaluation prompts at once: the batch costs little more per step
+    than one sequence on a memory-bound CPU.
+    """
+
+    def __init__(self, cfg, batch: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.batch, self.length, self.new = batch, 0, 0
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q: [B*T, Hq, D], k/v: [B*T, Hkv, D] -> [B*T, Hq, D]
+        B, T = self.batch, self.new
+        start, end = self.length, self.length + T
+        self.k[layer, :, start:end] = k.view(B, T, *k.shape[1:])
+        self.v[layer, :, start:end] = v.view(B, T, *v.shape[1:])
+        keys, values = self.k[layer, :, :end].transpose(1, 2), self.v[layer, :, :end].transpose(1, 2)
+        mask = None
+        if T > 1:
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values,
+                                             attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(B * T, *q.shape[1:])
+
+
+@torch.no_grad()
+def greedy_continuations(model: nn.Module, prompts: Tensor, new_tokens: int) -> list[list[int]]:
+    """Greedy decode of ``new_tokens`` after each row of ``prompts`` [B, P], all rows as one batch."""
+    B, P = prompts.shape
+    cache = BatchKVCache(model.config, B, P + new_tokens, model.dtype, model.device)
+    ids, out = prompts.to(model.device), []
+    for _ in range(new_tokens):
+        T = ids.shape[1]
+        cache.new = T
+        positions = torch.arange(cache.length, cache.length + T, device=model.device).repeat(B)
+        hidden = model(ids.reshape(-1), positions, cache).view(B, T, -1)[:, -1].contiguous()
+        cache.length += T
+        ids = model.compute_logits(hidden).argmax(-1)[:, None]  # [B, 1]
+        out.append(ids[:, 0])
+    return torch.stack(out, 1).tolist()
+
+
 @dataclass
 class QualityResult:
+    """Quantised vs full model on the evaluation text; intervals are 95 % paired-bootstrap ones."""
+
     mean_kl: float
     perplexity_full: float
     perplexity_quant: float
@@ -66,21 +118,20 @@ class QualityResult:
     quality_retention: float
     tokens: int
     prompts: int
+    new_tokens: int = 0
+    kl_low: float = math.nan  # interval of mean_kl, resampling whole windows
+    kl_high: float = math.nan
+    retention_uncapped: float = math.nan  # chrF ratio without the cap at 1
+    retention_low: float = math.nan  # interval of quality_retention, resampling prompts
+    retention_high: float = math.nan
+    retention_std: float = math.nan
+    window_kl_sums: list[float] = field(default_factory=list)  # per window: summed KL, for paired comparisons
+    window_tokens: list[int] = field(default_factory=list)
 
 
-@torch.no_grad()
-def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str, window_tokens: int = 256,
-                    prompt_tokens: int = 48, new_tokens: int = 24, max_prompts: int = 12,
-                    full_cache: dict | None = None) -> QualityResult:
-    """Every number in ``QualityResult`` for ``quant`` against ``full`` on ``text``.
-
-    ``full_cache``: a dict reused across calls with the same ``full``/``text``, so comparing several
-    quantised models runs the full model once.
-    """
-    cache = full_cache if full_cache is not None else {}
-    ids = torch.tensor(list(getattr(tokenizer.encode(text), "ids", tokenizer.encode(text))))
-    kl_sum = nll_f = nll_q = agree = 0.0
-    count = 0
+def _teacher_forced(full: nn.Module, quant: nn.Module, ids: Tensor, window_tokens: int, cache: dict) -> dict:
+    """KL, NLLs and top-1 agreement over non-overlapping windows of ``ids``, summed per window."""
+    out = {"kl": [], "nll_f": [], "nll_q": [], "agree": [], "count": []}
     for start in range(0, len(ids) - 1, window_tokens):
         window = ids[start:start + window_tokens + 1]
         if len(window) < 2:
@@ -90,24 +141,51 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str, win
         lf, lq = cache[("logits", start)], window_logits(quant, window[:-1])
         logp, logq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
         target = window[1:].to(lf.device)
-        kl_sum += float((logp.exp() * (logp - logq)).sum())
-        nll_f -= float(logp.gather(1, target[:, None]).sum())
-        nll_q -= float(logq.gather(1, target[:, None]).sum())
-        agree += float((lf.argmax(-1) == lq.argmax(-1)).sum())
-        count += len(target)
+        out["kl"].append(float((logp.exp() * (logp - logq)).sum()))
+        out["nll_f"].append(-float(logp.gather(1, target[:, None]).sum()))
+        out["nll_q"].append(-float(logq.gather(1, target[:, None]).sum()))
+        out["agree"].append(float((lf.argmax(-1) == lq.argmax(-1)).sum()))
+        out["count"].append(len(target))
+    return out
+
+
+@torch.no_grad()
+def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | None = None,
+                    window_tokens: int = 256, prompt_tokens: int = 64, new_tokens: int = 48,
+                    max_prompts: int = 64, full_cache: dict | None = None, resamples: int = 2000) -> QualityResult:
+    """Every number in ``QualityResult`` for ``quant`` against ``full`` on ``text``.
+
+    ``text`` defaults to the evaluation text (``calibration_text("eval")``, ~7,300 tokens, never
+    used for profiling). Prompts are ``max_prompts`` evenly spaced ``prompt_tokens``-token
+    slices of it; each model continues them greedily for ``new_tokens`` tokens, all prompts as
+    one batch (``greedy_continuations``), as the engine serves concurrent requests.
+    ``full_cache``: a dict reused across calls with the same ``full``/``text``, so comparing several
+    quantised models runs the full model once.
+    """
+    from edge_rtgi.llm.quant.profile import calibration_text
+
+    cache = full_cache if full_cache is not None else {}
+    text = calibration_text("eval") if text is None else text
+    ids = torch.tensor(list(getattr(tokenizer.encode(text), "ids", tokenizer.encode(text))))
+    tf = _teacher_forced(full, quant, ids, window_tokens, cache)
+    count = sum(tf["count"])
     stride = max(1, (len(ids) - prompt_tokens - new_tokens) // max_prompts)
-    texts_f, texts_q, truths = [], [], []
-    for start in range(0, len(ids) - prompt_tokens - new_tokens + 1, stride)[:max_prompts]:
-        prompt = ids[start:start + prompt_tokens]
-        truths.append(tokenizer.decode(ids[start + prompt_tokens:start + prompt_tokens + new_tokens].tolist()))
-        if ("text", start) not in cache:
-            cache[("text", start)] = tokenizer.decode(greedy_continuation(full, prompt, new_tokens))
-        texts_f.append(cache[("text", start)])
-        texts_q.append(tokenizer.decode(greedy_continuation(quant, prompt, new_tokens)))
-    scored = score_outputs("quant-heldout", texts_q, texts_f, references=truths)
-    return QualityResult(kl_sum / count, math.exp(nll_f / count), math.exp(nll_q / count), agree / count,
-                         scored.chrf_ref_full, scored.chrf_ref_optimised, scored.chrf_agreement, scored.retention,
-                         count, len(truths))
+    starts = list(range(0, len(ids) - prompt_tokens - new_tokens + 1, stride))[:max_prompts]
+    prompts = torch.stack([ids[s:s + prompt_tokens] for s in starts])
+    truths = [tokenizer.decode(ids[s + prompt_tokens:s + prompt_tokens + new_tokens].tolist()) for s in starts]
+    key = ("texts", tuple(starts), prompt_tokens, new_tokens)
+    if key not in cache:
+        cache[key] = [tokenizer.decode(c) for c in greedy_continuations(full, prompts, new_tokens)]
+    texts_f = cache[key]
+    texts_q = [tokenizer.decode(c) for c in greedy_continuations(quant, prompts, new_tokens)]
+    scored = score_outputs("quant-eval", texts_q, texts_f, references=truths)
+    interval = retention_interval(texts_q, texts_f, truths, resamples=resamples)
+    kl_low, kl_high = bootstrap_mean_interval(tf["kl"], tf["count"], resamples=resamples)
+    return QualityResult(
+        sum(tf["kl"]) / count, math.exp(sum(tf["nll_f"]) / count), math.exp(sum(tf["nll_q"]) / count),
+        sum(tf["agree"]) / count, scored.chrf_ref_full, scored.chrf_ref_optimised, scored.chrf_agreement,
+        scored.retention, count, len(truths), new_tokens, kl_low, kl_high, interval.uncapped, interval.low,
+        interval.high, interval.std, [round(v, 6) for v in tf["kl"]], tf["count"])
 
 
 def bits_table(resolved: dict[str, str], groups: list[WeightGroup]) -> str:
@@ -166,13 +244,17 @@ def write_report(out_dir: str | Path, resolved: dict[str, str], groups: list[Wei
           f"- average bits per weight (scales and zeros included): **{summary['bits_per_weight']}**",
           f"- quantised groups: {summary['quantised_groups_mb']} MB (the same groups in bf16: "
           f"{summary['full_groups_mb_bf16']} MB)",
-          f"- held-out text: {quality.tokens} tokens; mean KL(full || quantised) = {quality.mean_kl:.5f} nats/token",
+          f"- evaluation text: {quality.tokens} tokens; mean KL(full || quantised) = {quality.mean_kl:.5f} "
+          f"nats/token (95 % interval {quality.kl_low:.5f}-{quality.kl_high:.5f}, windows resampled)",
           f"- perplexity: full {quality.perplexity_full:.3f}, quantised {quality.perplexity_quant:.3f}",
           f"- next-token agreement with the full model: {100 * quality.next_token_agreement:.2f} %",
-          f"- chrF of greedy continuations vs the true text ({quality.prompts} prompts): "
+          f"- chrF of greedy continuations vs the true text ({quality.prompts} prompts x {quality.new_tokens} "
+          "tokens): "
           f"full {quality.chrf_full:.2f}, quantised {quality.chrf_quant:.2f}; chrF agreement between the "
           f"two models' continuations {quality.chrf_agreement:.2f}",
-          f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %**", "",
+          f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %** "
+          f"(95 % paired-bootstrap interval over prompts {100 * quality.retention_low:.1f}-"
+          f"{100 * quality.retention_high:.1f} %; uncapped ratio {100 * quality.retention_uncapped:.1f} %)", "",
           "![bits per group](bits.png)", "", bits_table(resolved, groups), ""]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     return out / "report.md"

@@ -1,0 +1,84 @@
+"""The retention interval and the bootstrap mean interval used by the quantisation report (no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edge_rtgi.bench.quality import (
+    bootstrap_mean_interval,
+    chrf,
+    chrf_from_statistics,
+    chrf_statistics,
+    retention_interval,
+    score_outputs,
+)
+
+WORDS = ("the train leaves at nine from platform three and the next one comes an hour later "
+         "bring a warm coat because the evenings are cold in the mountains").split()
+
+
+def _sentences(rng: random.Random, count: int, words: int = 20) -> list[str]:
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+
+
+def _noisy(rng: random.Random, texts: list[str], keep: float) -> list[str]:
+    """Each word kept with probability ``keep``, otherwise replaced by a random word."""
+    return [" ".join(w if rng.random() < keep else rng.choice(WORDS) for w in t.split()) for t in texts]
+
+
+@pytest.fixture
+def rng():
+    return random.Random()  # fresh data every run
+
+
+def test_summed_statistics_give_corpus_chrf(rng):
+    hyps, refs = _sentences(rng, 12), _sentences(rng, 12)
+    assert chrf_from_statistics(chrf_statistics(hyps, refs)) == pytest.approx(chrf(hyps, refs), abs=1e-9)
+
+
+@pytest.mark.parametrize("with_refs", [True, False])
+def test_point_value_is_the_benchmark_retention(rng, with_refs):
+    refs = _sentences(rng, 30)
+    full = _noisy(rng, refs, 0.7)
+    opt = _noisy(rng, full, 0.8)
+    scored = score_outputs("w", opt, full, references=refs if with_refs else None)
+    interval = retention_interval(opt, full, refs if with_refs else None, resamples=300)
+    assert interval.retention == pytest.approx(scored.retention, abs=1e-9)
+    assert interval.basis == scored.basis
+    assert interval.low <= interval.high <= 1.0
+    assert interval.num_prompts == 30 and interval.resamples == 300
+
+
+def test_identical_outputs_retain_everything_with_no_spread(rng):
+    refs = _sentences(rng, 20)
+    full = _noisy(rng, refs, 0.6)
+    interval = retention_interval(list(full), full, refs, resamples=200)
+    assert (interval.retention, interval.uncapped, interval.low, interval.high) == (1.0, 1.0, 1.0, 1.0)
+    assert interval.std == pytest.approx(0.0, abs=1e-12)
+
+
+def test_uncapped_ratio_shows_a_model_that_beats_the_full_one(rng):
+    refs = _sentences(rng, 20)
+    full = _noisy(rng, refs, 0.3)  # far from the references
+    interval = retention_interval(list(refs), full, refs, resamples=200)  # "optimised" = the references
+    assert interval.retention == 1.0 and interval.uncapped > 1.5
+
+
+def test_interval_narrows_with_more_prompts(rng):
+    refs = _sentences(rng, 400)
+    full = _noisy(rng, refs, 0.7)
+    opt = _noisy(rng, full, 0.7)
+    few = retention_interval(opt[:16], full[:16], refs[:16], resamples=400)
+    many = retention_interval(opt, full, refs, resamples=400)
+    assert many.std < 0.6 * few.std  # ~1/5 expected (sqrt(16/400)); generous for a random draw
+
+
+def test_bootstrap_mean_interval_brackets_the_mean_and_collapses_when_units_agree(rng):
+    counts = [rng.randint(50, 100) for _ in range(40)]
+    sums = [c * rng.uniform(0.1, 0.3) for c in counts]
+    low, high = bootstrap_mean_interval(sums, counts, resamples=500)
+    assert low <= sum(sums) / sum(counts) <= high
+    low, high = bootstrap_mean_interval([0.25 * c for c in counts], counts, resamples=200)
+    assert low == pytest.approx(0.25) and high == pytest.approx(0.25)
