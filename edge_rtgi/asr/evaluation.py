@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from edge_rtgi.asr.agreement import normalize_word
-from edge_rtgi.asr.events import AsrEvent, FinalTranscript, PartialTranscript
+from edge_rtgi.asr.events import AsrEvent, FinalTranscript, PartialTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
 
 
@@ -62,7 +62,9 @@ def stability_problems(events: Sequence[AsrEvent]) -> list[str]:
 
     Per utterance: the committed words of each partial must extend the previous ones
     unchanged, and the final must start with the last committed words, so that no word is
-    dropped or repeated between partials and final.
+    dropped or repeated between partials and final. Across a forced split (``max_length``),
+    the next final must not begin with the words the previous one ended on (a word heard
+    on both sides of the cut).
     """
     problems = []
     by_utt: dict[int, list[AsrEvent]] = {}
@@ -86,4 +88,21 @@ def stability_problems(events: Sequence[AsrEvent]) -> list[str]:
                 k = len(committed)
                 if k >= n and norm[k - n:k] == norm[k:k + n]:
                     problems.append(f"utterance {utt}: words repeated at the commit point: {finals[0].text!r}")
+    return problems + _repeats_across_splits(events)
+
+
+def _repeats_across_splits(events: Sequence[AsrEvent]) -> list[str]:
+    split_ids = {e.utterance_id for e in events if isinstance(e, SpeechEnded) and e.reason == "max_length"}
+    finals = [e for e in events if isinstance(e, FinalTranscript)]
+    problems = []
+    for before, after in zip(finals, finals[1:], strict=False):
+        if before.utterance_id not in split_ids or after.utterance_id != before.utterance_id + 1:
+            continue
+        end = [normalize_word(w) for w in before.text.split()]
+        start = [normalize_word(w) for w in after.text.split()]
+        for n in range(1, 5):
+            if len(end) >= n and end[-n:] == start[:n]:
+                problems.append(f"utterances {before.utterance_id}/{after.utterance_id}: {' '.join(start[:n])!r} "
+                                f"on both sides of a forced split: {before.text!r} | {after.text!r}")
+                break
     return problems

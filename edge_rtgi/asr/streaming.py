@@ -10,7 +10,10 @@ Invariants:
 - committed words only grow; the final of an utterance is ``committed + tail`` where the
   tail comes from one decode of the whole utterance with the committed words forced as its
   prefix, so a word is never dropped or emitted twice between partials and final;
-- each utterance is finalised once, and its audio is forgotten after (no tail repeated).
+- each utterance is finalised once, and its audio is forgotten after (no tail repeated);
+- speech longer than ``max_utterance_s`` is cut at a word boundary *after* the committed
+  words (word timestamps of one decode), so the words promised in partials all lie before
+  the cut and the next utterance, which starts at the cut, cannot hear them again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from edge_rtgi.asr.events import (
     SpeechStarted,
     TranscriptSegment,
 )
+from edge_rtgi.asr.split import choose_split
 from edge_rtgi.asr.vad import SileroVad, VadEvent
 from edge_rtgi.asr.whisper import Hypothesis, WhisperAsr
 from edge_rtgi.audio.pcm import Resampler
@@ -60,6 +64,8 @@ class _Utterance:
     # A decode of [start, silence_start + pad) made during trailing silence, reused as the
     # final if the endpoint confirms that same silence: (silence_start, n_committed, hypothesis).
     speculative: tuple[int, int, Hypothesis] | None = None
+    # Set when long speech was cut: the final's words, the decode they came from, its time (ms).
+    split: tuple[list[str], Hypothesis, float] | None = None
     partial_key: tuple[str, str] = field(default=("", ""))
 
 
@@ -89,8 +95,17 @@ class StreamingTranscriber:
         """Seconds of audio received so far."""
         return self._ring.total_written / SAMPLE_RATE_HZ
 
+    @property
+    def split_due(self) -> bool:
+        """The utterance in progress is longer than ``max_utterance_s``; ``process_iter`` will cut it."""
+        return self._active is not None and self._ring.total_written - self._active.start_index > self._max_len
+
     def insert_audio(self, samples: np.ndarray) -> None:
-        """Append mono float32 16 kHz samples. Cheap (VAD only); never decodes."""
+        """Append mono float32 16 kHz samples. Cheap (VAD only); never decodes.
+
+        Call ``process_iter`` after every chunk or few: it also cuts speech that has grown
+        past ``max_utterance_s`` (which takes a decode), and only 8 s more than that is kept.
+        """
         samples = np.asarray(samples)
         if samples.ndim != 1:
             raise AudioError(f"insert_audio takes mono [N] samples, got shape {samples.shape}",
@@ -100,8 +115,6 @@ class StreamingTranscriber:
         self._ring.write(samples)
         for event in self.vad.process(samples):
             self._on_vad(event)
-        if self._active and self._ring.total_written - self._active.start_index > self._max_len:
-            self._split_long_utterance()
 
     def _on_vad(self, event: VadEvent) -> None:
         if event.kind == "start":
@@ -124,13 +137,6 @@ class StreamingTranscriber:
         utt.end_index, utt.endpoint_index, utt.reason = end_index, self._ring.total_written, reason
         self._ended.append(utt)
 
-    def _split_long_utterance(self) -> None:
-        """Speech longer than whisper's window: cut at the quietest recent frame and go on."""
-        split = self.vad.quietest_index(4 * SAMPLE_RATE_HZ, exclude_last_samples=SAMPLE_RATE_HZ // 4)
-        split = max(split, self._active.start_index + SAMPLE_RATE_HZ)
-        self._end_active(split, "max_length")
-        self._start_utterance(split, split)
-
     def commit(self) -> None:
         """End the current utterance now (the client says the turn is over)."""
         event = self.vad.force_end()
@@ -142,6 +148,8 @@ class StreamingTranscriber:
         for utt in self._ended:
             self._events.extend(self._finalize(utt))
         self._ended.clear()
+        if self.split_due:
+            self._split_long_utterance()
         utt = self._active
         if utt is not None:
             now = self._ring.total_written
@@ -167,12 +175,48 @@ class StreamingTranscriber:
             self._end_active(min(end, self._ring.total_written), "finish")
         return self.process_iter()
 
+    # -- long speech ----------------------------------------------------------------------
+
+    def _split_long_utterance(self) -> None:
+        """End the utterance in progress, which is past ``max_utterance_s``, and go on with a new one.
+
+        The committed words have been shown in partials, so they must end this utterance's
+        final; and whatever audio they came from must not be heard again by the next
+        utterance, or they are repeated (what happened when the cut was simply the quietest
+        recent frame: it could fall before the last committed words). So the cut is made at
+        a word boundary after the committed words, from one decode with word timestamps,
+        and this utterance's final is exactly the words before it (``edge_rtgi.asr.split``).
+        """
+        utt = self._active
+        now = self._ring.total_written
+        silence_start = self.vad.silence_start_index
+        next_start: int | None = None
+        if silence_start is not None and now - max(silence_start, utt.start_index) >= self._pad:
+            # Already in a pause (the VAD's silence timer has not fired yet): end there as it
+            # soon would. Whoever speaks next opens an utterance of their own.
+            self.vad.force_end()
+            self._end_active(silence_start, "max_length")
+        else:
+            end = min(now, utt.start_index + self._max_len)
+            t0 = time.perf_counter()
+            hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size, word_timestamps=True)
+            split = choose_split(utt.agreement.committed, hyp, utt.start_index, end, self.vad.quietest_frame)
+            if split.boundary is None:
+                log.warning("no word times to split long speech at; cutting at the end of the decoded audio")
+            utt.split = (split.words, hyp, (time.perf_counter() - t0) * 1000.0)
+            next_start = split.cut_index
+            self._end_active(next_start, "max_length")
+        self._events.extend(self._finalize(self._ended.pop()))
+        if next_start is not None:
+            self._start_utterance(next_start, next_start)
+
     # -- decoding -------------------------------------------------------------------------
 
-    def _decode(self, utt: _Utterance, end: int, timestamps: bool, beam_size: int | None = None) -> Hypothesis:
+    def _decode(self, utt: _Utterance, end: int, timestamps: bool, beam_size: int | None = None,
+                word_timestamps: bool = False) -> Hypothesis:
         audio = self._ring.read(utt.start_index, end)
         hyp = self.asr.transcribe(audio, prefix=utt.agreement.committed_text or None, language=utt.language,
-                                  timestamps=timestamps, beam_size=beam_size)
+                                  timestamps=timestamps, beam_size=beam_size, word_timestamps=word_timestamps)
         if utt.language is None and hyp.language and end - utt.start_index >= _LANGUAGE_LOCK_SAMPLES:
             utt.language = hyp.language  # detected once on enough audio, then fixed so hypotheses agree
         return hyp
@@ -200,19 +244,23 @@ class StreamingTranscriber:
         self._emit_partial(utt, " ".join(tail), end)
 
     def _finalize(self, utt: _Utterance) -> list[AsrEvent]:
-        # A forced split gets no pad after it: that audio belongs to the next utterance.
-        pad = 0 if utt.reason == "max_length" else self._pad
-        end = min(utt.end_index + pad, self._ring.total_written)
-        if end - utt.start_index < _MIN_DECODE_SAMPLES:  # nothing left to hear (e.g. after a split)
-            return [SpeechEnded(utt.id, utt.end_index / SAMPLE_RATE_HZ, utt.endpoint_index / SAMPLE_RATE_HZ,
-                                utt.reason)]
-        spec = utt.speculative
-        t0 = time.perf_counter()
-        reused = spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed)
-        hyp = spec[2] if reused else self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
-        words, final_hyp = self._final_words(utt, hyp, end)
-        decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
-        hyp = final_hyp
+        if utt.split is not None:
+            # Cut off long speech: the words were chosen with the cut; no pad after it, that
+            # audio belongs to the next utterance.
+            words, hyp, decode_ms = utt.split
+            end = utt.end_index
+        else:
+            end = min(utt.end_index + self._pad, self._ring.total_written)
+            if end - utt.start_index < _MIN_DECODE_SAMPLES:  # nothing left to hear (e.g. after a split)
+                return [SpeechEnded(utt.id, utt.end_index / SAMPLE_RATE_HZ, utt.endpoint_index / SAMPLE_RATE_HZ,
+                                    utt.reason)]
+            spec = utt.speculative
+            t0 = time.perf_counter()
+            reused = spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed)
+            hyp = spec[2] if reused else self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
+            words, final_hyp = self._final_words(utt, hyp, end)
+            decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
+            hyp = final_hyp
         text = " ".join(words)
         start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, utt.end_index / SAMPLE_RATE_HZ
         endpoint_s, end_s = utt.endpoint_index / SAMPLE_RATE_HZ, end / SAMPLE_RATE_HZ
@@ -317,11 +365,14 @@ class AsrSession:
 
     def _step(self, chunks: list[np.ndarray], commit: bool, closing: bool) -> list[AsrEvent]:
         tr = self.transcriber
+        events: list[AsrEvent] = []
         for chunk in chunks:
             tr.insert_audio(chunk)
+            if tr.split_due:  # after a stall: cut long speech before the ring forgets where it began
+                events.extend(tr.process_iter())
         if commit:
             tr.commit()
-        events = tr.finish() if closing else tr.process_iter()
+        events.extend(tr.finish() if closing else tr.process_iter())
         # On a slow or shared CPU, back-to-back partial decodes would keep the worker busy when
         # speech ends, and the final would queue behind a stale partial. Space partials so
         # decoding takes at most 1/factor of real time; the final is never delayed by this.

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 SAMPLE_RATE_HZ = 16000
 FRAME_SAMPLES = 512
 _CONTEXT_SAMPLES = 64
+_HISTORY_FRAMES = 1024
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,9 @@ class SileroVad:
         self._speech_run = 0  # consecutive speech frames while not in speech
         self._silence_run = 0  # consecutive silent frames while in speech
         self.last_probability = 0.0
-        # Recent frame probabilities, newest last, for choosing where to split long speech.
-        self.recent_probabilities: deque[float] = deque(maxlen=256)
+        # Frame probabilities of the last ~32 s (whisper's window), newest last, for choosing
+        # where to split long speech.
+        self.recent_probabilities: deque[float] = deque(maxlen=_HISTORY_FRAMES)
 
     @property
     def samples_processed(self) -> int:
@@ -152,17 +154,21 @@ class SileroVad:
             self._frames_done += 1
         return events
 
-    def quietest_index(self, window_samples: int, exclude_last_samples: int = 0) -> int:
-        """Sample index of the least speech-like frame start within the recent window."""
-        probs = list(self.recent_probabilities)
-        n_window = min(len(probs), window_samples // FRAME_SAMPLES)
-        n_excl = min(n_window - 1, exclude_last_samples // FRAME_SAMPLES) if n_window else 0
-        if n_window == 0:
-            return self.samples_processed
-        candidates = probs[len(probs) - n_window: len(probs) - n_excl] or probs[-1:]
-        best = int(np.argmin(candidates))
-        first_frame = self._frames_done - n_window
-        return (first_frame + best) * FRAME_SAMPLES
+    def quietest_frame(self, start_index: int, end_index: int) -> tuple[int, float]:
+        """The least speech-like frame starting in ``[start_index, end_index)``: (its first sample, probability).
+
+        Only frames still in the history (the last ~32 s) count; with none in range the
+        result is ``(start_index, 1.0)``, i.e. no known quiet place.
+        """
+        probs = self.recent_probabilities
+        first_frame = self._frames_done - len(probs)
+        lo = max(first_frame, -(-start_index // FRAME_SAMPLES))
+        hi = min(self._frames_done, -(-end_index // FRAME_SAMPLES))
+        if lo >= hi:
+            return start_index, 1.0
+        window = [probs[f - first_frame] for f in range(lo, hi)]
+        best = int(np.argmin(window))
+        return (lo + best) * FRAME_SAMPLES, float(window[best])
 
     def force_end(self) -> VadEvent | None:
         """End the current speech now (a client commit, a forced split, end of stream)."""

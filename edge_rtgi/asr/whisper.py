@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +38,43 @@ class DecodedSegment:
 
 
 @dataclass(frozen=True)
+class TimedWord:
+    """A whitespace-delimited word of a hypothesis with its time span in the decoded audio."""
+
+    text: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
 class Hypothesis:
-    """One decode of an audio window. ``text`` includes the forced ``prefix`` if one was given."""
+    """One decode of an audio window. ``text`` includes the forced ``prefix`` if one was given.
+
+    ``words`` (only when word timestamps were asked for) are ``text.split()`` with times,
+    forced prefix words included.
+    """
 
     text: str
     segments: tuple[DecodedSegment, ...]
     language: str | None
     decode_ms: float
+    words: tuple[TimedWord, ...] = ()
+
+
+def _timed_words(segment) -> list[TimedWord]:
+    """faster-whisper's word pieces regrouped into the segment's whitespace words.
+
+    Its words follow the tokenizer ("half", "-past") while transcripts are compared by
+    whitespace words ("half-past"), so each whitespace word takes the span of the pieces
+    its characters came from.
+    """
+    pieces = list(segment.words or ())
+    owner: list[int] = []  # piece index of every character of the joined text
+    for i, piece in enumerate(pieces):
+        owner.extend([i] * len(piece.word))
+    joined = "".join(p.word for p in pieces)
+    return [TimedWord(m.group(), float(pieces[owner[m.start()]].start), float(pieces[owner[m.end() - 1]].end))
+            for m in re.finditer(r"\S+", joined)]
 
 
 def resolve_whisper_path(name_or_path: str | Path) -> Path:
@@ -100,11 +131,14 @@ class WhisperAsr:
         log.info("whisper %s on %s/%s", self.model_path, self.device, self.compute_type)
 
     def transcribe(self, audio: np.ndarray, prefix: str | None = None, language: str | None = None,
-                   timestamps: bool = False, beam_size: int | None = None) -> Hypothesis:
+                   timestamps: bool = False, beam_size: int | None = None,
+                   word_timestamps: bool = False) -> Hypothesis:
         """Decode mono float32 16 kHz ``audio`` (at most 30 s). Blocking: call from a worker thread.
 
         ``prefix`` forces the start of the transcript (the committed words); ``language``
         overrides the configured one (None with a multilingual model: detect).
+        ``word_timestamps`` fills ``Hypothesis.words`` (an extra alignment pass; streaming
+        uses it only where it must cut speech at a word boundary).
         """
         cfg = self.config
         lang = language if language is not None else cfg.language
@@ -116,14 +150,17 @@ class WhisperAsr:
             temperature=0.0,  # no fallback re-decodes: they stall a stream for seconds
             compression_ratio_threshold=cfg.compression_ratio_threshold,
             log_prob_threshold=cfg.log_prob_threshold, no_speech_threshold=cfg.no_speech_threshold,
-            condition_on_previous_text=False, prefix=prefix or None, without_timestamps=not timestamps,
-            word_timestamps=False,  # 1-4 s stalls measured with them on; we do not need them
+            condition_on_previous_text=False, prefix=prefix or None,
+            without_timestamps=not (timestamps or word_timestamps),
+            word_timestamps=word_timestamps,  # an alignment pass: off for partials, which are many
             vad_filter=False,  # our own streaming VAD already gated this audio
         )
+        segments = list(segments)
         decoded = tuple(DecodedSegment(s.text.strip(), float(s.start), float(s.end), float(s.avg_logprob),
                                        float(s.no_speech_prob), float(s.compression_ratio)) for s in segments)
         text = " ".join(s.text for s in decoded if s.text).strip()
-        return Hypothesis(text, decoded, info.language, (time.perf_counter() - t0) * 1000.0)
+        words = tuple(w for s in segments for w in _timed_words(s)) if word_timestamps else ()
+        return Hypothesis(text, decoded, info.language, (time.perf_counter() - t0) * 1000.0, words)
 
     async def transcribe_async(self, audio: np.ndarray, **kwargs) -> Hypothesis:
         """``transcribe`` in a worker thread, so the event loop keeps running."""

@@ -123,9 +123,11 @@ def _trim(x: np.ndarray, floor: float = 0.01) -> np.ndarray:
     return x[loud[0]:loud[-1] + 1]
 
 
-@pytest.mark.xfail(strict=False, reason="known intermittent bug (issue 4 open): after a forced split of long speech, words around the cut are sometimes repeated")
 def test_long_speech_is_split_without_losing_words(corpus, asr, vad):
-    """Three sentences without pauses (about 9 s) exceed max_utterance_s (5 s) and get split."""
+    """Three sentences without pauses (about 9 s) exceed max_utterance_s (5 s) and get split.
+
+    Until the cut was tied to the committed words it sometimes fell before the last of them,
+    and the next utterance repeated them (WER up to 44 %, about 1 run in 20)."""
     config = AsrConfig(model="whisper-tiny.en", max_utterance_s=5.0)
     texts = [t for t, _ in corpus[1:4]]
     audio = np.concatenate([LEAD_IN] + [_trim(x) for _, x in corpus[1:4]])
@@ -135,7 +137,8 @@ def test_long_speech_is_split_without_losing_words(corpus, asr, vad):
     assert stability_problems(events) == []
     assert any(e.reason == "max_length" for e in ends)
     assert all(f.speech_end_audio_s - f.start_audio_s <= 5.0 + 0.1 for f in finals)
-    # The cut falls in the quietest recent frame, so no word is lost or doubled across it.
+    # The cut falls at a word boundary after the committed words: stability_problems above
+    # also checks that no word ends one final and starts the next.
     assert word_error_rate([" ".join(texts)], [final_text(events)]) <= 0.10
 
 
