@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -279,6 +280,40 @@ def decode_pass(full, groups, plans: dict[str, QuantPlan], labels: list[str], ar
     return result
 
 
+def render_markdown(out: Path) -> str:
+    """The results table of docs/quantization.md from quality.json and decode.json in ``out``."""
+    quality = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {"models": {}}
+    decode = json.loads((out / "decode.json").read_text()) if (out / "decode.json").is_file() else {"models": {}}
+    q, d = quality["models"], decode["models"]
+    full_ppl = next((r["perplexity_full"] for r in q.values()), math.nan)
+    chosen = (quality.get("operating_point") or {}).get("by_point_estimate")
+    lines = [f"| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] | PPL (full {full_ppl:.2f}) "
+             "| top-1 agreement | retention [95 % CI] | decode tok/s | vs fp32 | vs llama.cpp |",
+             "|---" * 10 + "|"]
+    labels = ["fp32 (full)"] + sorted(q, key=lambda k: (-q[k].get("bits_per_weight", 16), k))
+    labels += [k for k in d if k not in labels]
+    for label in labels:
+        r, t = q.get(label, {}), d.get(label, {})
+        name = f"**{label}** (operating point)" if label == chosen else label
+        bits = "32" if label == "fp32 (full)" else "16" if label == "bf16" else (
+            f"{r['bits_per_weight']:.2f}" if "bits_per_weight" in r else "5.0 (Q4_1)" if "llama" in label else "-")
+        mb = r.get("resident_weights_mb") or t.get("resident_weights_mb") or "-"
+        cells = [name, bits, f"{mb}"]
+        if r:
+            cells += [f"{r['mean_kl']:.4f} [{r['kl_low']:.4f}, {r['kl_high']:.4f}]", f"{r['perplexity_quant']:.2f}",
+                      f"{100 * r['next_token_agreement']:.1f} %",
+                      f"{100 * r['quality_retention']:.1f} % [{100 * r['retention_low']:.1f}, "
+                      f"{100 * r['retention_high']:.1f}]"]
+        elif label == "fp32 (full)":
+            cells += ["0", f"{full_ppl:.2f}", "100 %", "100 %"]
+        else:
+            cells += ["-"] * 4
+        cells += [f"{t['decode_tok_s']:.1f}", f"{t['vs_fp32']:.2f}x", f"{t['vs_llamacpp']:.2f}x" if "vs_llamacpp" in t
+                  else "-"] if t else ["-"] * 3
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -297,8 +332,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=64, help="evaluation prompts for the chrF retention")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)
+    ap.add_argument("--render", action="store_true", help="only print the markdown table of --out's results")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.render:
+        print(render_markdown(out))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     if "kernels" not in args.skip:
         torch.set_num_threads(args.threads)
