@@ -103,7 +103,10 @@ class Resources:
         import numpy as np
 
         if key[0] == "asr":
-            model.transcribe(np.zeros(16000, dtype=np.float32))
+            silence = np.zeros(16000, dtype=np.float32)
+            model.transcribe(silence)  # the partials' path (greedy, no timestamps)
+            # and the path of every final: beam search with timestamps
+            model.transcribe(silence, timestamps=True, beam_size=model.config.final_beam_size)
         elif key[0] == "llm":
             from edge_rtgi.llm.sampling import SamplingParams
 
