@@ -174,7 +174,8 @@ def quantised_copy(full, plan: QuantPlan):
 UNALIGNED = ("int8", "int4-g64", "int4-g128", "int4sym-g32", "int4sym-g64", "int4sym-g128")
 
 
-def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[float]) -> dict[str, QuantPlan]:
+def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[float],
+                     blind_bits: list[float] = ()) -> dict[str, QuantPlan]:
     """Uniform plans, mixed plans of exactly the uniform plans' sizes, and a mixed budget sweep.
 
     Ordered so that an interrupted run has the operating-point sweep and its equal-size
@@ -193,11 +194,27 @@ def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[fl
              "mixed sym+int8 @ int4sym-g32 size": equal_size("uniform int4sym-g32", sym)}
     for bits in sweep_bits:
         plans[f"mixed unaligned @ {bits} bits"] = allocate(groups, table, Budget.from_args(groups, bits, None), UNALIGNED)
+    for bits in blind_bits:
+        plans[f"blind unaligned @ {bits} bits"] = allocate(groups, sensitivity_blind(table),
+                                                           Budget.from_args(groups, bits, None), UNALIGNED)
     plans["uniform int8"] = uniform["uniform int8"]
     for base, family, label in (("uniform int4-g64", asym, "asym g64/g128+int8"), ("uniform int4sym-g64", sym, "sym+int8")):
         plans[base] = uniform[base]
         plans[f"mixed {label} @ {base.split()[1]} size"] = equal_size(base, family)
     return plans
+
+
+def sensitivity_blind(table: SensitivityTable) -> SensitivityTable:
+    """The same table with every weight equally sensitive: a group's KL for a scheme becomes its
+    weight count x that scheme's mean KL per weight. The allocator then sees the same gain per
+    byte everywhere and upgrades groups in model order: the ablation "same budget, same
+    candidates, no per-group sensitivity"."""
+    numel = {name: out_f * in_f for name, (out_f, in_f) in table.shapes.items()}
+    schemes = {s for row in table.kl.values() for s in row}
+    per_weight = {s: sum(row[s] for row in table.kl.values() if s in row)
+                  / sum(numel[g] for g, row in table.kl.items() if s in row) for s in schemes}
+    kl = {g: {s: numel[g] * per_weight[s] for s in row} for g, row in table.kl.items()}
+    return SensitivityTable(kl, dict(table.shapes), {"derived": "sensitivity-blind"})
 
 
 def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
@@ -221,7 +238,10 @@ def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
 def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> dict:
     """Quality (and resident size) of bf16 and every plan against the fp32 model; written as it goes."""
     rows, full_cache, loads = {}, {}, []
-    for label, plan in [("bf16", None)] + list(plans.items()):
+    todo = [("bf16", None)] + list(plans.items())
+    if args.only:
+        todo = [(label, plan) for label, plan in todo if label.startswith(tuple(args.only))]
+    for label, plan in todo:
         start = time.perf_counter()
         model = copy.deepcopy(full.model).to(torch.bfloat16) if plan is None else quantised_copy(full.model, plan)
         row = {"resident_weights_mb": round(resident_mb(model), 2)}
@@ -332,6 +352,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=64, help="evaluation prompts for the chrF retention")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)
+    ap.add_argument("--blind-bits", type=float, nargs="*", default=[],
+                    help="also sensitivity-blind plans at these budgets (the allocator without the profile)")
+    ap.add_argument("--only", nargs="*", help="quality pass only for models whose label starts with one of these")
     ap.add_argument("--render", action="store_true", help="only print the markdown table of --out's results")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -346,7 +369,7 @@ def main(argv=None) -> int:
     full = load_model(args.model, device="cpu", dtype="fp32")
     groups = model_groups(full.model)
     table = SensitivityTable.load(args.sensitivity) if args.sensitivity else None
-    plans = plans_to_compare(groups, table, args.bits if table else [])
+    plans = plans_to_compare(groups, table, args.bits if table else [], args.blind_bits if table else [])
     if "quality" not in args.skip:
         torch.set_num_threads(args.quality_threads)
         quality_pass(full, groups, plans, args, out)
