@@ -188,6 +188,7 @@ class AsrStage(Stage):
 
     def _step(self, chunks: list[tuple[np.ndarray, float]], commit: bool) -> list[Any]:
         tr = self.transcriber
+        events: list[Any] = []
         for samples, arrival_t_s in chunks:
             tr.insert_audio(samples)
             total = int(round(tr.audio_s * SAMPLE_RATE_HZ))
@@ -196,10 +197,12 @@ class AsrStage(Stage):
                 audio_ms = int(tr.audio_s * 1000)
                 self._loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s())
             self._in_speech = tr.vad.in_speech
+            if tr.split_due:  # after a stall: cut long speech before the ring forgets where it began
+                events.extend(tr.process_iter())
         if commit:
             tr.commit()
             self._in_speech = False
-        events = tr.process_iter()
+        events.extend(tr.process_iter())
         # As in AsrSession: on a slow or shared CPU, back-to-back partial decodes keep this
         # worker busy when speech ends, and the (speculative) final then waits behind a stale
         # partial. Space partials so they take at most 1/factor of real time.
