@@ -84,7 +84,8 @@ class TtsStageConfig:
     The first chunk of a reply is spoken early: at a clause mark once it has
     ``first_clause_min_words`` words, or before a conjunction ("and", "because", ...) once
     it has ``first_break_after_words`` words (None: only at marks). Later chunks are whole
-    sentences. See ``edge_rtgi.tts.segmenter``.
+    sentences. The break words are English; text in other languages breaks at marks only.
+    See ``edge_rtgi.tts.segmenter``.
     """
 
     voice: str = "piper-en_US-joe-medium"
