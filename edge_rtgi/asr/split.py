@@ -11,7 +11,7 @@ with a new one that starts at the cut. Two things must hold at the cut:
 
 Word boundaries come from one decode of the utterance with word timestamps (the committed
 words forced as its prefix, so they come first). The cut lands on the least speech-like
-VAD frame near one of the boundaries after the committed words; the quietest boundary
+VAD frame in the gap between two words after the committed words; the quietest boundary
 wins, so a pause between sentences is preferred to a join inside a phrase. The ending
 utterance's final is exactly the words before that boundary; the next utterance hears
 only audio after the cut, so no word can be heard by both.
@@ -23,13 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from edge_rtgi.asr.agreement import common_prefix_len, split_words, strip_prefix_words
+from edge_rtgi.asr.vad import FRAME_SAMPLES
 from edge_rtgi.asr.whisper import Hypothesis
 
 SAMPLE_RATE_HZ = 16000
 MIN_SPLIT_SAMPLES = SAMPLE_RATE_HZ  # no utterance cut off long speech is shorter than this
-# Whisper's word times are 20 ms steps from attention alignment and often a frame or two
-# off, so the quiet place for a cut is looked for this far around a word boundary.
-BOUNDARY_SLACK_SAMPLES = SAMPLE_RATE_HZ * 8 // 100
 # A last word ending this close to the end of the decoded audio may be cut off mid-word.
 OPEN_WORD_SAMPLES = SAMPLE_RATE_HZ // 4
 
@@ -59,7 +57,11 @@ def choose_split(committed: list[str], hyp: Hypothesis, start_index: int, end_in
     of the last word unless it runs up to the end of the audio (it may be cut off there);
     never the end of the audio itself past the last word, since whisper may stop before
     speech does and what it did not hear must go to the next utterance. All lie at least
-    ``MIN_SPLIT_SAMPLES`` into the utterance.
+    ``MIN_SPLIT_SAMPLES`` into the utterance. The cut stays inside the gap whisper's word
+    times leave between the two words (at least one VAD frame wide), on its least
+    speech-like frame. (Letting it look 80 ms into the neighbouring words put it inside
+    them, e.g. "market" heard as "get" after the cut: 3.3 % against 2.8 % WER over the
+    same 38 renderings of three sentences with ``max_utterance_s`` 5.)
     """
     timed = list(hyp.words)
     texts = [w.text for w in timed]
@@ -76,8 +78,9 @@ def choose_split(committed: list[str], hyp: Hypothesis, start_index: int, end_in
     last = len(timed) if closed else len(timed) - 1
     options = []
     for i in range(max(len(committed), 1), last + 1):
-        lo = max(earliest, at(timed[i - 1].end_s) - BOUNDARY_SLACK_SAMPLES)
-        hi = min(end_index, at(timed[i].start_s if i < len(timed) else timed[-1].end_s) + BOUNDARY_SLACK_SAMPLES)
+        lo = max(earliest, at(timed[i - 1].end_s))
+        gap_end = at(timed[i].start_s) if i < len(timed) else lo
+        hi = min(end_index, max(gap_end, lo + FRAME_SAMPLES))
         if lo < hi:
             index, probability = quietest_frame(lo, hi)
             options.append((probability, -i, index, i))  # ties: the later boundary

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 SAMPLE_RATE_HZ = 16000
 _LANGUAGE_LOCK_SAMPLES = 2 * SAMPLE_RATE_HZ  # language detection on less audio is unreliable
 _MIN_DECODE_SAMPLES = SAMPLE_RATE_HZ // 10
+# Audio kept beyond max_utterance_s: what may pile up while a stalled decode keeps the cut
+# (or final) of the utterance in progress waiting; callers insert a whole backlog at once.
+_BACKLOG_S = 30.0
 
 
 @dataclass
@@ -84,7 +87,7 @@ class StreamingTranscriber:
         self.partial_interval_samples = self._min_chunk
         self.last_partial_decode_s = 0.0  # wall time the last partial decode took
         self._max_len = int(self.config.max_utterance_s * SAMPLE_RATE_HZ)
-        self._ring = RingBuffer(int((self.config.max_utterance_s + 8.0) * SAMPLE_RATE_HZ))
+        self._ring = RingBuffer(int((self.config.max_utterance_s + _BACKLOG_S) * SAMPLE_RATE_HZ))
         self._events: list[AsrEvent] = []
         self._active: _Utterance | None = None
         self._ended: list[_Utterance] = []
@@ -104,7 +107,7 @@ class StreamingTranscriber:
         """Append mono float32 16 kHz samples. Cheap (VAD only); never decodes.
 
         Call ``process_iter`` after every chunk or few: it also cuts speech that has grown
-        past ``max_utterance_s`` (which takes a decode), and only 8 s more than that is kept.
+        past ``max_utterance_s`` (which takes a decode), and only 30 s more than that is kept.
         """
         samples = np.asarray(samples)
         if samples.ndim != 1:
