@@ -96,7 +96,7 @@ class MicrophoneSource:
         stream, resampler = self._open(sd, loop, queue)
         self._stop.clear()
         with stream:
-            log.info("listening on %r at %d Hz", stream.device, stream.samplerate)
+            log.info("opened input %r at %d Hz", stream.device, stream.samplerate)  # capture begins at the first callback
             while not self._stop.is_set():
                 block = await queue.get()
                 yield resampler.process(block) if resampler else block
