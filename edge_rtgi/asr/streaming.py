@@ -108,6 +108,8 @@ class StreamingTranscriber:
 
         Call ``process_iter`` after every chunk or few: it also cuts speech that has grown
         past ``max_utterance_s`` (which takes a decode), and only 30 s more than that is kept.
+        An utterance whose end the VAD finds within audio inserted since the last
+        ``process_iter`` may run past the limit by up to that much audio.
         """
         samples = np.asarray(samples)
         if samples.ndim != 1:
@@ -194,9 +196,10 @@ class StreamingTranscriber:
         now = self._ring.total_written
         silence_start = self.vad.silence_start_index
         next_start: int | None = None
-        if silence_start is not None and now - max(silence_start, utt.start_index) >= self._pad:
-            # Already in a pause (the VAD's silence timer has not fired yet): end there as it
-            # soon would. Whoever speaks next opens an utterance of their own.
+        if (silence_start is not None and silence_start - utt.start_index <= self._max_len
+                and now - max(silence_start, utt.start_index) >= self._pad):
+            # Already in a pause that began within the limit (the VAD's silence timer has not
+            # fired yet): end there as it soon would. Whoever speaks next opens a new utterance.
             self.vad.force_end()
             self._end_active(silence_start, "max_length")
         else:
