@@ -218,13 +218,17 @@ def sensitivity_blind(table: SensitivityTable) -> SensitivityTable:
 
 
 def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
-    """The smallest mixed plan whose whole retention interval is >= ``target`` (and the smallest
-    whose point estimate is), by resident bytes of the quantised groups."""
+    """Smallest mixed plans (by bytes of the quantised groups) meeting ``target`` three ways:
+    the whole 95 % retention interval at or above it, the point estimate at or above it, and the
+    interval reaching it (not significantly below). Blind ablation plans are not candidates."""
     mixed = sorted((r["groups_mb"], label) for label, r in rows.items()
                    if label.startswith("mixed") and "quality_retention" in r)
-    by_low = next((label for _, label in mixed if rows[label]["retention_low"] >= target), None)
-    by_point = next((label for _, label in mixed if rows[label]["quality_retention"] >= target), None)
-    return {"target_retention": target, "by_interval": by_low, "by_point_estimate": by_point}
+
+    def first(key: str) -> str | None:
+        return next((label for _, label in mixed if rows[label][key] >= target), None)
+
+    return {"target_retention": target, "by_interval": first("retention_low"),
+            "by_point_estimate": first("quality_retention"), "not_significantly_below": first("retention_high")}
 
 
 def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
@@ -238,6 +242,9 @@ def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
 def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> dict:
     """Quality (and resident size) of bf16 and every plan against the fp32 model; written as it goes."""
     rows, full_cache, loads = {}, {}, []
+    if args.only and (out / "quality.json").is_file():  # add to an earlier run's results
+        earlier = json.loads((out / "quality.json").read_text())
+        rows, loads = earlier["models"], earlier["load_average_per_model"]
     todo = [("bf16", None)] + list(plans.items())
     if args.only:
         todo = [(label, plan) for label, plan in todo if label.startswith(tuple(args.only))]
@@ -262,7 +269,9 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
     result["operating_point"] = choose_operating_point(rows, args.target_retention)
     pairs = [(m, u) for m, u in (("mixed sym+int8 @ int4sym-g32 size", "uniform int4sym-g32"),
                                  ("mixed asym g64/g128+int8 @ int4-g64 size", "uniform int4-g64"),
-                                 ("mixed sym+int8 @ int4sym-g64 size", "uniform int4sym-g64")) if m in rows and u in rows]
+                                 ("mixed sym+int8 @ int4sym-g64 size", "uniform int4sym-g64"),
+                                 *((label.replace("blind", "mixed"), label) for label in rows if label.startswith("blind")))
+             if m in rows and u in rows]
     result["paired_kl"] = [paired_kl(rows, m, u) for m, u in pairs]
     (out / "quality.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     print("operating point", json.dumps(result["operating_point"]), json.dumps(result["paired_kl"]), flush=True)
@@ -306,7 +315,8 @@ def render_markdown(out: Path) -> str:
     decode = json.loads((out / "decode.json").read_text()) if (out / "decode.json").is_file() else {"models": {}}
     q, d = quality["models"], decode["models"]
     full_ppl = next((r["perplexity_full"] for r in q.values()), math.nan)
-    chosen = (quality.get("operating_point") or {}).get("by_point_estimate")
+    point = quality.get("operating_point") or {}
+    chosen = point.get("by_interval") or point.get("by_point_estimate") or point.get("not_significantly_below")
     lines = [f"| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] | PPL (full {full_ppl:.2f}) "
              "| top-1 agreement | retention [95 % CI] | decode tok/s | vs fp32 | vs llama.cpp |",
              "|---" * 10 + "|"]
@@ -378,8 +388,8 @@ def main(argv=None) -> int:
         for label in args.decode_for:
             if label == "chosen":
                 quality = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
-                label = (quality.get("operating_point") or {}).get("by_interval") or (
-                    quality.get("operating_point") or {}).get("by_point_estimate")
+                point = quality.get("operating_point") or {}
+                label = point.get("by_interval") or point.get("by_point_estimate") or point.get("not_significantly_below")
                 if label is None:
                     print("no operating point in quality.json; 'chosen' skipped", file=sys.stderr)
                     continue
