@@ -65,15 +65,17 @@ def pct(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-async def start_daemon():
+async def start_daemon(engine_threads: int | None = None):
+    from edge_rtgi.llm.engine_config import EngineConfig
     from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
     from edge_rtgi.pipeline.resources import Resources
     from edge_rtgi.server.app import Daemon
     from edge_rtgi.server.config import DaemonConfig, ServerConfig
 
     pipes = load_pipelines([builtin_pipelines_dir()])
-    daemon = Daemon(DaemonConfig(server=ServerConfig(port=0)), {"voice-assistant": pipes["voice-assistant"]},
-                    Resources())
+    engine = EngineConfig(num_threads=engine_threads)
+    daemon = Daemon(DaemonConfig(server=ServerConfig(port=0), engine=engine),
+                    {"voice-assistant": pipes["voice-assistant"]}, Resources(engine))
     await daemon.resources.prepare(pipes["voice-assistant"])
     await daemon.start()
     return daemon, pipes["voice-assistant"]
@@ -146,13 +148,15 @@ async def main() -> int:
     ap.add_argument("--out", help="write the raw rows and the summary as JSON here")
     ap.add_argument("--report", help="write a Markdown table for docs/daemon.md here")
     ap.add_argument("--no-baseline", action="store_true", help="skip the non-streaming cascade")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="the LLM engine's torch threads (engine: num_threads); default: all cores")
     args = ap.parse_args()
     questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
     questions = [questions[i % len(questions)] for i in range(args.utterances)]
     load_start = os.getloadavg()[0]
     print(f"bench_voice: starting the daemon (voice-assistant) for {len(questions)} utterances "
           f"({os.cpu_count()} CPUs, load average {load_start:.1f})...", flush=True)
-    daemon, pipeline = await start_daemon()
+    daemon, pipeline = await start_daemon(args.engine_threads)
     from edge_rtgi.pipeline.config import TtsStageConfig
 
     voice = daemon.resources.voice(pipeline.stage(TtsStageConfig).voice)
