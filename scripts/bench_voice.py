@@ -82,11 +82,18 @@ async def start_daemon(engine_threads: int | None = None):
 
 
 def speak(voice, text: str) -> tuple[np.ndarray, int]:
-    """(int16 16 kHz PCM with 0.3 s lead and 1.5 s tail silence, index of the last speech sample)."""
+    """(int16 16 kHz PCM with 0.3 s lead and 1.5 s tail silence, index of the last speech sample).
+
+    The last speech sample is the acoustic end of the speech (the last sample above 2 % of the
+    clip's peak), not the end of Piper's clip: Piper ends a sentence with 170-250 ms of
+    near-silence, which would otherwise be counted as speech and flatter the latency.
+    """
     pcm = np.concatenate(list(voice.synthesize_stream(text)))
     audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
+    loud = np.flatnonzero(np.abs(audio) > 0.02 * np.abs(audio).max())
+    speech_len = int(loud[-1]) + 1 if len(loud) else len(audio)
     lead, tail = np.zeros(4800, np.float32), np.zeros(24000, np.float32)
-    return float32_to_pcm16(np.concatenate([lead, audio, tail])), len(lead) + len(audio)
+    return float32_to_pcm16(np.concatenate([lead, audio, tail])), len(lead) + speech_len
 
 
 async def one_turn(port: int, pcm: np.ndarray, speech_end: int) -> dict:
