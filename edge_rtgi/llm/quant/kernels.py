@@ -57,7 +57,7 @@ class QuantLinear(nn.Module):
         self.max_kernel_rows = max_kernel_rows
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
-        """The full [N, K] weight matrix as the kernel sees it."""
+        """The full [N, K] weight matrix as the kernel sees it (via each subclass's ``gather_rows``)."""
         return self.gather_rows(torch.arange(self.out_features, device=self._activation_device()), dtype)
 
     def _dense(self, x2: Tensor) -> Tensor | None:
@@ -66,13 +66,11 @@ class QuantLinear(nn.Module):
         return F.linear(x2, self.dense_weight)
 
     def _activation_dtype(self) -> torch.dtype:
-        raise NotImplementedError
+        # The scales (and zeros) are kept in the activation dtype; codes are integers.
+        return next(b.dtype for b in self.buffers() if b.is_floating_point())
 
     def _activation_device(self) -> torch.device:
         return next(self.buffers()).device
-
-    def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        raise NotImplementedError
 
     def _out(self, y: Tensor, shape: torch.Size) -> Tensor:
         if self.bias is not None:
@@ -101,8 +99,6 @@ class Int8Linear(QuantLinear):
         y = self._dense(x2)
         return self._out(_int8_mm(x2, self.qweight, self.scales) if y is None else y, x.shape)
 
-    def _activation_dtype(self) -> torch.dtype:
-        return self.scales.dtype
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
@@ -164,9 +160,6 @@ class Int4Linear(QuantLinear):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
                                                            self.scales_and_zeros)
         return self._out(y, x.shape)
-
-    def _activation_dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows for a tied embedding, read from the packed weights (no second copy on CPU)."""
