@@ -93,24 +93,36 @@ class Int8Linear(QuantLinear):
         self.register_buffer("scales", packed.scales.to(device, dtype))  # [N], dtype must match x
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != self.scales.dtype:
-            x2 = x2.to(self.scales.dtype)
-        y = self._dense(x2)
-        return self._out(_int8_mm(x2, self.qweight, self.scales) if y is None else y, x.shape)
-
+        # Batch-1 decode calls this four times per layer, and at one row the Python around the
+        # kernel cost more than the kernel itself (module attribute reads, ``torch.ops`` lookups,
+        # no-op reshapes), so each attribute is read once and 2-D inputs skip the reshapes.
+        scales = self.scales
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.dtype != scales.dtype:
+            x2 = x2.to(scales.dtype)
+        dense = self.dense_weight
+        if dense is not None and x2.shape[0] > self.max_kernel_rows:
+            y = F.linear(x2, dense)
+        elif x2.is_cuda:
+            y = _int8_mm_cuda(x2, self.qweight, scales)
+        else:
+            y = _INT8PACK_MM(x2, self.qweight, scales)
+        return y if x2 is x and self.bias is None else self._out(y, x.shape)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
         return self.qweight[ids].to(dtype) * self.scales[ids, None].to(dtype)
 
 
-def _int8_mm(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
-    if x.device.type == "cuda" and not _cuda_int8_kernel_available():
+_INT8PACK_MM = torch.ops.aten._weight_int8pack_mm.default
+
+
+def _int8_mm_cuda(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
+    if not _cuda_int8_kernel_available():
         # No fused int8 weight-only kernel in this CUDA build: weights stay int8 in memory and
         # are widened per call. Correct but not fast; int4 is the CUDA fast path.
         return F.linear(x, qweight.to(x.dtype)) * scales
-    return torch.ops.aten._weight_int8pack_mm(x, qweight, scales)
+    return _INT8PACK_MM(x, qweight, scales)
 
 
 @functools.lru_cache(maxsize=1)
