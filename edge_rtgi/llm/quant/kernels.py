@@ -32,6 +32,7 @@ class QuantLinear(nn.Module):
     """Base: a frozen weight-only quantised ``nn.Linear`` (bias kept in the activation dtype)."""
 
     scheme_name: str
+    max_kernel_rows: int = 0  # inputs with more rows use dense_weight, when there is one
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -39,8 +40,6 @@ class QuantLinear(nn.Module):
         self.scheme_name = packed.scheme.name
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
         self.register_buffer("dense_weight", None, persistent=False)  # see keep_dense_copy
-
-    max_kernel_rows: int = 0
 
     def keep_dense_copy(self, max_kernel_rows: int) -> None:
         """Run inputs of more than ``max_kernel_rows`` rows through ``F.linear`` on a dequantised
