@@ -45,11 +45,10 @@ def pulse(tmp_path):
         yield env
     finally:
         subprocess.run(["pulseaudio", "--kill"], env=env, capture_output=True, timeout=30)
-        if pid_file.exists():  # only the server this test started
-            try:
-                os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        try:  # only the server this test started; `--kill` may remove the pid file meanwhile
+            os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            pass
 
 
 def _wait_for(path: Path, needle: str, timeout_s: float) -> None:
