@@ -12,6 +12,9 @@ Rules (measured on the 2-core AVX-512 dev box, see docs/benchmarks.md):
   kernels slow down in proportion to the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``AUTO_QUANT_KERNEL_MAX_ROWS`` rows (prefill
   chunks, wide decode batches); see ``keep_dense_copy`` in edge_rtgi/llm/quant/kernels.py.
+  Weights the file already stores as 4-bit blocks that a kernel scheme reproduces (GGUF Q4_1:
+  ``SOURCE_ALIGNED_SCHEMES``) keep that precision instead of being widened to int8: the same
+  codes at 5 bits per weight instead of 8, fewer bytes to read per token.
 Everything that places tensors asks ``resolve_device`` / ``resolve_dtype`` rather than
 deciding for itself.
 """
@@ -81,6 +84,19 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 # Rows up to which the int8 weight-only kernel beat bf16 F.linear on a 576x3072 weight here:
 # 4 rows 0.54x the time, 16 rows 3.3x, 256 rows 8.9x (1 thread, medians of 5).
 AUTO_QUANT_KERNEL_MAX_ROWS = 8
+
+
+# GGUF Q4_1 stores each block of 32 weights as d * q + m, q in 0..15, with the block's min and max
+# both on the grid; asymmetric int4 with group 32 (min/max scaling) recovers the same codes, and
+# only d and m are rounded from fp16 to bf16 (KL 0.0015 per layer group alone vs 0.0011 for bf16
+# itself, docs/quantization.md). Q4_0 and the K-quants do not map onto one kernel group exactly.
+SOURCE_ALIGNED_SCHEMES = {"Q4_1": "int4-g32"}
+
+
+def source_aligned_scheme(source_format: str | None) -> str | None:
+    """The kernel scheme that re-encodes weights stored as ``source_format`` in the model file
+    (a GGUF type name), or None when there is none and ``auto`` should use its default."""
+    return SOURCE_ALIGNED_SCHEMES.get(source_format or "")
 
 
 def resolve_weight_quant(name: str | None, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -244,6 +244,8 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg)
+        # Parameter name -> storage format in the file it was loaded from (weights.load_model).
+        self.source_weight_formats: dict[str, str] = {}
 
     @property
     def dtype(self) -> torch.dtype:

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # HF tensors some checkpoints carry that our model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors' own names for the dtypes, so source formats read the same for both file kinds.
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @dataclass
@@ -53,13 +55,28 @@ def load_model(source: str | Path, device: str | torch.device = "auto",
     path = resolve_source(source)
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, torch_device)
+    formats: dict[str, str] = {}  # HF tensor name -> storage format in the file, filled by fetch
     if path.is_dir():
-        cfg, fetch, tokenizer, rope_factors = _open_hf_folder(path)
+        cfg, fetch, tokenizer, rope_factors = _open_hf_folder(path, formats)
     else:
-        cfg, fetch, tokenizer, rope_factors = _open_gguf(path)
+        cfg, fetch, tokenizer, rope_factors = _open_gguf(path, formats)
     state = assemble_state_dict(cfg, fetch, path, torch_dtype)
     model = _build_model(cfg, state, torch_device, torch_dtype, rope_factors)
+    model.source_weight_formats = source_formats(cfg, formats)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path)
+
+
+def source_formats(cfg: ModelConfig, formats: Mapping[str, str]) -> dict[str, str]:
+    """Our parameter name -> how the file stored it (GGUF type such as "Q4_1", or a
+    safetensors dtype such as "BF16"); "mixed" when the fused parts were stored differently.
+
+    The engine's ``quant: auto`` uses it to keep 4-bit source blocks in a kernel format that
+    reproduces them (``edge_rtgi.device.source_aligned_scheme``)."""
+    out = {}
+    for ours, parts in _slots(cfg).items():
+        kinds = {formats.get(hf_name, "unknown") for hf_name, _ in parts}
+        out[ours] = kinds.pop() if len(kinds) == 1 else "mixed"
+    return out
 
 
 def resolve_source(source: str | Path) -> Path:
@@ -92,7 +109,7 @@ def _pick_file_in_folder(path: Path) -> Path:
 # --- HF safetensors folders --------------------------------------------------------------------
 
 
-def _open_hf_folder(folder: Path):
+def _open_hf_folder(folder: Path, formats: dict[str, str]):
     from safetensors import safe_open
 
     config_path = folder / "config.json"
@@ -119,7 +136,9 @@ def _open_hf_folder(folder: Path):
             return None
         handle, file = where[name]
         try:
-            return handle.get_tensor(name), file
+            tensor = handle.get_tensor(name)
+            formats[name] = _SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))
+            return tensor, file
         except Exception as exc:
             raise ModelFileError(f"{file}: cannot read tensor {name}: {exc}", hint="re-download the model") from None
 
@@ -250,7 +269,7 @@ def _unpermute_rows(w: Tensor, num_heads: int) -> Tensor:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def _open_gguf(path: Path):
+def _open_gguf(path: Path, formats: dict[str, str]):
     from gguf.quants import dequantize
 
     reader, meta = _read_gguf(path)
@@ -269,6 +288,7 @@ def _open_gguf(path: Path):
             weights = torch.from_numpy(array.copy()).float().reshape(tuple(int(d) for d in reversed(tensor.shape)))
         except (NotImplementedError, ValueError) as exc:
             raise ModelFileError(f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {exc}") from None
+        formats[name] = tensor.tensor_type.name
         if unpermute and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:

@@ -9,6 +9,7 @@ Public hooks for the loader and the engine:
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from torch import nn
@@ -20,20 +21,43 @@ from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weig
 
 def apply_engine_quant(model: nn.Module, setting: str | None) -> str | None:
     """The engine's ``quant`` setting: "auto" and "none" resolved by ``edge_rtgi.device``,
-    anything else passed to ``apply_quant``. Returns the spec applied (None: full precision).
+    anything else passed to ``apply_quant``. Returns what was applied, in words (None: full
+    precision).
 
-    "auto" keeps a dequantised copy for many-row inputs as well (prefill, wide batches), so it
-    trades memory for speed; an explicit scheme such as "int8" stores the quantised weights only.
+    "auto" keeps 4-bit source blocks in the kernel scheme that reproduces them
+    (``source_aligned_plan``) and a dequantised copy for many-row inputs (prefill, wide
+    batches), so it trades memory for speed; an explicit scheme such as "int8" stores the
+    quantised weights only.
     """
     from edge_rtgi.device import AUTO_QUANT_KERNEL_MAX_ROWS, resolve_weight_quant
 
     spec = resolve_weight_quant(setting, model.device, model.dtype)
-    apply_quant(model, spec)
-    if setting == "auto" and spec is not None:
-        from edge_rtgi.llm.quant.kernels import keep_dense_copies
+    if setting != "auto" or spec is None:
+        apply_quant(model, spec)
+        return spec
+    from edge_rtgi.llm.quant.kernels import keep_dense_copies
 
-        keep_dense_copies(model, AUTO_QUANT_KERNEL_MAX_ROWS)
-    return spec
+    plan = source_aligned_plan(model, spec)
+    resolved = apply_quant_plan(model, plan)
+    keep_dense_copies(model, AUTO_QUANT_KERNEL_MAX_ROWS)
+    counts = Counter(resolved.values())
+    return " + ".join(f"{scheme} x{n}" for scheme, n in counts.most_common())
+
+
+def source_aligned_plan(model: nn.Module, default: str) -> QuantPlan:
+    """``default`` for every group, except groups whose weights the model file stored in a
+    format that a kernel scheme reproduces (``edge_rtgi.device.source_aligned_scheme``, from
+    ``model.source_weight_formats``): those keep their precision in that scheme."""
+    from edge_rtgi.device import source_aligned_scheme
+
+    formats = getattr(model, "source_weight_formats", {}) or {}
+    schemes = {}
+    for group in model_groups(model):
+        param = "embed_tokens.weight" if group.tied_embedding else f"{group.module_path}.weight"
+        aligned = source_aligned_scheme(formats.get(param))
+        if aligned is not None and group.allowed(parse_scheme(aligned)):
+            schemes[group.name] = aligned
+    return QuantPlan(schemes, default, notes={"policy": "auto: source-aligned where the file allows, else " + default})
 
 
 def apply_quant(model: nn.Module, spec: str | Path | None) -> dict[str, str] | None:
@@ -50,4 +74,5 @@ def apply_quant(model: nn.Module, spec: str | Path | None) -> dict[str, str] | N
 
 
 __all__ = ["QuantPlan", "QuantScheme", "apply_engine_quant", "apply_quant", "apply_quant_plan", "load_quantized_checkpoint",
-           "model_groups", "parse_scheme", "quantize_weight", "save_quantized_checkpoint", "uniform_plan"]
+           "model_groups", "parse_scheme", "quantize_weight", "save_quantized_checkpoint", "source_aligned_plan",
+           "uniform_plan"]

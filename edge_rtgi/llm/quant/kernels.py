@@ -59,11 +59,6 @@ class QuantLinear(nn.Module):
         """The full [N, K] weight matrix as the kernel sees it (via each subclass's ``gather_rows``)."""
         return self.gather_rows(torch.arange(self.out_features, device=self._activation_device()), dtype)
 
-    def _dense(self, x2: Tensor) -> Tensor | None:
-        if self.dense_weight is None or x2.shape[0] <= self.max_kernel_rows:
-            return None
-        return F.linear(x2, self.dense_weight)
-
     def _activation_dtype(self) -> torch.dtype:
         # The scales (and zeros) are kept in the activation dtype; codes are integers.
         return next(b.dtype for b in self.buffers() if b.is_floating_point())
@@ -114,6 +109,7 @@ class Int8Linear(QuantLinear):
 
 
 _INT8PACK_MM = torch.ops.aten._weight_int8pack_mm.default
+_INT4PACK_MM_CPU = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 
 
 def _int8_mm_cuda(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
@@ -159,18 +155,21 @@ class Int4Linear(QuantLinear):
         self.register_buffer("scales_and_zeros", sz.to(device, dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != self.scales_and_zeros.dtype:
-            x2 = x2.to(self.scales_and_zeros.dtype)
-        y = self._dense(x2)
-        if y is not None:
-            return self._out(y, x.shape)
-        if self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, self.scales_and_zeros)
+        # Called four times per layer at batch-1 decode: read each attribute once and skip
+        # no-op reshapes, as Int8Linear.forward does (the Python around the kernel is a
+        # sizeable share of a one-row call).
+        scales_and_zeros = self.scales_and_zeros
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.dtype != scales_and_zeros.dtype:
+            x2 = x2.to(scales_and_zeros.dtype)
+        dense = self.dense_weight
+        if dense is not None and x2.shape[0] > self.max_kernel_rows:
+            y = F.linear(x2, dense)
+        elif self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, scales_and_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group_size,
-                                                           self.scales_and_zeros)
-        return self._out(y, x.shape)
+            y = _INT4PACK_MM_CPU(x2, self.qweight, self.group_size, scales_and_zeros)
+        return y if x2 is x and self.bias is None else self._out(y, x.shape)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows for a tied embedding, read from the packed weights (no second copy on CPU)."""
