@@ -30,7 +30,10 @@ class VadConfig:
     ``threshold - 0.15``) must be crossed downwards to count silence, so a wobbling
     probability does not chop words. Speech starts after ``min_speech_ms`` of consecutive
     speech frames and ends after ``min_silence_ms`` of silence. ``speech_pad_ms`` of audio
-    is kept on both sides of the detected speech for the recogniser.
+    is kept on both sides of the detected speech for the recogniser; ``end_pad_ms``, when
+    set, replaces it after the speech. The speculative final is decoded as soon as the end
+    pad of silence is in, so a short end pad starts it earlier (a short *leading* pad would
+    clip word onsets: the VAD calls speech late, after ``min_speech_ms``).
     """
 
     model: str = "silero-vad"
@@ -39,15 +42,21 @@ class VadConfig:
     min_speech_ms: int = 96
     min_silence_ms: int = 500
     speech_pad_ms: int = 200
+    end_pad_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
         if self.neg_threshold is not None and not 0.0 <= self.neg_threshold <= self.threshold:
             raise ValueError(f"neg_threshold must be in [0, threshold], got {self.neg_threshold}")
-        for name in ("min_speech_ms", "min_silence_ms", "speech_pad_ms"):
-            if getattr(self, name) < 0:
+        for name in ("min_speech_ms", "min_silence_ms", "speech_pad_ms", "end_pad_ms"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def trailing_pad_ms(self) -> int:
+        """Audio kept after the detected end of speech: ``end_pad_ms`` or ``speech_pad_ms``."""
+        return self.speech_pad_ms if self.end_pad_ms is None else self.end_pad_ms
 
     @property
     def silence_threshold(self) -> float:

@@ -6,7 +6,8 @@ from a worker thread) and ``finish``. ``AsrSession`` is its asyncio front: feed 
 the event loop, read ``AsrEvent``s; all model work happens on one worker thread per session.
 
 Invariants:
-- whisper never sees audio the VAD did not call speech (plus ``speech_pad_ms`` around it);
+- whisper never sees audio the VAD did not call speech (plus ``speech_pad_ms`` before it and
+  ``end_pad_ms`` after it);
 - committed words only grow; the final of an utterance is ``committed + tail`` where the
   tail comes from one decode of the whole utterance with the committed words forced as its
   prefix, so a word is never dropped or emitted twice between partials and final;
@@ -80,7 +81,8 @@ class StreamingTranscriber:
         self.config = config or asr.config
         self.vad = vad or SileroVad(self.config.vad)
         self.vad.reset()  # the VAD's sample indices must match the ring's
-        self._pad = self.config.vad.speech_pad_ms * SAMPLE_RATE_HZ // 1000
+        self._pad = self.config.vad.speech_pad_ms * SAMPLE_RATE_HZ // 1000  # before speech
+        self._end_pad = self.config.vad.trailing_pad_ms * SAMPLE_RATE_HZ // 1000  # after it
         self._min_chunk = self.config.min_chunk_ms * SAMPLE_RATE_HZ // 1000
         # New audio needed before the next partial decode; a real-time driver may raise it
         # when decodes are slow (see AsrSession), never below min_chunk_ms.
@@ -165,7 +167,7 @@ class StreamingTranscriber:
                 # Speech may be over: no partial decode now (it would delay the final); once the
                 # pad has arrived, decode the likely final while the endpoint timer runs.
                 fresh = utt.speculative is None or utt.speculative[0] != silence_start
-                if self.config.speculative_final and fresh and now - silence_start >= self._pad:
+                if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
                     self._speculate(utt, silence_start)
             elif now - utt.last_decode_end >= max(self._min_chunk, self.partial_interval_samples):
                 self._partial(utt, now)
@@ -197,7 +199,7 @@ class StreamingTranscriber:
         silence_start = self.vad.silence_start_index
         next_start: int | None = None
         if (silence_start is not None and silence_start - utt.start_index <= self._max_len
-                and now - max(silence_start, utt.start_index) >= self._pad):
+                and now - max(silence_start, utt.start_index) >= self._end_pad):
             # Already in a pause that began within the limit (the VAD's silence timer has not
             # fired yet): end there as it soon would. Whoever speaks next opens a new utterance.
             self.vad.force_end()
@@ -242,7 +244,7 @@ class StreamingTranscriber:
         self._emit_partial(utt, utt.agreement.tentative_text, end)
 
     def _speculate(self, utt: _Utterance, silence_start: int) -> None:
-        end = silence_start + self._pad
+        end = silence_start + self._end_pad
         hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
         utt.speculative = (silence_start, len(utt.agreement.committed), hyp)
         utt.last_decode_end = end
@@ -256,7 +258,7 @@ class StreamingTranscriber:
             words, hyp, decode_ms = utt.split
             end = utt.end_index
         else:
-            end = min(utt.end_index + self._pad, self._ring.total_written)
+            end = min(utt.end_index + self._end_pad, self._ring.total_written)
             if end - utt.start_index < _MIN_DECODE_SAMPLES:  # nothing left to hear (e.g. after a split)
                 return [SpeechEnded(utt.id, utt.end_index / SAMPLE_RATE_HZ, utt.endpoint_index / SAMPLE_RATE_HZ,
                                     utt.reason)]

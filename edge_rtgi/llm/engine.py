@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.errors import EdgeRtgiError, RequestError
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats
 from edge_rtgi.llm.kv.manager import KVCacheManager
@@ -134,6 +135,8 @@ class LLMEngine:
                     self._handle(self._commands.get(timeout=0.5))
                 except queue.Empty:
                     continue
+            if self.config.yield_to_foreground_ms:
+                self._stats.foreground_wait_s += FOREGROUND.wait_for_idle(self.config.yield_to_foreground_ms / 1000)
             try:
                 self.step()
             except Exception:  # noqa: BLE001 - a bug in one step must not hang every caller

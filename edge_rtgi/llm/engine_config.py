@@ -45,8 +45,13 @@ class EngineConfig:
     # "auto" (int8 weights on a bf16 CPU, see edge_rtgi.device.resolve_weight_quant), "none",
     # or a plan YAML, quantised .safetensors or scheme name for edge_rtgi.llm.quant.apply_quant
     quant: str | None = "auto"
+    # Longest a step waits while latency-critical work elsewhere in the process runs (a
+    # reply's first clause being synthesised; edge_rtgi.cpu_priority). 0: never wait.
+    yield_to_foreground_ms: int = 250
 
     def __post_init__(self) -> None:
+        if self.yield_to_foreground_ms < 0:
+            raise ValueError(f"yield_to_foreground_ms must be >= 0, got {self.yield_to_foreground_ms}")
         if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
             raise ValueError("block_size and num_kv_blocks must be >= 1")
         if self.kv_cache_memory_mb < 1:
@@ -88,6 +93,7 @@ class EngineStats:
     schedule_s: float = 0.0
     run_s: float = 0.0
     update_s: float = 0.0
+    foreground_wait_s: float = 0.0  # steps held back for latency-critical work (cpu_priority)
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_running: int = 0

@@ -3,16 +3,22 @@
 The first clause is synthesised as soon as the segmenter releases it, while the engine is
 still generating the rest. Synthesis runs on a worker thread (``synthesize_async``);
 cancelling a response stops it after the sentence in progress and drops the rest.
+
+A response's first clause is synthesised as foreground work (``edge_rtgi.cpu_priority``):
+the engine holds its decode steps until that audio exists, instead of taking half the CPU
+from it (Piper's first clause: 112 ms alone, 205 ms next to a decoding engine on 2 cores).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.audio.pcm import Resampler
+from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.config import TtsStageConfig
 from edge_rtgi.pipeline.stage import Stage
@@ -29,10 +35,12 @@ class TtsStage(Stage):
         self.voice_rate_hz: int = voice.sample_rate_hz
         self._segmenters: dict[str, ClauseSegmenter] = {}
         self._resamplers: dict[str, Resampler] = {}
+        self._first_spoken: set[str] = set()  # responses whose first clause has audio
 
     def cancel(self, response_id: str) -> None:
         self._segmenters.pop(response_id, None)
         self._resamplers.pop(response_id, None)
+        self._first_spoken.discard(response_id)
         super().cancel(response_id)
 
     async def handle(self, frame: F.TextDelta | F.TextDone) -> None:
@@ -49,6 +57,7 @@ class TtsStage(Stage):
             await self._speak(rid, clause)
         if done:
             self._segmenters.pop(rid, None)
+            self._first_spoken.discard(rid)
             tail = self._resamplers.pop(rid, None)
             if tail is not None:
                 rest = tail.flush()
@@ -63,14 +72,19 @@ class TtsStage(Stage):
             return  # punctuation or markup only: nothing to say
         self.ctx.note(rid, "first_clause", F.now_s())
         out_rate = getattr(self.ctx.settings, "output_sample_rate_hz", None) or self.voice_rate_hz
-        async for pcm in synthesize_async(self.voice, clause):
-            self.ctx.note(rid, "first_audio", F.now_s())
-            if out_rate != self.voice_rate_hz:
-                rs = self._resamplers.setdefault(rid, Resampler(self.voice_rate_hz, out_rate))
-                pcm = _to_int16(rs.process(pcm.astype(np.float32) / 32768.0))
-                if not len(pcm):
-                    continue
-            await self.ctx.forward(self, F.AudioOut(rid, pcm, out_rate))
+        with contextlib.ExitStack() as critical:
+            if rid not in self._first_spoken:
+                self._first_spoken.add(rid)
+                critical.enter_context(FOREGROUND.foreground())
+            async for pcm in synthesize_async(self.voice, clause):
+                critical.close()  # the first audio exists; sending it is not CPU work
+                self.ctx.note(rid, "first_audio", F.now_s())
+                if out_rate != self.voice_rate_hz:
+                    rs = self._resamplers.setdefault(rid, Resampler(self.voice_rate_hz, out_rate))
+                    pcm = _to_int16(rs.process(pcm.astype(np.float32) / 32768.0))
+                    if not len(pcm):
+                        continue
+                await self.ctx.forward(self, F.AudioOut(rid, pcm, out_rate))
 
 
 def _to_int16(samples: np.ndarray) -> np.ndarray:

@@ -1,0 +1,74 @@
+"""Latency-critical work first, on the few CPU cores that the whole voice pipeline shares.
+
+On an edge CPU, whisper, the LLM engine and Piper all run in one process on the same two to
+eight cores, each with its own thread pool. When two of them run at once, both slow down:
+on the 2-core development machine a Piper first clause took 112 ms alone and 205 ms while
+the engine decoded another reply (median of 8 clauses, 2 rounds). But not all work is
+equally urgent. The synthesis of a reply's *first* clause is on the voice-to-voice critical
+path; the engine's next tokens are not, once a clause is ready: it decodes about ten times
+faster than speech is spoken.
+
+``CpuPriority`` lets critical work say so (``with FOREGROUND.foreground(): ...``) and lets
+background loops (the engine's step loop) wait, with a bound, until no critical work is
+running (``FOREGROUND.wait_for_idle(max_wait_s)``). It is a counter and a condition
+variable: entering and leaving never block, so the event loop may use them directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class CpuPriority:
+    """Counts running foreground jobs; background work waits while there are any."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._busy_since = 0.0  # when the running count last went from 0 to 1
+
+    @property
+    def foreground_running(self) -> int:
+        """Foreground jobs in progress now."""
+        return self._running
+
+    @contextmanager
+    def foreground(self) -> Iterator[None]:
+        """Mark the enclosed work as latency-critical. Never blocks."""
+        with self._cond:
+            if self._running == 0:
+                self._busy_since = time.monotonic()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                if self._running == 0:
+                    self._cond.notify_all()
+
+    def wait_for_idle(self, max_wait_s: float) -> float:
+        """Block until no foreground job runs; return the seconds waited.
+
+        The bound: once foreground work has run ``max_wait_s`` without a break (counted from
+        when the first of the overlapping jobs began, not per call), background work goes on
+        regardless, so a long or leaked job, or back-to-back jobs from many sessions, cannot
+        starve it."""
+        if self._running == 0 or max_wait_s <= 0:
+            return 0.0
+        start = time.monotonic()
+        with self._cond:
+            deadline = self._busy_since + max_wait_s
+            while self._running > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        return time.monotonic() - start
+
+
+# One CPU per process, so one arbiter per process.
+FOREGROUND = CpuPriority()
