@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.cpu_priority import freeze_heap
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.pipeline.config import (
     AssistantStageConfig,
@@ -90,6 +91,7 @@ class Resources:
                 await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model)
             elif isinstance(stage, TtsStageConfig):
                 await asyncio.to_thread(self._warm, ("tts", stage.voice), self.voice, stage.voice)
+        freeze_heap()  # no full-GC pauses of the loaded models during turns (cpu_priority)
 
     def _warm(self, key: tuple, load: Any, arg: Any, prompt: Any = "Hello") -> None:
         """Load, then run one tiny input through the model: first runs of onnxruntime,
