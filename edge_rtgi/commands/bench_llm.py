@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalogue name or path")
     p.add_argument("--dtype", default="auto", help="engine dtype: auto (bf16 where native), fp32, bf16")
     p.add_argument("--quant", default="auto",
-                   help="our weights: auto (the engine default: int8 on a bf16 CPU), none, int8, int4-g64 or a plan YAML")
+                   help="our weights: auto (the engine default; bf16 CPU: Q4_1 blocks as int4-g32, the rest int8), "
+                        "none, int8, int4-g64 or a plan YAML")
     p.add_argument("--runs", type=int, default=3, help="timed runs per figure (median reported)")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens in the batch-1 decode run")
     p.add_argument("--ttft-prompt-tokens", type=int, default=512, help="prompt length of the TTFT runs")

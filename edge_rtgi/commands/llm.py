@@ -77,7 +77,8 @@ def _add_common(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, fp32, bf16, fp16")
     parser.add_argument("--quant", default="auto",
-                        help="weights: auto (int8 on a bf16 CPU), none, int8, int4-g64, a plan YAML or a checkpoint")
+                        help="weights: auto (bf16 CPU: Q4_1 blocks as int4-g32, the rest int8), none, int8, int4-g64, "
+                             "a plan YAML or a checkpoint")
     parser.add_argument("--plain", action="store_true", help="use plain generation instead of the engine")
 
 
