@@ -55,6 +55,22 @@ class QuantLinear(nn.Module):
         self.dense_weight = self.dequantized_weight(dtype)
         self.max_kernel_rows = max_kernel_rows
 
+    def forward(self, x: Tensor) -> Tensor:
+        # Batch-1 decode calls this four times per layer, and at one row the Python around the
+        # kernel cost more than the kernel itself (module attribute reads, ``torch.ops`` lookups,
+        # no-op reshapes), so each attribute is read once and 2-D inputs skip the reshapes.
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        dense = self.dense_weight
+        if dense is not None and x2.shape[0] > self.max_kernel_rows:
+            y = F.linear(x2 if x2.dtype == dense.dtype else x2.to(dense.dtype), dense)
+        else:
+            y = self._matmul(x2)
+        return y if x2 is x and self.bias is None else self._out(y, x.shape)
+
+    def _matmul(self, x2: Tensor) -> Tensor:
+        """``x2 @ W^T`` for a 2-D input, on the subclass's kernel."""
+        raise NotImplementedError
+
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         """The full [N, K] weight matrix as the kernel sees it (via each subclass's ``gather_rows``)."""
         return self.gather_rows(torch.arange(self.out_features, device=self._activation_device()), dtype)
@@ -86,22 +102,13 @@ class Int8Linear(QuantLinear):
         self.register_buffer("qweight", packed.qweight.to(device))  # int8 [N, K]
         self.register_buffer("scales", packed.scales.to(device, dtype))  # [N], dtype must match x
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Batch-1 decode calls this four times per layer, and at one row the Python around the
-        # kernel cost more than the kernel itself (module attribute reads, ``torch.ops`` lookups,
-        # no-op reshapes), so each attribute is read once and 2-D inputs skip the reshapes.
+    def _matmul(self, x2: Tensor) -> Tensor:
         scales = self.scales
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.dtype != scales.dtype:
             x2 = x2.to(scales.dtype)
-        dense = self.dense_weight
-        if dense is not None and x2.shape[0] > self.max_kernel_rows:
-            y = F.linear(x2, dense)
-        elif x2.is_cuda:
-            y = _int8_mm_cuda(x2, self.qweight, scales)
-        else:
-            y = _INT8PACK_MM(x2, self.qweight, scales)
-        return y if x2 is x and self.bias is None else self._out(y, x.shape)
+        if x2.is_cuda:
+            return _int8_mm_cuda(x2, self.qweight, scales)
+        return _INT8PACK_MM(x2, self.qweight, scales)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
@@ -154,22 +161,13 @@ class Int4Linear(QuantLinear):
         self.register_buffer("qweight", wq)
         self.register_buffer("scales_and_zeros", sz.to(device, dtype))
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Called four times per layer at batch-1 decode: read each attribute once and skip
-        # no-op reshapes, as Int8Linear.forward does (the Python around the kernel is a
-        # sizeable share of a one-row call).
+    def _matmul(self, x2: Tensor) -> Tensor:
         scales_and_zeros = self.scales_and_zeros
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.dtype != scales_and_zeros.dtype:
             x2 = x2.to(scales_and_zeros.dtype)
-        dense = self.dense_weight
-        if dense is not None and x2.shape[0] > self.max_kernel_rows:
-            y = F.linear(x2, dense)
-        elif self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, scales_and_zeros)
-        else:
-            y = _INT4PACK_MM_CPU(x2, self.qweight, self.group_size, scales_and_zeros)
-        return y if x2 is x and self.bias is None else self._out(y, x.shape)
+        if self.on_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, scales_and_zeros)
+        return _INT4PACK_MM_CPU(x2, self.qweight, self.group_size, scales_and_zeros)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows for a tied embedding, read from the packed weights (no second copy on CPU)."""
