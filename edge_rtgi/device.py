@@ -15,12 +15,19 @@ Rules (measured on the 2-core AVX-512 dev box, see docs/benchmarks.md):
   Weights the file already stores as 4-bit blocks that a kernel scheme reproduces (GGUF Q4_1:
   ``SOURCE_ALIGNED_SCHEMES``) keep that precision instead of being widened to int8: the same
   codes at 5 bits per weight instead of 8, fewer bytes to read per token.
+- CPU threads: torch's OpenMP (libgomp) gives every thread that runs a parallel op its own
+  worker pool, and once the pools hold more threads than there are CPUs, *every* pool stops
+  spin-waiting between ops. An idle pool left behind by a loader thread made each parallel op
+  of the engine 2.5-3x slower (7-9 us -> 20-22 us for a 64k-element add, 2 threads, 2 cores).
+  ``release_cpu_workers`` frees the calling thread's pool; threads that finish their torch work
+  (loaders, warm-up, an idle engine loop) call it.
 Everything that places tensors asks ``resolve_device`` / ``resolve_dtype`` rather than
 deciding for itself.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from pathlib import Path
@@ -49,6 +56,29 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+@functools.lru_cache(maxsize=1)
+def _openmp_pause() -> object | None:
+    """``omp_pause_resource_all`` of the OpenMP runtime torch ships with, or None."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for pattern in ("libgomp*.so*", "libiomp5*.so*", "libomp*.so*"):
+        for path in sorted(lib_dir.glob(pattern)):
+            try:
+                pause = ctypes.CDLL(str(path)).omp_pause_resource_all
+            except (OSError, AttributeError):
+                continue
+            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+            return pause
+    return None
+
+
+def release_cpu_workers() -> bool:
+    """Free the calling thread's OpenMP worker pool, so that it does not slow the pools of the
+    threads still computing (see the module notes). The next parallel op in this thread makes a
+    new pool (~0.1 ms). Returns False where torch's OpenMP runtime was not found (no-op)."""
+    pause = _openmp_pause()
+    return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 
 
 def resolve_device(name: str | None = "auto") -> torch.device:

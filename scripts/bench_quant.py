@@ -6,8 +6,9 @@ Everything is measured in one run against baselines from the same run (medians o
 - kernels: each SmolLM2 matrix shape at batch 1 and 8, fp32 vs bf16 activations: F.linear
   against the int8 and int4 weight-only kernels;
 - decode: greedy batch-1 decode (64-token prompt, 128 new tokens) on the project's plain path
-  (``edge_rtgi.llm.generate``) for fp32, bf16, uniform int8/int4, the mixed plans and the chosen
-  operating point, and llama.cpp on the original Q4_1 GGUF (``edge_rtgi.bench.peers``), the
+  (``edge_rtgi.llm.generate``) for fp32, bf16, uniform int8/int4, the mixed plans, the chosen
+  operating point and the engine's ``quant: auto`` plan (``--decode-for "engine auto (Q4_1 as
+  int4-g32, int8 head)"``), and llama.cpp on the original Q4_1 GGUF (``edge_rtgi.bench.peers``), the
   engines interleaved run by run so that load from other jobs hits them alike;
 - memory: resident bytes of every model's weights (parameters + buffers);
 - quality: uniform plans, mixed plans of exactly the uniform plans' sizes, and a budget sweep of
@@ -43,6 +44,7 @@ from edge_rtgi.bench.peers import LlamaCppPeer, PeerUnavailable
 from edge_rtgi.bench.quality import bootstrap_mean_interval
 from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.llm.generate import generate_stream
+from edge_rtgi.llm.quant import source_aligned_plan
 from edge_rtgi.llm.quant.allocate import Budget, allocate
 from edge_rtgi.llm.quant.kernels import make_quant_linear
 from edge_rtgi.llm.quant.plan import (
@@ -172,6 +174,8 @@ def quantised_copy(full, plan: QuantPlan):
 # Every candidate except the asymmetric g32 scheme, which re-encodes this Q4_1 file almost
 # exactly (DESIGN.md's trap) and so would hide where bits are really lost.
 UNALIGNED = ("int8", "int4-g64", "int4-g128", "int4sym-g32", "int4sym-g64", "int4sym-g128")
+# The engine's default on a bf16 CPU: the file's Q4_1 blocks as int4-g32, everything else int8.
+ENGINE_AUTO = "engine auto (Q4_1 as int4-g32, int8 head)"
 
 
 def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[float],
@@ -380,6 +384,7 @@ def main(argv=None) -> int:
     groups = model_groups(full.model)
     table = SensitivityTable.load(args.sensitivity) if args.sensitivity else None
     plans = plans_to_compare(groups, table, args.bits if table else [], args.blind_bits if table else [])
+    plans[ENGINE_AUTO] = source_aligned_plan(full.model, "int8")
     if "quality" not in args.skip:
         torch.set_num_threads(args.quality_threads)
         quality_pass(full, groups, plans, args, out)

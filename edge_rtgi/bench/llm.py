@@ -168,10 +168,22 @@ class _HF:
         return len(prompts) * n / (time.perf_counter() - start)
 
 
+def _run(fn: Any) -> Any:
+    """One timed call, then free this thread's OpenMP workers: HF and the plain path run on this
+    thread, the engine on its own, and an idle pool left by one would slow the other's every
+    parallel op (edge_rtgi.device.release_cpu_workers; the engine frees its own when idle)."""
+    from edge_rtgi.device import release_cpu_workers
+
+    try:
+        return fn()
+    finally:
+        release_cpu_workers()
+
+
 def _measure(fn: Any, runs: int, warmup: bool = True) -> dict[str, Any]:
     if warmup:
-        fn()
-    values = [fn() for _ in range(runs)]
+        _run(fn)
+    values = [_run(fn) for _ in range(runs)]
     return {"median": median(values), "runs": runs, "values": values}
 
 
@@ -180,11 +192,11 @@ def _measure_interleaved(fns: dict[str, Any], runs: int, warmup: bool = True) ->
     in machine load during the benchmark hits every contender alike."""
     if warmup:
         for fn in fns.values():
-            fn()
+            _run(fn)
     values: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
         for name, fn in fns.items():
-            values[name].append(fn())
+            values[name].append(_run(fn))
     return {name: {"median": median(v), "runs": runs, "values": v} for name, v in values.items()}
 
 

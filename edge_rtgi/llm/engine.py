@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from edge_rtgi.cpu_priority import FOREGROUND
+from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, RequestError
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats
 from edge_rtgi.llm.kv.manager import KVCacheManager
@@ -88,6 +89,9 @@ class LLMEngine:
         self._closed = False
         self._thread: threading.Thread | None = None
         if start:
+            # The caller's thread loaded and prepared the model; its idle OpenMP pool would
+            # slow every op of the engine thread (edge_rtgi.device.release_cpu_workers).
+            release_cpu_workers()
             self.start()
 
     @classmethod
@@ -129,12 +133,16 @@ class LLMEngine:
 
     def _loop(self) -> None:
         torch.set_num_threads(self.config.num_threads or torch.get_num_threads())
+        holds_workers = False
         while not self._stop.is_set():
             if not self.scheduler.has_unfinished():
+                if holds_workers:  # idle: let other threads' torch work run at full speed
+                    holds_workers = not release_cpu_workers()
                 try:  # idle: sleep until a command arrives
                     self._handle(self._commands.get(timeout=0.5))
                 except queue.Empty:
                     continue
+            holds_workers = True
             if self.config.yield_to_foreground_ms:
                 self._stats.foreground_wait_s += FOREGROUND.wait_for_idle(self.config.yield_to_foreground_ms / 1000)
             try:

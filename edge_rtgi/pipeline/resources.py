@@ -16,6 +16,7 @@ from typing import Any
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.cpu_priority import freeze_heap
+from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.pipeline.config import (
     AssistantStageConfig,
@@ -97,6 +98,12 @@ class Resources:
         """Load, then run one tiny input through the model: first runs of onnxruntime,
         CTranslate2 and torch pay one-off costs (allocation, kernel selection) that would
         otherwise land on the first user's first turn."""
+        try:
+            self._load_and_run_once(key, load, arg, prompt)
+        finally:
+            release_cpu_workers()  # this loader thread is done with torch (edge_rtgi.device)
+
+    def _load_and_run_once(self, key: tuple, load: Any, arg: Any, prompt: Any) -> None:
         model = load(arg)
         with self._lock:
             if key in self._warmed:
