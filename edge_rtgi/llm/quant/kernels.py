@@ -14,6 +14,7 @@ in; ``edge_rtgi.device.resolve_dtype`` picks bf16 where the CPU has it.
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 _CUDA_INNER_K_TILES = 8  # gpt-fast / torchao default for the CUDA int4 tile layout
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(nn.Module, abc.ABC):
     """Base: a frozen weight-only quantised ``nn.Linear`` (bias kept in the activation dtype)."""
 
     scheme_name: str
@@ -67,9 +68,9 @@ class QuantLinear(nn.Module):
             y = self._matmul(x2)
         return y if x2 is x and self.bias is None else self._out(y, x.shape)
 
+    @abc.abstractmethod
     def _matmul(self, x2: Tensor) -> Tensor:
         """``x2 @ W^T`` for a 2-D input, on the subclass's kernel."""
-        raise NotImplementedError
 
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         """The full [N, K] weight matrix as the kernel sees it (via each subclass's ``gather_rows``)."""
