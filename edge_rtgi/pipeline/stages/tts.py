@@ -35,7 +35,7 @@ class TtsStage(Stage):
         self.voice_rate_hz: int = voice.sample_rate_hz
         self._segmenters: dict[str, ClauseSegmenter] = {}
         self._resamplers: dict[str, Resampler] = {}
-        self._first_spoken: set[str] = set()  # responses whose first clause has audio
+        self._first_spoken: set[str] = set()  # responses whose first clause has been started
 
     def cancel(self, response_id: str) -> None:
         self._segmenters.pop(response_id, None)
