@@ -13,6 +13,7 @@ import pytest
 from edge_rtgi.asr.evaluation import word_error_rate
 from edge_rtgi.audio import resample, wav_bytes, write_wav
 from edge_rtgi.tts import make_tts
+from tests.integration.native_client import steady_voice
 
 TEXT = "The library closes early on public holidays."
 
@@ -30,7 +31,7 @@ def _assert_clean_error(done: subprocess.CompletedProcess, needle: str) -> None:
 
 @pytest.mark.slow
 def test_transcribe_stereo_44k_file_as_json(tmp_path):
-    voice = make_tts("piper-en_US-joe-medium")
+    voice = steady_voice(make_tts("piper-en_US-joe-medium"))  # the same audio every run
     pcm = np.concatenate(list(voice.synthesize_stream(TEXT))).astype(np.float32) / 32768.0
     x = resample(pcm, voice.sample_rate_hz, 44100)
     path = tmp_path / "stereo.wav"

@@ -15,7 +15,7 @@ import pytest
 from edge_rtgi.audio import write_wav
 from edge_rtgi.audio.wav import read_wav
 from edge_rtgi.tts import make_tts
-from tests.integration.native_client import wer
+from tests.integration.native_client import steady_voice, wer
 from tests.integration.test_mic_pulse import pulse, run_cli_with_mic  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.audio]
@@ -27,7 +27,7 @@ def test_translate_mic_prints_captions_and_writes_audio(pulse, tmp_path):  # noq
     subprocess.run(["pactl", "load-module", "module-null-sink", "sink_name=vspk"], env=pulse, check=True,
                    capture_output=True, timeout=30)
     subprocess.run(["pactl", "set-default-sink", "vspk"], env=pulse, check=True, timeout=30)
-    voice = make_tts("piper-en_US-joe-medium")
+    voice = steady_voice(make_tts("piper-en_US-joe-medium"))
     pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
     wav = tmp_path / "speech.wav"
     write_wav(wav, pcm, voice.sample_rate_hz)

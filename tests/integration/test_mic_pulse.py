@@ -22,6 +22,7 @@ import pytest
 from edge_rtgi.asr.evaluation import word_error_rate
 from edge_rtgi.audio import write_wav
 from edge_rtgi.tts import make_tts
+from tests.integration.native_client import steady_voice
 
 pytestmark = [pytest.mark.slow, pytest.mark.audio]
 
@@ -78,7 +79,7 @@ def run_cli_with_mic(cli_args: list[str], wav: Path, pulse: dict, tmp_path: Path
 
 
 def test_transcribe_mic_through_pulseaudio(pulse, tmp_path):
-    voice = make_tts("piper-en_US-joe-medium")
+    voice = steady_voice(make_tts("piper-en_US-joe-medium"))
     pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
     wav = tmp_path / "speech.wav"
     write_wav(wav, pcm, voice.sample_rate_hz)

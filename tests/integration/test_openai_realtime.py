@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
 from edge_rtgi.catalog import resolve_model
+from tests.integration.native_client import steady_voice
 
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -44,7 +45,7 @@ def cer(reference: str, hypothesis: str) -> float:
 def piper():
     from edge_rtgi.tts.piper import PiperVoice
 
-    return PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1)
+    return steady_voice(PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1))
 
 
 @pytest.fixture(scope="module")

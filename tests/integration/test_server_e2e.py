@@ -14,7 +14,15 @@ import pytest
 import pytest_asyncio
 
 from edge_rtgi.catalog import resolve_model
-from tests.integration.native_client import NativeClient, http_get, metric, speak_16k, transcribe, wer
+from tests.integration.native_client import (
+    NativeClient,
+    http_get,
+    metric,
+    speak_16k,
+    steady_voice,
+    transcribe,
+    wer,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -25,7 +33,7 @@ QUESTION = "What do plants need to grow?"
 def piper():
     from edge_rtgi.tts.piper import PiperVoice
 
-    return PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1)
+    return steady_voice(PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1))
 
 
 @pytest.fixture(scope="module")
