@@ -46,7 +46,7 @@ from tests.integration.native_client import NativeClient  # noqa: E402
 PARTS = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_chunk_ms",
          "voice_to_voice_ms")
 LABELS = {
-    "client_voice_to_voice_ms": "**voice-to-voice** (client clock: acoustic end of speech sent -> first reply audio received)",
+    "client_voice_to_voice_ms": "**voice-to-voice** (client clock: acoustic end of speech -> first reply audio received)",
     "endpointing_ms": "endpointing (VAD silence until the turn ends)",
     "asr_final_ms": "ASR final (after the endpoint)",
     "llm_ttft_ms": "LLM time to first token (after the final)",

@@ -92,6 +92,5 @@ def test_freeze_heap_moves_live_objects_out_of_collections():
     try:
         freeze_heap()
         assert gc.get_freeze_count() >= before + len(kept)
-        assert all(not gc.is_finalized(obj) for obj in kept)
     finally:
         gc.unfreeze()  # leave the test process's collector as it was
