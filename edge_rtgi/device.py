@@ -81,6 +81,20 @@ def release_cpu_workers() -> bool:
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 
 
+def prepare_cpu_kernels(device: torch.device) -> bool:
+    """Load (building on first use) the fused CPU decode kernels when ``device`` is the CPU.
+
+    True when they will be used; False on CUDA, when switched off (``EDGE_RTGI_CPU_KERNELS=0``),
+    or when they cannot be built, in which case ``edge_rtgi.llm.cpu_ops`` has logged why and the
+    model runs on the PyTorch ops it would have replaced.
+    """
+    if device.type != "cpu":
+        return False
+    from edge_rtgi.llm import cpu_ops
+
+    return cpu_ops.load()
+
+
 def resolve_device(name: str | None = "auto") -> torch.device:
     """Map a config value ("auto", "cpu", "cuda", "cuda:1") to a torch device."""
     if name in (None, "auto"):

@@ -27,6 +27,7 @@ Quality goes to ``quality.json``, decode to ``decode.json`` and kernels to ``ker
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from edge_rtgi.bench.peers import LlamaCppPeer, PeerUnavailable
 from edge_rtgi.bench.quality import bootstrap_mean_interval
 from edge_rtgi.bench.workloads import PreparedRequest
+from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.generate import generate_stream
 from edge_rtgi.llm.quant import source_aligned_plan
 from edge_rtgi.llm.quant.allocate import Budget, allocate
@@ -106,16 +108,17 @@ def load_average() -> list[float]:
 class OurDecoder:
     """One of our models on the plain path: one timed greedy run = first-token time, decode tok/s."""
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, fused_kernels: bool = True):
+        self.model, self.tokenizer, self.fused_kernels = model, tokenizer, fused_kernels
 
     def once(self, prompt: list[int]) -> tuple[float, float]:
         params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
         start, first, count = time.perf_counter(), None, 0
-        for delta in generate_stream((self.model, self.tokenizer), prompt, params):
-            count += len(delta.token_ids)
-            if first is None:
-                first = time.perf_counter()
+        with contextlib.nullcontext() if self.fused_kernels else cpu_ops.disabled():
+            for delta in generate_stream((self.model, self.tokenizer), prompt, params):
+                count += len(delta.token_ids)
+                if first is None:
+                    first = time.perf_counter()
         return first - start, (count - 1) / (time.perf_counter() - first)
 
 
@@ -291,6 +294,10 @@ def decode_pass(full, groups, plans: dict[str, QuantPlan], labels: list[str], ar
     for label in labels:
         model = copy.deepcopy(full.model).to(torch.bfloat16) if label == "bf16" else quantised_copy(full.model, plans[label])
         decoders[label], sizes[label] = OurDecoder(model, full.tokenizer), round(resident_mb(model), 2)
+        if label in args.unfused and cpu_ops.available():
+            # The same model on the plain PyTorch ops: what the fused CPU kernels are worth.
+            unfused = f"{label} [no fused kernels]"
+            decoders[unfused], sizes[unfused] = OurDecoder(model, full.tokenizer, fused_kernels=False), sizes[label]
     llama_note = None
     if str(full.source).endswith(".gguf"):
         try:
@@ -363,6 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-for", nargs="*", default=["bf16", "uniform int8", "uniform int4-g64", "chosen"],
                     help="models to time besides fp32 and llama.cpp: labels, or 'chosen' (the operating point "
                          "from this run's or an earlier run's quality.json)")
+    ap.add_argument("--unfused", nargs="*", default=[],
+                    help="labels of --decode-for to run a second time without the fused CPU kernels")
     ap.add_argument("--prompts", type=int, default=64, help="evaluation prompts for the chrF retention")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)

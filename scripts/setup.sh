@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libportaudio2 espeak-ng apertium apertium-eng-spa pulseaudio pulseaudio-utils sox)
+# g++ and ninja-build compile the fused CPU decode kernels (edge_rtgi/llm/csrc/cpu_ops.cpp).
+APT_PACKAGES=(libportaudio2 espeak-ng apertium apertium-eng-spa pulseaudio pulseaudio-utils sox g++ ninja-build)
 
 if [ "${EDGE_RTGI_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   missing=()
@@ -40,6 +41,10 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing edge-rtgi and its Python dependencies"
 "$VPY" -m pip install -q -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
+
+# Build the fused CPU kernels now rather than on the first model load (~10-20 s). A failure is
+# not fatal: the model then runs on the plain PyTorch ops, and says so.
+"$VPY" -c "from edge_rtgi.llm import cpu_ops; ok = cpu_ops.load(); print('setup: fused CPU kernels', 'built' if ok else 'NOT built: ' + str(cpu_ops.failure()))"
 
 if [ "${EDGE_RTGI_SKIP_MODELS:-0}" != 1 ]; then
   .venv/bin/edge-rtgi models pull --defaults

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edge_rtgi.llm import cpu_ops
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -179,10 +181,10 @@ class RMSNorm(nn.Module):
         self.normalized_shape = (dim,)
 
     def forward(self, x: Tensor) -> Tensor:
-        # One fused call instead of seven small ops per norm (two norms per layer at batch 1).
-        # It accumulates in fp32 for bf16/fp16 inputs, as HF does; HF also rounds to the
-        # activation dtype before the weight product, so bf16 results may differ by one ulp.
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        # F.rms_norm, or its one-pass CPU kernel (F.rms_norm is eight small ops on CPU). Both
+        # accumulate in fp32 for bf16/fp16 inputs, as HF does; HF also rounds to the activation
+        # dtype before the weight product, so bf16 results may differ from HF's by one ulp.
+        return cpu_ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -199,7 +201,7 @@ class Attention(nn.Module):
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads are rotated together: half the small kernels per layer at batch 1
-        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = cpu_ops.rotate_qk(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         out = backend.attend(self.layer, q, k, v)  # [T, Hq, D]
@@ -214,8 +216,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -304,14 +305,22 @@ class ContiguousKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.window = cfg.sliding_window
         self.max_len = max_len
+        self.scale = cfg.head_dim ** -0.5
         self.length = 0  # tokens fully written (all layers)
         self._pending = 0
+        self._slots = torch.arange(max_len, device=device)  # row i of the cache is slot i
+        self._new_slots, self._key_slots = self._slots[:0], self._slots[None, :0]
+        self._layer_k, self._layer_v = self.k.unbind(0), self.v.unbind(0)  # [max_len, Hkv, D] views
 
     def begin(self, num_new_tokens: int) -> None:
         """Declare how many tokens the next forward pass appends."""
         if self.length + num_new_tokens > self.max_len:
             raise ValueError(f"KV cache full: {self.length} + {num_new_tokens} > {self.max_len}")
         self._pending = num_new_tokens
+        # Slot views for the fused decode kernel, made once per step rather than once per layer.
+        end = self.length + num_new_tokens
+        first_key = 0 if self.window is None else max(0, end - self.window)
+        self._new_slots, self._key_slots = self._slots[self.length:end], self._slots[None, first_key:end]
 
     def commit(self) -> None:
         self.length += self._pending
@@ -323,6 +332,10 @@ class ContiguousKVCache:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         start, end = self.length, self.length + q.shape[0]
+        key_slots = self._key_slots
+        if q.shape[0] == 1 and cpu_ops.decode_attention_usable(q, self.k, key_slots.shape[1]):
+            return cpu_ops.decode_attention(q, k, v, self._layer_k[layer], self._layer_v[layer], self._new_slots,
+                                            key_slots, None, self.scale)
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
         keys, values = self.k[layer, :end], self.v[layer, :end]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from edge_rtgi.device import resolve_device, resolve_dtype
+from edge_rtgi.device import prepare_cpu_kernels, resolve_device, resolve_dtype
 from edge_rtgi.errors import ModelFileError, ModelNotFoundError
 from edge_rtgi.llm.model import ModelConfig, RotaryEmbedding, Transformer
 from edge_rtgi.llm.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
@@ -63,6 +63,7 @@ def load_model(source: str | Path, device: str | torch.device = "auto",
     state = assemble_state_dict(cfg, fetch, path, torch_dtype)
     model = _build_model(cfg, state, torch_device, torch_dtype, rope_factors)
     model.source_weight_formats = source_formats(cfg, formats)
+    prepare_cpu_kernels(torch_device)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path)
 
 

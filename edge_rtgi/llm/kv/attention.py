@@ -6,7 +6,9 @@ The runner lays out a step's tokens with all decodes first (one token each, toke
 1. writes every new key/value into its slot (one ``index_copy_`` for the whole batch, so a
    chunk attending to its own earlier tokens finds them);
 2. decodes: gathers each sequence's slots into a padded ``[B, S_max]`` batch and runs one
-   SDPA call with a padding mask (or one SDPA per sequence, see ``decode_mode``);
+   SDPA call with a padding mask (or one SDPA per sequence, see ``decode_mode``). A step of
+   decodes only, on the CPU, instead runs the fused kernel ``cpu_ops.decode_attention``, which
+   writes step 1 and reads the keys at their slots without gathering them;
 3. prefill chunks: gathers each sequence's slots and runs one SDPA per chunk, causal.
 
 Everything a layer needs (slot mapping, gather indices, masks) is built once per step in
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 
 
@@ -58,6 +61,12 @@ class PagedAttentionBackend:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
         md = self.md
+        if not md.chunks and md.decode_slots is not None:
+            k_store = self.storage.k[layer]
+            if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
+                # Writes the new keys/values too; an int8 store (other dtype) never gets here.
+                return cpu_ops.decode_attention(q, k, v, k_store, self.storage.v[layer], md.slot_mapping,
+                                                md.decode_slots, md.decode_mask, q.shape[-1] ** -0.5)
         self.storage.write(layer, md.slot_mapping, k, v)
         if not md.chunks:
             return self._decodes(layer, q)

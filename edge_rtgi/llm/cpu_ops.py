@@ -1,0 +1,176 @@
+"""Fused CPU kernels for the small operations of a decode step, with the PyTorch ops as fallback.
+
+At batch 1 a small model's decode step is dominated not by its matmuls but by ~40 small tensor
+ops per layer (RMSNorm alone is eight ops on CPU), each a few microseconds of dispatch for a few
+hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
+
+- ``rms_norm``: ``F.rms_norm`` (bit-identical here);
+- ``rotate_qk``: ``model.apply_rope`` in place (bit-identical in bf16);
+- ``silu_mul``: ``F.silu(gate) * up`` (bit-identical in bf16 but for exp's last-ulp rounding);
+- ``decode_attention``: the new keys/values written at their slots, then one query per row over
+  the listed key slots (grouped-query heads; an optional mask per key). Same math as SDPA,
+  summed in a different order.
+
+The extension is compiled on first use with the machine's C++ compiler (about 10-20 s, cached in
+``build_dir()``; ``scripts/setup.sh`` builds it ahead). Where it cannot be built
+(no compiler, no ninja) or is switched off (``EDGE_RTGI_CPU_KERNELS=0``), every function here
+runs the PyTorch ops it replaces, with one warning. CUDA tensors always take the PyTorch path.
+
+``edge_rtgi.device.prepare_cpu_kernels`` loads it for models placed on the CPU; until then (and
+inside ``disabled()``) the fallbacks run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+ENV_SWITCH = "EDGE_RTGI_CPU_KERNELS"  # "0" / "off": never build or use the kernels
+
+# Above this many keys per query, SDPA's flash kernel (tiled GEMMs, AMX on this CPU) beats the
+# fused loop, which has no GEMM: measured per layer call, bf16, 9 query / 3 KV heads, D 64,
+# 2 threads: 100 keys 22 us vs 36, 1,000 keys 201 us vs 95 (SDPA alone, without the cache
+# writes and reshapes around it).
+DECODE_ATTENTION_MAX_KEYS = 384
+
+_lock = threading.Lock()
+_ops = None  # torch.ops.edge_rtgi once loaded
+_failure: str | None = None
+_enabled = True
+
+
+def build_dir() -> Path:
+    """Where the compiled extension lives: ``$EDGE_RTGI_KERNEL_DIR``, else
+    ``$XDG_CACHE_HOME/edge-rtgi/kernels`` or ``~/.cache/edge-rtgi/kernels``; one folder per torch
+    version, since the library links against torch."""
+    root = os.environ.get("EDGE_RTGI_KERNEL_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = str(Path(xdg).expanduser() if xdg else Path.home() / ".cache") + "/edge-rtgi/kernels"
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '-')}"
+
+
+def load() -> bool:
+    """Build (first time) and load the extension; True when the fused kernels are usable.
+
+    Never raises: a build failure is logged once, with what to install, and the PyTorch ops
+    are used from then on.
+    """
+    global _ops, _failure
+    if _ops is not None:
+        return True
+    if _failure is not None:
+        return False
+    with _lock:
+        if _ops is not None or _failure is not None:
+            return _ops is not None
+        if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
+            _failure = f"switched off by {ENV_SWITCH}"
+            log.info("fused CPU kernels %s", _failure)
+            return False
+        try:
+            _ops = _build()
+        except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch ops
+            _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            log.warning("fused CPU kernels unavailable (%s); decoding uses the plain PyTorch ops, "
+                        "about 1.4x slower per token. They need a C++ compiler and ninja: "
+                        "apt-get install g++ ninja-build (scripts/setup.sh installs both).", _failure)
+            return False
+    return True
+
+
+def _build():
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # -march=native: the library is built on, and cached for, the machine that runs it.
+    # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
+    # library then needs libgomp.so.1, which resolves to the copy torch has already loaded.
+    load_extension(name="edge_rtgi_cpu_ops", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                   extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
+    log.info("fused CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, directory)
+    return torch.ops.edge_rtgi
+
+
+def available() -> bool:
+    """True when the kernels are loaded and not switched off by ``disabled()``."""
+    return _enabled and _ops is not None
+
+
+def failure() -> str | None:
+    """Why the kernels could not be loaded, or None."""
+    return _failure
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the PyTorch ops inside this block (equivalence tests and A/B benchmarks)."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def _use(x: Tensor) -> bool:
+    return _enabled and _ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``F.rms_norm`` over the last dimension."""
+    if _use(x) and weight.dtype == x.dtype:
+        return _ops.rms_norm.default(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rotate_qk(qk: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """``model.apply_rope`` on ``qk`` [T, H, D]. The fused kernel rotates in place (``qk`` must be
+    a temporary, such as a view of the q/k/v projection's output) and returns it."""
+    if _use(qk) and qk.stride(-1) == 1 and cos.dtype == qk.dtype:
+        _ops.rotary_.default(qk, cos, signed_sin)
+        return qk
+    from edge_rtgi.llm.model import apply_rope
+
+    return apply_rope(qk, cos, signed_sin)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SwiGLU's ``F.silu(gate) * up`` for ``gate_up`` = [..., gate | up]."""
+    if _use(gate_up):
+        return _ops.silu_mul.default(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def decode_attention_usable(q: Tensor, k_store: Tensor, num_keys: int) -> bool:
+    """Whether ``decode_attention`` should run: kernels loaded, CPU, one dtype, a contiguous store,
+    and few enough keys that the fused loop beats SDPA (``DECODE_ATTENTION_MAX_KEYS``)."""
+    return (_use(q) and num_keys <= DECODE_ATTENTION_MAX_KEYS and k_store.dtype == q.dtype
+            and k_store.is_contiguous())
+
+
+def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_store: Tensor, v_store: Tensor,
+                     new_slots: Tensor, key_slots: Tensor, key_mask: Tensor | None, scale: float) -> Tensor:
+    """Write ``k_new``/``v_new`` ([B, Hkv, D]) at ``new_slots`` ([B]) of the stores ([N, Hkv, D]),
+    then attend: row b's query heads ``q[b]`` ([Hq, D]) over the keys at ``key_slots[b]``
+    ([B, S] int64), skipping keys whose ``key_mask`` ([B, S] bool) is False. -> [B, Hq, D].
+
+    Only call it where ``decode_attention_usable`` said yes; there is no PyTorch fallback here
+    because the callers already have one (their SDPA path).
+    """
+    return _ops.decode_attention.default(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale)

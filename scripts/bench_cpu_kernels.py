@@ -1,0 +1,93 @@
+"""What each fused CPU kernel (edge_rtgi/llm/cpu_ops.py) is worth inside a real decode step.
+
+Paired, per step: every configuration keeps its own KV cache and decodes one token in turn, so
+that the machine's drift (tens of percent over minutes on a shared host) hits all of them alike;
+the figure reported is the median over steps of each configuration's step time divided by the
+first configuration's step time in the same round.
+
+    python scripts/bench_cpu_kernels.py                      # SmolLM2, quant auto, 300 steps
+    python scripts/bench_cpu_kernels.py --quant none --steps 200
+
+Configurations: "all" (every kernel), "without <kernel>" (that one replaced by its PyTorch ops),
+"none" (``cpu_ops.disabled()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from edge_rtgi.catalog import resolve_model
+from edge_rtgi.llm import cpu_ops
+from edge_rtgi.llm.model import ContiguousKVCache, apply_rope
+from edge_rtgi.llm.quant import apply_engine_quant
+from edge_rtgi.llm.weights import load_model
+
+FUSED = {"rms_norm": cpu_ops.rms_norm, "rotate_qk": cpu_ops.rotate_qk, "silu_mul": cpu_ops.silu_mul,
+         "decode_attention_usable": cpu_ops.decode_attention_usable}
+PLAIN = {"rms_norm": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps),
+         "rotate_qk": apply_rope,
+         "silu_mul": lambda gate_up: F.silu(gate_up.chunk(2, dim=-1)[0]) * gate_up.chunk(2, dim=-1)[1],
+         "decode_attention_usable": lambda *args: False}
+
+
+def configure(name: str) -> contextlib.AbstractContextManager:
+    for op, fused in FUSED.items():
+        setattr(cpu_ops, op, PLAIN[op] if name == f"without {op}" else fused)
+    return cpu_ops.disabled() if name == "none" else contextlib.nullcontext()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quant", default="auto", help="engine quant setting (auto, none, int8, ...)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--max-context", type=int, default=300, help="restart at the prompt after this many tokens")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(resolve_model(args.model, role="llm"), device="cpu", dtype="auto")
+    if not cpu_ops.available():
+        raise SystemExit(f"fused CPU kernels unavailable: {cpu_ops.failure()}")
+    model, cfg = loaded.model, loaded.config
+    print("weights:", apply_engine_quant(model, args.quant), "activations:", model.dtype, flush=True)
+    names = ["all"] + [f"without {op}" for op in FUSED] + ["none"]
+    caches, tokens, times = {}, {}, {name: [] for name in names}
+    prompt = torch.arange(args.prompt_tokens) + 100
+    with torch.inference_mode():
+        for name in names:
+            caches[name] = cache = ContiguousKVCache(cfg, args.max_context + 1, model.dtype, model.device)
+            with configure(name):
+                cache.begin(len(prompt))
+                hidden = model(prompt, torch.arange(len(prompt)), cache)
+                cache.commit()
+                tokens[name] = model.compute_logits(hidden[-1:]).argmax(-1)
+        for _ in range(args.steps):
+            for name in names:
+                cache = caches[name]
+                if cache.length >= args.max_context:
+                    cache.truncate(args.prompt_tokens)
+                with configure(name):
+                    start = time.perf_counter()
+                    cache.begin(1)
+                    hidden = model(tokens[name], torch.tensor([cache.length]), cache)
+                    cache.commit()
+                    tokens[name] = model.compute_logits(hidden[-1:]).argmax(-1)
+                    times[name].append(time.perf_counter() - start)
+    configure("all")
+    base = times["all"]
+    print(f"{args.steps} steps each, interleaved; medians")
+    for name in names:
+        ratio = statistics.median(t / b for t, b in zip(times[name], base, strict=True))
+        print(f"{name:<32} {1e3 * statistics.median(times[name]):7.2f} ms/step   {ratio:5.3f}x the step time with all")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""The fused CPU kernels (edge_rtgi/llm/csrc/cpu_ops.cpp) against the PyTorch ops they replace.
+
+Fresh random inputs every run (no fixed seed): the bounds must hold for any input, not for one.
+Bounds: fp32 within a few ulp (sums run in another order); bf16 bit-identical where the kernel
+rounds where eager rounds (RMSNorm, RoPE, SwiGLU: at least 99 % of elements equal, the rest one
+bf16 ulp from exp's last bit), attention within bf16 output rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edge_rtgi.llm import cpu_ops
+from edge_rtgi.llm.model import apply_rope, causal_window_mask, sdpa
+
+pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def rope_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = positions.float()[:, None] * inv[None]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((-sin, sin), -1)[:, None].to(dtype)
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, min_equal: float = 0.99):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        equal = (got == want).float().mean().item()
+        assert equal >= min_equal, f"only {equal:.4f} of bf16 elements equal"
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (300, 100)])
+def test_rms_norm(dtype, rows, dim):
+    x = torch.randn(rows, dim, dtype=dtype) * 3
+    w = (1 + 0.1 * torch.randn(dim)).to(dtype)
+    assert_matches(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (dim,), w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,dim", [(1, 12, 64), (5, 6, 16), (64, 3, 128)])
+def test_rotate_qk_in_place(dtype, tokens, heads, dim):
+    qkv = torch.randn(tokens, (heads + 2) * dim, dtype=dtype)
+    cos, sin = rope_tables(torch.randint(0, 4000, (tokens,)), dim, dtype)
+    qk = qkv[:, :heads * dim].view(tokens, heads, dim)  # a strided view, as in the model
+    want = apply_rope(qk, cos, sin)
+    untouched = qkv[:, heads * dim:].clone()
+    got = cpu_ops.rotate_qk(qk, cos, sin)
+    assert got.data_ptr() == qk.data_ptr()  # in place
+    assert torch.equal(qkv[:, heads * dim:], untouched)  # v is not touched
+    assert_matches(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3072), (9, 256), (2, 3, 40)])
+def test_silu_mul(dtype, shape):
+    gate_up = torch.randn(shape, dtype=dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_matches(cpu_ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+def reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask):
+    k_store, v_store = k_store.clone(), v_store.clone()
+    k_store[new_slots], v_store[new_slots] = k_new, v_new
+    outs = []
+    for b in range(q.shape[0]):
+        slots = key_slots[b] if key_mask is None else key_slots[b][key_mask[b]]
+        outs.append(sdpa(q[b:b + 1], k_store[slots], v_store[slots], None))
+    return torch.cat(outs), k_store, v_store
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 20)])
+def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
+    rows, keys, num_slots = 3, 37, 200
+    k_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
+    v_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
+    q = torch.randn(rows, heads, dim, dtype=dtype)
+    k_new, v_new = torch.randn(rows, kv_heads, dim, dtype=dtype), torch.randn(rows, kv_heads, dim, dtype=dtype)
+    key_slots = torch.stack([torch.randperm(num_slots)[:keys] for _ in range(rows)])
+    new_slots = key_slots[:, -1].clone()  # each row's new token is among its own keys
+    key_mask = torch.rand(rows, keys) > 0.3
+    key_mask[:, -1] = True
+    want, want_k, want_v = reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask)
+    got = cpu_ops.decode_attention(q, k_new, v_new, k_store, v_store, new_slots, key_slots,
+                                   key_mask[:, None, None, :], dim ** -0.5)  # SDPA's mask shape is accepted
+    assert torch.equal(k_store, want_k) and torch.equal(v_store, want_v)  # the writes are exact
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_contiguous_window(dtype):
+    """The contiguous cache's case: slots are cache rows, a sliding window drops the oldest."""
+    end, window = 50, 16
+    k_store, v_store = torch.randn(64, 2, 32, dtype=dtype), torch.randn(64, 2, 32, dtype=dtype)
+    q, k_new, v_new = torch.randn(1, 4, 32, dtype=dtype), torch.randn(1, 2, 32, dtype=dtype), torch.randn(1, 2, 32, dtype=dtype)
+    want_k, want_v = k_store.clone(), v_store.clone()
+    want_k[end - 1], want_v[end - 1] = k_new[0], v_new[0]
+    mask = causal_window_mask(torch.tensor([end - 1]), torch.arange(end), window)
+    want = sdpa(q, want_k[:end], want_v[:end], mask)
+    slots = torch.arange(64)
+    got = cpu_ops.decode_attention(q, k_new, v_new, k_store, v_store, slots[end - 1:end], slots[None, end - window:end],
+                                   None, 32 ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_bad_slots_are_refused_with_the_slot():
+    k_store = torch.zeros(8, 1, 16)
+    q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="slot 9 out of range"):
+        cpu_ops.decode_attention(q, k, k, k_store, k_store.clone(), torch.tensor([1]), torch.tensor([[0, 9]]), None, 0.25)
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):
+        cpu_ops.decode_attention(q, k, k, k_store, k_store.clone(), torch.tensor([8]), torch.tensor([[0, 1]]), None, 0.25)
+    with pytest.raises(RuntimeError, match="must be Float"):
+        cpu_ops.decode_attention(q, k.bfloat16(), k, k_store, k_store.clone(), torch.tensor([1]), torch.tensor([[0]]), None, 0.25)
+
+
+def test_disabled_runs_the_pytorch_ops():
+    x, w = torch.randn(2, 32), torch.ones(32)
+    assert cpu_ops.available()
+    with cpu_ops.disabled():
+        assert not cpu_ops.available()
+        assert not cpu_ops.decode_attention_usable(torch.zeros(1, 2, 8), torch.zeros(4, 1, 8), 3)
+        assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (32,), w, 1e-6))
+    assert cpu_ops.available()
+    # float64 and long contexts always take the PyTorch path
+    assert not cpu_ops.decode_attention_usable(torch.zeros(1, 2, 8, dtype=torch.float64),
+                                               torch.zeros(4, 1, 8, dtype=torch.float64), 3)
+    assert not cpu_ops.decode_attention_usable(torch.zeros(1, 2, 8), torch.zeros(4, 1, 8),
+                                               cpu_ops.DECODE_ATTENTION_MAX_KEYS + 1)
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+    def no_compiler():
+        raise RuntimeError("Error building extension 'edge_rtgi_cpu_ops': g++: not found")
+
+    monkeypatch.setattr(cpu_ops, "_ops", None)
+    monkeypatch.setattr(cpu_ops, "_failure", None)
+    monkeypatch.setattr(cpu_ops, "_build", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="edge_rtgi.llm.cpu_ops"):
+        assert cpu_ops.load() is False
+    assert "g++: not found" in cpu_ops.failure()
+    assert "apt-get install g++ ninja-build" in caplog.text
+    assert cpu_ops.load() is False  # tried once, not on every call
+    x, w = torch.randn(2, 32), torch.ones(32)
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (32,), w, 1e-6))
+
+
+def test_switch_off_by_environment(monkeypatch):
+    monkeypatch.setattr(cpu_ops, "_ops", None)
+    monkeypatch.setattr(cpu_ops, "_failure", None)
+    monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
+    assert cpu_ops.load() is False
+    assert "switched off" in cpu_ops.failure()
