@@ -10,6 +10,9 @@ hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
 - ``decode_attention``: the new keys/values written at their slots, then one query per row over
   the listed key slots (grouped-query heads; an optional mask per key). Same math as SDPA,
   summed in a different order.
+- ``run_decode_layers``: the whole layer stack of a decode step in one call: the C++ loop runs
+  ``DecoderLayer.forward``'s sequence with the kernels above and ATen's (quantised) matmuls, so
+  no Python runs between them. ``model.py`` stays the reference; tests compare the two.
 
 The extension is compiled on first use with the machine's C++ compiler (about 10-20 s, cached in
 ``build_dir()``; ``scripts/setup.sh`` builds it ahead). Where it cannot be built
@@ -27,7 +30,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -174,3 +178,103 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_store: Tensor, v
     because the callers already have one (their SDPA path).
     """
     return _ops.decode_attention.default(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale)
+
+
+# --- the layer stack in one call -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeSlots:
+    """What ``decode_attention`` needs from a KV cache for every layer of one decode step."""
+
+    k_stores: Sequence[Tensor]  # per layer [N, Hkv, D]
+    v_stores: Sequence[Tensor]
+    new_slots: Tensor  # [B] int64
+    key_slots: Tensor  # [B, S] int64
+    key_mask: Tensor | None  # [B, S] (or [B, 1, 1, S]) bool
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    generation: int
+    dtype: torch.dtype
+    params: list  # 14 per layer, see csrc/cpu_ops.cpp
+    meta: list[int]  # 8 per layer
+    max_rows: int  # more rows than this take the Python layers (dense copies for wide inputs)
+
+
+# Bumped whenever any module, parameter or buffer is (re)assigned anywhere, and when a Transformer
+# is converted (.to(), .float(), ...): a cached plan is only used at the generation it was built in.
+_generation = 0
+
+
+def _bump(*_args) -> None:
+    global _generation
+    _generation += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_bump)
+torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
+torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
+
+
+def note_model_converted() -> None:
+    """Called by ``Transformer._apply``: conversions replace buffers without registration hooks."""
+    _bump()
+
+
+def _build_plan(model) -> _LayerPlan | None:
+    from edge_rtgi.llm.quant.kernels import Int4Linear, Int8Linear
+
+    params: list = []
+    meta: list[int] = []
+    max_rows = 1 << 30
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            kind = type(linear)
+            if kind is torch.nn.Linear:
+                params += [linear.weight, None, linear.bias]
+                meta += [0, 0]
+                continue
+            if kind not in (Int4Linear, Int8Linear) or (kind is Int4Linear and linear.on_cuda):
+                return None  # a layer type the C++ loop does not know: keep the Python layers
+            if linear.dense_weight is not None:
+                max_rows = min(max_rows, linear.max_kernel_rows)
+            if kind is Int4Linear:
+                params += [linear.qweight, linear.scales_and_zeros, linear.bias]
+                meta += [2, linear.group_size]
+            else:
+                params += [linear.qweight, linear.scales, linear.bias]
+                meta += [1, 0]
+    dtype = model.dtype
+    if any(p is not None and p.is_floating_point() and p.dtype != dtype for p in params):
+        return None
+    return _LayerPlan(_generation, dtype, params, meta, max_rows)
+
+
+def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend) -> Tensor | None:
+    """``for layer in model.layers: x = layer(x, cos, signed_sin, backend)`` in one C++ call, or
+    None where that does not apply (kernels off, not a decode step the backend can describe with
+    ``decode_slots()``, too many keys or rows, or a layer type the C++ loop does not know): the
+    caller then runs the Python layers.
+    """
+    if not _use(x) or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return None
+    describe = getattr(backend, "decode_slots", None)
+    slots: DecodeSlots | None = describe() if describe is not None else None
+    if slots is None or slots.key_slots.shape[1] > DECODE_ATTENTION_MAX_KEYS or slots.k_stores[0].dtype != x.dtype:
+        return None
+    plan = getattr(model, "_fused_decode_plan", None)
+    if plan is None or plan.generation != _generation or plan.dtype != x.dtype:
+        plan = _build_plan(model)
+        if plan is None:
+            return None
+        model._fused_decode_plan = plan
+    if x.shape[0] > plan.max_rows:
+        return None
+    cfg = model.config
+    return _ops.decode_layers.default(x, cos, signed_sin, plan.params, plan.meta, slots.k_stores, slots.v_stores,
+                                      slots.new_slots, slots.key_slots, slots.key_mask, cfg.num_heads,
+                                      cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)

@@ -94,7 +94,11 @@ class ModelConfig:
 
 
 class AttentionBackend(Protocol):
-    """Writes new keys/values into a cache and attends over it, for one layer at a time."""
+    """Writes new keys/values into a cache and attends over it, for one layer at a time.
+
+    A backend may also offer ``decode_slots() -> cpu_ops.DecodeSlots | None``, describing a
+    step of one query per sequence to the fused CPU decode path.
+    """
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (already rotated) -> out [T, Hq, D]."""
@@ -260,9 +264,19 @@ class Transformer(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        # A CPU decode step runs these same layers as one C++ loop (cpu_ops.run_decode_layers).
+        fused = cpu_ops.run_decode_layers(self, x, cos, sin, backend)
+        if fused is not None:
+            return self.norm(fused)
         for layer in self.layers:
             x = layer(x, cos, sin, backend)
         return self.norm(x)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .float() replace buffers without nn.Module's registration hooks; a cached fused
+        # decode plan must not keep the old ones.
+        cpu_ops.note_model_converted()
+        return super()._apply(fn, *args, **kwargs)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32, so sampling sees full precision
@@ -325,6 +339,12 @@ class ContiguousKVCache:
     def commit(self) -> None:
         self.length += self._pending
         self._pending = 0
+
+    def decode_slots(self) -> cpu_ops.DecodeSlots | None:
+        """The fused decode path's view of this cache for a one-token step (None otherwise)."""
+        if self._pending != 1:
+            return None
+        return cpu_ops.DecodeSlots(self._layer_k, self._layer_v, self._new_slots, self._key_slots, None)
 
     def truncate(self, length: int) -> None:
         """Forget tokens after ``length`` (used by speculative decoding and stop handling)."""

@@ -1,9 +1,14 @@
-"""The fused CPU kernels leave the model's function unchanged: greedy output with them equals
-greedy output without them (``cpu_ops.disabled()``), on the plain path and in the engine.
+"""The fused CPU decode path leaves the model's function unchanged: greedy output with it equals
+greedy output on the plain PyTorch ops (``cpu_ops.disabled()``), on the plain path and in the
+engine, in both of its forms:
+
+- "per-op": the Python layers calling the fused kernels (``run_decode_layers`` switched off);
+- "layer loop": ``cpu_ops.run_decode_layers``, the whole layer stack in one C++ call.
 
 Seeded tiny models (tests/tiny_models.py) in fp32: llama (tied head, llama3 RoPE scaling), qwen2
-(q/k/v biases) and mistral (sliding window of 8, so long decodes drop keys). In bf16 the
-attention sums round differently, so there the bound is on the logits instead.
+(q/k/v biases) and mistral (sliding window of 8, so long decodes drop keys), with full-precision,
+int8 and int4 weights. In bf16 the attention sums round differently, so there the bound is on
+the logits instead. Counters check that the fused code really ran.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ import torch
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.model import ContiguousKVCache
+from edge_rtgi.llm.quant import apply_engine_quant
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, engine_for, run_staggered
 from tests.tiny_models import make_tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}")
+
+MODES = ["per-op", "layer loop"]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -28,21 +36,37 @@ def folder(request, tmp_path_factory):
 
 
 @pytest.fixture
-def decode_calls(monkeypatch) -> list[int]:
-    """Counts fused decode-attention calls, so a test fails if the kernel path silently never ran."""
-    calls: list[int] = []
-    real = cpu_ops.decode_attention
+def fused_mode(request, monkeypatch) -> dict[str, int]:
+    """Put the fused path in ``request.param`` mode; count what ran."""
+    counts = {"layer loops": 0, "attention calls": 0}
+    real_loop, real_attention = cpu_ops.run_decode_layers, cpu_ops.decode_attention
 
-    def counted(q, *args):
-        calls.append(q.shape[0])
-        return real(q, *args)
+    def loop(*args):
+        out = real_loop(*args) if request.param == "layer loop" else None
+        counts["layer loops"] += out is not None
+        return out
 
-    monkeypatch.setattr(cpu_ops, "decode_attention", counted)
-    return calls
+    def attention(*args):
+        counts["attention calls"] += 1
+        return real_attention(*args)
+
+    monkeypatch.setattr(cpu_ops, "run_decode_layers", loop)
+    monkeypatch.setattr(cpu_ops, "decode_attention", attention)
+    return counts
 
 
-def test_plain_path_greedy_is_unchanged(folder, decode_calls):
+def check_counts(counts: dict[str, int], mode: str, min_steps: int) -> None:
+    if mode == "layer loop":
+        assert counts["layer loops"] >= min_steps
+    else:
+        assert counts["layer loops"] == 0 and counts["attention calls"] >= min_steps
+
+
+@pytest.mark.parametrize("fused_mode", MODES, indirect=True)
+@pytest.mark.parametrize("quant", ["none", "int8", "int4-g32", "auto"])
+def test_plain_path_greedy_is_unchanged(folder, fused_mode, quant, request):
     loaded = load_model(folder, device="cpu", dtype="fp32")
+    apply_engine_quant(loaded.model, quant)
     tok = loaded.tokenizer
     params = SamplingParams(max_tokens=24, ignore_eos=True)  # past mistral's window of 8
     for text in TEXTS:
@@ -50,23 +74,44 @@ def test_plain_path_greedy_is_unchanged(folder, decode_calls):
         with cpu_ops.disabled():
             plain = generate(loaded, tok.encode(text), params)
         assert fused.token_ids == plain.token_ids, text
-    assert len(decode_calls) >= len(TEXTS) * 23 * loaded.config.num_layers
+    check_counts(fused_mode, request.node.callspec.params["fused_mode"], len(TEXTS) * 23)
 
 
-def test_engine_with_kernels_matches_plain_path_without(folder, decode_calls):
+@pytest.mark.parametrize("fused_mode", MODES, indirect=True)
+def test_engine_matches_plain_path_without_kernels(folder, fused_mode, request):
     loaded = load_model(folder, device="cpu", dtype="fp32")
+    apply_engine_quant(loaded.model, "int8")
     tok = loaded.tokenizer
     prompts = [tok.encode(t) for t in TEXTS]
     params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(TEXTS))]
     engine = engine_for(loaded, max_num_batched_tokens=64)
     results = run_staggered(engine, prompts, params)  # padded decode batches with masks
-    assert max(decode_calls) > 1  # several sequences per kernel call
+    check_counts(fused_mode, request.node.callspec.params["fused_mode"], 20)
     with cpu_ops.disabled():
         for prompt, p, got in zip(prompts, params, results, strict=True):
             assert got.token_ids == generate(loaded, prompt, p).token_ids
 
 
-def test_bf16_logits_stay_close(folder):
+def test_plan_follows_module_swaps_and_conversions(folder):
+    """The layer loop caches its arguments; quantising or converting the model must refresh them."""
+    loaded = load_model(folder, device="cpu", dtype="fp32")
+    tok = loaded.tokenizer
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = tok.encode(TEXTS[1])
+    generate(loaded, prompt, params)  # builds a plan on full-precision weights
+    apply_engine_quant(loaded.model, "int4-g32")  # swaps every linear
+    with cpu_ops.disabled():
+        want = generate(loaded, prompt, params).token_ids
+    assert generate(loaded, prompt, params).token_ids == want
+    loaded.model.to(torch.bfloat16)  # replaces buffers without registration hooks
+    with cpu_ops.disabled():
+        want = generate(loaded, prompt, params).token_ids
+    got = generate(loaded, prompt, params).token_ids
+    assert sum(a == b for a, b in zip(got, want)) >= 10  # bf16: sums may round apart late
+
+
+@pytest.mark.parametrize("fused_mode", MODES, indirect=True)
+def test_bf16_logits_stay_close(folder, fused_mode):
     loaded = load_model(folder, device="cpu", dtype="bf16")
     model, cfg = loaded.model, loaded.config
     ids = torch.tensor(loaded.tokenizer.encode(TEXTS[5]))
@@ -75,7 +120,7 @@ def test_bf16_logits_stay_close(folder):
         cache = ContiguousKVCache(cfg, 128, model.dtype, model.device)
         rows = []
         with torch.inference_mode():
-            for pos, token in enumerate(ids.tolist()):  # one token per step: the decode kernels run
+            for pos, token in enumerate(ids.tolist()):  # one token per step: the decode path runs
                 cache.begin(1)
                 hidden = model(torch.tensor([token]), torch.tensor([pos]), cache)
                 cache.commit()

@@ -16,7 +16,11 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -396,12 +400,81 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k_new_in, const Tensor
   return out;
 }
 
+// --- The layer stack of a one-token decode step -------------------------------------------------
+//
+// model.py's DecoderLayer.forward, layer after layer, for one query row, calling the kernels above
+// and ATen's matmuls directly: at batch 1 the Python around ~15 ops per layer (module calls,
+// attribute lookups, views) cost about as much as the small ops themselves. The Python model stays
+// the reference; cpu_ops.decode_layers builds the arguments and tests compare the two.
+//
+// Per layer, `params` holds 14 entries: input_layernorm.weight, post_attention_layernorm.weight,
+// then for qkv, o, gate_up, down: (a, b, bias) with `meta` giving (kind, group size) per linear:
+//   kind 0, dense:  a = weight [N, K]                     (F.linear)
+//   kind 1, int8:   a = int8 weight [N, K], b = scales [N] (aten._weight_int8pack_mm)
+//   kind 2, int4:   a = CPU-packed int4, b = scales_and_zeros [K/G, N, 2] (aten._weight_int4pack_mm_for_cpu)
+
+constexpr int64_t kParamsPerLayer = 14, kMetaPerLayer = 8;
+
+Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10::optional<Tensor>& a,
+                    const c10::optional<Tensor>& b, const c10::optional<Tensor>& bias) {
+  TORCH_CHECK(a.has_value(), "edge_rtgi::decode_layers: a linear layer has no weight");
+  Tensor y;
+  if (kind == 0) {
+    return at::linear(x, *a, bias);
+  } else if (kind == 1) {
+    y = at::_weight_int8pack_mm(x, *a, *b);
+  } else if (kind == 2) {
+    y = at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
+  } else {
+    TORCH_CHECK(false, "edge_rtgi::decode_layers: unknown linear kind ", kind);
+  }
+  return bias.has_value() ? at::add(y, *bias) : y;
+}
+
+Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed_sin,
+                     const c10::List<c10::optional<Tensor>>& params, at::IntArrayRef meta, at::TensorList k_stores,
+                     at::TensorList v_stores, const Tensor& new_slots, const Tensor& key_slots,
+                     const c10::optional<Tensor>& key_mask, int64_t num_heads, int64_t num_kv_heads, double eps,
+                     double scale) {
+  check_activation(x_in, "decode_layers");
+  const int64_t num_layers = static_cast<int64_t>(k_stores.size());
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kParamsPerLayer &&
+                  static_cast<int64_t>(meta.size()) == num_layers * kMetaPerLayer &&
+                  static_cast<int64_t>(v_stores.size()) == num_layers,
+              "edge_rtgi::decode_layers: ", num_layers, " layers need ", num_layers * kParamsPerLayer, " params and ",
+              num_layers * kMetaPerLayer, " meta entries");
+  const int64_t tokens = x_in.size(0), head_dim = k_stores[0].size(2);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  Tensor x = x_in;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    auto param = [&](int64_t i) { return params.get(layer * kParamsPerLayer + i); };
+    auto linear = [&](const Tensor& input, int64_t which) {
+      const int64_t p = 2 + 3 * which, m = layer * kMetaPerLayer + 2 * which;
+      return apply_linear(input, meta[m], meta[m + 1], param(p), param(p + 1), param(p + 2));
+    };
+    Tensor h = rms_norm(x, *param(0), eps);
+    Tensor qkv = linear(h, 0);  // [T, (Hq + 2 Hkv) D]
+    Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
+    rotary_(qk, cos, signed_sin);
+    Tensor attn = decode_attention(qk.narrow(1, 0, num_heads), qk.narrow(1, num_heads, num_kv_heads),
+                                   qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim}),
+                                   k_stores[layer], v_stores[layer], new_slots, key_slots, key_mask, scale);
+    x = at::add(x, linear(attn.view({tokens, q_size}), 1));
+    h = rms_norm(x, *param(1), eps);
+    x = at::add(x, linear(silu_mul(linear(h, 2)), 3));
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edge_rtgi, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("decode_layers(Tensor x, Tensor cos, Tensor signed_sin, Tensor?[] params, int[] meta, Tensor[] k_stores, "
+        "Tensor[] v_stores, Tensor new_slots, Tensor key_slots, Tensor? key_mask, int num_heads, int num_kv_heads, "
+        "float eps, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_store, Tensor(b!) v_store, "
         "Tensor new_slots, Tensor key_slots, Tensor? key_mask, float scale) -> Tensor");
 }
@@ -411,4 +484,5 @@ TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_layers", &decode_layers);
 }

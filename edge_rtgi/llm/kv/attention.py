@@ -83,6 +83,13 @@ class PagedAttentionBackend:
             out[c.q_start:c.q_start + c.q_len] = o[0].transpose(0, 1)
         return out
 
+    def decode_slots(self) -> cpu_ops.DecodeSlots | None:
+        """The fused CPU decode path's view of this step: decodes only, padded mode, plain store."""
+        md = self.md
+        if md.chunks or md.decode_slots is None or type(self.storage) is not PagedKVStorage:
+            return None
+        return cpu_ops.DecodeSlots(self.storage.k, self.storage.v, md.slot_mapping, md.decode_slots, md.decode_mask)
+
     def _decodes(self, layer: int, q: Tensor) -> Tensor:
         # q: [B, Hq, D], one query per sequence -> [B, Hq, D]
         md = self.md
