@@ -58,12 +58,33 @@ _enabled = True
 def build_dir() -> Path:
     """Where the compiled extension lives: ``$EDGE_RTGI_KERNEL_DIR``, else
     ``$XDG_CACHE_HOME/edge-rtgi/kernels`` or ``~/.cache/edge-rtgi/kernels``; one folder per torch
-    version, since the library links against torch."""
+    version (the library links against torch) and CPU (it is built with -march=native, so a
+    cache shared between different CPUs must not hand one CPU another's instructions)."""
     root = os.environ.get("EDGE_RTGI_KERNEL_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = str(Path(xdg).expanduser() if xdg else Path.home() / ".cache") + "/edge-rtgi/kernels"
-    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '-')}"
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '-')}" / _cpu_fingerprint()
+
+
+def _cpu_fingerprint() -> str:
+    import hashlib
+    import platform
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        # The model name and feature flags of the first CPU: what -march=native is derived from.
+        keys = ("model name", "flags", "Features", "CPU part")
+        wanted = [line for line in info.split("\n\n")[0].splitlines() if line.split(":")[0].strip() in keys]
+    except OSError:
+        wanted = []
+    digest = hashlib.sha256("\n".join([platform.machine(), *wanted]).encode()).hexdigest()[:12]
+    return f"{platform.machine()}-{digest}"
+
+
+# A build takes ~10-20 s; a lock older than this was left by a build that was killed, and torch's
+# loader would wait on it forever.
+STALE_LOCK_S = 600
 
 
 def load() -> bool:
@@ -100,6 +121,10 @@ def _build():
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock %s (a build was interrupted)", lock)
+        lock.unlink(missing_ok=True)
     started = time.perf_counter()
     # -march=native: the library is built on, and cached for, the machine that runs it.
     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the

@@ -107,7 +107,7 @@ def test_plan_follows_module_swaps_and_conversions(folder):
     with cpu_ops.disabled():
         want = generate(loaded, prompt, params).token_ids
     got = generate(loaded, prompt, params).token_ids
-    assert sum(a == b for a, b in zip(got, want)) >= 10  # bf16: sums may round apart late
+    assert sum(a == b for a, b in zip(got, want, strict=True)) >= 10  # bf16: sums may round apart late
 
 
 @pytest.mark.parametrize("fused_mode", MODES, indirect=True)

@@ -163,3 +163,45 @@ def test_switch_off_by_environment(monkeypatch):
     monkeypatch.setenv(cpu_ops.ENV_SWITCH, "0")
     assert cpu_ops.load() is False
     assert "switched off" in cpu_ops.failure()
+
+
+def test_build_dir_is_per_torch_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGE_RTGI_KERNEL_DIR", str(tmp_path))
+    path = cpu_ops.build_dir()
+    assert path.parent == tmp_path / f"torch-{torch.__version__.replace('+', '-')}"
+    assert path.name.startswith(__import__("platform").machine())
+
+
+def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
+    """A build killed half-way leaves torch's lock file; the next load must not wait on it forever."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("EDGE_RTGI_KERNEL_DIR", str(tmp_path))
+    lock = cpu_ops.build_dir() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    old = time.time() - cpu_ops.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    seen = {}
+
+    def fake_load(**kwargs):
+        seen["lock present"] = lock.exists()
+        seen["flags"] = kwargs["extra_cflags"]
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    cpu_ops._build()
+    assert seen == {"lock present": False, "flags": ["-O3", "-march=native", "-fopenmp"]}
+    lock.touch()  # a fresh lock belongs to a build in progress: left alone
+    cpu_ops._build()
+    assert seen["lock present"] is True
+
+
+def test_layer_loop_refuses_mismatched_arguments():
+    x, cos = torch.zeros(1, 8), torch.ones(1, 1, 4)
+    store, slots = torch.zeros(4, 1, 4), torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="1 layers need 14 params and 8 meta entries"):
+        torch.ops.edge_rtgi.decode_layers(x, cos, cos, [None] * 3, [0] * 8, [store], [store], slots[0], slots, None,
+                                          2, 1, 1e-6, 0.5)
