@@ -42,6 +42,13 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 ENV_SWITCH = "EDGE_RTGI_CPU_KERNELS"  # "0" / "off": never build or use the kernels
+# The -march the kernels are built for: "native" (the machine that runs them), or a baseline such
+# as "x86-64-v3" (AVX2 only) to build for a fleet, or to check the portable loops on an AVX-512 CPU.
+ENV_MARCH = "EDGE_RTGI_KERNEL_MARCH"
+
+
+def target_arch() -> str:
+    return os.environ.get(ENV_MARCH) or "native"
 
 # Above this many keys per query, SDPA's flash kernel (tiled GEMMs, AMX on this CPU) beats the
 # fused loop, which has no GEMM: measured per layer call, bf16, 9 query / 3 KV heads, D 64,
@@ -64,7 +71,8 @@ def build_dir() -> Path:
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = str(Path(xdg).expanduser() if xdg else Path.home() / ".cache") + "/edge-rtgi/kernels"
-    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '-')}" / _cpu_fingerprint()
+    folder = _cpu_fingerprint() if target_arch() == "native" else f"march-{target_arch()}"
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '-')}" / folder
 
 
 def _cpu_fingerprint() -> str:
@@ -126,13 +134,20 @@ def _build():
         log.warning("removing a stale kernel build lock %s (a build was interrupted)", lock)
         lock.unlink(missing_ok=True)
     started = time.perf_counter()
-    # -march=native: the library is built on, and cached for, the machine that runs it.
+    # -march=native (by default): the library is built on, and cached for, the machine that runs it.
     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
     # library then needs libgomp.so.1, which resolves to the copy torch has already loaded.
-    load_extension(name="edge_rtgi_cpu_ops", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+    load_extension(name="edge_rtgi_cpu_ops", sources=[str(SOURCE)], extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
                    extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
-    log.info("fused CPU kernels ready in %.1f s (%s)", time.perf_counter() - started, directory)
-    return torch.ops.edge_rtgi
+    ops = torch.ops.edge_rtgi
+    log.info("fused CPU kernels (%s loops) ready in %.1f s (%s)", ops.build_info(), time.perf_counter() - started,
+             directory)
+    return ops
+
+
+def build_info() -> str | None:
+    """Which inner loops the loaded library was compiled with: "avx512" or "portable" (None: not loaded)."""
+    return _ops.build_info() if _ops is not None else None
 
 
 def available() -> bool:

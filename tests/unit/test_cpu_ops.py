@@ -205,3 +205,28 @@ def test_layer_loop_refuses_mismatched_arguments():
     with pytest.raises(RuntimeError, match="1 layers need 14 params and 8 meta entries"):
         torch.ops.edge_rtgi.decode_layers(x, cos, cos, [None] * 3, [0] * 8, [store], [store], slots[0], slots, None,
                                           2, 1, 1e-6, 0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64-v3 is an x86 baseline")
+def test_portable_loops_pass_the_same_tests(tmp_path):
+    """CPUs without AVX-512 (AVX2 laptops, Arm Jetsons) run the portable loops: build the library
+    for an AVX2 baseline in a fresh folder and run this file's kernel tests and the model
+    equivalence tests against it, in a subprocess (one process can load only one copy)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, cpu_ops.ENV_MARCH: "x86-64-v3", "EDGE_RTGI_KERNEL_DIR": str(tmp_path)}
+    probe = subprocess.run([sys.executable, "-c", "from edge_rtgi.llm import cpu_ops; assert cpu_ops.load(), "
+                            "cpu_ops.failure(); print(cpu_ops.build_info(), cpu_ops.build_dir().name)"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.split() == ["portable", "march-x86-64-v3"]
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/unit/test_cpu_ops.py", "tests/equivalence/test_cpu_ops_model.py",
+                            "-k", "not portable and not stale and not build_dir", "-m", "not slow"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert tests.returncode == 0, tests.stdout[-3000:]

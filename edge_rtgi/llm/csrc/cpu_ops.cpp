@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -466,9 +467,18 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed
   return x;
 }
 
+std::string build_info() {
+#ifdef EDGE_RTGI_AVX512
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(edge_rtgi, m) {
+  m.def("build_info() -> str");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary_(Tensor(a!) qk, Tensor cos, Tensor signed_sin) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -478,6 +488,9 @@ TORCH_LIBRARY(edge_rtgi, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_store, Tensor(b!) v_store, "
         "Tensor new_slots, Tensor key_slots, Tensor? key_mask, float scale) -> Tensor");
 }
+
+// build_info takes no tensor, so it is registered for every dispatch key.
+TORCH_LIBRARY_FRAGMENT(edge_rtgi, m) { m.impl("build_info", TORCH_FN(build_info)); }
 
 TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
   m.impl("rms_norm", &rms_norm);
