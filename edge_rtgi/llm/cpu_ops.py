@@ -4,7 +4,7 @@ At batch 1 a small model's decode step is dominated not by its matmuls but by ~4
 ops per layer (RMSNorm alone is eight ops on CPU), each a few microseconds of dispatch for a few
 hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
 
-- ``rms_norm``: ``F.rms_norm`` (bit-identical here);
+- ``rms_norm``: ``F.rms_norm`` (same rounding; the mean of squares is summed in another order);
 - ``rotate_qk``: ``model.apply_rope`` in place (bit-identical in bf16);
 - ``silu_mul``: ``F.silu(gate) * up`` (bit-identical in bf16 but for exp's last-ulp rounding);
 - ``decode_attention``: the new keys/values written at their slots, then one query per row over
@@ -26,7 +26,9 @@ inside ``disabled()``) the fallbacks run.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -59,7 +61,7 @@ DECODE_ATTENTION_MAX_KEYS = 384
 _lock = threading.Lock()
 _ops = None  # torch.ops.edge_rtgi once loaded
 _failure: str | None = None
-_enabled = True
+_disabled_depth = 0  # disabled() blocks currently open, in any thread
 
 
 def build_dir() -> Path:
@@ -90,9 +92,9 @@ def _cpu_fingerprint() -> str:
     return f"{platform.machine()}-{digest}"
 
 
-# A build takes ~10-20 s; a lock older than this was left by a build that was killed, and torch's
-# loader would wait on it forever.
-STALE_LOCK_S = 600
+# A build takes ~10-20 s here (a minute or two on slow Arm boards). A lock older than this was left
+# by a build that was killed, and torch's loader would wait on it forever.
+STALE_LOCK_S = 300
 
 
 def load() -> bool:
@@ -129,10 +131,7 @@ def _build():
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock %s (a build was interrupted)", lock)
-        lock.unlink(missing_ok=True)
+    _clear_stale_lock(directory / "lock")
     started = time.perf_counter()
     # -march=native (by default): the library is built on, and cached for, the machine that runs it.
     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
@@ -145,6 +144,21 @@ def _build():
     return ops
 
 
+def _clear_stale_lock(lock: Path) -> None:
+    """Wait for another process's build to finish, at most until its lock is STALE_LOCK_S old;
+    then remove the lock (torch's loader would otherwise wait on it for ever)."""
+    while True:
+        try:
+            age_s = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age_s > STALE_LOCK_S:
+            log.warning("removing a stale kernel build lock %s (%.0f s old: a build was interrupted)", lock, age_s)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
 def build_info() -> str | None:
     """Which inner loops the loaded library was compiled with: "avx512" or "portable" (None: not loaded)."""
     return _ops.build_info() if _ops is not None else None
@@ -152,7 +166,7 @@ def build_info() -> str | None:
 
 def available() -> bool:
     """True when the kernels are loaded and not switched off by ``disabled()``."""
-    return _enabled and _ops is not None
+    return _disabled_depth == 0 and _ops is not None
 
 
 def failure() -> str | None:
@@ -162,17 +176,26 @@ def failure() -> str | None:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Run the PyTorch ops inside this block (equivalence tests and A/B benchmarks)."""
-    global _enabled
-    previous, _enabled = _enabled, False
+    """Run the PyTorch ops inside this block (equivalence tests and A/B benchmarks).
+
+    Process-wide, not per thread: an engine thread sharing the model runs the PyTorch ops too
+    while any ``disabled()`` block is open. Blocks may nest and overlap across threads.
+    """
+    global _disabled_depth
+    with _lock:
+        _disabled_depth += 1
     try:
         yield
     finally:
-        _enabled = previous
+        with _lock:
+            _disabled_depth -= 1
 
 
 def _use(x: Tensor) -> bool:
-    return _enabled and _ops is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    # The kernels have no backward: with gradients on, the PyTorch ops run (inference runs under
+    # torch.inference_mode, where they are off).
+    return (_disabled_depth == 0 and _ops is not None and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -236,31 +259,24 @@ class DecodeSlots:
 
 @dataclass(frozen=True)
 class _LayerPlan:
-    generation: int
     dtype: torch.dtype
     params: list  # 14 per layer, see csrc/cpu_ops.cpp
     meta: list[int]  # 8 per layer
     max_rows: int  # more rows than this take the Python layers (dense copies for wide inputs)
+    # (container dict, key, object) for every module, parameter and buffer the plan was read from:
+    # the plan is valid while each container still holds that very object. Checked every step
+    # with dict lookups (~60 us for SmolLM2), so no way of swapping a weight or a module
+    # (setattr, load_state_dict(assign=True), functional_call, model.to) can leave it stale.
+    bindings: tuple[tuple[dict, str, object], ...]
+    modules: tuple[torch.nn.Module, ...]  # hooks or a patched forward on any of these: Python layers
 
-
-# Bumped whenever any module, parameter or buffer is (re)assigned anywhere, and when a Transformer
-# is converted (.to(), .float(), ...): a cached plan is only used at the generation it was built in.
-_generation = 0
-
-
-def _bump(*_args) -> None:
-    global _generation
-    _generation += 1
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_bump)
-torch.nn.modules.module.register_module_parameter_registration_hook(_bump)
-torch.nn.modules.module.register_module_buffer_registration_hook(_bump)
-
-
-def note_model_converted() -> None:
-    """Called by ``Transformer._apply``: conversions replace buffers without registration hooks."""
-    _bump()
+    def __post_init__(self) -> None:
+        # The same checks laid out for map() over C-level callables (~4x faster than a loop).
+        object.__setattr__(self, "_containers", [c for c, _, _ in self.bindings])
+        object.__setattr__(self, "_keys", [k for _, k, _ in self.bindings])
+        object.__setattr__(self, "_values", [v for _, _, v in self.bindings])
+        object.__setattr__(self, "_hook_dicts", [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)])
+        object.__setattr__(self, "_instance_dicts", [m.__dict__ for m in self.modules])
 
 
 def _build_plan(model) -> _LayerPlan | None:
@@ -269,50 +285,83 @@ def _build_plan(model) -> _LayerPlan | None:
     params: list = []
     meta: list[int] = []
     max_rows = 1 << 30
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        params += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+    bindings: list[tuple[dict, str, object]] = [(model._modules, "layers", model.layers)]
+    modules: list[torch.nn.Module] = [model.layers]
+
+    def bind(module: torch.nn.Module, names: tuple[str, ...]) -> list:
+        modules.append(module)
+        values = []
+        for name in names:
+            container = module._parameters if name in module._parameters else module._buffers
+            value = container.get(name)
+            bindings.append((container, name, value))
+            values.append(value)
+        return values
+
+    for index, layer in enumerate(model.layers):
+        bindings.append((model.layers._modules, str(index), layer))
+        modules.append(layer)
+        for parent, child in ((layer, "input_layernorm"), (layer, "self_attn"), (layer, "post_attention_layernorm"),
+                              (layer, "mlp"), (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            bindings.append((parent._modules, child, parent._modules[child]))
+        modules += [layer.self_attn, layer.mlp]
+        params += bind(layer.input_layernorm, ("weight",)) + bind(layer.post_attention_layernorm, ("weight",))
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             kind = type(linear)
             if kind is torch.nn.Linear:
-                params += [linear.weight, None, linear.bias]
+                params += [*bind(linear, ("weight",)), None, *bind(linear, ("bias",))]
                 meta += [0, 0]
                 continue
             if kind not in (Int4Linear, Int8Linear) or (kind is Int4Linear and linear.on_cuda):
                 return None  # a layer type the C++ loop does not know: keep the Python layers
-            if linear.dense_weight is not None:
+            dense = bind(linear, ("dense_weight",))[0]
+            if dense is not None:
                 max_rows = min(max_rows, linear.max_kernel_rows)
-            if kind is Int4Linear:
-                params += [linear.qweight, linear.scales_and_zeros, linear.bias]
-                meta += [2, linear.group_size]
-            else:
-                params += [linear.qweight, linear.scales, linear.bias]
-                meta += [1, 0]
+            names = ("qweight", "scales_and_zeros", "bias") if kind is Int4Linear else ("qweight", "scales", "bias")
+            params += bind(linear, names)
+            meta += [2, linear.group_size] if kind is Int4Linear else [1, 0]
     dtype = model.dtype
     if any(p is not None and p.is_floating_point() and p.dtype != dtype for p in params):
         return None
-    return _LayerPlan(_generation, dtype, params, meta, max_rows)
+    return _LayerPlan(dtype, params, meta, max_rows, tuple(bindings), tuple(modules))
+
+
+def _plan_valid(plan: _LayerPlan) -> bool:
+    return (all(map(operator.is_, map(dict.get, plan._containers, plan._keys), plan._values))
+            and not any(plan._hook_dicts)
+            and not any(map(operator.contains, plan._instance_dicts, itertools.repeat("forward"))))
+
+
+def forget_plan(model) -> None:
+    """Drop a model's cached layer-loop arguments (and the references they hold to its weights)."""
+    model.__dict__.pop("_fused_decode_plan", None)
 
 
 def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend) -> Tensor | None:
     """``for layer in model.layers: x = layer(x, cos, signed_sin, backend)`` in one C++ call, or
-    None where that does not apply (kernels off, not a decode step the backend can describe with
-    ``decode_slots()``, too many keys or rows, or a layer type the C++ loop does not know): the
-    caller then runs the Python layers.
+    None where that does not apply (kernels off or gradients on, not a decode step the backend
+    can describe with ``decode_slots()``, too many keys or rows, forward hooks, or a layer type
+    the C++ loop does not know): the caller then runs the Python layers.
     """
-    if not _use(x) or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+    if not _use(x):
+        if x.device.type != "cpu":
+            forget_plan(model)  # moved off the CPU: do not keep the CPU weights alive
+        return None
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return None
     describe = getattr(backend, "decode_slots", None)
     slots: DecodeSlots | None = describe() if describe is not None else None
     if slots is None or slots.key_slots.shape[1] > DECODE_ATTENTION_MAX_KEYS or slots.k_stores[0].dtype != x.dtype:
         return None
-    plan = getattr(model, "_fused_decode_plan", None)
-    if plan is None or plan.generation != _generation or plan.dtype != x.dtype:
+    plan = model.__dict__.get("_fused_decode_plan")
+    if plan is None or plan.dtype != x.dtype or not _plan_valid(plan):
+        forget_plan(model)
         plan = _build_plan(model)
-        if plan is None:
+        if plan is None or not _plan_valid(plan):  # hooks present: nothing to cache
             return None
-        model._fused_decode_plan = plan
-    if x.shape[0] > plan.max_rows:
+        model.__dict__["_fused_decode_plan"] = plan
+    if x.shape[0] > plan.max_rows or len(slots.k_stores) != len(plan.meta) // 8:
         return None
     cfg = model.config
     return _ops.decode_layers.default(x, cos, signed_sin, plan.params, plan.meta, slots.k_stores, slots.v_stores,

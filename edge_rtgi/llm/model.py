@@ -273,9 +273,9 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def _apply(self, fn, *args, **kwargs):
-        # .to() / .float() replace buffers without nn.Module's registration hooks; a cached fused
-        # decode plan must not keep the old ones.
-        cpu_ops.note_model_converted()
+        # .to() / .float() replace weights; the fused decode path's cached references to the old
+        # ones would keep them in memory until its next step (it would not use them: it checks).
+        cpu_ops.forget_plan(self)
         return super()._apply(fn, *args, **kwargs)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

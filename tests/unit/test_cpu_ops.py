@@ -22,6 +22,13 @@ pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason=f"fused CPU kernels n
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.fixture(autouse=True)
+def no_grad():
+    """The kernels step aside when gradients are on (they have no backward); inference is no-grad."""
+    with torch.no_grad():
+        yield
+
+
 def rope_tables(positions: torch.Tensor, dim: int, dtype: torch.dtype):
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     freqs = positions.float()[:, None] * inv[None]
@@ -167,6 +174,7 @@ def test_switch_off_by_environment(monkeypatch):
 
 def test_build_dir_is_per_torch_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGE_RTGI_KERNEL_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_ops.ENV_MARCH, raising=False)
     path = cpu_ops.build_dir()
     assert path.parent == tmp_path / f"torch-{torch.__version__.replace('+', '-')}"
     assert path.name.startswith(__import__("platform").machine())
@@ -180,6 +188,7 @@ def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
     import torch.utils.cpp_extension as cpp_extension
 
     monkeypatch.setenv("EDGE_RTGI_KERNEL_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_ops.ENV_MARCH, raising=False)
     lock = cpu_ops.build_dir() / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
@@ -194,9 +203,14 @@ def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     cpu_ops._build()
     assert seen == {"lock present": False, "flags": ["-O3", "-march=native", "-fopenmp"]}
-    lock.touch()  # a fresh lock belongs to a build in progress: left alone
+    # A fresh lock belongs to a build in progress: waited on until it goes.
+    import threading
+
+    lock.touch()
+    threading.Timer(1.0, lambda: lock.unlink()).start()
+    started = time.time()
     cpu_ops._build()
-    assert seen["lock present"] is True
+    assert seen["lock present"] is False and time.time() - started >= 0.9
 
 
 def test_layer_loop_refuses_mismatched_arguments():
@@ -230,3 +244,39 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
                             "-k", "not portable and not stale and not build_dir", "-m", "not slow"],
                            cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-3000:]
+
+
+def test_registered_ops_refuse_malformed_shapes():
+    """The ops are public through torch.ops: shapes that would read or write out of bounds are refused."""
+    k_store, q, k = torch.zeros(8, 1, 16), torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)
+    slots, new = torch.tensor([[0, 1]]), torch.tensor([1])
+    with pytest.raises(RuntimeError, match="v_store"):
+        cpu_ops.decode_attention(q, k, k, k_store, torch.zeros(4, 1, 16), new, slots, None, 0.25)
+    with pytest.raises(RuntimeError, match="k_new and v_new must be"):
+        cpu_ops.decode_attention(q, k, torch.zeros(1, 3, 16), k_store, k_store.clone(), new, slots, None, 0.25)
+    with pytest.raises(RuntimeError, match="k_new and v_new must be"):
+        cpu_ops.decode_attention(q, torch.zeros(2, 1, 16), k, k_store, k_store.clone(), new, slots, None, 0.25)
+    x, cos = torch.zeros(1, 16), torch.ones(1, 1, 16)
+    params = [torch.ones(16), None] + [torch.zeros(48, 16), None, None] * 4  # a missing norm weight
+    with pytest.raises(RuntimeError, match="lacks a norm weight"):
+        torch.ops.edge_rtgi.decode_layers(x, cos, cos, params, [0, 0] * 4, [k_store], [k_store], new, slots, None,
+                                          2, 1, 1e-6, 0.25)
+
+
+def test_disabled_blocks_nest():
+    assert cpu_ops.available()
+    with cpu_ops.disabled():
+        with cpu_ops.disabled():
+            assert not cpu_ops.available()
+        assert not cpu_ops.available()  # the outer block is still open
+    assert cpu_ops.available()
+
+
+def test_gradients_take_the_pytorch_path():
+    assert cpu_ops._use(torch.zeros(1, 4))  # no-grad (this file's fixture): the kernels
+    with torch.enable_grad():
+        assert not cpu_ops._use(torch.zeros(1, 4))
+        x = torch.randn(3, 32, requires_grad=True)
+        w = torch.nn.Parameter(torch.ones(32))
+        cpu_ops.rms_norm(x, w, 1e-6).sum().backward()  # F.rms_norm, which has a backward
+    assert x.grad is not None and w.grad is not None

@@ -370,10 +370,15 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k_new_in, const Tensor
     TORCH_CHECK(t->scalar_type() == q_in.scalar_type(), "edge_rtgi::decode_attention: all of q, k, v and the stores must be ",
                 q_in.scalar_type());
   }
-  TORCH_CHECK(q_in.size(1) % k_store.size(1) == 0 && k_new_in.size(1) == k_store.size(1) &&
-                  q_in.size(2) == k_store.size(2),
+  TORCH_CHECK(q_in.size(1) % k_store.size(1) == 0 && q_in.size(2) == k_store.size(2),
               "edge_rtgi::decode_attention: head counts or head dims do not match");
   const int64_t rows = q_in.size(0);
+  TORCH_CHECK(v_store.sizes() == k_store.sizes(), "edge_rtgi::decode_attention: k_store ", k_store.sizes(),
+              " and v_store ", v_store.sizes(), " differ");
+  const std::vector<int64_t> new_shape = {rows, k_store.size(1), k_store.size(2)};
+  TORCH_CHECK(k_new_in.sizes() == at::IntArrayRef(new_shape) && v_new_in.sizes() == at::IntArrayRef(new_shape),
+              "edge_rtgi::decode_attention: k_new and v_new must be ", at::IntArrayRef(new_shape), ", got ",
+              k_new_in.sizes(), " and ", v_new_in.sizes());
   TORCH_CHECK(key_slots_in.dim() == 2 && key_slots_in.size(0) == rows && new_slots_in.numel() == rows,
               "edge_rtgi::decode_attention: need one new slot and one row of key slots per query row");
   Tensor q = q_in.contiguous(), k_new = k_new_in.contiguous(), v_new = v_new_in.contiguous();
@@ -418,7 +423,8 @@ constexpr int64_t kParamsPerLayer = 14, kMetaPerLayer = 8;
 
 Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10::optional<Tensor>& a,
                     const c10::optional<Tensor>& b, const c10::optional<Tensor>& bias) {
-  TORCH_CHECK(a.has_value(), "edge_rtgi::decode_layers: a linear layer has no weight");
+  TORCH_CHECK(a.has_value() && (kind == 0 || b.has_value()),
+              "edge_rtgi::decode_layers: a linear layer of kind ", kind, " lacks its weight or scales");
   Tensor y;
   if (kind == 0) {
     return at::linear(x, *a, bias);
@@ -439,6 +445,7 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed
                      double scale) {
   check_activation(x_in, "decode_layers");
   const int64_t num_layers = static_cast<int64_t>(k_stores.size());
+  TORCH_CHECK(num_layers > 0, "edge_rtgi::decode_layers: no layers");
   TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * kParamsPerLayer &&
                   static_cast<int64_t>(meta.size()) == num_layers * kMetaPerLayer &&
                   static_cast<int64_t>(v_stores.size()) == num_layers,
@@ -453,6 +460,8 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed
       const int64_t p = 2 + 3 * which, m = layer * kMetaPerLayer + 2 * which;
       return apply_linear(input, meta[m], meta[m + 1], param(p), param(p + 1), param(p + 2));
     };
+    TORCH_CHECK(param(0).has_value() && param(1).has_value(), "edge_rtgi::decode_layers: layer ", layer,
+                " lacks a norm weight");
     Tensor h = rms_norm(x, *param(0), eps);
     Tensor qkv = linear(h, 0);  // [T, (Hq + 2 Hkv) D]
     Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
