@@ -49,14 +49,16 @@ ENV_SWITCH = "EDGE_RTGI_CPU_KERNELS"  # "0" / "off": never build or use the kern
 ENV_MARCH = "EDGE_RTGI_KERNEL_MARCH"
 
 
-def target_arch() -> str:
-    return os.environ.get(ENV_MARCH) or "native"
-
 # Above this many keys per query, SDPA's flash kernel (tiled GEMMs, AMX on this CPU) beats the
 # fused loop, which has no GEMM: measured per layer call, bf16, 9 query / 3 KV heads, D 64,
-# 2 threads: 100 keys 22 us vs 36, 1,000 keys 201 us vs 95 (SDPA alone, without the cache
-# writes and reshapes around it).
+# 2 threads: 100 keys 15-25 us vs 30-80, 1,000 keys 120-170 us vs 95-150 (SDPA alone, without
+# the cache writes and reshapes around it; ranges over runs on a shared machine).
 DECODE_ATTENTION_MAX_KEYS = 384
+
+
+def target_arch() -> str:
+    """The ``-march`` the kernels are built for (``$EDGE_RTGI_KERNEL_MARCH``, default "native")."""
+    return os.environ.get(ENV_MARCH) or "native"
 
 _lock = threading.Lock()
 _ops = None  # torch.ops.edge_rtgi once loaded
@@ -120,7 +122,7 @@ def load() -> bool:
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch ops
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             log.warning("fused CPU kernels unavailable (%s); decoding uses the plain PyTorch ops, "
-                        "about 1.4x slower per token. They need a C++ compiler and ninja: "
+                        "about 1.9x slower per token on SmolLM2. They need a C++ compiler and ninja: "
                         "apt-get install g++ ninja-build (scripts/setup.sh installs both).", _failure)
             return False
     return True
@@ -136,8 +138,9 @@ def _build():
     # -march=native (by default): the library is built on, and cached for, the machine that runs it.
     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
     # library then needs libgomp.so.1, which resolves to the copy torch has already loaded.
-    load_extension(name="edge_rtgi_cpu_ops", sources=[str(SOURCE)], extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
+    load_extension(name="edge_rtgi_cpu_ops", sources=[str(SOURCE)],
+                   extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                   build_directory=str(directory), is_python_module=False, verbose=False)
     ops = torch.ops.edge_rtgi
     log.info("fused CPU kernels (%s loops) ready in %.1f s (%s)", ops.build_info(), time.perf_counter() - started,
              directory)
