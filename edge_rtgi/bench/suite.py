@@ -39,9 +39,10 @@ class Optimisations:
     """The switches. Each field is one optimisation, so an ablation flips exactly one field.
 
     ``max_num_seqs=1`` disables batching; ``max_num_batched_tokens`` is the chunked-prefill
-    size (tokens per step); ``dtype``/``kv_dtype`` choose the numerics; ``quant`` is the
-    ``edge_rtgi.llm.quant.apply_quant`` spec (a scheme such as "int8", a plan YAML, or a
-    quantised checkpoint). Later optimisations add fields here.
+    size (tokens per step); ``dtype``/``kv_dtype`` choose the numerics; ``quant`` is the engine's
+    ``quant`` setting: "auto" (the engine default, ``edge_rtgi.llm.quant.apply_engine_quant``),
+    None for full-precision weights, or an ``apply_quant`` spec (a scheme such as "int8", a plan
+    YAML, or a quantised checkpoint). Later optimisations add fields here.
     """
 
     prefix_caching: bool = True
@@ -50,7 +51,11 @@ class Optimisations:
     chunked_prefill: bool = True
     dtype: str = "auto"
     kv_dtype: str = "auto"
-    quant: str | None = None
+    quant: str | None = "auto"  # as the engine ships
+
+    def __post_init__(self) -> None:
+        if isinstance(self.quant, str) and self.quant.lower() in ("none", ""):
+            object.__setattr__(self, "quant", None)  # "none" from a flag or YAML: full precision
 
     def engine_config(self, model: str, num_threads: int | None) -> Any:
         from edge_rtgi.llm.engine_config import EngineConfig
@@ -87,7 +92,7 @@ class Optimisations:
 
 
 DEFAULT_ABLATIONS = ("prefix_caching=false", "max_num_seqs=1", "max_num_batched_tokens=64",
-                     "max_num_batched_tokens=1024", "dtype=fp32", "quant=int8")
+                     "max_num_batched_tokens=1024", "dtype=fp32", "quant=none")
 
 
 @dataclass(frozen=True)
@@ -146,8 +151,10 @@ def load_optimised(source: Path, opt: Optimisations) -> tuple[Any, dict | None]:
     loaded = load_model(source, device="auto", dtype=opt.dtype)
     if opt.quant is None:
         return loaded, None
-    from edge_rtgi.llm.quant import apply_quant
+    from edge_rtgi.llm.quant import apply_engine_quant, apply_quant
 
+    if opt.quant == "auto":  # what the engine does with its default: say what it resolved to
+        return loaded, {"auto": apply_engine_quant(loaded.model, "auto")}
     return loaded, apply_quant(loaded.model, opt.quant)
 
 

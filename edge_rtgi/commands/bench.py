@@ -44,7 +44,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ablation", action="append", metavar="FIELD=VALUE",
                    help="an ablation to run (repeatable; replaces the default list)")
     p.add_argument("--dtype", help="engine dtype switch (auto, fp32, bf16)")
-    p.add_argument("--quant", help="quantisation switch: a scheme (int8, int4-g64), plan YAML or checkpoint")
+    p.add_argument("--quant", help="quantisation switch: auto (the engine default), none, a scheme (int8, int4-g64), "
+                                   "a plan YAML or a checkpoint")
     p.add_argument("--no-prefix-caching", action="store_true", help="switch prefix caching off")
     p.add_argument("--max-num-seqs", type=int, help="batching switch: most sequences per step (1 = no batching)")
     p.add_argument("--max-num-batched-tokens", type=int, help="chunked-prefill size: tokens per step")
@@ -106,6 +107,8 @@ def build_config(args: argparse.Namespace):
     opt = cfg.optimisations
     opt_changes = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant), ("max_num_seqs", args.max_num_seqs),
                                      ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    if opt_changes.get("quant", "").lower() == "none":
+        opt_changes["quant"] = None  # full-precision weights
     if args.no_prefix_caching:
         opt_changes["prefix_caching"] = False
     try:

@@ -17,7 +17,7 @@ def tiny_folder(tmp_path_factory):
 
 
 async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path):
-    cfg = BenchConfig(model=str(tiny_folder), optimisations=Optimisations(dtype="fp32"), num_requests=3,
+    cfg = BenchConfig(model=str(tiny_folder), optimisations=Optimisations(dtype="fp32", quant=None), num_requests=3,
                       max_duration_s=30.0, rate_scale=10.0, quality_prompts=2, ramp_rates_rps=(5.0, 50.0),
                       ramp_requests=3, ablations=("prefix_caching=false", "max_num_seqs=1", "dtype=bf16"))
     results = await run_suite(cfg, ("workloads", "ramp", "ablations"))
