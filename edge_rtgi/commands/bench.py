@@ -107,8 +107,6 @@ def build_config(args: argparse.Namespace):
     opt = cfg.optimisations
     opt_changes = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant), ("max_num_seqs", args.max_num_seqs),
                                      ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
-    if opt_changes.get("quant", "").lower() == "none":
-        opt_changes["quant"] = None  # full-precision weights
     if args.no_prefix_caching:
         opt_changes["prefix_caching"] = False
     try:
