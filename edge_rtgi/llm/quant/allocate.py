@@ -1,23 +1,34 @@
 """Bit allocation: choose a scheme per group that minimises summed sensitivity under a byte budget.
 
-Greedy by marginal KL per byte: every group starts at its cheapest candidate; then, repeatedly,
-the single upgrade (one group to any dearer candidate with lower KL) that removes the most KL
-per extra byte and still fits the budget is taken, until none fits. With per-group KLs treated
-as additive (the first-order assumption all sensitivity-based allocators make, HAWQ included)
-this is the classic greedy for a multiple-choice knapsack. It is within one item of the LP
-optimum when each group's (bytes, KL) curve is convex, and it is cheap enough to re-run for any
-budget. An exact DP over bytes would gain little: the error in the additivity assumption is
-larger than the greedy's gap.
+With per-group KLs treated as additive (the first-order assumption every sensitivity-based
+allocator makes, HAWQ included), this is a multiple-choice knapsack, solved exactly by dynamic
+programming over the bytes spent above the cheapest plan. The byte axis is counted in the
+greatest common divisor of the options' extra bytes, which makes the solution exact; only if that
+gives more than ``DP_MAX_STEPS`` steps is it cut coarser, each option's extra bytes rounded *up*
+to whole steps, so the plan still fits the budget and gives up at most one step per group of it.
+For SmolLM2 the divisor is exact up to about 9 bits per weight (< 0.5 s).
+
+Why not the greedy by marginal KL per byte (the issue's suggestion, used here until measured
+otherwise): it stalls on one large item. SmolLM2's tied LM head is 28 M of 135 M weights;
+upgrading it from int4-g64 to int8 removes the most KL of any single change but costs 12 MB, and
+the greedy first spends the budget on small groups with a higher gain per byte, after which the
+head no longer fits. At 5.25 bits the greedy plan kept the head at int4 (measured mean KL 0.093
+on the evaluation text); the exact plan moves it to int8.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from edge_rtgi.errors import ConfigError
 from edge_rtgi.llm.quant.plan import QuantPlan, WeightGroup, plan_nbytes
 from edge_rtgi.llm.quant.profile import SensitivityTable
 from edge_rtgi.llm.quant.schemes import parse_scheme
+
+DP_MAX_STEPS = 1 << 18  # most steps on the byte axis of the knapsack (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -72,32 +83,47 @@ def allocate(groups: list[WeightGroup], table: SensitivityTable, budget: Budget,
     empty = [name for name, rows in options.items() if not rows]
     if empty:
         raise ConfigError(f"no allowed candidate scheme for {', '.join(empty)}")
-    choice = {name: 0 for name in options}
-    used = sum(rows[0][0] for rows in options.values())
+    cheapest = sum(rows[0][0] for rows in options.values())
     numel = sum(g.numel for g in groups)
-    if used > budget.max_bytes:
+    if cheapest > budget.max_bytes:
         raise ConfigError(
             f"budget of {budget.described} is below the smallest plan: every group at its cheapest "
-            f"candidate needs {8 * used / numel:.3f} bits per weight ({used / 1e6:.2f} MB)",
-            hint=f"use --target-bits >= {8 * used / numel:.3f} or --max-mb >= {used / 1e6:.2f}",
+            f"candidate needs {8 * cheapest / numel:.3f} bits per weight ({cheapest / 1e6:.2f} MB)",
+            hint=f"use --target-bits >= {8 * cheapest / numel:.3f} or --max-mb >= {cheapest / 1e6:.2f}",
         )
-    while True:
-        best = None
-        for name, rows in options.items():
-            cur_bytes, cur_kl, _ = rows[choice[name]]
-            for j in range(choice[name] + 1, len(rows)):
-                extra = rows[j][0] - cur_bytes
-                if used + extra <= budget.max_bytes:
-                    gain = (cur_kl - rows[j][1]) / extra
-                    if best is None or gain > best[0]:
-                        best = (gain, name, j, extra)
-        if best is None:
-            break
-        _, name, j, extra = best
-        choice[name] = j
-        used += extra
+    choice = _knapsack(options, budget.max_bytes - cheapest)
     resolved = {name: options[name][choice[name]][2] for name in options}
     total_kl = sum(options[name][choice[name]][1] for name in options)
     notes = {"budget": budget.described, "bits_per_weight": round(8 * plan_nbytes(resolved, groups) / numel, 4),
              "size_mb": round(plan_nbytes(resolved, groups) / 1e6, 3), "predicted_kl_sum": float(f"{total_kl:.4g}")}
     return QuantPlan(resolved, "none", notes)
+
+
+def _knapsack(options: dict[str, list], spare_bytes: int) -> dict[str, int]:
+    """Index of the chosen option per group: least summed KL with extra bytes <= ``spare_bytes``."""
+    extras = [nbytes - rows[0][0] for rows in options.values() for nbytes, _, _ in rows]
+    unit = math.gcd(*extras) or 1  # exact when the byte costs share a large factor (they do: shapes are multiples of 64)
+    if spare_bytes // unit > DP_MAX_STEPS:
+        unit = math.ceil(spare_bytes / DP_MAX_STEPS)
+    capacity = spare_bytes // unit
+    # best[c]: least KL of the groups so far with at most c steps spent (0 steps with no group yet)
+    best = np.zeros(capacity + 1)
+    picks, steps = [], []
+    for rows in options.values():
+        cost = [math.ceil((nbytes - rows[0][0]) / unit) for nbytes, _, _ in rows]
+        new, pick = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
+        for j, ((_, kl, _), c) in enumerate(zip(rows, cost, strict=True)):
+            if c > capacity:
+                continue
+            candidate = np.full(capacity + 1, np.inf)
+            candidate[c:] = best[:capacity + 1 - c] + kl
+            better = candidate < new  # strict: on a tie the cheaper option (lower j) stays
+            new[better], pick[better] = candidate[better], j
+        best = new
+        picks.append(pick)
+        steps.append(cost)
+    choice, c = {}, capacity
+    for name, pick, cost in zip(reversed(list(options)), reversed(picks), reversed(steps), strict=True):
+        choice[name] = int(pick[c])
+        c -= cost[choice[name]]
+    return choice
