@@ -57,7 +57,7 @@ from edge_rtgi.llm.quant.plan import (
     plan_nbytes,
     uniform_plan,
 )
-from edge_rtgi.llm.quant.profile import SensitivityTable, calibration_text
+from edge_rtgi.llm.quant.profile import SensitivityTable, calibration_text, collect_importance
 from edge_rtgi.llm.quant.report import compare_quality
 from edge_rtgi.llm.quant.schemes import parse_scheme, quantize_weight
 from edge_rtgi.llm.sampling import SamplingParams
@@ -168,9 +168,15 @@ def resident_mb(model) -> float:
     return total / 1e6
 
 
-def quantised_copy(full, plan: QuantPlan):
+# Labels ending in this are quantised with min..max grids whatever --grids says: the ablation
+# that shows what fitting the grids to the calibration activations is worth.
+MINMAX_SUFFIX = " [min-max grids]"
+
+
+def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
     model = copy.deepcopy(full)
-    apply_quant_plan(model, plan, dtype=torch.bfloat16)
+    apply_quant_plan(model, plan, dtype=torch.bfloat16,
+                     importance=None if label.endswith(MINMAX_SUFFIX) else importance)
     return model
 
 
@@ -227,15 +233,19 @@ def sensitivity_blind(table: SensitivityTable) -> SensitivityTable:
 def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
     """Smallest mixed plans (by bytes of the quantised groups) meeting ``target`` three ways:
     the whole 95 % retention interval at or above it, the point estimate at or above it, and the
-    interval reaching it (not significantly below). Blind ablation plans are not candidates."""
+    interval reaching it (not significantly below); and, as a second view, by the teacher-forced
+    next-token accuracy ratio. Blind ablation plans are not candidates."""
     mixed = sorted((r["groups_mb"], label) for label, r in rows.items()
                    if label.startswith("mixed") and "quality_retention" in r)
 
     def first(key: str) -> str | None:
-        return next((label for _, label in mixed if rows[label][key] >= target), None)
+        return next((label for _, label in mixed if rows[label].get(key, -1) >= target), None)
 
     return {"target_retention": target, "by_interval": first("retention_low"),
-            "by_point_estimate": first("quality_retention"), "not_significantly_below": first("retention_high")}
+            "by_point_estimate": first("quality_retention"), "not_significantly_below": first("retention_high"),
+            # the teacher-forced view (not the benchmark's definition), reported beside it
+            "token_accuracy_by_interval": first("token_accuracy_ratio_low"),
+            "token_accuracy_by_point_estimate": first("token_accuracy_retention")}
 
 
 def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
@@ -257,14 +267,15 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
         todo = [(label, plan) for label, plan in todo if label.startswith(tuple(args.only))]
     for label, plan in todo:
         start = time.perf_counter()
-        model = copy.deepcopy(full.model).to(torch.bfloat16) if plan is None else quantised_copy(full.model, plan)
+        model = copy.deepcopy(full.model).to(torch.bfloat16) if plan is None else quantised_copy(full.model, plan, label, args.importance)
         row = {"resident_weights_mb": round(resident_mb(model), 2)}
         if plan is not None:
             resolved = plan.resolved(groups)
             row.update(bits_per_weight=round(plan_bits_per_weight(resolved, groups), 4),
                        groups_mb=round(plan_nbytes(resolved, groups) / 1e6, 2), plan=resolved)
-        row.update(vars(compare_quality(full.model, model, full.tokenizer, calibration_text("eval"),
-                                        max_prompts=args.prompts, new_tokens=args.new_tokens, full_cache=full_cache)))
+        measured = compare_quality(full.model, model, full.tokenizer, calibration_text("eval"),
+                                   max_prompts=args.prompts, new_tokens=args.new_tokens, full_cache=full_cache)
+        row.update(vars(measured), token_accuracy_retention=measured.token_accuracy_retention)
         row["seconds"] = round(time.perf_counter() - start, 1)
         loads.append(load_average())
         rows[label] = row
@@ -292,7 +303,7 @@ def decode_pass(full, groups, plans: dict[str, QuantPlan], labels: list[str], ar
     decoders: dict = {"fp32 (full)": OurDecoder(full.model, full.tokenizer)}
     sizes = {"fp32 (full)": round(resident_mb(full.model), 2)}
     for label in labels:
-        model = copy.deepcopy(full.model).to(torch.bfloat16) if label == "bf16" else quantised_copy(full.model, plans[label])
+        model = copy.deepcopy(full.model).to(torch.bfloat16) if label == "bf16" else quantised_copy(full.model, plans[label], label, args.importance)
         decoders[label], sizes[label] = OurDecoder(model, full.tokenizer), round(resident_mb(model), 2)
         if label in args.unfused and cpu_ops.available():
             # The same model on the plain PyTorch ops: what the fused CPU kernels are worth.
@@ -329,8 +340,8 @@ def render_markdown(out: Path) -> str:
     point = quality.get("operating_point") or {}
     chosen = point.get("by_interval") or point.get("by_point_estimate") or point.get("not_significantly_below")
     lines = [f"| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] | PPL (full {full_ppl:.2f}) "
-             "| top-1 agreement | retention [95 % CI] | decode tok/s | vs fp32 | vs llama.cpp |",
-             "|---" * 10 + "|"]
+             "| top-1 agreement | retention [95 % CI] | token-accuracy ratio [95 % CI] | decode tok/s | vs fp32 | vs llama.cpp |",
+             "|---" * 11 + "|"]
     labels = ["fp32 (full)"] + sorted(q, key=lambda k: (-q[k].get("bits_per_weight", 16), k))
     labels += [k for k in d if k not in labels]
     for label in labels:
@@ -344,11 +355,13 @@ def render_markdown(out: Path) -> str:
             cells += [f"{r['mean_kl']:.4f} [{r['kl_low']:.4f}, {r['kl_high']:.4f}]", f"{r['perplexity_quant']:.2f}",
                       f"{100 * r['next_token_agreement']:.1f} %",
                       f"{100 * r['quality_retention']:.1f} % [{100 * r['retention_low']:.1f}, "
-                      f"{100 * r['retention_high']:.1f}]"]
+                      f"{100 * r['retention_high']:.1f}]",
+                      f"{100 * r['token_accuracy_retention']:.1f} % [{100 * r['token_accuracy_ratio_low']:.1f}, "
+                      f"{100 * r['token_accuracy_ratio_high']:.1f}]" if "token_accuracy_ratio_low" in r else "-"]
         elif label == "fp32 (full)":
-            cells += ["0", f"{full_ppl:.2f}", "100 %", "100 %"]
+            cells += ["0", f"{full_ppl:.2f}", "100 %", "100 %", "100 %"]
         else:
-            cells += ["-"] * 4
+            cells += ["-"] * 5
         cells += [f"{t['decode_tok_s']:.1f}", f"{t['vs_fp32']:.2f}x", f"{t['vs_llamacpp']:.2f}x" if "vs_llamacpp" in t
                   else "-"] if t else ["-"] * 3
         lines.append("| " + " | ".join(cells) + " |")
@@ -366,6 +379,9 @@ def main(argv=None) -> int:
                     help="threads for the quality pass (1: OpenMP spin-waits on busy shared cores)")
     ap.add_argument("--bits", type=float, nargs="*", default=[5.25, 5.5, 6.0, 6.5, 7.0],
                     help="budget sweep of mixed plans (all candidates but the aligned int4-g32)")
+    ap.add_argument("--grids", choices=("fitted", "min-max"), default="fitted",
+                    help="how every plan is quantised (fitted: importance-weighted grids, as edge-rtgi quantize "
+                         "does by default); with fitted, min-max copies of uniform int4-g64 and int8 are added")
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "quality"])
     ap.add_argument("--decode-for", nargs="*", default=["bf16", "uniform int8", "uniform int4-g64", "chosen"],
                     help="models to time besides fp32 and llama.cpp: labels, or 'chosen' (the operating point "
@@ -393,6 +409,14 @@ def main(argv=None) -> int:
     groups = model_groups(full.model)
     table = SensitivityTable.load(args.sensitivity) if args.sensitivity else None
     plans = plans_to_compare(groups, table, args.bits if table else [], args.blind_bits if table else [])
+    args.importance = None
+    if args.grids == "fitted":
+        args.importance = collect_importance(full.model, full.tokenizer)
+        for base in ("uniform int4-g64", "uniform int8"):
+            plans[base + MINMAX_SUFFIX] = plans[base] if base in plans else uniform_plan(groups, base.split()[1])
+        if table is not None and table.info.get("quantiser", "min-max") != "importance-fitted":
+            print(f"warning: {args.sensitivity} was profiled with min-max grids; mixed plans will be allocated "
+                  "on the wrong sensitivities (profile again, or pass --grids min-max)", file=sys.stderr)
     plans[ENGINE_AUTO] = source_aligned_plan(full.model, "int8")
     if "quality" not in args.skip:
         torch.set_num_threads(args.quality_threads)

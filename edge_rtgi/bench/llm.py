@@ -216,7 +216,7 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     # interleaved runs, so the report separates what the weights gain from the rest.
     quantised = resolve_weight_quant(cfg.quant, loaded.model.device, loaded.model.dtype) is not None
     full = load_model(source, device="cpu", dtype=cfg.dtype) if quantised else None
-    applied = apply_engine_quant(loaded.model, cfg.quant)
+    applied = apply_engine_quant(loaded.model, cfg.quant, loaded.tokenizer)
     cfg = replace(cfg, quant=f"{applied} ({cfg.quant})" if applied and cfg.quant == "auto" else applied)
     ours = _Ours(loaded, cfg)
     ours_full = _Ours(full, cfg) if full is not None and applied else None

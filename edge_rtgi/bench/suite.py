@@ -155,7 +155,7 @@ def load_optimised(source: Path, opt: Optimisations) -> tuple[Any, dict | None]:
 
     if opt.quant == "auto":  # what the engine does with its default: say what it resolved to
         return loaded, {"auto": apply_engine_quant(loaded.model, "auto")}
-    return loaded, apply_quant(loaded.model, opt.quant)
+    return loaded, apply_quant(loaded.model, opt.quant, loaded.tokenizer)
 
 
 def load_models(cfg: BenchConfig) -> Models:

@@ -39,7 +39,7 @@ def open_backend(model: str, device: str, dtype: str, plain: bool = False, quant
     from edge_rtgi.llm.weights import load_model
 
     loaded = load_model(model, device=device, dtype=dtype)
-    apply_engine_quant(loaded.model, quant)
+    apply_engine_quant(loaded.model, quant, loaded.tokenizer)
     if plain:
         return Backend(tokenizer=loaded.tokenizer, context_tokens=loaded.config.max_position_embeddings,
                        stream=lambda ids, params: generate_stream(loaded, ids, params))

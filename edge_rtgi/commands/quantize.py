@@ -18,7 +18,7 @@ import sys
 from edge_rtgi.errors import ConfigError
 
 
-def _plan_from_args(args, loaded, table):
+def _plan_from_args(args, loaded, table, quantiser: str):
     from edge_rtgi.llm.quant.allocate import Budget, allocate
     from edge_rtgi.llm.quant.plan import QuantPlan, model_groups, uniform_plan
     from edge_rtgi.llm.quant.profile import SensitivityTable
@@ -39,6 +39,11 @@ def _plan_from_args(args, loaded, table):
             raise ConfigError("a budget needs a sensitivity table",
                               hint="add --profile, or --sensitivity FILE from an earlier --profile run")
         table = SensitivityTable.load(args.sensitivity)
+        measured = table.info.get("quantiser", "min-max")
+        if measured != quantiser:
+            print(f"warning: {args.sensitivity} was measured with {measured} grids, but this run quantises "
+                  f"with {quantiser} grids; the allocation will follow the wrong sensitivities "
+                  f"(profile again, or pass --grids {measured})", file=sys.stderr)
     budget = Budget.from_args(groups, args.target_bits, args.max_mb)
     schemes = tuple(args.schemes.split(",")) if args.schemes else None
     plan = allocate(groups, table, budget, schemes)
@@ -54,8 +59,14 @@ def cmd_quantize(args) -> int:
     from edge_rtgi.device import resolve_dtype
     from edge_rtgi.llm.quant.checkpoint import save_quantized_checkpoint
     from edge_rtgi.llm.quant.plan import apply_quant_plan, model_groups
-    from edge_rtgi.llm.quant.profile import DEFAULT_SCHEMES, calibration_text, profile_sensitivity
+    from edge_rtgi.llm.quant.profile import (
+        DEFAULT_SCHEMES,
+        calibration_text,
+        collect_importance,
+        profile_sensitivity,
+    )
     from edge_rtgi.llm.quant.report import compare_quality, write_report
+    from edge_rtgi.llm.quant.schemes import quantiser_name
     from edge_rtgi.llm.weights import load_model
 
     if not (args.profile or args.target_bits or args.max_mb or args.plan or args.uniform):
@@ -66,27 +77,30 @@ def cmd_quantize(args) -> int:
     # profiling and the quantised model run in the activation dtype the kernels will see.
     loaded = load_model(args.model, device=args.device, dtype="fp32")
     run_dtype = resolve_dtype(args.dtype, loaded.model.device)
+    importance = None
+    if args.grids == "fitted":  # the full model's activations on the calibration text, once for every step
+        importance = collect_importance(loaded.model, loaded.tokenizer)
     table = None
     if args.profile:
         schemes = tuple(args.schemes.split(",")) if args.schemes else DEFAULT_SCHEMES
         work = loaded.model if run_dtype == torch.float32 else copy.deepcopy(loaded.model).to(run_dtype)
         table = profile_sensitivity(work, loaded.tokenizer, schemes, args.window_tokens,
-                                    args.calib_windows, progress=not args.quiet)
+                                    args.calib_windows, progress=not args.quiet, importance=importance)
         del work
         table.info["model"] = str(args.model)
         out = args.out or "sensitivity.yaml"
         table.save(out)
         print(f"sensitivity table ({table.info['seconds']} s) -> {out}", file=sys.stderr)
-    plan = _plan_from_args(args, loaded, table)
+    plan = _plan_from_args(args, loaded, table, quantiser_name(importance))
     if plan is None:
         return 0
     if args.save:
-        save_quantized_checkpoint(loaded.model, plan, args.save)
+        save_quantized_checkpoint(loaded.model, plan, args.save, importance)
         print(f"quantised checkpoint -> {args.save}", file=sys.stderr)
     if args.report:
         groups = model_groups(loaded.model)
         quant = copy.deepcopy(loaded.model)
-        resolved = apply_quant_plan(quant, plan, dtype=run_dtype)
+        resolved = apply_quant_plan(quant, plan, dtype=run_dtype, importance=importance)
         quality = compare_quality(loaded.model, quant, loaded.tokenizer, calibration_text("eval"))
         full_bytes = sum(2 * g.numel for g in groups)
         path = write_report(args.report, resolved, groups, quality, str(args.model), full_bytes)
@@ -102,6 +116,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="activation dtype (auto: bf16 where the CPU has it)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--grids", choices=("fitted", "min-max"), default="fitted",
+                   help="fitted (default): each group's scale and zero minimise the error weighted by the "
+                        "calibration text's activations; min-max: span each group's range")
     prof = p.add_argument_group("sensitivity profiling")
     prof.add_argument("--profile", action="store_true", help="measure the sensitivity table")
     prof.add_argument("--out", help="where --profile writes the table (default sensitivity.yaml)")

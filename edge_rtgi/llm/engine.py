@@ -102,7 +102,7 @@ class LLMEngine:
         from edge_rtgi.llm.weights import load_model
 
         loaded = load_model(resolve_model(config.model, role="llm"), config.device, config.dtype)
-        apply_engine_quant(loaded.model, config.quant)
+        apply_engine_quant(loaded.model, config.quant, loaded.tokenizer)
         return cls.from_loaded(loaded, config)
 
     @classmethod

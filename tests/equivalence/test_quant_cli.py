@@ -35,12 +35,13 @@ def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
     assert len(set(resolved.values())) > 1  # a real mix, not one scheme
     summary = json.loads((report / "report.json").read_text())
     assert summary["plan"] == resolved and 0 < summary["quality_retention"] <= 1
+    assert 0 <= summary["token_accuracy_quant"] <= 1 and 0 < summary["token_accuracy_retention"] <= 1
     assert (report / "bits.png").stat().st_size > 1000
     assert "quality retention" in capsys.readouterr().out
     # The checkpoint and the plan give the same model.
     from_ckpt, from_plan = copy.deepcopy(loaded.model), copy.deepcopy(loaded.model)
     load_quantized_checkpoint(ckpt, from_ckpt)
-    apply_quant(from_plan, str(plan))
+    apply_quant(from_plan, str(plan), loaded.tokenizer)  # fitted grids, as the CLI saved them
     ids = torch.arange(3, 40)
     assert torch.equal(window_logits(from_ckpt, ids), window_logits(from_plan, ids))
 

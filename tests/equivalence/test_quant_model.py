@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from edge_rtgi.errors import ConfigError, ModelFileError
+from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_quant, load_quantized_checkpoint, save_quantized_checkpoint
+from edge_rtgi.llm.quant.checkpoint import read_checkpoint_plan
 from edge_rtgi.llm.quant.kernels import Int4Linear, Int8Linear, TiedQuantEmbedding
 from edge_rtgi.llm.quant.plan import QuantPlan, apply_quant_plan, model_groups
-from edge_rtgi.llm.quant.profile import calibration_text, profile_sensitivity
+from edge_rtgi.llm.quant.profile import calibration_text, collect_importance, profile_sensitivity
 from edge_rtgi.llm.quant.report import (
     compare_quality,
     greedy_continuation,
@@ -166,5 +168,59 @@ def test_compare_quality_of_the_full_model_against_itself_is_perfect(tiny):
                              new_tokens=8, max_prompts=6, resamples=200)
     assert result.mean_kl == pytest.approx(0.0, abs=1e-9) and result.next_token_agreement == 1.0
     assert result.quality_retention == result.retention_low == result.retention_high == 1.0
+    assert result.token_accuracy_full == result.token_accuracy_quant and result.token_accuracy_retention == 1.0
     assert result.prompts == 6 and sum(result.window_tokens) == result.tokens
     assert result.kl_low <= result.mean_kl <= result.kl_high + 1e-12
+
+
+def test_collect_importance_is_the_mean_squared_input_of_each_linear(tiny):
+    text = calibration_text("heldout")
+    importance = collect_importance(tiny.model, tiny.tokenizer, text, window_tokens=32, max_windows=3)
+    groups = model_groups(tiny.model)
+    assert set(importance) == {g.name for g in groups}
+    assert all(importance[g.name].shape == (g.in_features,) for g in groups)
+    # the LM head's input is the final normed hidden state of each window
+    ids = torch.tensor(tiny.tokenizer.encode(text)[:96]).view(3, 32)
+    finals = []
+    for window in ids:
+        cache = ContiguousKVCache(tiny.model.config, 32, tiny.model.dtype, tiny.model.device)
+        cache.begin(32)
+        with torch.no_grad():
+            finals.append(tiny.model(window, torch.arange(32), cache))
+    expected = (torch.cat(finals) ** 2).mean(0)
+    torch.testing.assert_close(importance["lm_head"], expected, rtol=1e-4, atol=1e-7)
+    assert all(isinstance(tiny.model.get_submodule(g.module_path), torch.nn.Linear) for g in groups)  # no hooks left
+    assert not any(m._forward_pre_hooks for m in tiny.model.modules())
+
+
+def test_fitted_checkpoint_round_trip_is_bit_exact_and_says_how_it_was_quantised(tiny, tmp_path):
+    importance = collect_importance(tiny.model, tiny.tokenizer, calibration_text("heldout"), window_tokens=32,
+                                    max_windows=2)
+    plan = QuantPlan({"lm_head": "int8"}, "int4-g32")
+    path = tmp_path / "fitted.safetensors"
+    save_quantized_checkpoint(tiny.model, plan, path, importance)
+    direct = copy.deepcopy(tiny.model)
+    apply_quant_plan(direct, plan, importance=importance)
+    loaded = copy.deepcopy(tiny.model)
+    load_quantized_checkpoint(path, loaded)
+    ids = _ids(tiny, 40)
+    assert torch.equal(window_logits(direct, ids), window_logits(loaded, ids))
+    saved_plan, _, _ = read_checkpoint_plan(path)
+    assert saved_plan.notes["quantiser"] == "importance-fitted"
+
+
+@pytest.mark.slow
+def test_smollm2_fitted_int4_g64_loses_far_less_than_min_max_grids():
+    """Measured on the held-out text: uniform int4-g64 with fitted grids has about a quarter of the
+    min-max grids' KL (0.074 vs 0.285 over the layers on the evaluation text); bound 0.6x."""
+    loaded = load_model("smollm2-135m-instruct", device="cpu", dtype="fp32")
+    ids = torch.tensor(loaded.tokenizer.encode(calibration_text("heldout"))[:256])
+    importance = collect_importance(loaded.model, loaded.tokenizer)
+    kls = {}
+    for name, weights in (("min-max", None), ("fitted", importance)):
+        quant = copy.deepcopy(loaded.model)
+        apply_quant_plan(quant, QuantPlan({"lm_head": "int8"}, "int4-g64"), dtype=torch.bfloat16,
+                         importance=weights)
+        kls[name] = _mean_kl(loaded.model, quant, ids)
+        del quant
+    assert kls["fitted"] < 0.6 * kls["min-max"], kls

@@ -16,7 +16,7 @@ import torch
 
 from edge_rtgi.errors import ConfigError
 from edge_rtgi.llm.quant.kernels import TiedQuantEmbedding, cpu_int4_layout_ok, make_quant_linear
-from edge_rtgi.llm.quant.schemes import ALL_SCHEMES, parse_scheme, quantize_weight
+from edge_rtgi.llm.quant.schemes import ALL_SCHEMES, IMPORTANCE_FLOOR, parse_scheme, quantize_weight
 
 SEED = int.from_bytes(os.urandom(4), "little")
 
@@ -101,3 +101,48 @@ def test_bad_schemes_are_refused():
             parse_scheme(name)
     with pytest.raises(ConfigError, match="does not fit"):
         quantize_weight(torch.randn(64, 96), parse_scheme("int4-g64"))
+
+
+def _weighted_group_error(weight, packed, importance, group):
+    err = importance[None, :] * (packed.dequantize() - weight) ** 2
+    return err.view(weight.shape[0], -1, group).sum(-1)
+
+
+@pytest.mark.parametrize("scheme_name", ALL_SCHEMES)
+def test_fitted_grids_never_lose_to_min_max_on_the_weighted_error(scheme_name, gen):
+    """Importance-fitted grids keep the min..max grid as a candidate, so per group (and so in
+    total) the importance-weighted squared error can only fall; on Gaussian weights with a
+    skewed importance, int4 grids must gain clearly (measured 0.64-0.74 of min-max)."""
+    scheme = parse_scheme(scheme_name)
+    n, k = 96, 256
+    weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    importance = torch.rand(k, generator=gen) ** 4  # a few input channels dominate, as in real activations
+    group = k if scheme.bits == 8 else scheme.group_size
+    objective = importance + IMPORTANCE_FLOOR * importance.mean()  # what the fit minimises
+    plain = _weighted_group_error(weight, quantize_weight(weight, scheme), objective, group)
+    fitted_packed = quantize_weight(weight, scheme, importance)
+    fitted = _weighted_group_error(weight, fitted_packed, objective, group)
+    assert bool((fitted <= plain * (1 + 1e-6) + 1e-12).all())
+    if scheme.bits == 4:
+        assert float(fitted.sum()) < 0.9 * float(plain.sum())
+    # the fitted weights are still what the kernels compute with
+    x = torch.randn(3, k, generator=gen)
+    layer = make_quant_linear(fitted_packed, None, torch.float32, torch.device("cpu"))
+    assert _rel(layer(x), x.double() @ fitted_packed.dequantize().double().T) < 1e-5
+
+
+def test_without_importance_grids_span_each_group_min_to_max(gen):
+    """The default quantiser: scale = range / 15 and zero = min + 8 x scale, both bf16, codes rounded."""
+    weight = torch.randn(32, 128, generator=gen)
+    packed = quantize_weight(weight, parse_scheme("int4-g64"))
+    wg = weight.view(32, 2, 64)
+    scales = ((wg.amax(-1) - wg.amin(-1)) / 15).to(torch.bfloat16)
+    zeros = (wg.amin(-1) + 8 * scales.float()).to(torch.bfloat16)
+    assert torch.equal(packed.scales, scales) and torch.equal(packed.zeros, zeros)
+    codes = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+    assert torch.equal(packed.codes(), codes.to(torch.int32).view(32, 128))
+
+
+def test_importance_of_the_wrong_length_is_refused(gen):
+    with pytest.raises(ValueError, match=r"importance has shape \(100,\), expected \(128,\)"):
+        quantize_weight(torch.randn(16, 128, generator=gen), parse_scheme("int8"), torch.ones(100))

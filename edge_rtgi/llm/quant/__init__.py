@@ -19,7 +19,7 @@ from edge_rtgi.llm.quant.plan import QuantPlan, apply_quant_plan, model_groups, 
 from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weight
 
 
-def apply_engine_quant(model: nn.Module, setting: str | None) -> str | None:
+def apply_engine_quant(model: nn.Module, setting: str | None, tokenizer=None) -> str | None:
     """The engine's ``quant`` setting: "auto" and "none" resolved by ``edge_rtgi.device``,
     anything else passed to ``apply_quant``. Returns what was applied, in words (None: full
     precision).
@@ -27,13 +27,14 @@ def apply_engine_quant(model: nn.Module, setting: str | None) -> str | None:
     "auto" keeps 4-bit source blocks in the kernel scheme that reproduces them
     (``source_aligned_plan``) and a dequantised copy for many-row inputs (prefill, wide
     batches), so it trades memory for speed; an explicit scheme such as "int8" stores the
-    quantised weights only.
+    quantised weights only, fitted to the calibration text's activations when ``tokenizer`` is
+    given (see ``apply_quant``).
     """
     from edge_rtgi.device import AUTO_QUANT_KERNEL_MAX_ROWS, resolve_weight_quant
 
     spec = resolve_weight_quant(setting, model.device, model.dtype)
     if setting != "auto" or spec is None:
-        apply_quant(model, spec)
+        apply_quant(model, spec, tokenizer)
         return spec
     from edge_rtgi.llm.quant.kernels import keep_dense_copies
 
@@ -60,17 +61,28 @@ def source_aligned_plan(model: nn.Module, default: str) -> QuantPlan:
     return QuantPlan(schemes, default, notes={"policy": "auto: source-aligned where the file allows, else " + default})
 
 
-def apply_quant(model: nn.Module, spec: str | Path | None) -> dict[str, str] | None:
+def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> dict[str, str] | None:
     """The one hook for ``quant:`` in configs: a ``.safetensors`` quantised checkpoint, a plan
-    YAML path, or a scheme name applied to every group (``int8``, ``int4-g64``). None: no-op."""
+    YAML path, or a scheme name applied to every group (``int8``, ``int4-g64``). None: no-op.
+
+    A plan or scheme quantises at load time. With ``tokenizer``, the grids are fitted to the
+    activations of the shipped calibration text (``collect_importance``: one forward pass over
+    ~2,600 tokens plus the fitting, about 15 s for SmolLM2-135M on 2 cores); without it, they
+    span each group's range. A saved checkpoint loads without either.
+    """
     if spec in (None, "", "none"):
         return None
     text = str(spec)
     if text.endswith(".safetensors"):
         return load_quantized_checkpoint(text, model)
-    if text.endswith((".yaml", ".yml")) or Path(text).is_file():
-        return apply_quant_plan(model, text)
-    return apply_quant_plan(model, uniform_plan(model_groups(model), text))
+    is_plan = text.endswith((".yaml", ".yml")) or Path(text).is_file()
+    plan = text if is_plan else uniform_plan(model_groups(model), text)
+    importance = None
+    if tokenizer is not None:
+        from edge_rtgi.llm.quant.profile import collect_importance
+
+        importance = collect_importance(model, tokenizer)
+    return apply_quant_plan(model, plan, importance=importance)
 
 
 __all__ = ["QuantPlan", "QuantScheme", "apply_engine_quant", "apply_quant", "apply_quant_plan", "load_quantized_checkpoint",

@@ -25,7 +25,7 @@ from edge_rtgi.llm.quant.plan import (
     model_groups,
     warn_if_slow_activations,
 )
-from edge_rtgi.llm.quant.schemes import PackedWeight, parse_scheme, quantize_weight
+from edge_rtgi.llm.quant.schemes import PackedWeight, parse_scheme, quantiser_name, quantize_weight
 
 CHECKPOINT_FORMAT = "edge-rtgi-quant/1"
 
@@ -37,10 +37,12 @@ def _fingerprint(model: nn.Module) -> dict:
             "tie_word_embeddings": bool(cfg.tie_word_embeddings)}
 
 
-def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Path) -> dict[str, str]:
+def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Path,
+                              importance: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Quantise the float ``model``'s groups per ``plan`` and write them to ``path`` (.safetensors).
 
-    The model itself is not modified. Returns the resolved plan.
+    ``importance``: as for ``apply_quant_plan``; the fitted codes are what is stored, so loading
+    needs no calibration. The model itself is not modified. Returns the resolved plan.
     """
     groups = model_groups(model)
     resolved = plan.resolved(groups)
@@ -51,7 +53,7 @@ def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Pat
         if scheme.bits == 16:
             continue
         module = model.get_submodule(group.module_path)
-        packed = quantize_weight(module.weight, scheme)
+        packed = quantize_weight(module.weight, scheme, None if importance is None else importance.get(group.name))
         tensors[f"{group.name}.qweight"] = packed.qweight
         tensors[f"{group.name}.scales"] = packed.scales
         if packed.zeros is not None:
@@ -59,7 +61,7 @@ def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Pat
         shapes[group.name] = [group.out_features, group.in_features]
     metadata = {
         "format": CHECKPOINT_FORMAT,
-        "plan": QuantPlan(resolved, plan.default, plan.notes).to_yaml(),
+        "plan": QuantPlan(resolved, plan.default, {**plan.notes, "quantiser": quantiser_name(importance)}).to_yaml(),
         "model": json.dumps(_fingerprint(model)),
         "shapes": json.dumps(shapes),
     }

@@ -174,14 +174,16 @@ def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -
         model.embed_tokens = TiedQuantEmbedding(new)
 
 
-def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path,
-                     dtype: torch.dtype | None = None) -> dict[str, str]:
+def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path, dtype: torch.dtype | None = None,
+                     importance: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Quantise ``model`` in place according to ``plan`` (a QuantPlan or a YAML path).
 
     Weights are quantised from the model's current precision; ``dtype``, when given, then moves
     the whole model (activations, scales, unquantised tensors) to that dtype, so an fp32 model
-    can be quantised from its fp32 weights and run in bf16. Returns the resolved scheme per
-    group. Groups planned as ``none`` are left untouched.
+    can be quantised from its fp32 weights and run in bf16. ``importance`` (per group, from
+    ``profile.collect_importance``) fits each grid to the activations it will see; without it
+    grids span each group's range. Returns the resolved scheme per group. Groups planned as
+    ``none`` are left untouched.
     """
     if not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
@@ -195,7 +197,8 @@ def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path,
                 raise ConfigError(f"{group.name} is already quantised",
                                   hint="apply a plan to a float model (load it again)")
             weight = module.weight
-            install_packed(model, group, quantize_weight(weight, scheme))
+            weights = None if importance is None else importance.get(group.name)
+            install_packed(model, group, quantize_weight(weight, scheme, weights))
     if dtype is not None:
         model.to(dtype)  # packed codes keep their integer dtypes; bf16 scales convert exactly
     warn_if_slow_activations(model)

@@ -112,29 +112,122 @@ class PackedWeight:
         return w.reshape(self.out_features, self.in_features)
 
 
-def quantize_weight(weight: Tensor, scheme: QuantScheme) -> PackedWeight:
+# Importance-weighted fitting (``quantize_weight(..., importance=...)``): each group's grid starts
+# from its min..max (or abs-max) range and from that range shrunk by these factors; from each
+# start, codes and the least-squares (scale, zero) alternate for ``FIT_STEPS`` rounds. The fit that
+# minimises the importance-weighted squared error wins, and the plain min..max grid is one of the
+# candidates, so the fitted grid is never worse on that objective. Measured on SmolLM2-135M, int4-g64
+# (layers only): mean KL 0.285 with min..max grids, 0.074 fitted (0.070 with 6 starts x 7 rounds,
+# at three times the cost; 0.192 when every input channel weighs the same).
+FIT_RANGE_SHRINKS = (1.0, 0.9, 0.8)
+FIT_STEPS = 3
+# Channels that calibration never excites still get this share of the mean importance, so text
+# unlike the calibration text does not meet weights that were ignored entirely.
+IMPORTANCE_FLOOR = 0.01
+
+
+def _grid(scheme: QuantScheme) -> tuple[int, int, float]:
+    """(lowest code, highest code, half-range in codes used for the initial scale); the value of
+    code ``c`` is ``c * scale + zero``. int4's stored nibble is ``c + 8``."""
+    if scheme.bits == 8:
+        return -128, 127, 127.0
+    return -8, 7, 7.5
+
+
+def _bf16(t: Tensor) -> Tensor:
+    return t.to(torch.bfloat16).float()
+
+
+def _codes(wg: Tensor, scales: Tensor, zeros: Tensor, lo: int, hi: int) -> Tensor:
+    return torch.round((wg - zeros[..., None]) / scales[..., None]).clamp(lo, hi)
+
+
+def _initial_grid(wg: Tensor, scheme: QuantScheme, shrink: float) -> tuple[Tensor, Tensor]:
+    """Scales and zeros spanning the group's range (shrunk by ``shrink`` about its centre)."""
+    _, _, half = _grid(scheme)
+    if scheme.symmetric or scheme.bits == 8:
+        scales = (wg.abs().amax(dim=-1) * shrink / half).clamp(min=1e-8)
+        return scales, torch.zeros_like(scales)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    span = (hi - lo) * shrink
+    scales = _bf16((span / 15.0).clamp(min=1e-8))  # the zero is placed on the scale the kernel reads
+    return scales, (lo + hi - span) / 2 + 8 * scales
+
+
+def _least_squares_grid(wg: Tensor, h: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor,
+                        symmetric: bool) -> tuple[Tensor, Tensor]:
+    """The (scale, zero) minimising sum h (w - c * scale - zero)^2 for fixed codes ``c``."""
+    if symmetric:
+        denom = (h * codes * codes).sum(-1)
+        fitted = (h * wg * codes).sum(-1) / denom.clamp(min=1e-30)
+        ok = (denom > 0) & (fitted > 1e-8)
+        return torch.where(ok, fitted, scales), zeros
+    sw, sc, scc = h.sum(-1), (h * codes).sum(-1), (h * codes * codes).sum(-1)
+    sx, sxc = (h * wg).sum(-1), (h * wg * codes).sum(-1)
+    det = sw * scc - sc * sc
+    safe = torch.where(det.abs() > 1e-30, det, torch.ones_like(det))
+    new_scales, new_zeros = (sw * sxc - sc * sx) / safe, (scc * sx - sc * sxc) / safe
+    ok = (det.abs() > 1e-30) & (new_scales > 1e-8)
+    return torch.where(ok, new_scales, scales), torch.where(ok, new_zeros, zeros)
+
+
+def fit_grid(wg: Tensor, importance: Tensor | None, scheme: QuantScheme) -> tuple[Tensor, Tensor]:
+    """bf16-exact scales and zeros [N, G] for weight groups ``wg`` [N, G, g].
+
+    Without ``importance``: the grid spans each group's min..max (abs-max when symmetric). With it
+    ([G, g], mean squared activation per input channel, llama.cpp's "importance matrix"), the grid
+    minimising the importance-weighted squared error over the starts and rounds described above.
+    """
+    lo, hi, _ = _grid(scheme)
+    symmetric = scheme.symmetric or scheme.bits == 8
+    scales, zeros = (_bf16(t) for t in _initial_grid(wg, scheme, 1.0))
+    if importance is None:
+        return scales, zeros
+    h = importance.float() + IMPORTANCE_FLOOR * importance.float().mean()
+    best_err = (h * (wg - _codes(wg, scales, zeros, lo, hi) * scales[..., None] - zeros[..., None]) ** 2).sum(-1)
+    for shrink in FIT_RANGE_SHRINKS:
+        s, z = (_bf16(t) for t in _initial_grid(wg, scheme, shrink))
+        for step in range(FIT_STEPS + 1):
+            codes = _codes(wg, s, z, lo, hi)
+            err = (h * (wg - codes * s[..., None] - z[..., None]) ** 2).sum(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            scales, zeros = torch.where(better, s, scales), torch.where(better, z, zeros)
+            if step < FIT_STEPS:
+                s, z = (_bf16(t) for t in _least_squares_grid(wg, h, codes, s, z, symmetric))
+    return scales, zeros
+
+
+def quantiser_name(importance: dict | None) -> str:
+    """How grids were chosen, as recorded in sensitivity tables, plans and checkpoints."""
+    return "min-max" if importance is None else "importance-fitted"
+
+
+def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | None = None) -> PackedWeight:
     """Quantise a float [N, K] matrix. Scales and zeros are rounded to bf16 *before* the codes
-    are chosen, so the codes are optimal for the parameters the kernel actually reads."""
+    are chosen, so the codes are optimal for the parameters the kernel actually reads.
+
+    ``importance`` ([K], the mean squared input activation of each input channel over calibration
+    text): fit the grids to minimise the error the activations will see (``fit_grid``) rather
+    than spanning each group's range.
+    """
     w = weight.detach().float().cpu()
     n, k = w.shape
+    if importance is not None and importance.shape != (k,):
+        raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},) for a {n}x{k} matrix")
+    h = None if importance is None else importance.detach().float().cpu()
     if scheme.bits == 8:
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(torch.bfloat16)
-        q = torch.round(w / scales.float()[:, None]).clamp(-128, 127).to(torch.int8)
-        return PackedWeight(scheme, n, k, q, scales)
+        scales, _ = fit_grid(w[:, None, :], None if h is None else h[None, :], scheme)
+        q = _codes(w[:, None, :], scales, torch.zeros_like(scales), -128, 127)[:, 0].to(torch.int8)
+        return PackedWeight(scheme, n, k, q, scales[:, 0].to(torch.bfloat16))
     if scheme.bits != 4:
         raise ValueError(f"cannot pack scheme {scheme.name}")
     if not scheme.fits(n, k):
         raise ConfigError(f"{scheme.name} does not fit a {n}x{k} matrix",
                           hint=f"int4 needs in_features % {scheme.group_size} == 0 and out_features % 16 == 0")
-    wg = w.view(n, k // scheme.group_size, scheme.group_size)
-    if scheme.symmetric:
-        scales = (wg.abs().amax(dim=-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)
-        zeros = torch.zeros_like(scales)
-    else:
-        lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
-        scales = ((hi - lo) / 15.0).clamp(min=1e-8).to(torch.bfloat16)
-        zeros = (lo + 8 * scales.float()).to(torch.bfloat16)
-    codes = torch.round((wg - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
-    codes = codes.to(torch.uint8).view(n, k // 2, 2)
+    g = scheme.group_size
+    wg = w.view(n, k // g, g)
+    scales, zeros = fit_grid(wg, None if h is None else h.view(k // g, g), scheme)
+    codes = (_codes(wg, scales, zeros, -8, 7) + 8).to(torch.uint8).view(n, k // 2, 2)
     q = codes[..., 0] | (codes[..., 1] << 4)
-    return PackedWeight(scheme, n, k, q.contiguous(), scales, zeros)
+    return PackedWeight(scheme, n, k, q.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
