@@ -174,9 +174,11 @@ MINMAX_SUFFIX = " [min-max grids]"
 
 
 def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
+    """``plan`` applied to a copy of ``full``; the engine's auto plan as the engine applies it (min..max
+    grids, which reproduce the file's Q4_1 blocks), every other plan with ``importance``."""
     model = copy.deepcopy(full)
     apply_quant_plan(model, plan, dtype=torch.bfloat16,
-                     importance=None if label.endswith(MINMAX_SUFFIX) else importance)
+                     importance=None if label.endswith(MINMAX_SUFFIX) or label == ENGINE_AUTO else importance)
     return model
 
 

@@ -78,7 +78,8 @@ def cmd_quantize(args) -> int:
     loaded = load_model(args.model, device=args.device, dtype="fp32")
     run_dtype = resolve_dtype(args.dtype, loaded.model.device)
     importance = None
-    if args.grids == "fitted":  # the full model's activations on the calibration text, once for every step
+    needs_weights = args.profile or args.save or args.report
+    if args.grids == "fitted" and needs_weights:  # the full model's activations on the calibration text, once
         importance = collect_importance(loaded.model, loaded.tokenizer)
     table = None
     if args.profile:
@@ -91,7 +92,7 @@ def cmd_quantize(args) -> int:
         out = args.out or "sensitivity.yaml"
         table.save(out)
         print(f"sensitivity table ({table.info['seconds']} s) -> {out}", file=sys.stderr)
-    plan = _plan_from_args(args, loaded, table, quantiser_name(importance))
+    plan = _plan_from_args(args, loaded, table, quantiser_name({} if args.grids == "fitted" else None))
     if plan is None:
         return 0
     if args.save:

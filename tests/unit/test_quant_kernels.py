@@ -144,5 +144,5 @@ def test_without_importance_grids_span_each_group_min_to_max(gen):
 
 
 def test_importance_of_the_wrong_length_is_refused(gen):
-    with pytest.raises(ValueError, match=r"importance has shape \(100,\), expected \(128,\)"):
+    with pytest.raises(ConfigError, match=r"importance has shape \(100,\), expected \(128,\)"):
         quantize_weight(torch.randn(16, 128, generator=gen), parse_scheme("int8"), torch.ones(100))

@@ -15,7 +15,13 @@ from pathlib import Path
 from torch import nn
 
 from edge_rtgi.llm.quant.checkpoint import load_quantized_checkpoint, save_quantized_checkpoint
-from edge_rtgi.llm.quant.plan import QuantPlan, apply_quant_plan, model_groups, uniform_plan
+from edge_rtgi.llm.quant.plan import (
+    QuantPlan,
+    apply_quant_plan,
+    check_plan_inputs,
+    model_groups,
+    uniform_plan,
+)
 from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weight
 
 
@@ -76,7 +82,10 @@ def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> di
     if text.endswith(".safetensors"):
         return load_quantized_checkpoint(text, model)
     is_plan = text.endswith((".yaml", ".yml")) or Path(text).is_file()
-    plan = text if is_plan else uniform_plan(model_groups(model), text)
+    groups = model_groups(model)
+    plan = QuantPlan.load(text) if is_plan else uniform_plan(groups, text)
+    plan.validate(groups)  # a bad plan or an already quantised model is refused before the calibration pass
+    check_plan_inputs(model, groups, plan.resolved(groups))
     importance = None
     if tokenizer is not None:
         from edge_rtgi.llm.quant.profile import collect_importance

@@ -80,6 +80,7 @@ def allocate(groups: list[WeightGroup], table: SensitivityTable, budget: Budget,
              schemes: tuple[str, ...] | None = None) -> QuantPlan:
     """The plan minimising summed KL within ``budget``; ``schemes`` limits the candidates."""
     options = {g.name: _candidates(g, table, schemes) for g in groups}
+    assert all(len(rows) < 256 for rows in options.values())  # picks are stored as uint8
     empty = [name for name, rows in options.items() if not rows]
     if empty:
         raise ConfigError(f"no allowed candidate scheme for {', '.join(empty)}")
@@ -103,15 +104,15 @@ def _knapsack(options: dict[str, list], spare_bytes: int) -> dict[str, int]:
     """Index of the chosen option per group: least summed KL with extra bytes <= ``spare_bytes``."""
     extras = [nbytes - rows[0][0] for rows in options.values() for nbytes, _, _ in rows]
     unit = math.gcd(*extras) or 1  # exact when the byte costs share a large factor (they do: shapes are multiples of 64)
-    if spare_bytes // unit > DP_MAX_STEPS:
-        unit = math.ceil(spare_bytes / DP_MAX_STEPS)
+    if spare_bytes // unit > DP_MAX_STEPS:  # coarser, in multiples of the divisor so fewer costs round up
+        unit *= math.ceil(spare_bytes // unit / DP_MAX_STEPS)
     capacity = spare_bytes // unit
     # best[c]: least KL of the groups so far with at most c steps spent (0 steps with no group yet)
     best = np.zeros(capacity + 1)
     picks, steps = [], []
     for rows in options.values():
         cost = [math.ceil((nbytes - rows[0][0]) / unit) for nbytes, _, _ in rows]
-        new, pick = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.int64)
+        new, pick = np.full(capacity + 1, np.inf), np.zeros(capacity + 1, dtype=np.uint8)
         for j, ((_, kl, _), c) in enumerate(zip(rows, cost, strict=True)):
             if c > capacity:
                 continue

@@ -21,6 +21,7 @@ from torch import nn
 from edge_rtgi.errors import ModelFileError
 from edge_rtgi.llm.quant.plan import (
     QuantPlan,
+    check_plan_inputs,
     install_packed,
     model_groups,
     warn_if_slow_activations,
@@ -46,6 +47,7 @@ def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Pat
     """
     groups = model_groups(model)
     resolved = plan.resolved(groups)
+    check_plan_inputs(model, groups, resolved, importance)
     tensors: dict[str, torch.Tensor] = {}
     shapes = {}
     for group in groups:
@@ -53,7 +55,7 @@ def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Pat
         if scheme.bits == 16:
             continue
         module = model.get_submodule(group.module_path)
-        packed = quantize_weight(module.weight, scheme, None if importance is None else importance.get(group.name))
+        packed = quantize_weight(module.weight, scheme, None if importance is None else importance[group.name])
         tensors[f"{group.name}.qweight"] = packed.qweight
         tensors[f"{group.name}.scales"] = packed.scales
         if packed.zeros is not None:

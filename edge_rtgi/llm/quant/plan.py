@@ -174,6 +174,21 @@ def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -
         model.embed_tokens = TiedQuantEmbedding(new)
 
 
+def check_plan_inputs(model: nn.Module, groups: list[WeightGroup], resolved: dict[str, str],
+                      importance: dict | None = None) -> None:
+    """Refuse, before any work, groups to quantise that are not float linears any more, or that
+    ``importance`` (when given) does not cover."""
+    planned = [g for g in groups if parse_scheme(resolved[g.name]).bits < 16]
+    done = [g.name for g in planned if not isinstance(model.get_submodule(g.module_path), nn.Linear)]
+    if done:
+        raise ConfigError(f"{', '.join(done[:4])}{' ...' if len(done) > 4 else ''} already quantised",
+                          hint="apply a plan to a float model (load it again)")
+    missing = [g.name for g in planned if importance is not None and g.name not in importance]
+    if missing:
+        raise ConfigError(f"the importance has no entry for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
+                          hint="collect it on this model with edge_rtgi.llm.quant.profile.collect_importance")
+
+
 def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path, dtype: torch.dtype | None = None,
                      importance: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
     """Quantise ``model`` in place according to ``plan`` (a QuantPlan or a YAML path).
@@ -189,15 +204,12 @@ def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path, dtype: torc
         plan = QuantPlan.load(plan)
     groups = model_groups(model)
     resolved = plan.resolved(groups)
+    check_plan_inputs(model, groups, resolved, importance)
     for group in groups:
         scheme = parse_scheme(resolved[group.name])
         if scheme.bits < 16:
-            module = model.get_submodule(group.module_path)
-            if not isinstance(module, nn.Linear):
-                raise ConfigError(f"{group.name} is already quantised",
-                                  hint="apply a plan to a float model (load it again)")
-            weight = module.weight
-            weights = None if importance is None else importance.get(group.name)
+            weight = model.get_submodule(group.module_path).weight
+            weights = None if importance is None else importance[group.name]
             install_packed(model, group, quantize_weight(weight, scheme, weights))
     if dtype is not None:
         model.to(dtype)  # packed codes keep their integer dtypes; bf16 scales convert exactly

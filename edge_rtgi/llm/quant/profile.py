@@ -127,6 +127,10 @@ def collect_importance(model: nn.Module, tokenizer, text: str | None = None, win
         return accumulate
 
     groups = model_groups(model)
+    quantised = [g.name for g in groups if not isinstance(model.get_submodule(g.module_path), nn.Linear)]
+    if quantised:
+        raise ConfigError(f"{', '.join(quantised[:4])}{' ...' if len(quantised) > 4 else ''} already quantised",
+                          hint="collect importance on a float model (load it again)")
     handles = [model.get_submodule(g.module_path).register_forward_pre_hook(hook(g.name)) for g in groups]
     try:
         cache = ContiguousKVCache(model.config, window_tokens, model.dtype, model.device)
@@ -137,7 +141,7 @@ def collect_importance(model: nn.Module, tokenizer, text: str | None = None, win
         for handle in handles:
             handle.remove()
     missing = [g.name for g in groups if g.name not in sums]
-    if missing:  # a quantised layer (already replaced) or a custom forward that skips the linear
+    if missing:  # a custom forward that skips a linear
         raise ConfigError(f"no activations reached {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
                           hint="collect importance on a float model loaded with load_model")
     return {name: sums[name] / counts[name] for name in sums}

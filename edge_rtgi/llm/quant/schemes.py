@@ -214,7 +214,8 @@ def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | No
     w = weight.detach().float().cpu()
     n, k = w.shape
     if importance is not None and importance.shape != (k,):
-        raise ValueError(f"importance has shape {tuple(importance.shape)}, expected ({k},) for a {n}x{k} matrix")
+        raise ConfigError(f"importance has shape {tuple(importance.shape)}, expected ({k},) for a {n}x{k} matrix",
+                          hint="collect it on this model with edge_rtgi.llm.quant.profile.collect_importance")
     h = None if importance is None else importance.detach().float().cpu()
     if scheme.bits == 8:
         scales, _ = fit_grid(w[:, None, :], None if h is None else h[None, :], scheme)
