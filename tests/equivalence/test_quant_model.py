@@ -224,3 +224,23 @@ def test_smollm2_fitted_int4_g64_loses_far_less_than_min_max_grids():
         kls[name] = _mean_kl(loaded.model, quant, ids)
         del quant
     assert kls["fitted"] < 0.6 * kls["min-max"], kls
+
+
+def test_importance_that_misses_a_planned_group_is_refused_with_its_name(tiny):
+    importance = collect_importance(tiny.model, tiny.tokenizer, calibration_text("heldout"), window_tokens=32,
+                                    max_windows=1)
+    del importance["lm_head"]
+    quant = copy.deepcopy(tiny.model)
+    with pytest.raises(ConfigError, match="the importance has no entry for lm_head"):
+        apply_quant_plan(quant, QuantPlan(default="int8"), importance=importance)
+    assert all(isinstance(quant.get_submodule(g.module_path), torch.nn.Linear) for g in model_groups(quant))
+
+
+def test_scheme_on_a_quantised_model_is_refused_before_the_calibration_pass(tiny, monkeypatch):
+    import edge_rtgi.llm.quant.profile as profile
+
+    quant = copy.deepcopy(tiny.model)
+    apply_quant_plan(quant, QuantPlan(default="int8"))
+    monkeypatch.setattr(profile, "collect_importance", lambda *a, **k: pytest.fail("calibrated first"))
+    with pytest.raises(ConfigError, match="already quantised"):
+        apply_quant(quant, "int8", tiny.tokenizer)
