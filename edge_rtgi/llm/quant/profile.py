@@ -127,10 +127,6 @@ def collect_importance(model: nn.Module, tokenizer, text: str | None = None, win
         return accumulate
 
     groups = model_groups(model)
-    quantised = [g.name for g in groups if not isinstance(model.get_submodule(g.module_path), nn.Linear)]
-    if quantised:
-        raise ConfigError(f"{', '.join(quantised[:4])}{' ...' if len(quantised) > 4 else ''} already quantised",
-                          hint="collect importance on a float model (load it again)")
     handles = [model.get_submodule(g.module_path).register_forward_pre_hook(hook(g.name)) for g in groups]
     try:
         cache = ContiguousKVCache(model.config, window_tokens, model.dtype, model.device)
