@@ -183,16 +183,22 @@ class RetentionInterval:
     resamples: int
     num_prompts: int
     basis: str
+    block_prompts: int = 1  # consecutive prompts resampled together
 
 
 def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str],
                        references: Sequence[str | None] | None = None, resamples: int = 2000,
-                       level: float = 0.95, seed: int = 0) -> RetentionInterval:
+                       level: float = 0.95, seed: int = 0, block_prompts: int = 1) -> RetentionInterval:
     """Retention as ``score_outputs`` defines it, with a paired bootstrap over the prompts.
 
     Each resample draws prompts with replacement and scores the optimised and the full
     outputs of the *same* draw, so prompts that are hard for both models cancel out.
     Pairs where both texts are empty are left out, as ``chrf`` does.
+
+    ``block_prompts`` > 1 resamples runs of that many consecutive prompts instead of single
+    prompts (a block bootstrap): for prompts cut from one text at overlapping offsets, whose
+    neighbours share context and true continuations, so that single-prompt resampling would give
+    a falsely narrow interval. 1 is the plain bootstrap.
     """
     import numpy as np
 
@@ -215,14 +221,18 @@ def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str]
     if n == 0:
         return RetentionInterval(1.0, 1.0, 1.0, 1.0, 0.0, level, 0, 0, basis)
     point = _ratio(chrf_from_statistics(opt), chrf_from_statistics(full))
-    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    counts = np.stack([np.bincount(d, minlength=n) for d in draws])  # [resamples, n]
+    if block_prompts < 1:
+        raise ValueError(f"block_prompts must be >= 1, got {block_prompts}")
+    block_of = np.arange(n) // block_prompts  # prompt -> its block
+    blocks = int(block_of[-1]) + 1
+    draws = np.random.default_rng(seed).integers(0, blocks, size=(resamples, blocks))
+    counts = np.stack([np.bincount(d, minlength=blocks) for d in draws])[:, block_of]  # [resamples, n]
     ratios = np.array([_ratio(chrf_from_statistics([counts[b] @ opt]), chrf_from_statistics([counts[b] @ full]))
                        for b in range(resamples)])
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(ratios, [tail, 100 - tail])
     return RetentionInterval(min(1.0, point), point, min(1.0, float(low)), min(1.0, float(high)),
-                             float(ratios.std()), level, resamples, n, basis)
+                             float(ratios.std()), level, resamples, n, basis, block_prompts)
 
 
 def _ratio(optimised_score: float, full_score: float) -> float:

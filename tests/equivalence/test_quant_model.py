@@ -173,6 +173,19 @@ def test_compare_quality_of_the_full_model_against_itself_is_perfect(tiny):
     assert result.kl_low <= result.mean_kl <= result.kl_high + 1e-12
 
 
+def test_overlapping_evaluation_prompts_are_resampled_in_blocks(tiny):
+    """More prompts than the text holds side by side: they overlap, and the interval resamples runs of
+    prompts spanning one prompt plus continuation, not single prompts."""
+    text = calibration_text("heldout")
+    result = compare_quality(tiny.model, tiny.model, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
+                             new_tokens=8, max_prompts=200, resamples=50)
+    assert result.prompts == 200 and result.prompt_stride_tokens < 24
+    assert result.bootstrap_block_prompts == -(-24 // result.prompt_stride_tokens) > 1
+    apart = compare_quality(tiny.model, tiny.model, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
+                            new_tokens=8, max_prompts=6, resamples=50)
+    assert apart.prompt_stride_tokens >= 24 and apart.bootstrap_block_prompts == 1
+
+
 def test_collect_importance_is_the_mean_squared_input_of_each_linear(tiny):
     text = calibration_text("heldout")
     importance = collect_importance(tiny.model, tiny.tokenizer, text, window_tokens=32, max_windows=3)

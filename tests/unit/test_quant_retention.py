@@ -75,6 +75,32 @@ def test_interval_narrows_with_more_prompts(rng):
     assert many.std < 0.6 * few.std  # ~1/5 expected (sqrt(16/400)); generous for a random draw
 
 
+def test_block_bootstrap_counts_a_run_of_overlapping_prompts_as_one(rng):
+    """Prompts cut at overlapping offsets are near-copies of their neighbours. Resampling single
+    prompts then treats k copies as k independent pieces of evidence; resampling blocks of k
+    gives exactly the interval of the distinct prompts (same seed, same draws)."""
+    refs = _sentences(rng, 40)
+    full = _noisy(rng, refs, 0.7)
+    opt = _noisy(rng, full, 0.7)
+    k = 5
+
+    def copies(texts):
+        return [t for t in texts for _ in range(k)]
+
+    distinct = retention_interval(opt, full, refs, resamples=300)
+    blocked = retention_interval(copies(opt), copies(full), copies(refs), resamples=300, block_prompts=k)
+    naive = retention_interval(copies(opt), copies(full), copies(refs), resamples=300)
+    assert (blocked.low, blocked.high, blocked.std) == pytest.approx((distinct.low, distinct.high, distinct.std))
+    assert blocked.retention == distinct.retention and blocked.block_prompts == k
+    assert naive.std < 0.7 * distinct.std  # ~1/sqrt(5): the falsely narrow interval blocks avoid
+
+
+def test_block_size_must_be_positive(rng):
+    refs = _sentences(rng, 4)
+    with pytest.raises(ValueError, match="block_prompts"):
+        retention_interval(refs, refs, refs, block_prompts=0)
+
+
 def test_bootstrap_mean_interval_brackets_the_mean_and_collapses_when_units_agree(rng):
     counts = [rng.randint(50, 100) for _ in range(40)]
     sums = [c * rng.uniform(0.1, 0.3) for c in counts]

@@ -139,6 +139,8 @@ class QualityResult:
     token_accuracy_quant: float = math.nan
     token_accuracy_ratio_low: float = math.nan  # 95 % interval of the ratio (uncapped), resampling windows
     token_accuracy_ratio_high: float = math.nan
+    prompt_stride_tokens: int = 0  # tokens between consecutive evaluation prompts' starts
+    bootstrap_block_prompts: int = 1  # consecutive prompts the retention interval resamples together
 
     @property
     def token_accuracy_retention(self) -> float:
@@ -177,7 +179,11 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
     ``text`` defaults to the evaluation text (``calibration_text("eval")``, ~7,300 tokens, never
     used for profiling). Prompts are ``max_prompts`` evenly spaced ``prompt_tokens``-token
     slices of it; each model continues them greedily for ``new_tokens`` tokens, all prompts as
-    one batch (``greedy_continuations``), as the engine serves concurrent requests.
+    one batch (``greedy_continuations``), as the engine serves concurrent requests. When there
+    are more prompts than the text has room for side by side, they overlap (the stride is less
+    than ``prompt_tokens + new_tokens``), and the retention interval resamples runs of prompts
+    that together span one prompt and its continuation (``block_prompts``), so that neighbours
+    sharing text do not count as independent evidence.
     ``full_cache``: a dict reused across calls with the same ``full``/``text``, so comparing several
     quantised models runs the full model once.
     """
@@ -190,6 +196,7 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
     count = sum(tf["count"])
     stride = max(1, (len(ids) - prompt_tokens - new_tokens) // max_prompts)
     starts = list(range(0, len(ids) - prompt_tokens - new_tokens + 1, stride))[:max_prompts]
+    block_prompts = -(-(prompt_tokens + new_tokens) // stride)  # ceil: prompts per non-overlapping span
     prompts = torch.stack([ids[s:s + prompt_tokens] for s in starts])
     truths = [tokenizer.decode(ids[s + prompt_tokens:s + prompt_tokens + new_tokens].tolist()) for s in starts]
     key = ("texts", tuple(starts), prompt_tokens, new_tokens)
@@ -198,7 +205,7 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
     texts_f = cache[key]
     texts_q = [tokenizer.decode(c) for c in greedy_continuations(quant, prompts, new_tokens)]
     scored = score_outputs("quant-eval", texts_q, texts_f, references=truths)
-    interval = retention_interval(texts_q, texts_f, truths, resamples=resamples)
+    interval = retention_interval(texts_q, texts_f, truths, resamples=resamples, block_prompts=block_prompts)
     kl_low, kl_high = bootstrap_mean_interval(tf["kl"], tf["count"], resamples=resamples)
     return QualityResult(
         sum(tf["kl"]) / count, math.exp(sum(tf["nll_f"]) / count), math.exp(sum(tf["nll_q"]) / count),
@@ -206,7 +213,7 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
         scored.retention, count, len(truths), new_tokens, kl_low, kl_high, interval.uncapped, interval.low,
         interval.high, interval.std, [round(v, 6) for v in tf["kl"]], tf["count"],
         sum(tf["hit_f"]) / count, sum(tf["hit_q"]) / count,
-        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples))
+        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples), stride, block_prompts)
 
 
 def bits_table(resolved: dict[str, str], groups: list[WeightGroup]) -> str:
