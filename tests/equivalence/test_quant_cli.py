@@ -25,7 +25,8 @@ def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
     sens, plan, ckpt, report = (tmp_path / n for n in ("sens.yaml", "plan.yaml", "m.q.safetensors", "rep"))
     rc = main(["quantize", str(tiny_dir), "--dtype", "fp32", "--profile", "--out", str(sens), "-q",
                "--schemes", "int8,int4-g32,int4-g64", "--window-tokens", "64", "--calib-windows", "2",
-               "--target-bits", "5.5", "--plan-out", str(plan), "--save", str(ckpt), "--report", str(report)])
+               "--target-bits", "5.5", "--plan-out", str(plan), "--save", str(ckpt), "--report", str(report),
+               "--eval-prompts", "200"])  # more than fit side by side: overlapping, resampled in runs
     assert rc == 0
     assert "groups:" in sens.read_text() and "layers.1.down:" in sens.read_text()
     loaded = load_model(tiny_dir, device="cpu", dtype="fp32")
@@ -37,6 +38,7 @@ def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
     assert summary["plan"] == resolved and 0 < summary["quality_retention"] <= 1
     assert 0 <= summary["token_accuracy_quant"] <= 1 and 0 < summary["token_accuracy_retention"] <= 1
     assert (report / "bits.png").stat().st_size > 1000
+    assert summary["prompts"] == 200 and summary["bootstrap_block_prompts"] > 1
     assert "quality retention" in capsys.readouterr().out
     # The checkpoint and the plan give the same model.
     from_ckpt, from_plan = copy.deepcopy(loaded.model), copy.deepcopy(loaded.model)

@@ -268,6 +268,8 @@ def write_report(out_dir: str | Path, resolved: dict[str, str], groups: list[Wei
                "token_accuracy_retention": round(quality.token_accuracy_retention, 6),
                "plan": resolved}
     (out / "report.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    block = (f" in runs of {quality.bootstrap_block_prompts} (prompts {quality.prompt_stride_tokens} tokens apart "
+             "overlap)" if quality.bootstrap_block_prompts > 1 else "")
     bits_heatmap(resolved, groups, out / "bits.png", f"{model_name}: {summary['bits_per_weight']} bits/weight")
     md = [f"# Quantisation report: {model_name}", "",
           f"- average bits per weight (scales and zeros included): **{summary['bits_per_weight']}**",
@@ -282,7 +284,7 @@ def write_report(out_dir: str | Path, resolved: dict[str, str], groups: list[Wei
           f"full {quality.chrf_full:.2f}, quantised {quality.chrf_quant:.2f}; chrF agreement between the "
           f"two models' continuations {quality.chrf_agreement:.2f}",
           f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %** "
-          f"(95 % paired-bootstrap interval over prompts {100 * quality.retention_low:.1f}-"
+          f"(95 % paired-bootstrap interval over prompts{block} {100 * quality.retention_low:.1f}-"
           f"{100 * quality.retention_high:.1f} %; uncapped ratio {100 * quality.retention_uncapped:.1f} %)",
           f"- next-token accuracy on the true text (teacher-forced): full {100 * quality.token_accuracy_full:.2f} %, "
           f"quantised {100 * quality.token_accuracy_quant:.2f} %; ratio "
