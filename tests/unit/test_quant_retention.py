@@ -14,6 +14,7 @@ from edge_rtgi.bench.quality import (
     retention_interval,
     score_outputs,
 )
+from edge_rtgi.llm.quant.report import looping_share
 
 WORDS = ("the train leaves at nine from platform three and the next one comes an hour later "
          "bring a warm coat because the evenings are cold in the mountains").split()
@@ -108,3 +109,13 @@ def test_bootstrap_mean_interval_brackets_the_mean_and_collapses_when_units_agre
     assert low <= sum(sums) / sum(counts) <= high
     low, high = bootstrap_mean_interval([0.25 * c for c in counts], counts, resamples=200)
     assert low == pytest.approx(0.25) and high == pytest.approx(0.25)
+
+
+def test_looping_share_counts_sequences_that_repeat_their_own_ngrams(rng):
+    fresh = [rng.sample(range(1000), 48) for _ in range(3)]  # no token twice: no repeated 4-gram
+    cycle = rng.sample(range(1000), 5)
+    loop = [cycle[i % 5] for i in range(48)]  # a 5-token cycle: 40 of 45 4-grams repeat
+    almost = fresh[0][:36] + fresh[0][:12]  # 9 of 45 4-grams repeat: 20 %, under the 25 % line
+    assert looping_share(fresh) == 0.0 and looping_share([loop]) == 1.0
+    assert looping_share([almost]) == 0.0 and looping_share([almost], repeated_fraction=0.2) == 1.0
+    assert looping_share(fresh + [loop]) == 0.25 and looping_share([]) == 0.0

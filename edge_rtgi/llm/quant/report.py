@@ -62,6 +62,16 @@ def greedy_continuation(model: nn.Module, prompt: Tensor, new_tokens: int) -> li
     return out
 
 
+def looping_share(continuations: list[list[int]], ngram: int = 4, repeated_fraction: float = 0.25) -> float:
+    """Share of token sequences in which at least ``repeated_fraction`` of the ``ngram``-grams repeat
+    an earlier one of the same sequence: a greedy decode caught in a loop."""
+    def looping(tokens: list[int]) -> bool:
+        grams = [tuple(tokens[i:i + ngram]) for i in range(len(tokens) - ngram + 1)]
+        return bool(grams) and len(grams) - len(set(grams)) >= repeated_fraction * len(grams)
+
+    return sum(map(looping, continuations)) / len(continuations) if continuations else 0.0
+
+
 class BatchKVCache:
     """Keys and values of ``batch`` equal-length sequences that advance in lockstep.
 
@@ -141,6 +151,10 @@ class QualityResult:
     token_accuracy_ratio_high: float = math.nan
     prompt_stride_tokens: int = 0  # tokens between consecutive evaluation prompts' starts
     bootstrap_block_prompts: int = 1  # consecutive prompts the retention interval resamples together
+    # Share of greedy continuations stuck in a loop (``looping_share``): what most of a chrF drop
+    # is made of on a small model, whose greedy decoding loops easily.
+    looping_share_full: float = math.nan
+    looping_share_quant: float = math.nan
 
     @property
     def token_accuracy_retention(self) -> float:
@@ -199,11 +213,11 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
     block_prompts = -(-(prompt_tokens + new_tokens) // stride)  # ceil: prompts per non-overlapping span
     prompts = torch.stack([ids[s:s + prompt_tokens] for s in starts])
     truths = [tokenizer.decode(ids[s + prompt_tokens:s + prompt_tokens + new_tokens].tolist()) for s in starts]
-    key = ("texts", tuple(starts), prompt_tokens, new_tokens)
+    key = ("continuations", tuple(starts), prompt_tokens, new_tokens)
     if key not in cache:
-        cache[key] = [tokenizer.decode(c) for c in greedy_continuations(full, prompts, new_tokens)]
-    texts_f = cache[key]
-    texts_q = [tokenizer.decode(c) for c in greedy_continuations(quant, prompts, new_tokens)]
+        cache[key] = greedy_continuations(full, prompts, new_tokens)
+    ids_f, ids_q = cache[key], greedy_continuations(quant, prompts, new_tokens)
+    texts_f, texts_q = [tokenizer.decode(c) for c in ids_f], [tokenizer.decode(c) for c in ids_q]
     scored = score_outputs("quant-eval", texts_q, texts_f, references=truths)
     interval = retention_interval(texts_q, texts_f, truths, resamples=resamples, block_prompts=block_prompts)
     kl_low, kl_high = bootstrap_mean_interval(tf["kl"], tf["count"], resamples=resamples)
@@ -213,7 +227,8 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
         scored.retention, count, len(truths), new_tokens, kl_low, kl_high, interval.uncapped, interval.low,
         interval.high, interval.std, [round(v, 6) for v in tf["kl"]], tf["count"],
         sum(tf["hit_f"]) / count, sum(tf["hit_q"]) / count,
-        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples), stride, block_prompts)
+        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples), stride, block_prompts,
+        looping_share(ids_f), looping_share(ids_q))
 
 
 def bits_table(resolved: dict[str, str], groups: list[WeightGroup]) -> str:
@@ -286,6 +301,8 @@ def write_report(out_dir: str | Path, resolved: dict[str, str], groups: list[Wei
           f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %** "
           f"(95 % paired-bootstrap interval over prompts{block} {100 * quality.retention_low:.1f}-"
           f"{100 * quality.retention_high:.1f} %; uncapped ratio {100 * quality.retention_uncapped:.1f} %)",
+          f"- continuations caught in a loop (>= 25 % of their 4-grams repeated): full "
+          f"{100 * quality.looping_share_full:.1f} %, quantised {100 * quality.looping_share_quant:.1f} %",
           f"- next-token accuracy on the true text (teacher-forced): full {100 * quality.token_accuracy_full:.2f} %, "
           f"quantised {100 * quality.token_accuracy_quant:.2f} %; ratio "
           f"{100 * quality.token_accuracy_retention:.1f} % (95 % interval over windows "
