@@ -243,11 +243,23 @@ def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
     def first(key: str) -> str | None:
         return next((label for _, label in mixed if rows[label].get(key, -1) >= target), None)
 
-    return {"target_retention": target, "by_interval": first("retention_low"),
-            "by_point_estimate": first("quality_retention"), "not_significantly_below": first("retention_high"),
-            # the teacher-forced view (not the benchmark's definition), reported beside it
-            "token_accuracy_by_interval": first("token_accuracy_ratio_low"),
-            "token_accuracy_by_point_estimate": first("token_accuracy_retention")}
+    point = {"target_retention": target, "by_interval": first("retention_low"),
+             "by_point_estimate": first("quality_retention"), "not_significantly_below": first("retention_high"),
+             # the teacher-forced view (not the benchmark's definition), reported beside it
+             "token_accuracy_by_interval": first("token_accuracy_ratio_low"),
+             "token_accuracy_by_point_estimate": first("token_accuracy_retention")}
+    point["chosen"], point["chosen_by"] = chosen_operating_point(point)
+    return point
+
+
+# The criteria in the order the operating point is chosen by: the benchmark's retention first,
+# strictest first; the teacher-forced token accuracy only when no mixed plan meets the benchmark's.
+OPERATING_POINT_CRITERIA = ("by_interval", "by_point_estimate", "not_significantly_below", "token_accuracy_by_interval")
+
+
+def chosen_operating_point(point: dict) -> tuple[str | None, str | None]:
+    """(plan label, criterion) of the first criterion in OPERATING_POINT_CRITERIA that a plan meets."""
+    return next(((point[c], c) for c in OPERATING_POINT_CRITERIA if point.get(c)), (None, None))
 
 
 def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
@@ -339,8 +351,7 @@ def render_markdown(out: Path) -> str:
     decode = json.loads((out / "decode.json").read_text()) if (out / "decode.json").is_file() else {"models": {}}
     q, d = quality["models"], decode["models"]
     full_ppl = next((r["perplexity_full"] for r in q.values()), math.nan)
-    point = quality.get("operating_point") or {}
-    chosen = point.get("by_interval") or point.get("by_point_estimate") or point.get("not_significantly_below")
+    chosen, chosen_by = chosen_operating_point(quality.get("operating_point") or {})
     lines = [f"| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] | PPL (full {full_ppl:.2f}) "
              "| top-1 agreement | retention [95 % CI] | token-accuracy ratio [95 % CI] | decode tok/s | vs fp32 | vs llama.cpp |",
              "|---" * 11 + "|"]
@@ -348,7 +359,7 @@ def render_markdown(out: Path) -> str:
     labels += [k for k in d if k not in labels]
     for label in labels:
         r, t = q.get(label, {}), d.get(label, {})
-        name = f"**{label}** (operating point)" if label == chosen else label
+        name = f"**{label}** (operating point, {chosen_by.replace('_', ' ')})" if label == chosen else label
         bits = "32" if label == "fp32 (full)" else "16" if label == "bf16" else (
             f"{r['bits_per_weight']:.2f}" if "bits_per_weight" in r else "5.0 (Q4_1)" if "llama" in label else "-")
         mb = r.get("resident_weights_mb") or t.get("resident_weights_mb") or "-"
@@ -430,8 +441,7 @@ def main(argv=None) -> int:
         for label in args.decode_for:
             if label == "chosen":
                 quality = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
-                point = quality.get("operating_point") or {}
-                label = point.get("by_interval") or point.get("by_point_estimate") or point.get("not_significantly_below")
+                label, _ = chosen_operating_point(quality.get("operating_point") or {})
                 if label is None:
                     print("no operating point in quality.json; 'chosen' skipped", file=sys.stderr)
                     continue
