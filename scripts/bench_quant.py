@@ -13,8 +13,10 @@ Everything is measured in one run against baselines from the same run (medians o
 - memory: resident bytes of every model's weights (parameters + buffers);
 - quality: uniform plans, mixed plans of exactly the uniform plans' sizes, and a budget sweep of
   mixed plans, on the evaluation text (``compare_quality``: KL, perplexity, top-1 agreement and
-  the benchmark's quality retention, each with a bootstrap interval). The operating point is the
-  smallest mixed plan whose retention interval lies at or above --target-retention.
+  the benchmark's quality retention, each with a bootstrap interval), plus two ablations that
+  split int8's loss between the tied head and the layers. The operating point is the smallest
+  mixed plan meeting --target-retention (``choose_operating_point``: by the retention interval,
+  then its point estimate, then not significantly below, then by the token-accuracy interval).
 
     python scripts/bench_quant.py --sensitivity sens.yaml --out bench_out/quant
     python scripts/bench_quant.py --sensitivity sens.yaml --skip kernels decode   # quality only
@@ -187,6 +189,12 @@ def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
 UNALIGNED = ("int8", "int4-g64", "int4-g128", "int4sym-g32", "int4sym-g64", "int4sym-g128")
 # The engine's default on a bf16 CPU: the file's Q4_1 blocks as int4-g32, everything else int8.
 ENGINE_AUTO = "engine auto (Q4_1 as int4-g32, int8 head)"
+
+
+# Where int8's loss comes from: the tied head alone at int8, and everything but the head (the rest
+# stays bf16, the run dtype). Not operating-point candidates.
+HEAD_ABLATIONS = {"int8 head only (rest bf16)": QuantPlan({"lm_head": "int8"}, "none"),
+                  "int8 except the head (head bf16)": QuantPlan({"lm_head": "none"}, "int8")}
 
 
 def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[float],
@@ -433,6 +441,8 @@ def main(argv=None) -> int:
             print(f"warning: {args.sensitivity} was profiled with min-max grids; mixed plans will be allocated "
                   "on the wrong sensitivities (profile again, or pass --grids min-max)", file=sys.stderr)
     plans[ENGINE_AUTO] = source_aligned_plan(full.model, "int8")
+    for label, plan in HEAD_ABLATIONS.items():
+        plans[label] = plan
     if "quality" not in args.skip:
         torch.set_num_threads(args.quality_threads)
         quality_pass(full, groups, plans, args, out)
