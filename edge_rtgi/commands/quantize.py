@@ -139,5 +139,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--report", metavar="DIR", help="write report.md, report.json and bits.png to DIR")
     out.add_argument("--eval-prompts", type=int, default=64,
                      help="greedy-continuation prompts for the report's retention (default 64, side by side; "
-                          "448, as scripts/bench_quant.py uses, overlap and narrow the interval ~2.5x at ~7x the time)")
+                          "448, as scripts/bench_quant.py uses, overlap and narrow the interval 2-3x at ~7x the time)")
     p.set_defaults(func=cmd_quantize)
