@@ -411,7 +411,7 @@ def main(argv=None) -> int:
                     help="labels of --decode-for to run a second time without the fused CPU kernels")
     ap.add_argument("--prompts", type=int, default=448,
                     help="evaluation prompts for the chrF retention (448: one every 16 tokens of the evaluation "
-                         "text, overlapping; the interval resamples runs of 7, one prompt + continuation apart)")
+                         "text, overlapping; the interval resamples runs of 14 prompts, two prompt + continuation spans)")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)
     ap.add_argument("--blind-bits", type=float, nargs="*", default=[],

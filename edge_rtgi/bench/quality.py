@@ -186,6 +186,9 @@ class RetentionInterval:
     block_prompts: int = 1  # consecutive prompts resampled together
 
 
+MIN_BOOTSTRAP_BLOCKS = 10
+
+
 def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str],
                        references: Sequence[str | None] | None = None, resamples: int = 2000,
                        level: float = 0.95, seed: int = 0, block_prompts: int = 1) -> RetentionInterval:
@@ -202,6 +205,8 @@ def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str]
     """
     import numpy as np
 
+    if block_prompts < 1:
+        raise ValueError(f"block_prompts must be >= 1, got {block_prompts}")
     refs = list(references or [])
     with_refs = bool(refs) and all(r is not None for r in refs)
     if with_refs:
@@ -212,6 +217,7 @@ def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str]
         opt_rows = chrf_statistics(optimised_texts, refs)
         basis = "chrF vs references, optimised / full"
     else:  # the agreement basis: chrF(opt, full) / chrF(full, full) = agreement / 100
+        # (blocks are formed after empty pairs are dropped, so a block may join non-neighbours)
         keep = [i for i, (o, f) in enumerate(zip(optimised_texts, full_texts, strict=True)) if o.strip() or f.strip()]
         opt_rows = chrf_statistics([optimised_texts[i] for i in keep], [full_texts[i] for i in keep])
         full_rows = chrf_statistics([full_texts[i] for i in keep], [full_texts[i] for i in keep])
@@ -221,10 +227,12 @@ def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str]
     if n == 0:
         return RetentionInterval(1.0, 1.0, 1.0, 1.0, 0.0, level, 0, 0, basis)
     point = _ratio(chrf_from_statistics(opt), chrf_from_statistics(full))
-    if block_prompts < 1:
-        raise ValueError(f"block_prompts must be >= 1, got {block_prompts}")
-    block_of = np.arange(n) // block_prompts  # prompt -> its block
+    block_of = np.arange(n) // block_prompts  # prompt -> its block (the last one may be short)
     blocks = int(block_of[-1]) + 1
+    if block_prompts > 1 and blocks < MIN_BOOTSTRAP_BLOCKS:
+        # a handful of blocks makes a bootstrap meaningless (one block: an interval of width 0)
+        raise ValueError(f"{n} prompts make only {blocks} blocks of {block_prompts}; a block bootstrap needs at "
+                         f"least {MIN_BOOTSTRAP_BLOCKS}: give a longer text or fewer, non-overlapping prompts")
     draws = np.random.default_rng(seed).integers(0, blocks, size=(resamples, blocks))
     counts = np.stack([np.bincount(d, minlength=blocks) for d in draws])[:, block_of]  # [resamples, n]
     ratios = np.array([_ratio(chrf_from_statistics([counts[b] @ opt]), chrf_from_statistics([counts[b] @ full]))
