@@ -67,3 +67,9 @@ def test_plan_naming_missing_layer_is_refused(tiny_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "layers.9.qkv" in err and "does not have" in err
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_eval_prompts_must_be_positive(tiny_dir, tmp_path, capsys):
+    rc = main(["quantize", str(tiny_dir), "--uniform", "int8", "--report", str(tmp_path / "r"), "--eval-prompts", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--eval-prompts must be at least 1" in err and len(err.strip().splitlines()) == 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edge_rtgi.bench.quality import retention_interval
 from edge_rtgi.errors import ConfigError, ModelFileError
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_quant, load_quantized_checkpoint, save_quantized_checkpoint
@@ -173,17 +174,31 @@ def test_compare_quality_of_the_full_model_against_itself_is_perfect(tiny):
     assert result.kl_low <= result.mean_kl <= result.kl_high + 1e-12
 
 
-def test_overlapping_evaluation_prompts_are_resampled_in_blocks(tiny):
+def test_overlapping_evaluation_prompts_are_resampled_in_blocks(tiny, monkeypatch):
     """More prompts than the text holds side by side: they overlap, and the interval resamples runs of
-    prompts spanning one prompt plus continuation, not single prompts."""
+    prompts spanning two prompts plus continuations; prompts side by side are resampled one by one."""
+    import edge_rtgi.llm.quant.report as report
+
+    blocks_used = []
+
+    def spy(*args, **kwargs):
+        blocks_used.append(kwargs.get("block_prompts", 1))
+        return retention_interval(*args, **kwargs)
+
+    monkeypatch.setattr(report, "retention_interval", spy)
+    quant = copy.deepcopy(tiny.model)
+    apply_quant_plan(quant, QuantPlan(default="int4-g32"))  # a different model: a real interval
     text = calibration_text("heldout")
-    result = compare_quality(tiny.model, tiny.model, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
-                             new_tokens=8, max_prompts=200, resamples=50)
+    result = compare_quality(tiny.model, quant, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
+                             new_tokens=8, max_prompts=200, resamples=200)
     assert result.prompts == 200 and result.prompt_stride_tokens < 24
-    assert result.bootstrap_block_prompts == -(-24 // result.prompt_stride_tokens) > 1
-    apart = compare_quality(tiny.model, tiny.model, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
-                            new_tokens=8, max_prompts=6, resamples=50)
-    assert apart.prompt_stride_tokens >= 24 and apart.bootstrap_block_prompts == 1
+    assert blocks_used[-1] == result.bootstrap_block_prompts == 2 * -(-24 // result.prompt_stride_tokens)
+    assert result.retention_low <= result.quality_retention <= result.retention_high
+    apart = compare_quality(tiny.model, quant, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
+                            new_tokens=8, max_prompts=12, resamples=50)
+    assert apart.prompt_stride_tokens >= 24 and blocks_used[-1] == apart.bootstrap_block_prompts == 1
+    with pytest.raises(ValueError, match="max_prompts"):
+        compare_quality(tiny.model, quant, tiny.tokenizer, text, max_prompts=0)
 
 
 def test_collect_importance_is_the_mean_squared_input_of_each_linear(tiny):

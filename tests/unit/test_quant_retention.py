@@ -96,10 +96,23 @@ def test_block_bootstrap_counts_a_run_of_overlapping_prompts_as_one(rng):
     assert naive.std < 0.7 * distinct.std  # ~1/sqrt(5): the falsely narrow interval blocks avoid
 
 
-def test_block_size_must_be_positive(rng):
-    refs = _sentences(rng, 4)
+def test_a_short_last_block_is_resampled_like_the_others(rng):
+    refs = _sentences(rng, 31)  # 10 blocks of 3 and one of 1
+    full = _noisy(rng, refs, 0.7)
+    opt = _noisy(rng, full, 0.7)
+    interval = retention_interval(opt, full, refs, resamples=300, block_prompts=3)
+    assert interval.low <= interval.uncapped <= interval.high or interval.high == 1.0
+    assert interval.std > 0 and interval.num_prompts == 31 and interval.block_prompts == 3
+
+
+def test_block_size_must_be_positive_and_leave_enough_blocks(rng):
     with pytest.raises(ValueError, match="block_prompts"):
-        retention_interval(refs, refs, refs, block_prompts=0)
+        retention_interval([], [], [], block_prompts=0)  # checked before anything else
+    refs = _sentences(rng, 20)
+    full = _noisy(rng, refs, 0.7)
+    with pytest.raises(ValueError, match="only 5 blocks of 4"):  # one block would give an interval of width 0
+        retention_interval(full, full, refs, block_prompts=4)
+    assert retention_interval(full, full, refs, block_prompts=2, resamples=50).block_prompts == 2  # 10 blocks
 
 
 def test_bootstrap_mean_interval_brackets_the_mean_and_collapses_when_units_agree(rng):
