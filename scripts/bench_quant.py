@@ -441,8 +441,7 @@ def main(argv=None) -> int:
             print(f"warning: {args.sensitivity} was profiled with min-max grids; mixed plans will be allocated "
                   "on the wrong sensitivities (profile again, or pass --grids min-max)", file=sys.stderr)
     plans[ENGINE_AUTO] = source_aligned_plan(full.model, "int8")
-    for label, plan in HEAD_ABLATIONS.items():
-        plans[label] = plan
+    plans.update(HEAD_ABLATIONS)
     if "quality" not in args.skip:
         torch.set_num_threads(args.quality_threads)
         quality_pass(full, groups, plans, args, out)
