@@ -84,7 +84,7 @@ def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> di
     is_plan = text.endswith((".yaml", ".yml")) or Path(text).is_file()
     groups = model_groups(model)
     plan = QuantPlan.load(text) if is_plan else uniform_plan(groups, text)
-    plan.validate(groups)  # a bad plan or an already quantised model is refused before the calibration pass
+    # a bad plan (resolved() validates it) or an already quantised model is refused before the calibration pass
     check_plan_inputs(model, groups, plan.resolved(groups))
     importance = None
     if tokenizer is not None:
