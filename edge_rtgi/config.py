@@ -66,7 +66,7 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         _source_name = source
 
     try:
-        return yaml.load(text, Loader=Loader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=Loader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source

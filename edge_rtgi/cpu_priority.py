@@ -90,4 +90,3 @@ def freeze_heap() -> None:
     want anyway."""
     gc.collect()
     gc.freeze()
-

@@ -103,8 +103,9 @@ def resolve_device(name: str | None = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         from edge_rtgi.errors import ConfigError
 
-        raise ConfigError(f"device {name!r} requested but CUDA is not available",
-                          hint="use device: cpu or device: auto")
+        raise ConfigError(
+            f"device {name!r} requested but CUDA is not available", hint="use device: cpu or device: auto"
+        )
     return device
 
 

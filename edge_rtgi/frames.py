@@ -253,6 +253,18 @@ class ErrorEvent:
 
 
 SessionEvent = (
-    SessionStarted | SessionUpdated | SpeechStarted | SpeechStopped | Transcript | AudioCommitted | ResponseStarted
-    | TextDelta | TextDone | AudioOut | AudioDone | ResponseInterrupted | ResponseDone | ErrorEvent
+    SessionStarted
+    | SessionUpdated
+    | SpeechStarted
+    | SpeechStopped
+    | Transcript
+    | AudioCommitted
+    | ResponseStarted
+    | TextDelta
+    | TextDone
+    | AudioOut
+    | AudioDone
+    | ResponseInterrupted
+    | ResponseDone
+    | ErrorEvent
 )

@@ -32,8 +32,12 @@ from edge_rtgi.llm.model import ContiguousKVCache, apply_rope
 from edge_rtgi.llm.quant import apply_engine_quant
 from edge_rtgi.llm.weights import load_model
 
-FUSED = {"rms_norm": cpu_ops.rms_norm, "rotate_qk": cpu_ops.rotate_qk, "silu_mul": cpu_ops.silu_mul,
-         "decode_attention_usable": cpu_ops.decode_attention_usable}
+FUSED = {
+    "rms_norm": cpu_ops.rms_norm,
+    "rotate_qk": cpu_ops.rotate_qk,
+    "silu_mul": cpu_ops.silu_mul,
+    "decode_attention_usable": cpu_ops.decode_attention_usable,
+}
 
 
 def plain_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -41,10 +45,12 @@ def plain_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-PLAIN = {"rms_norm": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps),
-         "rotate_qk": apply_rope,
-         "silu_mul": plain_silu_mul,
-         "decode_attention_usable": lambda *args: False}
+PLAIN = {
+    "rms_norm": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps),
+    "rotate_qk": apply_rope,
+    "silu_mul": plain_silu_mul,
+    "decode_attention_usable": lambda *args: False,
+}
 
 
 LAYER_LOOP = cpu_ops.run_decode_layers
@@ -65,7 +71,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--max-context", type=int, default=300, help="restart at the prompt after this many tokens")
+    ap.add_argument(
+        "--max-context", type=int, default=300, help="restart at the prompt after this many tokens"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model(args.model, role="llm"), device="cpu", dtype="auto")
@@ -101,7 +109,10 @@ def main(argv=None) -> int:
     for name in names:
         ref = "per-op" if name.startswith("per-op without") else "layer loop"
         ratio = statistics.median(t / b for t, b in zip(times[name], times[ref], strict=True))
-        print(f"{name:<36} {1e3 * statistics.median(times[name]):7.2f} ms/step   {ratio:5.3f}x the step time of {ref}")
+        print(
+            f"{name:<36} {1e3 * statistics.median(times[name]):7.2f} ms/step   "
+            f"{ratio:5.3f}x the step time of {ref}"
+        )
     return 0
 
 

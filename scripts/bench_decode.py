@@ -20,8 +20,10 @@ from collections.abc import Callable
 import torch
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
-        "books were made, how ideas spread, and who could read them. ") * 8
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type changed how "
+    "books were made, how ideas spread, and who could read them. "
+) * 8
 
 
 def decode_speed(run: Callable[[int], None], runs: int) -> tuple[float, float, list[float]]:
@@ -56,15 +58,18 @@ def ours(model_path, dtype: str) -> Callable[[list[int]], Callable[[int], None]]
         def run(n: int) -> None:
             result = generate(loaded, ids, SamplingParams(max_tokens=n, ignore_eos=True))
             assert len(result.token_ids) == n
+
         return run
+
     return make
 
 
 def hf(model_path) -> Callable[[list[int]], Callable[[int], None]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path.parent, gguf_file=model_path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
     def make(ids: list[int]) -> Callable[[int], None]:
         x = torch.tensor([ids])
@@ -72,14 +77,20 @@ def hf(model_path) -> Callable[[list[int]], Callable[[int], None]]:
 
         def run(n: int) -> None:
             with torch.inference_mode():
-                out = model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                out = model.generate(
+                    x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+                )
             assert out.shape[1] == len(ids) + n
+
         return run
+
     return make
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -94,20 +105,30 @@ def main() -> None:
     ids = tokenizer.encode(TEXT)[:PROMPT_TOKENS]
     assert len(ids) == PROMPT_TOKENS
 
-    contenders = [("HF transformers fp32 eager", lambda: hf(path)),
-                  ("edge-rtgi plain fp32", lambda: ours(path, "fp32")),
-                  ("edge-rtgi plain bf16", lambda: ours(path, "bf16"))]
+    contenders = [
+        ("HF transformers fp32 eager", lambda: hf(path)),
+        ("edge-rtgi plain fp32", lambda: ours(path, "fp32")),
+        ("edge-rtgi plain bf16", lambda: ours(path, "bf16")),
+    ]
     results = {}
     for name, build in contenders:
         rate, cpu_ms, rates = decode_speed(build()(ids), args.runs)
         results[name] = (rate, cpu_ms)
-        print(f"{name:30s} {rate:7.1f} tok/s  {cpu_ms:7.1f} CPU ms/token  "
-              f"(tok/s runs: {', '.join(f'{r:.1f}' for r in rates)})", flush=True)
+        print(
+            f"{name:30s} {rate:7.1f} tok/s  {cpu_ms:7.1f} CPU ms/token  "
+            f"(tok/s runs: {', '.join(f'{r:.1f}' for r in rates)})",
+            flush=True,
+        )
     base_rate, base_cpu = results[contenders[0][0]]
-    print(f"\nbatch 1, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, greedy, median of {args.runs}, "
-          f"{args.threads} threads, model {path.name}")
+    print(
+        f"\nbatch 1, {PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens, greedy, median of {args.runs}, "
+        f"{args.threads} threads, model {path.name}"
+    )
     for name, (rate, cpu_ms) in results.items():
-        print(f"  {name:30s} {rate / base_rate:5.2f}x HF tok/s   {base_cpu / cpu_ms:5.2f}x less CPU per token")
+        print(
+            f"  {name:30s} {rate / base_rate:5.2f}x HF tok/s   {base_cpu / cpu_ms:5.2f}x less CPU per token"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -81,8 +81,13 @@ def median_time(fn, runs: int, warmup: int = 2) -> float:
 
 def bench_kernels(runs: int) -> list[dict]:
     """Microseconds per call for each shape / batch / activation dtype / kernel."""
-    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-              "lm_head": (49152, 576)}
+    shapes = {
+        "qkv": (960, 576),
+        "o": (576, 576),
+        "gate_up": (3072, 576),
+        "down": (576, 1536),
+        "lm_head": (49152, 576),
+    }
     rows = []
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k) * 0.02
@@ -90,10 +95,18 @@ def bench_kernels(runs: int) -> list[dict]:
             for dtype in (torch.float32, torch.bfloat16):
                 x = torch.randn(batch, k).to(dtype)
                 wd = w.to(dtype)
-                row = {"shape": name, "n": n, "k": k, "batch": batch, "act": str(dtype).replace("torch.", ""),
-                       "F.linear": 1e6 * median_time(lambda x=x, wd=wd: F.linear(x, wd), runs)}
+                row = {
+                    "shape": name,
+                    "n": n,
+                    "k": k,
+                    "batch": batch,
+                    "act": str(dtype).replace("torch.", ""),
+                    "F.linear": 1e6 * median_time(lambda x=x, wd=wd: F.linear(x, wd), runs),
+                }
                 for scheme in ("int8", "int4-g32", "int4-g64"):
-                    layer = make_quant_linear(quantize_weight(w, parse_scheme(scheme)), None, dtype, torch.device("cpu"))
+                    layer = make_quant_linear(
+                        quantize_weight(w, parse_scheme(scheme)), None, dtype, torch.device("cpu")
+                    )
                     row[scheme] = 1e6 * median_time(lambda x=x, layer=layer: layer(x), runs)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -156,8 +169,12 @@ def decode_interleaved(decoders: dict, prompt: list[int], runs: int) -> dict[str
     rows = {}
     for name, runs_ in samples.items():
         rates = [r for _, r in runs_]
-        rows[name] = {"decode_tok_s": round(statistics.median(rates), 2), "decode_tok_s_runs": [round(r, 2) for r in rates],
-                      "ttft_ms": round(1e3 * statistics.median(t for t, _ in runs_), 1), "runs": len(runs_)}
+        rows[name] = {
+            "decode_tok_s": round(statistics.median(rates), 2),
+            "decode_tok_s_runs": [round(r, 2) for r in rates],
+            "ttft_ms": round(1e3 * statistics.median(t for t, _ in runs_), 1),
+            "runs": len(runs_),
+        }
     return {"models": rows, "load_average_per_round": loads}
 
 
@@ -179,8 +196,12 @@ def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
     """``plan`` applied to a copy of ``full``; the engine's auto plan as the engine applies it (min..max
     grids, which reproduce the file's Q4_1 blocks), every other plan with ``importance``."""
     model = copy.deepcopy(full)
-    apply_quant_plan(model, plan, dtype=torch.bfloat16,
-                     importance=None if label.endswith(MINMAX_SUFFIX) or label == ENGINE_AUTO else importance)
+    apply_quant_plan(
+        model,
+        plan,
+        dtype=torch.bfloat16,
+        importance=None if label.endswith(MINMAX_SUFFIX) or label == ENGINE_AUTO else importance,
+    )
     return model
 
 
@@ -193,18 +214,23 @@ ENGINE_AUTO = "engine auto (Q4_1 as int4-g32, int8 head)"
 
 # Where int8's loss comes from: the tied head alone at int8, and everything but the head (the rest
 # stays bf16, the run dtype). Not operating-point candidates.
-HEAD_ABLATIONS = {"int8 head only (rest bf16)": QuantPlan({"lm_head": "int8"}, "none"),
-                  "int8 except the head (head bf16)": QuantPlan({"lm_head": "none"}, "int8")}
+HEAD_ABLATIONS = {
+    "int8 head only (rest bf16)": QuantPlan({"lm_head": "int8"}, "none"),
+    "int8 except the head (head bf16)": QuantPlan({"lm_head": "none"}, "int8"),
+}
 
 
-def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[float],
-                     blind_bits: list[float] = ()) -> dict[str, QuantPlan]:
+def plans_to_compare(
+    groups, table: SensitivityTable | None, sweep_bits: list[float], blind_bits: list[float] = ()
+) -> dict[str, QuantPlan]:
     """Uniform plans, mixed plans of exactly the uniform plans' sizes, and a mixed budget sweep.
 
     Ordered so that an interrupted run has the operating-point sweep and its equal-size
     comparison first.
     """
-    uniform = {f"uniform {s}": uniform_plan(groups, s) for s in ("int4sym-g32", "int4-g64", "int4sym-g64", "int8")}
+    uniform = {
+        f"uniform {s}": uniform_plan(groups, s) for s in ("int4sym-g32", "int4-g64", "int4sym-g64", "int8")
+    }
     if table is None:
         return uniform
     asym, sym = ("int8", "int4-g64", "int4-g128"), ("int8", "int4sym-g32", "int4sym-g64", "int4sym-g128")
@@ -213,15 +239,23 @@ def plans_to_compare(groups, table: SensitivityTable | None, sweep_bits: list[fl
         size = plan_nbytes(uniform[base].resolved(groups), groups)
         return allocate(groups, table, Budget(size, f"{size} B"), family)
 
-    plans = {"uniform int4sym-g32": uniform["uniform int4sym-g32"],
-             "mixed sym+int8 @ int4sym-g32 size": equal_size("uniform int4sym-g32", sym)}
+    plans = {
+        "uniform int4sym-g32": uniform["uniform int4sym-g32"],
+        "mixed sym+int8 @ int4sym-g32 size": equal_size("uniform int4sym-g32", sym),
+    }
     for bits in sweep_bits:
-        plans[f"mixed unaligned @ {bits} bits"] = allocate(groups, table, Budget.from_args(groups, bits, None), UNALIGNED)
+        plans[f"mixed unaligned @ {bits} bits"] = allocate(
+            groups, table, Budget.from_args(groups, bits, None), UNALIGNED
+        )
     for bits in blind_bits:
-        plans[f"blind unaligned @ {bits} bits"] = allocate(groups, sensitivity_blind(table),
-                                                           Budget.from_args(groups, bits, None), UNALIGNED)
+        plans[f"blind unaligned @ {bits} bits"] = allocate(
+            groups, sensitivity_blind(table), Budget.from_args(groups, bits, None), UNALIGNED
+        )
     plans["uniform int8"] = uniform["uniform int8"]
-    for base, family, label in (("uniform int4-g64", asym, "asym g64/g128+int8"), ("uniform int4sym-g64", sym, "sym+int8")):
+    for base, family, label in (
+        ("uniform int4-g64", asym, "asym g64/g128+int8"),
+        ("uniform int4sym-g64", sym, "sym+int8"),
+    ):
         plans[base] = uniform[base]
         plans[f"mixed {label} @ {base.split()[1]} size"] = equal_size(base, family)
     return plans
@@ -234,8 +268,11 @@ def sensitivity_blind(table: SensitivityTable) -> SensitivityTable:
     candidates, no per-group sensitivity"."""
     numel = {name: out_f * in_f for name, (out_f, in_f) in table.shapes.items()}
     schemes = {s for row in table.kl.values() for s in row}
-    per_weight = {s: sum(row[s] for row in table.kl.values() if s in row)
-                  / sum(numel[g] for g, row in table.kl.items() if s in row) for s in schemes}
+    per_weight = {
+        s: sum(row[s] for row in table.kl.values() if s in row)
+        / sum(numel[g] for g, row in table.kl.items() if s in row)
+        for s in schemes
+    }
     kl = {g: {s: numel[g] * per_weight[s] for s in row} for g, row in table.kl.items()}
     return SensitivityTable(kl, dict(table.shapes), {"derived": "sensitivity-blind"})
 
@@ -245,24 +282,36 @@ def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
     the whole 95 % retention interval at or above it, the point estimate at or above it, and the
     interval reaching it (not significantly below); and, as a second view, by the teacher-forced
     next-token accuracy ratio. Blind ablation plans are not candidates."""
-    mixed = sorted((r["groups_mb"], label) for label, r in rows.items()
-                   if label.startswith("mixed") and "quality_retention" in r)
+    mixed = sorted(
+        (r["groups_mb"], label)
+        for label, r in rows.items()
+        if label.startswith("mixed") and "quality_retention" in r
+    )
 
     def first(key: str) -> str | None:
         return next((label for _, label in mixed if rows[label].get(key, -1) >= target), None)
 
-    point = {"target_retention": target, "by_interval": first("retention_low"),
-             "by_point_estimate": first("quality_retention"), "not_significantly_below": first("retention_high"),
-             # the teacher-forced view (not the benchmark's definition), reported beside it
-             "token_accuracy_by_interval": first("token_accuracy_ratio_low"),
-             "token_accuracy_by_point_estimate": first("token_accuracy_retention")}
+    point = {
+        "target_retention": target,
+        "by_interval": first("retention_low"),
+        "by_point_estimate": first("quality_retention"),
+        "not_significantly_below": first("retention_high"),
+        # the teacher-forced view (not the benchmark's definition), reported beside it
+        "token_accuracy_by_interval": first("token_accuracy_ratio_low"),
+        "token_accuracy_by_point_estimate": first("token_accuracy_retention"),
+    }
     point["chosen"], point["chosen_by"] = chosen_operating_point(point)
     return point
 
 
 # The criteria in the order the operating point is chosen by: the benchmark's retention first,
 # strictest first; the teacher-forced token accuracy only when no mixed plan meets the benchmark's.
-OPERATING_POINT_CRITERIA = ("by_interval", "by_point_estimate", "not_significantly_below", "token_accuracy_by_interval")
+OPERATING_POINT_CRITERIA = (
+    "by_interval",
+    "by_point_estimate",
+    "not_significantly_below",
+    "token_accuracy_by_interval",
+)
 
 
 def chosen_operating_point(point: dict) -> tuple[str | None, str | None]:
@@ -274,8 +323,13 @@ def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
     """Mean KL(a) - KL(b) over the same windows, with a bootstrap interval (negative: a is better)."""
     diff = [x - y for x, y in zip(rows[a]["window_kl_sums"], rows[b]["window_kl_sums"], strict=True)]
     low, high = bootstrap_mean_interval(diff, rows[a]["window_tokens"])
-    return {"a": a, "b": b, "kl_diff": round(sum(diff) / sum(rows[a]["window_tokens"]), 5),
-            "low": round(low, 5), "high": round(high, 5)}
+    return {
+        "a": a,
+        "b": b,
+        "kl_diff": round(sum(diff) / sum(rows[a]["window_tokens"]), 5),
+        "low": round(low, 5),
+        "high": round(high, 5),
+    }
 
 
 def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> dict:
@@ -289,32 +343,58 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
         todo = [(label, plan) for label, plan in todo if label.startswith(tuple(args.only))]
     for label, plan in todo:
         start = time.perf_counter()
-        model = copy.deepcopy(full.model).to(torch.bfloat16) if plan is None else quantised_copy(full.model, plan, label, args.importance)
+        model = (
+            copy.deepcopy(full.model).to(torch.bfloat16)
+            if plan is None
+            else quantised_copy(full.model, plan, label, args.importance)
+        )
         row = {"resident_weights_mb": round(resident_mb(model), 2)}
         if plan is not None:
             resolved = plan.resolved(groups)
-            row.update(bits_per_weight=round(plan_bits_per_weight(resolved, groups), 4),
-                       groups_mb=round(plan_nbytes(resolved, groups) / 1e6, 2), plan=resolved)
-        measured = compare_quality(full.model, model, full.tokenizer, calibration_text("eval"),
-                                   max_prompts=args.prompts, new_tokens=args.new_tokens, full_cache=full_cache)
+            row.update(
+                bits_per_weight=round(plan_bits_per_weight(resolved, groups), 4),
+                groups_mb=round(plan_nbytes(resolved, groups) / 1e6, 2),
+                plan=resolved,
+            )
+        measured = compare_quality(
+            full.model,
+            model,
+            full.tokenizer,
+            calibration_text("eval"),
+            max_prompts=args.prompts,
+            new_tokens=args.new_tokens,
+            full_cache=full_cache,
+        )
         row.update(vars(measured), token_accuracy_retention=measured.token_accuracy_retention)
         row["seconds"] = round(time.perf_counter() - start, 1)
         loads.append(load_average())
         rows[label] = row
         del model
-        print(label, json.dumps({k: v for k, v in row.items() if k not in ("plan", "window_kl_sums", "window_tokens")}),
-              flush=True)
+        print(
+            label,
+            json.dumps(
+                {k: v for k, v in row.items() if k not in ("plan", "window_kl_sums", "window_tokens")}
+            ),
+            flush=True,
+        )
         result = {"threads": args.quality_threads, "load_average_per_model": loads, "models": rows}
         (out / "quality.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     result["operating_point"] = choose_operating_point(rows, args.target_retention)
-    pairs = [(m, u) for m, u in (("mixed sym+int8 @ int4sym-g32 size", "uniform int4sym-g32"),
-                                 ("mixed asym g64/g128+int8 @ int4-g64 size", "uniform int4-g64"),
-                                 ("mixed sym+int8 @ int4sym-g64 size", "uniform int4sym-g64"),
-                                 *((label.replace("blind", "mixed"), label) for label in rows if label.startswith("blind")))
-             if m in rows and u in rows]
+    pairs = [
+        (m, u)
+        for m, u in (
+            ("mixed sym+int8 @ int4sym-g32 size", "uniform int4sym-g32"),
+            ("mixed asym g64/g128+int8 @ int4-g64 size", "uniform int4-g64"),
+            ("mixed sym+int8 @ int4sym-g64 size", "uniform int4sym-g64"),
+            *((label.replace("blind", "mixed"), label) for label in rows if label.startswith("blind")),
+        )
+        if m in rows and u in rows
+    ]
     result["paired_kl"] = [paired_kl(rows, m, u) for m, u in pairs]
     (out / "quality.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
-    print("operating point", json.dumps(result["operating_point"]), json.dumps(result["paired_kl"]), flush=True)
+    print(
+        "operating point", json.dumps(result["operating_point"]), json.dumps(result["paired_kl"]), flush=True
+    )
     return result
 
 
@@ -325,12 +405,19 @@ def decode_pass(full, groups, plans: dict[str, QuantPlan], labels: list[str], ar
     decoders: dict = {"fp32 (full)": OurDecoder(full.model, full.tokenizer)}
     sizes = {"fp32 (full)": round(resident_mb(full.model), 2)}
     for label in labels:
-        model = copy.deepcopy(full.model).to(torch.bfloat16) if label == "bf16" else quantised_copy(full.model, plans[label], label, args.importance)
+        model = (
+            copy.deepcopy(full.model).to(torch.bfloat16)
+            if label == "bf16"
+            else quantised_copy(full.model, plans[label], label, args.importance)
+        )
         decoders[label], sizes[label] = OurDecoder(model, full.tokenizer), round(resident_mb(model), 2)
         if label in args.unfused and cpu_ops.available():
             # The same model on the plain PyTorch ops: what the fused CPU kernels are worth.
             unfused = f"{label} [no fused kernels]"
-            decoders[unfused], sizes[unfused] = OurDecoder(model, full.tokenizer, fused_kernels=False), sizes[label]
+            decoders[unfused], sizes[unfused] = (
+                OurDecoder(model, full.tokenizer, fused_kernels=False),
+                sizes[label],
+            )
     llama_note = None
     if str(full.source).endswith(".gguf"):
         try:
@@ -346,45 +433,81 @@ def decode_pass(full, groups, plans: dict[str, QuantPlan], labels: list[str], ar
         row["vs_fp32"] = round(row["decode_tok_s"] / base["decode_tok_s"], 3)
         if lcpp_row:
             row["vs_llamacpp"] = round(row["decode_tok_s"] / lcpp_row["decode_tok_s"], 3)
-        print(f"{label:<45} {row['decode_tok_s']:8.2f} tok/s  x{row['vs_fp32']:.2f} fp32"
-              + (f"  x{row['vs_llamacpp']:.2f} llama.cpp" if lcpp_row else ""), flush=True)
-    result.update(threads=args.threads, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS, llama_cpp=llama_note)
+        print(
+            f"{label:<45} {row['decode_tok_s']:8.2f} tok/s  x{row['vs_fp32']:.2f} fp32"
+            + (f"  x{row['vs_llamacpp']:.2f} llama.cpp" if lcpp_row else ""),
+            flush=True,
+        )
+    result.update(
+        threads=args.threads, prompt_tokens=PROMPT_TOKENS, new_tokens=NEW_TOKENS, llama_cpp=llama_note
+    )
     (out / "decode.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     return result
 
 
 def render_markdown(out: Path) -> str:
     """The results table of docs/quantization.md from quality.json and decode.json in ``out``."""
-    quality = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {"models": {}}
-    decode = json.loads((out / "decode.json").read_text()) if (out / "decode.json").is_file() else {"models": {}}
+    quality = (
+        json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {"models": {}}
+    )
+    decode = (
+        json.loads((out / "decode.json").read_text()) if (out / "decode.json").is_file() else {"models": {}}
+    )
     q, d = quality["models"], decode["models"]
     full_ppl = next((r["perplexity_full"] for r in q.values()), math.nan)
     chosen, chosen_by = chosen_operating_point(quality.get("operating_point") or {})
-    lines = [f"| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] | PPL (full {full_ppl:.2f}) "
-             "| top-1 agreement | retention [95 % CI] | token-accuracy ratio [95 % CI] | decode tok/s | vs fp32 | vs llama.cpp |",
-             "|---" * 11 + "|"]
+    lines = [
+        "| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] "
+        f"| PPL (full {full_ppl:.2f}) "
+        "| top-1 agreement | retention [95 % CI] | token-accuracy ratio [95 % CI] "
+        "| decode tok/s | vs fp32 | vs llama.cpp |",
+        "|---" * 11 + "|",
+    ]
     labels = ["fp32 (full)"] + sorted(q, key=lambda k: (-q[k].get("bits_per_weight", 16), k))
     labels += [k for k in d if k not in labels]
     for label in labels:
         r, t = q.get(label, {}), d.get(label, {})
         name = f"**{label}** (operating point, {chosen_by.replace('_', ' ')})" if label == chosen else label
-        bits = "32" if label == "fp32 (full)" else "16" if label == "bf16" else (
-            f"{r['bits_per_weight']:.2f}" if "bits_per_weight" in r else "5.0 (Q4_1)" if "llama" in label else "-")
+        bits = (
+            "32"
+            if label == "fp32 (full)"
+            else "16"
+            if label == "bf16"
+            else (
+                f"{r['bits_per_weight']:.2f}"
+                if "bits_per_weight" in r
+                else "5.0 (Q4_1)"
+                if "llama" in label
+                else "-"
+            )
+        )
         mb = r.get("resident_weights_mb") or t.get("resident_weights_mb") or "-"
         cells = [name, bits, f"{mb}"]
         if r:
-            cells += [f"{r['mean_kl']:.4f} [{r['kl_low']:.4f}, {r['kl_high']:.4f}]", f"{r['perplexity_quant']:.2f}",
-                      f"{100 * r['next_token_agreement']:.1f} %",
-                      f"{100 * r['quality_retention']:.1f} % [{100 * r['retention_low']:.1f}, "
-                      f"{100 * r['retention_high']:.1f}]",
-                      f"{100 * r['token_accuracy_retention']:.1f} % [{100 * r['token_accuracy_ratio_low']:.1f}, "
-                      f"{100 * r['token_accuracy_ratio_high']:.1f}]" if "token_accuracy_ratio_low" in r else "-"]
+            cells += [
+                f"{r['mean_kl']:.4f} [{r['kl_low']:.4f}, {r['kl_high']:.4f}]",
+                f"{r['perplexity_quant']:.2f}",
+                f"{100 * r['next_token_agreement']:.1f} %",
+                f"{100 * r['quality_retention']:.1f} % [{100 * r['retention_low']:.1f}, "
+                f"{100 * r['retention_high']:.1f}]",
+                f"{100 * r['token_accuracy_retention']:.1f} % [{100 * r['token_accuracy_ratio_low']:.1f}, "
+                f"{100 * r['token_accuracy_ratio_high']:.1f}]"
+                if "token_accuracy_ratio_low" in r
+                else "-",
+            ]
         elif label == "fp32 (full)":
             cells += ["0", f"{full_ppl:.2f}", "100 %", "100 %", "100 %"]
         else:
             cells += ["-"] * 5
-        cells += [f"{t['decode_tok_s']:.1f}", f"{t['vs_fp32']:.2f}x", f"{t['vs_llamacpp']:.2f}x" if "vs_llamacpp" in t
-                  else "-"] if t else ["-"] * 3
+        cells += (
+            [
+                f"{t['decode_tok_s']:.1f}",
+                f"{t['vs_fp32']:.2f}x",
+                f"{t['vs_llamacpp']:.2f}x" if "vs_llamacpp" in t else "-",
+            ]
+            if t
+            else ["-"] * 3
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -395,28 +518,62 @@ def main(argv=None) -> int:
     ap.add_argument("--sensitivity", help="table from `edge-rtgi quantize --profile` (enables mixed plans)")
     ap.add_argument("--out", default="bench_out/quant")
     ap.add_argument("--runs", type=int, default=3, help="timed decode rounds (after one warm-up round)")
-    ap.add_argument("--threads", type=int, default=2, help="threads for kernels and decode (ours and llama.cpp)")
-    ap.add_argument("--quality-threads", type=int, default=1,
-                    help="threads for the quality pass (1: OpenMP spin-waits on busy shared cores)")
-    ap.add_argument("--bits", type=float, nargs="*", default=[5.25, 5.5, 6.0, 6.5, 7.0],
-                    help="budget sweep of mixed plans (all candidates but the aligned int4-g32)")
-    ap.add_argument("--grids", choices=("fitted", "min-max"), default="fitted",
-                    help="how every plan is quantised (fitted: importance-weighted grids, as edge-rtgi quantize "
-                         "does by default); with fitted, min-max copies of uniform int4-g64 and int8 are added")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="threads for kernels and decode (ours and llama.cpp)"
+    )
+    ap.add_argument(
+        "--quality-threads",
+        type=int,
+        default=1,
+        help="threads for the quality pass (1: OpenMP spin-waits on busy shared cores)",
+    )
+    ap.add_argument(
+        "--bits",
+        type=float,
+        nargs="*",
+        default=[5.25, 5.5, 6.0, 6.5, 7.0],
+        help="budget sweep of mixed plans (all candidates but the aligned int4-g32)",
+    )
+    ap.add_argument(
+        "--grids",
+        choices=("fitted", "min-max"),
+        default="fitted",
+        help="how every plan is quantised (fitted: importance-weighted grids, as edge-rtgi quantize "
+        "does by default); with fitted, min-max copies of uniform int4-g64 and int8 are added",
+    )
     ap.add_argument("--skip", nargs="*", default=[], choices=["kernels", "decode", "quality"])
-    ap.add_argument("--decode-for", nargs="*", default=["bf16", "uniform int8", "uniform int4-g64", "chosen"],
-                    help="models to time besides fp32 and llama.cpp: labels, or 'chosen' (the operating point "
-                         "from this run's or an earlier run's quality.json)")
-    ap.add_argument("--unfused", nargs="*", default=[],
-                    help="labels of --decode-for to run a second time without the fused CPU kernels")
-    ap.add_argument("--prompts", type=int, default=448,
-                    help="evaluation prompts for the chrF retention (448: one every 16 tokens of the evaluation "
-                         "text, overlapping; the interval resamples runs of 14 prompts, two prompt + continuation spans)")
+    ap.add_argument(
+        "--decode-for",
+        nargs="*",
+        default=["bf16", "uniform int8", "uniform int4-g64", "chosen"],
+        help="models to time besides fp32 and llama.cpp: labels, or 'chosen' (the operating point "
+        "from this run's or an earlier run's quality.json)",
+    )
+    ap.add_argument(
+        "--unfused",
+        nargs="*",
+        default=[],
+        help="labels of --decode-for to run a second time without the fused CPU kernels",
+    )
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=448,
+        help="evaluation prompts for the chrF retention (448: one every 16 tokens of the evaluation "
+        "text, overlapping; the interval resamples runs of 14 prompts, two prompt + continuation spans)",
+    )
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)
-    ap.add_argument("--blind-bits", type=float, nargs="*", default=[],
-                    help="also sensitivity-blind plans at these budgets (the allocator without the profile)")
-    ap.add_argument("--only", nargs="*", help="quality pass only for models whose label starts with one of these")
+    ap.add_argument(
+        "--blind-bits",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also sensitivity-blind plans at these budgets (the allocator without the profile)",
+    )
+    ap.add_argument(
+        "--only", nargs="*", help="quality pass only for models whose label starts with one of these"
+    )
     ap.add_argument("--render", action="store_true", help="only print the markdown table of --out's results")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -436,10 +593,15 @@ def main(argv=None) -> int:
     if args.grids == "fitted":
         args.importance = collect_importance(full.model, full.tokenizer)
         for base in ("uniform int4-g64", "uniform int8"):
-            plans[base + MINMAX_SUFFIX] = plans[base] if base in plans else uniform_plan(groups, base.split()[1])
+            plans[base + MINMAX_SUFFIX] = (
+                plans[base] if base in plans else uniform_plan(groups, base.split()[1])
+            )
         if table is not None and table.info.get("quantiser", "min-max") != "importance-fitted":
-            print(f"warning: {args.sensitivity} was profiled with min-max grids; mixed plans will be allocated "
-                  "on the wrong sensitivities (profile again, or pass --grids min-max)", file=sys.stderr)
+            print(
+                f"warning: {args.sensitivity} was profiled with min-max grids; mixed plans will be allocated "
+                "on the wrong sensitivities (profile again, or pass --grids min-max)",
+                file=sys.stderr,
+            )
     plans[ENGINE_AUTO] = source_aligned_plan(full.model, "int8")
     plans.update(HEAD_ABLATIONS)
     if "quality" not in args.skip:
@@ -449,7 +611,9 @@ def main(argv=None) -> int:
         labels = []
         for label in args.decode_for:
             if label == "chosen":
-                quality = json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
+                quality = (
+                    json.loads((out / "quality.json").read_text()) if (out / "quality.json").is_file() else {}
+                )
                 label, _ = chosen_operating_point(quality.get("operating_point") or {})
                 if label is None:
                     print("no operating point in quality.json; 'chosen' skipped", file=sys.stderr)

@@ -44,10 +44,13 @@ def _mark(marks: dict, key: str, t0: float) -> None:
 
 async def native_turn(port: int, pcm16k: np.ndarray) -> dict:
     async with connect(f"ws://127.0.0.1:{port}/v1/native", max_size=1 << 22) as ws:
-        await ws.send(json.dumps({"type": "session.update",
-                                  "session": {"turn_detection": False, "auto_response": False}}))
+        await ws.send(
+            json.dumps(
+                {"type": "session.update", "session": {"turn_detection": False, "auto_response": False}}
+            )
+        )
         for i in range(0, len(pcm16k), 3200):
-            await ws.send(pcm16k[i:i + 3200].astype("<i2").tobytes())
+            await ws.send(pcm16k[i : i + 3200].astype("<i2").tobytes())
         t0 = time.perf_counter()
         await ws.send(json.dumps({"type": "input_audio.commit"}))
         marks: dict = {}
@@ -76,7 +79,9 @@ async def realtime_turn(port: int, pcm24k: np.ndarray) -> dict:
     async with client.realtime.connect(model="edge-rtgi") as conn:
         await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None}}})
         for i in range(0, len(pcm24k), 4800):
-            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm24k[i:i + 4800].tobytes()).decode())
+            await conn.input_audio_buffer.append(
+                audio=base64.b64encode(pcm24k[i : i + 4800].tobytes()).decode()
+            )
         t0 = time.perf_counter()
         await conn.input_audio_buffer.commit()
         await conn.response.create()
@@ -114,8 +119,11 @@ async def main(turns: int) -> None:
         for i in range(turns):
             results["native"].append(await asyncio.wait_for(native_turn(daemon.port, pcm16k), 300))
             results["realtime"].append(await asyncio.wait_for(realtime_turn(daemon.port, pcm24k), 300))
-            print(f"turn {i + 1}/{turns}: native {results['native'][-1]['done_ms']:.0f} ms, "
-                  f"realtime {results['realtime'][-1]['done_ms']:.0f} ms", flush=True)
+            print(
+                f"turn {i + 1}/{turns}: native {results['native'][-1]['done_ms']:.0f} ms, "
+                f"realtime {results['realtime'][-1]['done_ms']:.0f} ms",
+                flush=True,
+            )
     finally:
         await daemon.drain(timeout_s=1.0)
     print(f"commit -> event, median of {turns} turns per protocol (ms); same daemon, alternating turns")

@@ -69,7 +69,7 @@ async def stream_realtime(asr: WhisperAsr, audio: np.ndarray) -> dict:
             delay = start + (i + step) / SR - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            session.feed(audio[i:i + step])
+            session.feed(audio[i : i + step])
         await session.close()
 
     feeder = asyncio.create_task(feed())
@@ -83,11 +83,22 @@ async def stream_realtime(asr: WhisperAsr, audio: np.ndarray) -> dict:
 
 
 def bench_asr(asr: WhisperAsr, corpus: list[tuple[str, np.ndarray]], runs: int) -> dict:
-    rows = {"stream_eos_ms": [], "stream_endpoint_ms": [], "oneshot_eos_ms": [], "oneshot_decode_ms": [],
-            "final_decode_ms": [], "stream_hyps": [], "oneshot_hyps": [], "refs": [], "lag_ms": []}
+    rows = {
+        "stream_eos_ms": [],
+        "stream_endpoint_ms": [],
+        "oneshot_eos_ms": [],
+        "oneshot_decode_ms": [],
+        "final_decode_ms": [],
+        "stream_hyps": [],
+        "oneshot_hyps": [],
+        "refs": [],
+        "lag_ms": [],
+    }
     for run in range(runs):
         for i, (text, x) in enumerate(corpus):
-            audio = np.concatenate([np.zeros(int(LEAD_S * SR), np.float32), x, np.zeros(int(TAIL_S * SR), np.float32)])
+            audio = np.concatenate(
+                [np.zeros(int(LEAD_S * SR), np.float32), x, np.zeros(int(TAIL_S * SR), np.float32)]
+            )
             marks = asyncio.run(stream_realtime(asr, audio))
             if not marks["finals"]:
                 print(f"  run {run} file {i}: no final transcript", file=sys.stderr)
@@ -100,15 +111,18 @@ def bench_asr(asr: WhisperAsr, corpus: list[tuple[str, np.ndarray]], runs: int) 
             rows["final_decode_ms"].append(final.final_decode_ms)
             rows["stream_hyps"].append(" ".join(f.text for f in marks["finals"]))
             # Baseline: the same endpoint, then one decode of the whole utterance.
-            utt = audio[int(final.start_audio_s * SR): int((final.speech_end_audio_s + 0.2) * SR)]
+            utt = audio[int(final.start_audio_s * SR) : int((final.speech_end_audio_s + 0.2) * SR)]
             hyp = asr.transcribe(utt, beam_size=asr.config.final_beam_size)
             vad_wait_ms = (final.endpoint_audio_s - (LEAD_S + speech_end_s(x))) * 1000
             rows["oneshot_decode_ms"].append(hyp.decode_ms)
             rows["oneshot_eos_ms"].append(vad_wait_ms + hyp.decode_ms)
             rows["oneshot_hyps"].append(hyp.text)
             rows["refs"].append(text)
-            print(f"  run {run} file {i:2d}: stream {rows['stream_eos_ms'][-1]:7.0f} ms, one-shot "
-                  f"{rows['oneshot_eos_ms'][-1]:7.0f} ms | {rows['stream_hyps'][-1]}", file=sys.stderr)
+            print(
+                f"  run {run} file {i:2d}: stream {rows['stream_eos_ms'][-1]:7.0f} ms, one-shot "
+                f"{rows['oneshot_eos_ms'][-1]:7.0f} ms | {rows['stream_hyps'][-1]}",
+                file=sys.stderr,
+            )
     return rows
 
 
@@ -145,7 +159,8 @@ def report(asr_rows: dict, tts: dict[str, dict], runs: int, n_files: int, thread
         "| end of speech -> final transcript | median ms | p95 ms |",
         "|---|---|---|",
         f"| streaming (LocalAgreement + speculative final) | {statistics.median(s):.0f} | {pct(s, 95):.0f} |",
-        f"| one-shot faster-whisper (beam 5) after the same endpoint | {statistics.median(o):.0f} | {pct(o, 95):.0f} |",
+        "| one-shot faster-whisper (beam 5) after the same endpoint "
+        f"| {statistics.median(o):.0f} | {pct(o, 95):.0f} |",
         f"| streaming, from the endpoint only | {statistics.median(asr_rows['stream_endpoint_ms']):.0f} | "
         f"{pct(asr_rows['stream_endpoint_ms'], 95):.0f} |",
         f"| one-shot decode alone | {statistics.median(asr_rows['oneshot_decode_ms']):.0f} | "
@@ -160,8 +175,10 @@ def report(asr_rows: dict, tts: dict[str, dict], runs: int, n_files: int, thread
         "|---|---|---|---|---|---|",
     ]
     for name, r in tts.items():
-        lines.append(f"| {name} | {len(r['ttfa_ms'])} | {statistics.median(r['ttfa_ms']):.0f} | "
-                     f"{pct(r['ttfa_ms'], 95):.0f} | {statistics.median(r['rtf']):.3f} | {pct(r['rtf'], 95):.3f} |")
+        lines.append(
+            f"| {name} | {len(r['ttfa_ms'])} | {statistics.median(r['ttfa_ms']):.0f} | "
+            f"{pct(r['ttfa_ms'], 95):.0f} | {statistics.median(r['rtf']):.3f} | {pct(r['rtf'], 95):.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -173,7 +190,9 @@ def main() -> int:
     ap.add_argument("--out", default="bench_speech.md", help="markdown summary path")
     args = ap.parse_args()
 
-    sentences = [s.strip() for s in (ROOT / "tests/data/sentences_en.txt").read_text().splitlines() if s.strip()]
+    sentences = [
+        s.strip() for s in (ROOT / "tests/data/sentences_en.txt").read_text().splitlines() if s.strip()
+    ]
     sentences = sentences[: args.files] if args.files else sentences
     voice = make_tts("piper-en_US-joe-medium")
     corpus = []
@@ -184,10 +203,12 @@ def main() -> int:
     asr.transcribe(corpus[0][1])  # warm-up
     print("ASR (real time)...", file=sys.stderr)
     asr_rows = bench_asr(asr, corpus, args.runs)
-    pairs = [" ".join(sentences[i:i + 2]) for i in range(0, len(sentences), 2)]
+    pairs = [" ".join(sentences[i : i + 2]) for i in range(0, len(sentences), 2)]
     print("TTS...", file=sys.stderr)
-    tts = {"piper-en_US-joe-medium": bench_tts("piper-en_US-joe-medium", pairs), "espeak-ng (en-us)":
-           bench_tts("espeak:en-us", pairs)}
+    tts = {
+        "piper-en_US-joe-medium": bench_tts("piper-en_US-joe-medium", pairs),
+        "espeak-ng (en-us)": bench_tts("espeak:en-us", pairs),
+    }
     text = report(asr_rows, tts, args.runs, len(corpus), args.cpu_threads)
     Path(args.out).write_text(text)
     print(text)

@@ -43,10 +43,18 @@ sys.path.insert(0, str(ROOT))
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample  # noqa: E402
 from tests.integration.native_client import NativeClient  # noqa: E402
 
-PARTS = ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "first_clause_ms", "tts_first_chunk_ms",
-         "voice_to_voice_ms")
+PARTS = (
+    "endpointing_ms",
+    "asr_final_ms",
+    "llm_ttft_ms",
+    "first_clause_ms",
+    "tts_first_chunk_ms",
+    "voice_to_voice_ms",
+)
 LABELS = {
-    "client_voice_to_voice_ms": "**voice-to-voice** (client clock: acoustic end of speech -> first reply audio received)",
+    "client_voice_to_voice_ms": (
+        "**voice-to-voice** (client clock: acoustic end of speech -> first reply audio received)"
+    ),
     "endpointing_ms": "endpointing (VAD silence until the turn ends)",
     "asr_final_ms": "ASR final (after the endpoint)",
     "llm_ttft_ms": "LLM time to first token (after the final)",
@@ -74,8 +82,11 @@ async def start_daemon(engine_threads: int | None = None):
 
     pipes = load_pipelines([builtin_pipelines_dir()])
     engine = EngineConfig(num_threads=engine_threads)
-    daemon = Daemon(DaemonConfig(server=ServerConfig(port=0), engine=engine),
-                    {"voice-assistant": pipes["voice-assistant"]}, Resources(engine))
+    daemon = Daemon(
+        DaemonConfig(server=ServerConfig(port=0), engine=engine),
+        {"voice-assistant": pipes["voice-assistant"]},
+        Resources(engine),
+    )
     await daemon.resources.prepare(pipes["voice-assistant"])
     await daemon.start()
     return daemon, pipes["voice-assistant"]
@@ -104,7 +115,7 @@ async def one_turn(port: int, pcm: np.ndarray, speech_end: int) -> dict:
         sent_speech_end = None
         step, start = 320, loop.time()
         for i in range(0, len(pcm), step):
-            await c.ws.send(pcm[i:i + step].astype("<i2").tobytes())
+            await c.ws.send(pcm[i : i + step].astype("<i2").tobytes())
             if sent_speech_end is None and i + step >= speech_end:
                 sent_speech_end = time.monotonic()
             delay = start + (i + step) / 16000 - loop.time()
@@ -117,8 +128,12 @@ async def one_turn(port: int, pcm: np.ndarray, speech_end: int) -> dict:
         done = await c.wait_type("response.done", timeout=120)
         final = c.of("transcript.final")[0]["text"]
         row = {k: done["stats"].get(k) for k in PARTS}
-        row.update(client_voice_to_voice_ms=(first_audio_t - sent_speech_end) * 1000.0, transcript=final,
-                   reply=done["text"], status=done["status"])
+        row.update(
+            client_voice_to_voice_ms=(first_audio_t - sent_speech_end) * 1000.0,
+            transcript=final,
+            reply=done["text"],
+            status=done["status"],
+        )
         return row
     finally:
         await c.close()
@@ -136,17 +151,22 @@ def baseline_turn(resources, pipeline, voice_pcm: np.ndarray, speech_end: int, q
     engine = resources.llm(assistant.model)
     voice = resources.voice(pipeline.stage(TtsStageConfig).voice)
     t0 = time.perf_counter()
-    text = whisper.transcribe(pcm16_to_float32(voice_pcm[:speech_end + 3200])).text
+    text = whisper.transcribe(pcm16_to_float32(voice_pcm[: speech_end + 3200])).text
     t1 = time.perf_counter()
     messages = [{"role": "system", "content": assistant.system_prompt}, {"role": "user", "content": text}]
-    reply = engine.generate([engine.tokenizer.encode_chat(messages)],
-                            SamplingParams(max_tokens=assistant.max_reply_tokens))[0].text.strip()
+    reply = engine.generate(
+        [engine.tokenizer.encode_chat(messages)], SamplingParams(max_tokens=assistant.max_reply_tokens)
+    )[0].text.strip()
     t2 = time.perf_counter()
     for _ in voice.synthesize_stream(reply or "Okay."):
         pass
     t3 = time.perf_counter()
-    return {"asr_ms": (t1 - t0) * 1000, "llm_ms": (t2 - t1) * 1000, "tts_ms": (t3 - t2) * 1000,
-            "endpointing_ms": float(asr_cfg.vad.min_silence_ms)}
+    return {
+        "asr_ms": (t1 - t0) * 1000,
+        "llm_ms": (t2 - t1) * 1000,
+        "tts_ms": (t3 - t2) * 1000,
+        "endpointing_ms": float(asr_cfg.vad.min_silence_ms),
+    }
 
 
 async def main() -> int:
@@ -155,14 +175,21 @@ async def main() -> int:
     ap.add_argument("--out", help="write the raw rows and the summary as JSON here")
     ap.add_argument("--report", help="write a Markdown table for docs/daemon.md here")
     ap.add_argument("--no-baseline", action="store_true", help="skip the non-streaming cascade")
-    ap.add_argument("--engine-threads", type=int, default=None,
-                    help="the LLM engine's torch threads (engine: num_threads); default: all cores")
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=None,
+        help="the LLM engine's torch threads (engine: num_threads); default: all cores",
+    )
     args = ap.parse_args()
     questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
     questions = [questions[i % len(questions)] for i in range(args.utterances)]
     load_start = os.getloadavg()[0]
-    print(f"bench_voice: starting the daemon (voice-assistant) for {len(questions)} utterances "
-          f"({os.cpu_count()} CPUs, load average {load_start:.1f})...", flush=True)
+    print(
+        f"bench_voice: starting the daemon (voice-assistant) for {len(questions)} utterances "
+        f"({os.cpu_count()} CPUs, load average {load_start:.1f})...",
+        flush=True,
+    )
     daemon, pipeline = await start_daemon(args.engine_threads)
     from edge_rtgi.pipeline.config import TtsStageConfig
 
@@ -174,11 +201,20 @@ async def main() -> int:
         row["load_average_1m"] = os.getloadavg()[0]
         rows.append(row)
         parts = " ".join(f"{k.removesuffix('_ms').split('_')[0]} {_f(row[k]).strip()}" for k in PARTS[:-1])
-        print(f"  {i + 1:2d} v2v {row['client_voice_to_voice_ms']:6.0f} ms ({parts}; load {row['load_average_1m']:.1f}) "
-              f"| {q!r} -> {row['transcript']!r} -> {row['reply'][:60]!r}", flush=True)
-    base = [] if args.no_baseline else [
-        await asyncio.to_thread(baseline_turn, daemon.resources, pipeline, pcm, end, q)
-        for q, (pcm, end) in zip(questions, spoken, strict=True)]
+        print(
+            f"  {i + 1:2d} v2v {row['client_voice_to_voice_ms']:6.0f} ms "
+            f"({parts}; load {row['load_average_1m']:.1f}) "
+            f"| {q!r} -> {row['transcript']!r} -> {row['reply'][:60]!r}",
+            flush=True,
+        )
+    base = (
+        []
+        if args.no_baseline
+        else [
+            await asyncio.to_thread(baseline_turn, daemon.resources, pipeline, pcm, end, q)
+            for q, (pcm, end) in zip(questions, spoken, strict=True)
+        ]
+    )
     await daemon.drain(timeout_s=1)
     daemon.resources.close()
     summary = summarize(rows, base, load_start)
@@ -194,17 +230,26 @@ async def main() -> int:
 def summarize(rows: list[dict], base: list[dict], load_start: float) -> dict:
     """Medians, p95 and counts of every part, the load average and the baseline."""
     loads = [load_start] + [r["load_average_1m"] for r in rows]
-    summary: dict = {"n": len(rows), "cpus": os.cpu_count(), "commit": _commit(),
-                     "load_average_1m": {"start": load_start, "median": statistics.median(loads), "max": max(loads)},
-                     "parts": {}}
+    summary: dict = {
+        "n": len(rows),
+        "cpus": os.cpu_count(),
+        "commit": _commit(),
+        "load_average_1m": {"start": load_start, "median": statistics.median(loads), "max": max(loads)},
+        "parts": {},
+    }
     for key in ("client_voice_to_voice_ms", *PARTS):
         vals = [r[key] for r in rows if r.get(key) is not None]
-        summary["parts"][key] = {"median": statistics.median(vals) if vals else None,
-                                 "p95": pct(vals, 0.95), "n": len(vals)}
+        summary["parts"][key] = {
+            "median": statistics.median(vals) if vals else None,
+            "p95": pct(vals, 0.95),
+            "n": len(vals),
+        }
     if base:
         totals = [b["endpointing_ms"] + b["asr_ms"] + b["llm_ms"] + b["tts_ms"] for b in base]
-        summary["baseline"] = {k: {"median": statistics.median([b[k] for b in base]),
-                                   "p95": pct([b[k] for b in base], 0.95)} for k in ("asr_ms", "llm_ms", "tts_ms")}
+        summary["baseline"] = {
+            k: {"median": statistics.median([b[k] for b in base]), "p95": pct([b[k] for b in base], 0.95)}
+            for k in ("asr_ms", "llm_ms", "tts_ms")
+        }
         summary["baseline"]["total_ms"] = {"median": statistics.median(totals), "p95": pct(totals, 0.95)}
     return summary
 
@@ -212,10 +257,14 @@ def summarize(rows: list[dict], base: list[dict], load_start: float) -> dict:
 def print_summary(summary: dict) -> None:
     load, cpus = summary["load_average_1m"], summary["cpus"]
     if load["max"] > (cpus or 1):
-        print(f"\nwarning: the machine was oversubscribed (load average {load['start']:.1f} at the start, "
-              f"median {load['median']:.1f}, max {load['max']:.1f} on {cpus} CPUs); latencies are inflated")
-    print(f"\nvoice-to-voice latency over {summary['n']} utterances (ms; median / p95), "
-          f"load average median {load['median']:.1f}:")
+        print(
+            f"\nwarning: the machine was oversubscribed (load average {load['start']:.1f} at the start, "
+            f"median {load['median']:.1f}, max {load['max']:.1f} on {cpus} CPUs); latencies are inflated"
+        )
+    print(
+        f"\nvoice-to-voice latency over {summary['n']} utterances (ms; median / p95), "
+        f"load average median {load['median']:.1f}:"
+    )
     for key, v in summary["parts"].items():
         print(f"  {key:28s} {_f(v['median'])} {_f(v['p95'])}   (n={v['n']})")
     med = summary["parts"]["client_voice_to_voice_ms"]["median"]
@@ -230,17 +279,23 @@ def print_summary(summary: dict) -> None:
 def markdown_report(summary: dict) -> str:
     """A section for docs/daemon.md: the table plus the conditions it was measured in."""
     load = summary["load_average_1m"]
-    lines = [f"Measured with `scripts/bench_voice.py --utterances {summary['n']}` at commit {summary['commit']} "
-             f"on {summary['cpus']} CPUs; load average (1 min) {load['start']:.1f} at the start, "
-             f"median {load['median']:.1f}, max {load['max']:.1f} during the run. One fresh session per "
-             "utterance; parts are server-side marks, each measured from the end of the previous part.",
-             "", "| part (ms) | median | p95 | n |", "|---|---|---|---|"]
+    lines = [
+        f"Measured with `scripts/bench_voice.py --utterances {summary['n']}` at commit {summary['commit']} "
+        f"on {summary['cpus']} CPUs; load average (1 min) {load['start']:.1f} at the start, "
+        f"median {load['median']:.1f}, max {load['max']:.1f} during the run. One fresh session per "
+        "utterance; parts are server-side marks, each measured from the end of the previous part.",
+        "",
+        "| part (ms) | median | p95 | n |",
+        "|---|---|---|---|",
+    ]
     for key, v in summary["parts"].items():
         lines.append(f"| {LABELS[key]} | {_f(v['median']).strip()} | {_f(v['p95']).strip()} | {v['n']} |")
     if "baseline" in summary:
         b = summary["baseline"]["total_ms"]
-        lines.append(f"| non-streaming cascade, same run (one-shot whisper + whole reply + whole synthesis) | "
-                     f"{_f(b['median']).strip()} | {_f(b['p95']).strip()} | {summary['n']} |")
+        lines.append(
+            f"| non-streaming cascade, same run (one-shot whisper + whole reply + whole synthesis) | "
+            f"{_f(b['median']).strip()} | {_f(b['p95']).strip()} | {summary['n']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -250,8 +305,12 @@ def _f(value: float | None) -> str:
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 

@@ -30,23 +30,42 @@ _CORPUS = [
     "A small model on a small device answers questions about the weather, the time and the news.",
     "Real-time speech translation turns what you say into another language while you are still talking.",
     "Numbers like 12, 345 and 6789 appear in text, as do dates such as 2024-05-17.",
-    "Caf\u00e9, na\u00efve, \u00fcber, se\u00f1or, \u65e5\u672c\u8a9e, \u4e2d\u6587 and emoji \U0001f600\U0001f680 are text too.",
+    "Caf\u00e9, na\u00efve, \u00fcber, se\u00f1or, \u65e5\u672c\u8a9e, \u4e2d\u6587 "
+    "and emoji \U0001f600\U0001f680 are text too.",
     "def add(a, b):\n    return a + b\n",
     "Hello! How are you today? I am fine, thank you. What is the capital of France? Paris.",
 ]
 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True, attention_bias=False,
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        tie_word_embeddings=True,
+        attention_bias=False,
         rope_theta=10000.0,
         # llama3 scaling with a short original context, so the scaled band covers most frequencies
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64},
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
-    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=False,
-                  rope_theta=1000000.0, use_sliding_window=False),
-    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
-                    rope_theta=10000.0, sliding_window=8),
+    "qwen2": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        use_sliding_window=False,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        architectures=["MistralForCausalLM"],
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        sliding_window=8,
+    ),
 }
 
 
@@ -61,29 +80,48 @@ def make_tiny_tokenizer(folder: Path, split_regex: str | None = None):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if split_regex:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": 256, "chat_template": CHATML_TEMPLATE,
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 256,
+        "chat_template": CHATML_TEMPLATE,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return tok
 
 
-def make_tiny_hf_model(arch: str, tmp_path: Path, seed: int = 0, max_shard_size: str | None = None,
-                       init_std: float = 0.25, **overrides: Any) -> Path:
-    """Write a seeded random ``arch`` model ("llama", "qwen2", "mistral") under ``tmp_path``; return the folder.
+def make_tiny_hf_model(
+    arch: str,
+    tmp_path: Path,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    init_std: float = 0.25,
+    **overrides: Any,
+) -> Path:
+    """Write a seeded random ``arch`` model ("llama", "qwen2", "mistral") under ``tmp_path``;
+    return the folder.
 
     ``overrides`` replace config.json fields (e.g. ``num_hidden_layers=3``). ``max_shard_size``
     (e.g. "100KB") writes a sharded checkpoint with an index.
@@ -96,10 +134,19 @@ def make_tiny_hf_model(arch: str, tmp_path: Path, seed: int = 0, max_shard_size:
     folder = Path(tmp_path) / f"tiny-{arch}-{seed}"
     tok = make_tiny_tokenizer(folder, split_regex=_QWEN2_SPLIT if arch == "qwen2" else None)
     spec: dict[str, Any] = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        rms_norm_eps=1e-6, bos_token_id=tok.token_to_id("<|im_start|>"), eos_token_id=tok.token_to_id("<|im_end|>"),
-        pad_token_id=tok.token_to_id("<|endoftext|>"), initializer_range=init_std,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=tok.token_to_id("<|im_start|>"),
+        eos_token_id=tok.token_to_id("<|im_end|>"),
+        pad_token_id=tok.token_to_id("<|endoftext|>"),
+        initializer_range=init_std,
     )
     spec.update(ARCH_DEFAULTS[arch])
     spec.update(overrides)
@@ -196,13 +243,22 @@ def write_tiny_gguf(hf_folder: Path, out_path: Path, qtype: str = "F32") -> Path
     if not cfg.tie_word_embeddings:
         put("output.weight", state["lm_head.weight"])
     if cfg.rope_scaling:  # llama.cpp keeps llama3 scaling as per-frequency divisors
-        base = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+        base = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        )
         scaled, _ = rope_inverse_frequencies(cfg)
         put("rope_freqs.weight", (base.float() / scaled), quantize=False)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     permute = arch in ("llama", "mistral")
     for i in range(cfg.num_layers):
         for hf_name, gguf_name in names.items():

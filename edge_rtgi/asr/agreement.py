@@ -52,7 +52,7 @@ def strip_prefix_words(committed: list[str], hypothesis: list[str]) -> list[str]
     if k == len(committed):
         return hypothesis[k:]
     # The decode diverged inside the committed words: keep only what lies beyond them.
-    return hypothesis[len(committed):] if len(hypothesis) > len(committed) else []
+    return hypothesis[len(committed) :] if len(hypothesis) > len(committed) else []
 
 
 def tail_after(committed: list[str], hypothesis: list[str]) -> list[str] | None:
@@ -64,16 +64,16 @@ def tail_after(committed: list[str], hypothesis: list[str]) -> list[str] | None:
     committed words cannot be located.
     """
     if common_prefix_len(committed, hypothesis) == len(committed):
-        return hypothesis[len(committed):]
+        return hypothesis[len(committed) :]
     norm_h = [normalize_word(w) for w in hypothesis]
     for n in (3, 2):
         if len(committed) < n:
             continue
         gram = [normalize_word(w) for w in committed[-n:]]
-        hits = [i for i in range(len(norm_h) - n + 1) if norm_h[i:i + n] == gram]
+        hits = [i for i in range(len(norm_h) - n + 1) if norm_h[i : i + n] == gram]
         if hits:
             best = min(hits, key=lambda i: abs(i - (len(committed) - n)))
-            return hypothesis[best + n:]
+            return hypothesis[best + n :]
     return None
 
 

@@ -110,7 +110,9 @@ class AsrConfig:
         if self.agreement_n < 2:
             raise ValueError(f"agreement_n must be >= 2, got {self.agreement_n}")
         if not 2.0 <= self.max_utterance_s <= 28.0:
-            raise ValueError(f"max_utterance_s must be in [2, 28] (whisper sees 30 s), got {self.max_utterance_s}")
+            raise ValueError(
+                f"max_utterance_s must be in [2, 28] (whisper sees 30 s), got {self.max_utterance_s}"
+            )
         if self.min_chunk_ms < 50 or self.cpu_threads < 1 or self.beam_size < 1 or self.final_beam_size < 1:
             raise ValueError("min_chunk_ms >= 50, cpu_threads >= 1 and beam sizes >= 1 are required")
         if self.partial_interval_factor < 0:

@@ -19,33 +19,44 @@ def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> flo
     """Corpus WER with jiwer's standard English normalisation (case, punctuation, spaces)."""
     import jiwer
 
-    transform = jiwer.Compose([
-        jiwer.ToLowerCase(),
-        jiwer.RemovePunctuation(),
-        jiwer.RemoveMultipleSpaces(),
-        jiwer.Strip(),
-        jiwer.ReduceToListOfListOfWords(),
-    ])
-    return float(jiwer.wer(list(references), list(hypotheses), reference_transform=transform,
-                           hypothesis_transform=transform))
+    transform = jiwer.Compose(
+        [
+            jiwer.ToLowerCase(),
+            jiwer.RemovePunctuation(),
+            jiwer.RemoveMultipleSpaces(),
+            jiwer.Strip(),
+            jiwer.ReduceToListOfListOfWords(),
+        ]
+    )
+    return float(
+        jiwer.wer(
+            list(references), list(hypotheses), reference_transform=transform, hypothesis_transform=transform
+        )
+    )
 
 
-def stream_samples(transcriber: StreamingTranscriber, samples: np.ndarray,
-                   chunk_ms: Iterable[int] = (20, 30, 40), tail_silence_ms: int = 1000) -> list[AsrEvent]:
+def stream_samples(
+    transcriber: StreamingTranscriber,
+    samples: np.ndarray,
+    chunk_ms: Iterable[int] = (20, 30, 40),
+    tail_silence_ms: int = 1000,
+) -> list[AsrEvent]:
     """Feed audio in the order and sizes a microphone would, on a simulated clock.
 
     After each chunk ``process_iter`` runs, exactly as a real-time loop whose decodes finish
     before the next chunk arrives; nothing sleeps, so a test runs faster than real time.
     ``tail_silence_ms`` of silence follows the audio so the endpoint can fire.
     """
-    audio = np.concatenate([samples.astype(np.float32), np.zeros(SAMPLE_RATE_HZ * tail_silence_ms // 1000, np.float32)])
+    audio = np.concatenate(
+        [samples.astype(np.float32), np.zeros(SAMPLE_RATE_HZ * tail_silence_ms // 1000, np.float32)]
+    )
     events: list[AsrEvent] = []
     pos = 0
     for ms in itertools.cycle(tuple(chunk_ms)):
         if pos >= len(audio):
             break
         step = SAMPLE_RATE_HZ * ms // 1000
-        transcriber.insert_audio(audio[pos:pos + step])
+        transcriber.insert_audio(audio[pos : pos + step])
         pos += step
         events.extend(transcriber.process_iter())
     events.extend(transcriber.finish())
@@ -76,7 +87,9 @@ def stability_problems(events: Sequence[AsrEvent]) -> list[str]:
         for e in evs:
             words = (e.committed_text if isinstance(e, PartialTranscript) else e.text).split()
             if words[: len(committed)] != committed:
-                problems.append(f"utterance {utt}: {' '.join(committed)!r} is not a prefix of {' '.join(words)!r}")
+                problems.append(
+                    f"utterance {utt}: {' '.join(committed)!r} is not a prefix of {' '.join(words)!r}"
+                )
             if isinstance(e, PartialTranscript):
                 committed = words
         finals = [e for e in evs if isinstance(e, FinalTranscript)]
@@ -86,8 +99,10 @@ def stability_problems(events: Sequence[AsrEvent]) -> list[str]:
             norm = [normalize_word(w) for w in finals[0].text.split()]
             for n in range(2, 5):  # the same 2-4 words twice in a row, right at the commit point
                 k = len(committed)
-                if k >= n and norm[k - n:k] == norm[k:k + n]:
-                    problems.append(f"utterance {utt}: words repeated at the commit point: {finals[0].text!r}")
+                if k >= n and norm[k - n : k] == norm[k : k + n]:
+                    problems.append(
+                        f"utterance {utt}: words repeated at the commit point: {finals[0].text!r}"
+                    )
     return problems + _repeats_across_splits(events)
 
 
@@ -102,7 +117,9 @@ def _repeats_across_splits(events: Sequence[AsrEvent]) -> list[str]:
         start = [normalize_word(w) for w in after.text.split()]
         for n in range(1, 5):
             if len(end) >= n and end[-n:] == start[:n]:
-                problems.append(f"utterances {before.utterance_id}/{after.utterance_id}: {' '.join(start[:n])!r} "
-                                f"on both sides of a forced split: {before.text!r} | {after.text!r}")
+                problems.append(
+                    f"utterances {before.utterance_id}/{after.utterance_id}: {' '.join(start[:n])!r} "
+                    f"on both sides of a forced split: {before.text!r} | {after.text!r}"
+                )
                 break
     return problems

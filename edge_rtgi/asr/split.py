@@ -45,8 +45,9 @@ class SplitPoint:
     boundary: int | None
 
 
-def choose_split(committed: list[str], hyp: Hypothesis, start_index: int, end_index: int,
-                 quietest_frame: QuietestFrame) -> SplitPoint:
+def choose_split(
+    committed: list[str], hyp: Hypothesis, start_index: int, end_index: int, quietest_frame: QuietestFrame
+) -> SplitPoint:
     """Cut ``[start_index, end_index)``, decoded as ``hyp`` (word timestamps, ``committed``
     forced as prefix), at a word boundary after the committed words.
 
@@ -68,7 +69,9 @@ def choose_split(committed: list[str], hyp: Hypothesis, start_index: int, end_in
     if texts != split_words(hyp.text) or common_prefix_len(committed, texts) < len(committed):
         # No usable word times (or the decode left the prefix): keep everything decoded
         # here; the next utterance starts after it.
-        return SplitPoint(list(committed) + strip_prefix_words(committed, split_words(hyp.text)), end_index, None)
+        return SplitPoint(
+            list(committed) + strip_prefix_words(committed, split_words(hyp.text)), end_index, None
+        )
 
     def at(t_s: float) -> int:
         return start_index + round(t_s * SAMPLE_RATE_HZ)
@@ -85,6 +88,6 @@ def choose_split(committed: list[str], hyp: Hypothesis, start_index: int, end_in
             index, probability = quietest_frame(lo, hi)
             options.append((probability, -i, index, i))  # ties: the later boundary
     if not options:  # no words, or none ending after the first second: keep it all
-        return SplitPoint(list(committed) + texts[len(committed):], end_index, len(timed))
+        return SplitPoint(list(committed) + texts[len(committed) :], end_index, len(timed))
     _, _, cut, i = min(options)
-    return SplitPoint(list(committed) + texts[len(committed):i], cut, i)
+    return SplitPoint(list(committed) + texts[len(committed) : i], cut, i)

@@ -103,7 +103,9 @@ class StreamingTranscriber:
     @property
     def split_due(self) -> bool:
         """The utterance in progress is longer than ``max_utterance_s``; ``process_iter`` will cut it."""
-        return self._active is not None and self._ring.total_written - self._active.start_index > self._max_len
+        return (
+            self._active is not None and self._ring.total_written - self._active.start_index > self._max_len
+        )
 
     def insert_audio(self, samples: np.ndarray) -> None:
         """Append mono float32 16 kHz samples. Cheap (VAD only); never decodes.
@@ -115,8 +117,10 @@ class StreamingTranscriber:
         """
         samples = np.asarray(samples)
         if samples.ndim != 1:
-            raise AudioError(f"insert_audio takes mono [N] samples, got shape {samples.shape}",
-                             hint="down-mix with edge_rtgi.audio.downmix")
+            raise AudioError(
+                f"insert_audio takes mono [N] samples, got shape {samples.shape}",
+                hint="down-mix with edge_rtgi.audio.downmix",
+            )
         if samples.dtype == np.int16:
             samples = samples.astype(np.float32) / 32768.0
         self._ring.write(samples)
@@ -125,7 +129,9 @@ class StreamingTranscriber:
 
     def _on_vad(self, event: VadEvent) -> None:
         if event.kind == "start":
-            self._start_utterance(event.sample_index, max(self._ring.oldest_index, event.sample_index - self._pad))
+            self._start_utterance(
+                event.sample_index, max(self._ring.oldest_index, event.sample_index - self._pad)
+            )
         elif self._active is not None:
             self._end_active(event.sample_index, "silence")
 
@@ -133,8 +139,9 @@ class StreamingTranscriber:
         cfg = self.config
         agreement = LocalAgreement(cfg.agreement_n, cfg.holdback_words)
         language = cfg.language if self.asr.multilingual else "en"
-        self._active = _Utterance(self._next_id, start, speech_start, agreement, last_decode_end=start,
-                                  language=language)
+        self._active = _Utterance(
+            self._next_id, start, speech_start, agreement, last_decode_end=start, language=language
+        )
         self._next_id += 1
         self._events.append(SpeechStarted(self._active.id, speech_start / SAMPLE_RATE_HZ))
 
@@ -198,8 +205,11 @@ class StreamingTranscriber:
         now = self._ring.total_written
         silence_start = self.vad.silence_start_index
         next_start: int | None = None
-        if (silence_start is not None and silence_start - utt.start_index <= self._max_len
-                and now - max(silence_start, utt.start_index) >= self._end_pad):
+        if (
+            silence_start is not None
+            and silence_start - utt.start_index <= self._max_len
+            and now - max(silence_start, utt.start_index) >= self._end_pad
+        ):
             # Already in a pause that began within the limit (the VAD's silence timer has not
             # fired yet): end there as it soon would. Whoever speaks next opens a new utterance.
             self.vad.force_end()
@@ -207,7 +217,9 @@ class StreamingTranscriber:
         else:
             end = min(now, utt.start_index + self._max_len)
             t0 = time.perf_counter()
-            hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size, word_timestamps=True)
+            hyp = self._decode(
+                utt, end, timestamps=True, beam_size=self.config.final_beam_size, word_timestamps=True
+            )
             split = choose_split(utt.agreement.committed, hyp, utt.start_index, end, self.vad.quietest_frame)
             if split.boundary is None:
                 log.warning("no word times to split long speech at; cutting at the end of the decoded audio")
@@ -220,11 +232,23 @@ class StreamingTranscriber:
 
     # -- decoding -------------------------------------------------------------------------
 
-    def _decode(self, utt: _Utterance, end: int, timestamps: bool, beam_size: int | None = None,
-                word_timestamps: bool = False) -> Hypothesis:
+    def _decode(
+        self,
+        utt: _Utterance,
+        end: int,
+        timestamps: bool,
+        beam_size: int | None = None,
+        word_timestamps: bool = False,
+    ) -> Hypothesis:
         audio = self._ring.read(utt.start_index, end)
-        hyp = self.asr.transcribe(audio, prefix=utt.agreement.committed_text or None, language=utt.language,
-                                  timestamps=timestamps, beam_size=beam_size, word_timestamps=word_timestamps)
+        hyp = self.asr.transcribe(
+            audio,
+            prefix=utt.agreement.committed_text or None,
+            language=utt.language,
+            timestamps=timestamps,
+            beam_size=beam_size,
+            word_timestamps=word_timestamps,
+        )
         if utt.language is None and hyp.language and end - utt.start_index >= _LANGUAGE_LOCK_SAMPLES:
             utt.language = hyp.language  # detected once on enough audio, then fixed so hypotheses agree
         return hyp
@@ -248,7 +272,7 @@ class StreamingTranscriber:
         hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
         utt.speculative = (silence_start, len(utt.agreement.committed), hyp)
         utt.last_decode_end = end
-        tail = utt.agreement.final_words(split_words(hyp.text))[len(utt.agreement.committed):]
+        tail = utt.agreement.final_words(split_words(hyp.text))[len(utt.agreement.committed) :]
         self._emit_partial(utt, " ".join(tail), end)
 
     def _finalize(self, utt: _Utterance) -> list[AsrEvent]:
@@ -260,12 +284,22 @@ class StreamingTranscriber:
         else:
             end = min(utt.end_index + self._end_pad, self._ring.total_written)
             if end - utt.start_index < _MIN_DECODE_SAMPLES:  # nothing left to hear (e.g. after a split)
-                return [SpeechEnded(utt.id, utt.end_index / SAMPLE_RATE_HZ, utt.endpoint_index / SAMPLE_RATE_HZ,
-                                    utt.reason)]
+                return [
+                    SpeechEnded(
+                        utt.id,
+                        utt.end_index / SAMPLE_RATE_HZ,
+                        utt.endpoint_index / SAMPLE_RATE_HZ,
+                        utt.reason,
+                    )
+                ]
             spec = utt.speculative
             t0 = time.perf_counter()
             reused = spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed)
-            hyp = spec[2] if reused else self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
+            hyp = (
+                spec[2]
+                if reused
+                else self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
+            )
             words, final_hyp = self._final_words(utt, hyp, end)
             decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
             hyp = final_hyp
@@ -278,12 +312,25 @@ class StreamingTranscriber:
                 log.info("dropped a likely hallucination: %r", text)
             return events
         if split_words(hyp.text) == words:
-            segments = tuple(TranscriptSegment(s.text, start_s + s.start_s, start_s + min(s.end_s, end_s - start_s))
-                             for s in hyp.segments if s.text)
+            segments = tuple(
+                TranscriptSegment(s.text, start_s + s.start_s, start_s + min(s.end_s, end_s - start_s))
+                for s in hyp.segments
+                if s.text
+            )
         else:
             segments = (TranscriptSegment(text, start_s, end_s),)
-        events.append(FinalTranscript(utt.id, text, segments, start_s, speech_end_s, endpoint_s,
-                                      utt.language or hyp.language, decode_ms))
+        events.append(
+            FinalTranscript(
+                utt.id,
+                text,
+                segments,
+                start_s,
+                speech_end_s,
+                endpoint_s,
+                utt.language or hyp.language,
+                decode_ms,
+            )
+        )
         return events
 
     def _final_words(self, utt: _Utterance, hyp: Hypothesis, end: int) -> tuple[list[str], Hypothesis]:
@@ -302,8 +349,12 @@ class StreamingTranscriber:
         unexplained_s = (end - utt.start_index) / SAMPLE_RATE_HZ - heard_s
         if not agreement.committed or not ((tail_len == 0 and agreement.tentative) or unexplained_s > 1.0):
             return words, hyp
-        free = self.asr.transcribe(self._ring.read(utt.start_index, end), language=utt.language, timestamps=True,
-                                   beam_size=self.config.final_beam_size)
+        free = self.asr.transcribe(
+            self._ring.read(utt.start_index, end),
+            language=utt.language,
+            timestamps=True,
+            beam_size=self.config.final_beam_size,
+        )
         tail = tail_after(agreement.committed, split_words(free.text))
         if tail is None:
             tail = list(agreement.tentative)
@@ -314,12 +365,16 @@ class StreamingTranscriber:
 
     def _is_hallucination(self, text: str, hyp: Hypothesis) -> bool:
         """Last-resort filter: the whole utterance is a stock phrase and whisper was unsure."""
+
         def norm(phrase: str) -> str:
             return " ".join(filter(None, (normalize_word(w) for w in phrase.split())))
 
         if not hyp.segments or norm(text) not in {norm(p) for p in self.config.hallucination_blocklist}:
             return False
-        unsure = min(s.avg_logprob for s in hyp.segments) < -0.5 or max(s.no_speech_prob for s in hyp.segments) > 0.2
+        unsure = (
+            min(s.avg_logprob for s in hyp.segments) < -0.5
+            or max(s.no_speech_prob for s in hyp.segments) > 0.2
+        )
         return unsure
 
 
@@ -332,8 +387,13 @@ class AsrSession:
     iteration ends after ``close()`` has finalised the last utterance.
     """
 
-    def __init__(self, asr: WhisperAsr, config: AsrConfig | None = None, vad: SileroVad | None = None,
-                 executor: ThreadPoolExecutor | None = None):
+    def __init__(
+        self,
+        asr: WhisperAsr,
+        config: AsrConfig | None = None,
+        vad: SileroVad | None = None,
+        executor: ThreadPoolExecutor | None = None,
+    ):
         self.transcriber = StreamingTranscriber(asr, config, vad)
         self._own_executor = executor is None
         self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="asr")
@@ -401,7 +461,7 @@ class AsrSession:
                     self._events.put_nowait(event)
                 if closing:
                     break
-        except BaseException as exc:  # noqa: BLE001 - surfaced to the reader, not lost in a task
+        except BaseException as exc:  # surfaced to the reader, not lost in a task
             self._events.put_nowait(exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise

@@ -55,10 +55,14 @@ def silero_model_path(name_or_path: str | Path = "silero-vad") -> Path:
     if path.is_dir():
         found = sorted(path.glob("silero_vad*.onnx")) or sorted(path.glob("*.onnx"))
         if not found:
-            raise ModelFileError(f"no silero VAD .onnx file in {path}", hint="run `edge-rtgi models pull silero-vad`")
+            raise ModelFileError(
+                f"no silero VAD .onnx file in {path}", hint="run `edge-rtgi models pull silero-vad`"
+            )
         path = found[-1]
     if not path.is_file():
-        raise ModelFileError(f"silero VAD model not found: {path}", hint="run `edge-rtgi models pull silero-vad`")
+        raise ModelFileError(
+            f"silero VAD model not found: {path}", hint="run `edge-rtgi models pull silero-vad`"
+        )
     return path
 
 
@@ -117,7 +121,7 @@ class SileroVad:
             raise AudioError("audio contains NaN or infinite samples")
         buf = np.concatenate([self._pending, samples]) if len(self._pending) else samples
         n_frames = len(buf) // FRAME_SAMPLES
-        self._pending = buf[n_frames * FRAME_SAMPLES:].copy()
+        self._pending = buf[n_frames * FRAME_SAMPLES :].copy()
         if n_frames == 0:
             return np.zeros(0, dtype=np.float32)
         frames = buf[: n_frames * FRAME_SAMPLES].reshape(n_frames, FRAME_SAMPLES)
@@ -155,7 +159,8 @@ class SileroVad:
         return events
 
     def quietest_frame(self, start_index: int, end_index: int) -> tuple[int, float]:
-        """The least speech-like frame starting in ``[start_index, end_index)``: (its first sample, probability).
+        """The least speech-like frame starting in ``[start_index, end_index)``:
+        (its first sample, probability).
 
         Only frames still in the history (the last ~32 s) count; with none in range the
         result is ``(start_index, 1.0)``, i.e. no known quiet place.

@@ -73,8 +73,10 @@ def _timed_words(segment) -> list[TimedWord]:
     for i, piece in enumerate(pieces):
         owner.extend([i] * len(piece.word))
     joined = "".join(p.word for p in pieces)
-    return [TimedWord(m.group(), float(pieces[owner[m.start()]].start), float(pieces[owner[m.end() - 1]].end))
-            for m in re.finditer(r"\S+", joined)]
+    return [
+        TimedWord(m.group(), float(pieces[owner[m.start()]].start), float(pieces[owner[m.end() - 1]].end))
+        for m in re.finditer(r"\S+", joined)
+    ]
 
 
 def resolve_whisper_path(name_or_path: str | Path) -> Path:
@@ -82,8 +84,10 @@ def resolve_whisper_path(name_or_path: str | Path) -> Path:
     path = Path(name_or_path).expanduser()
     if not path.exists():
         if "/" in str(name_or_path) or str(name_or_path).startswith("."):
-            raise ModelFileError(f"whisper model folder not found: {path}",
-                                 hint="give a CTranslate2 whisper folder or a catalogue name such as whisper-tiny.en")
+            raise ModelFileError(
+                f"whisper model folder not found: {path}",
+                hint="give a CTranslate2 whisper folder or a catalogue name such as whisper-tiny.en",
+            )
         from edge_rtgi.catalog import resolve_model
 
         path = resolve_model(str(name_or_path), role="asr")
@@ -91,9 +95,11 @@ def resolve_whisper_path(name_or_path: str | Path) -> Path:
         path = path.parent
     missing = [f for f in _REQUIRED_FILES if not (path / f).is_file()]
     if missing:
-        raise ModelFileError(f"whisper model folder {path} lacks {', '.join(missing)}",
-                             hint="it must be a CTranslate2 conversion (model.bin, config.json, tokenizer.json); "
-                                  "re-pull it with `edge-rtgi models pull`")
+        raise ModelFileError(
+            f"whisper model folder {path} lacks {', '.join(missing)}",
+            hint="it must be a CTranslate2 conversion (model.bin, config.json, tokenizer.json); "
+            "re-pull it with `edge-rtgi models pull`",
+        )
     return path
 
 
@@ -118,21 +124,36 @@ class WhisperAsr:
         from faster_whisper import WhisperModel
 
         try:
-            self._model = WhisperModel(str(self.model_path), device=self.device, compute_type=self.compute_type,
-                                       cpu_threads=self.config.cpu_threads, num_workers=num_workers,
-                                       local_files_only=True)
+            self._model = WhisperModel(
+                str(self.model_path),
+                device=self.device,
+                compute_type=self.compute_type,
+                cpu_threads=self.config.cpu_threads,
+                num_workers=num_workers,
+                local_files_only=True,
+            )
         except (RuntimeError, ValueError, OSError) as exc:
-            raise ModelFileError(f"cannot load whisper model from {self.model_path}: {exc}",
-                                 hint="the files may be truncated; re-pull with `edge-rtgi models pull --force`") from None
+            raise ModelFileError(
+                f"cannot load whisper model from {self.model_path}: {exc}",
+                hint="the files may be truncated; re-pull with `edge-rtgi models pull --force`",
+            ) from None
         self.multilingual = self._model.model.is_multilingual
         if self.config.task == "translate" and not self.multilingual:
-            raise ConfigError(f"task 'translate' needs a multilingual whisper model; {self.config.model} is English-only",
-                              hint="use model whisper-base")
+            raise ConfigError(
+                f"task 'translate' needs a multilingual whisper model; {self.config.model} is English-only",
+                hint="use model whisper-base",
+            )
         log.info("whisper %s on %s/%s", self.model_path, self.device, self.compute_type)
 
-    def transcribe(self, audio: np.ndarray, prefix: str | None = None, language: str | None = None,
-                   timestamps: bool = False, beam_size: int | None = None,
-                   word_timestamps: bool = False) -> Hypothesis:
+    def transcribe(
+        self,
+        audio: np.ndarray,
+        prefix: str | None = None,
+        language: str | None = None,
+        timestamps: bool = False,
+        beam_size: int | None = None,
+        word_timestamps: bool = False,
+    ) -> Hypothesis:
         """Decode mono float32 16 kHz ``audio`` (at most 30 s). Blocking: call from a worker thread.
 
         ``prefix`` forces the start of the transcript (the committed words); ``language``
@@ -146,18 +167,32 @@ class WhisperAsr:
             lang = "en"
         t0 = time.perf_counter()
         segments, info = self._model.transcribe(
-            audio, language=lang, task=cfg.task, beam_size=beam_size or cfg.beam_size,
+            audio,
+            language=lang,
+            task=cfg.task,
+            beam_size=beam_size or cfg.beam_size,
             temperature=0.0,  # no fallback re-decodes: they stall a stream for seconds
             compression_ratio_threshold=cfg.compression_ratio_threshold,
-            log_prob_threshold=cfg.log_prob_threshold, no_speech_threshold=cfg.no_speech_threshold,
-            condition_on_previous_text=False, prefix=prefix or None,
+            log_prob_threshold=cfg.log_prob_threshold,
+            no_speech_threshold=cfg.no_speech_threshold,
+            condition_on_previous_text=False,
+            prefix=prefix or None,
             without_timestamps=not (timestamps or word_timestamps),
             word_timestamps=word_timestamps,  # an alignment pass: off for partials, which are many
             vad_filter=False,  # our own streaming VAD already gated this audio
         )
         segments = list(segments)
-        decoded = tuple(DecodedSegment(s.text.strip(), float(s.start), float(s.end), float(s.avg_logprob),
-                                       float(s.no_speech_prob), float(s.compression_ratio)) for s in segments)
+        decoded = tuple(
+            DecodedSegment(
+                s.text.strip(),
+                float(s.start),
+                float(s.end),
+                float(s.avg_logprob),
+                float(s.no_speech_prob),
+                float(s.compression_ratio),
+            )
+            for s in segments
+        )
         text = " ".join(s.text for s in decoded if s.text).strip()
         words = tuple(w for s in segments for w in _timed_words(s)) if word_timestamps else ()
         return Hypothesis(text, decoded, info.language, (time.perf_counter() - t0) * 1000.0, words)

@@ -29,8 +29,9 @@ def _sounddevice() -> Any:
     try:
         import sounddevice
     except OSError as exc:  # libportaudio missing
-        raise AudioError(f"PortAudio is not available ({exc})",
-                         hint="install libportaudio2 (scripts/setup.sh does)") from None
+        raise AudioError(
+            f"PortAudio is not available ({exc})", hint="install libportaudio2 (scripts/setup.sh does)"
+        ) from None
     return sounddevice
 
 
@@ -41,9 +42,12 @@ def _find_device(sd: Any, device: int | str | None, kind: str) -> dict:
     except (ValueError, sd.PortAudioError) as exc:
         what = "microphone (input)" if kind == "input" else "speaker (output)"
         names = [d["name"] for d in sd.query_devices()] if len(sd.query_devices()) else []
-        raise AudioError(f"no {what} audio device{f' matching {device!r}' if device is not None else ''} ({exc})",
-                         hint=f"available devices: {names}" if names else
-                         "this machine has no sound device; use a file, or start PulseAudio") from None
+        raise AudioError(
+            f"no {what} audio device{f' matching {device!r}' if device is not None else ''} ({exc})",
+            hint=f"available devices: {names}"
+            if names
+            else "this machine has no sound device; use a file, or start PulseAudio",
+        ) from None
 
 
 class MicrophoneSource:
@@ -54,14 +58,21 @@ class MicrophoneSource:
     was slower than real time for longer than ``max_queued_chunks`` blocks.
     """
 
-    def __init__(self, sample_rate_hz: int = 16000, chunk_ms: int = 20, device: int | str | None = None,
-                 max_queued_chunks: int = 100):
+    def __init__(
+        self,
+        sample_rate_hz: int = 16000,
+        chunk_ms: int = 20,
+        device: int | str | None = None,
+        max_queued_chunks: int = 100,
+    ):
         self.sample_rate_hz, self.chunk_ms, self.device = sample_rate_hz, chunk_ms, device
         self.max_queued_chunks = max_queued_chunks
         self.dropped_chunks = 0
         self._stop = threading.Event()
 
-    def _open(self, sd: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> tuple[Any, Resampler | None]:
+    def _open(
+        self, sd: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue
+    ) -> tuple[Any, Resampler | None]:
         info = _find_device(sd, self.device, "input")
         rate = self.sample_rate_hz
         try:
@@ -83,8 +94,14 @@ class MicrophoneSource:
                 loop.call_soon_threadsafe(put, indata[:, 0].copy())
 
         try:
-            stream = sd.InputStream(samplerate=rate, blocksize=rate * self.chunk_ms // 1000, device=self.device,
-                                    channels=1, dtype="float32", callback=callback)
+            stream = sd.InputStream(
+                samplerate=rate,
+                blocksize=rate * self.chunk_ms // 1000,
+                device=self.device,
+                channels=1,
+                dtype="float32",
+                callback=callback,
+            )
         except sd.PortAudioError as exc:
             raise AudioError(f"cannot open microphone {info['name']!r}: {exc}") from None
         return stream, resampler
@@ -96,7 +113,9 @@ class MicrophoneSource:
         stream, resampler = self._open(sd, loop, queue)
         self._stop.clear()
         with stream:
-            log.info("opened input %r at %d Hz", stream.device, stream.samplerate)  # capture begins at the first callback
+            log.info(
+                "opened input %r at %d Hz", stream.device, stream.samplerate
+            )  # capture begins at the first callback
             while not self._stop.is_set():
                 block = await queue.get()
                 yield resampler.process(block) if resampler else block
@@ -123,8 +142,9 @@ class SpeakerSink:
         self._idle = threading.Event()
         self._idle.set()
         try:
-            self._stream = sd.OutputStream(samplerate=sample_rate_hz, channels=1, dtype="float32",
-                                           device=device, callback=self._callback)
+            self._stream = sd.OutputStream(
+                samplerate=sample_rate_hz, channels=1, dtype="float32", device=device, callback=self._callback
+            )
             self._stream.start()
         except sd.PortAudioError as exc:
             raise AudioError(f"cannot open speaker at {sample_rate_hz} Hz: {exc}") from None
@@ -136,7 +156,7 @@ class SpeakerSink:
             while filled < frames and self._pending:
                 head = self._pending[0]
                 take = min(frames - filled, len(head))
-                out[filled:filled + take] = head[:take]
+                out[filled : filled + take] = head[:take]
                 filled += take
                 if take == len(head):
                     self._pending.pop(0)

@@ -25,8 +25,9 @@ def pcm16_to_float32(pcm: np.ndarray | bytes) -> np.ndarray:
     """int16 PCM (array or little-endian bytes) to float32 in [-1, 1)."""
     if isinstance(pcm, (bytes, bytearray, memoryview)):
         if len(pcm) % 2:
-            raise AudioError(f"PCM16 byte buffer has an odd length ({len(pcm)} bytes)",
-                             hint="send whole 16-bit samples")
+            raise AudioError(
+                f"PCM16 byte buffer has an odd length ({len(pcm)} bytes)", hint="send whole 16-bit samples"
+            )
         pcm = np.frombuffer(pcm, dtype="<i2")
     return pcm.astype(np.float32) / _INT16_SCALE
 

@@ -43,11 +43,11 @@ class RingBuffer:
         samples = np.asarray(samples, dtype=np.float32).reshape(-1)
         total = len(samples)
         # A chunk larger than the ring: only its tail can be kept, but every sample counts.
-        samples = samples[-self.capacity_samples:]
+        samples = samples[-self.capacity_samples :]
         n = len(samples)
         start = (self._total_written + total - n) % self.capacity_samples
         first = min(n, self.capacity_samples - start)
-        self._data[start:start + first] = samples[:first]
+        self._data[start : start + first] = samples[:first]
         if n > first:
             self._data[: n - first] = samples[first:]
         self._total_written += total
@@ -65,7 +65,7 @@ class RingBuffer:
         out = np.empty(n, dtype=np.float32)
         start = start_index % self.capacity_samples
         first = min(n, self.capacity_samples - start)
-        out[:first] = self._data[start:start + first]
+        out[:first] = self._data[start : start + first]
         if n > first:
             out[first:] = self._data[: n - first]
         return out

@@ -33,15 +33,21 @@ def _parse_fmt(body: bytes, where: str) -> tuple[int, int, int, int]:
     if fmt == _FORMAT_EXTENSIBLE and len(body) >= 26:
         fmt = struct.unpack("<H", body[24:26])[0]  # first two bytes of the sub-format GUID
     if fmt not in (_FORMAT_PCM, _FORMAT_FLOAT):
-        raise AudioError(f"{where}: unsupported WAV encoding (format tag {fmt:#x})",
-                         hint="convert to PCM or float WAV, e.g. `sox in.wav -e signed -b 16 out.wav`")
+        raise AudioError(
+            f"{where}: unsupported WAV encoding (format tag {fmt:#x})",
+            hint="convert to PCM or float WAV, e.g. `sox in.wav -e signed -b 16 out.wav`",
+        )
     if channels == 0 or rate == 0:
         raise AudioError(f"{where}: WAV header says {channels} channels at {rate} Hz")
-    if (fmt == _FORMAT_PCM and bits not in (8, 16, 24, 32)) or (fmt == _FORMAT_FLOAT and bits not in (32, 64)):
+    if (fmt == _FORMAT_PCM and bits not in (8, 16, 24, 32)) or (
+        fmt == _FORMAT_FLOAT and bits not in (32, 64)
+    ):
         raise AudioError(f"{where}: unsupported sample width {bits} bits for format {fmt}")
     if block_align != channels * bits // 8:
-        raise AudioError(f"{where}: inconsistent WAV header (block align {block_align}, "
-                         f"{channels} channels of {bits} bits)")
+        raise AudioError(
+            f"{where}: inconsistent WAV header (block align {block_align}, "
+            f"{channels} channels of {bits} bits)"
+        )
     return fmt, channels, rate, bits
 
 
@@ -66,19 +72,23 @@ def _decode(data: bytes, fmt: int, bits: int, channels: int) -> np.ndarray:
 def parse_wav_bytes(blob: bytes, where: str = "<bytes>") -> tuple[np.ndarray, int]:
     """Decode a complete WAV file held in memory; see ``read_wav``."""
     if len(blob) < 12 or blob[:4] not in (b"RIFF", b"RIFX") or blob[8:12] != b"WAVE":
-        raise AudioError(f"{where}: not a WAV file (no RIFF/WAVE header)",
-                         hint="give a .wav file; convert other formats with sox or ffmpeg")
+        raise AudioError(
+            f"{where}: not a WAV file (no RIFF/WAVE header)",
+            hint="give a .wav file; convert other formats with sox or ffmpeg",
+        )
     if blob[:4] == b"RIFX":
         raise AudioError(f"{where}: big-endian RIFX WAV is not supported", hint="convert with sox")
     pos, fmt_info = 12, None
     while pos + 8 <= len(blob):
-        chunk_id, size = blob[pos:pos + 4], struct.unpack("<I", blob[pos + 4:pos + 8])[0]
+        chunk_id, size = blob[pos : pos + 4], struct.unpack("<I", blob[pos + 4 : pos + 8])[0]
         body_start = pos + 8
         if chunk_id != b"data" and body_start + size > len(blob):
-            raise AudioError(f"{where}: truncated WAV file: the {chunk_id.decode('latin-1')!r} chunk is cut short",
-                             hint="the file was cut short; re-record or re-export it")
+            raise AudioError(
+                f"{where}: truncated WAV file: the {chunk_id.decode('latin-1')!r} chunk is cut short",
+                hint="the file was cut short; re-record or re-export it",
+            )
         if chunk_id == b"fmt ":
-            fmt_info = _parse_fmt(blob[body_start:body_start + size], where)
+            fmt_info = _parse_fmt(blob[body_start : body_start + size], where)
         elif chunk_id == b"data":
             if fmt_info is None:
                 raise AudioError(f"{where}: WAV 'data' chunk comes before its 'fmt ' chunk")
@@ -86,10 +96,13 @@ def parse_wav_bytes(blob: bytes, where: str = "<bytes>") -> tuple[np.ndarray, in
             if size in _UNKNOWN_SIZES or size > 0x7F000000:
                 size = available  # a streamed WAV: read what is there
             elif size > available:
-                raise AudioError(f"{where}: truncated WAV file: header promises {size} bytes of audio, "
-                                 f"only {available} present", hint="the file was cut short; re-record or re-export it")
+                raise AudioError(
+                    f"{where}: truncated WAV file: header promises {size} bytes of audio, "
+                    f"only {available} present",
+                    hint="the file was cut short; re-record or re-export it",
+                )
             fmt, channels, rate, bits = fmt_info
-            return _decode(blob[body_start:body_start + size], fmt, bits, channels), rate
+            return _decode(blob[body_start : body_start + size], fmt, bits, channels), rate
         pos = body_start + size + (size & 1)
     if fmt_info is None:
         raise AudioError(f"{where}: truncated or invalid WAV file: no 'fmt ' chunk")
@@ -123,9 +136,22 @@ def wav_bytes(samples: np.ndarray, sample_rate_hz: int) -> bytes:
     pcm = samples if samples.dtype == np.int16 else float32_to_pcm16(samples)
     channels = 1 if pcm.ndim == 1 else pcm.shape[1]
     data = pcm.astype("<i2").tobytes()
-    header = struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", 36 + len(data), b"WAVE", b"fmt ", 16, _FORMAT_PCM,
-                         channels, sample_rate_hz, sample_rate_hz * channels * 2, channels * 2, 16,
-                         b"data", len(data))
+    header = struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF",
+        36 + len(data),
+        b"WAVE",
+        b"fmt ",
+        16,
+        _FORMAT_PCM,
+        channels,
+        sample_rate_hz,
+        sample_rate_hz * channels * 2,
+        channels * 2,
+        16,
+        b"data",
+        len(data),
+    )
     return header + data
 
 
@@ -146,8 +172,14 @@ class WavSource:
     that a VAD endpoint can fire after the last word, as it would with a live speaker.
     """
 
-    def __init__(self, path: str | Path, chunk_ms: int = 20, realtime: bool = True,
-                 sample_rate_hz: int = 16000, tail_silence_ms: int = 0):
+    def __init__(
+        self,
+        path: str | Path,
+        chunk_ms: int = 20,
+        realtime: bool = True,
+        sample_rate_hz: int = 16000,
+        tail_silence_ms: int = 0,
+    ):
         if chunk_ms <= 0:
             raise AudioError(f"chunk_ms must be positive, got {chunk_ms}")
         self.path = Path(path)
@@ -171,4 +203,4 @@ class WavSource:
                     await asyncio.sleep(delay)
             else:
                 await asyncio.sleep(0)  # let other tasks run between chunks
-            yield self.samples[i:i + step]
+            yield self.samples[i : i + step]

@@ -81,7 +81,8 @@ class _Ours:
         steps = after.num_steps - before.num_steps
         self.step_breakdown_ms = {  # mean per step of this run (prefill step included)
             phase: round((getattr(after, phase) - getattr(before, phase)) / steps * 1e3, 3)
-            for phase in ("schedule_s", "run_s", "update_s")}
+            for phase in ("schedule_s", "run_s", "update_s")
+        }
         times = usage.token_times_ms
         return (len(times) - 1) / ((times[-1] - times[0]) / 1e3)
 
@@ -89,8 +90,10 @@ class _Ours:
         from edge_rtgi.llm.generate import generate_stream
         from edge_rtgi.llm.sampling import SamplingParams
 
-        stamps = [time.perf_counter() for _ in generate_stream(self.loaded, prompt,
-                                                               SamplingParams(max_tokens=n, ignore_eos=True))]
+        stamps = [
+            time.perf_counter()
+            for _ in generate_stream(self.loaded, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        ]
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
     def ttft_ms(self, prompt: list[int]) -> tuple[float, int]:
@@ -120,8 +123,9 @@ class _HF:
 
         folder = source if source.is_dir() else ensure_hf_folder(source, model_name)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
 
     def _generate(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
         """Wall time of ``generate`` and the time each new token reached the streamer."""
@@ -145,8 +149,15 @@ class _HF:
         ids = torch.tensor([prompt])
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                      min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=Stamps())
+            out = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=Stamps(),
+            )
         elapsed = time.perf_counter() - start
         assert out.shape[1] == len(prompt) + n
         return elapsed, stamps
@@ -223,7 +234,7 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     tok = loaded.tokenizer
     decode_prompt = _prompt(tok, cfg.prompt_tokens)
     long_prompt = _prompt(tok, cfg.ttft_prompt_tokens)
-    prefix = long_prompt[:cfg.cached_prefix_tokens]
+    prefix = long_prompt[: cfg.cached_prefix_tokens]
     tail_len = cfg.ttft_prompt_tokens - cfg.cached_prefix_tokens
     concurrent = [_prompt(tok, 24 + 2 * i, salt=f"Question {i}. ") for i in range(cfg.concurrency)]
     counter = iter(range(10**6))
@@ -239,7 +250,10 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
         return ttft
 
     cached_tokens: list[int] = []
-    out: dict[str, Any] = {"config": asdict(cfg), "engine_dtype": str(loaded.model.dtype).replace("torch.", "")}
+    out: dict[str, Any] = {
+        "config": asdict(cfg),
+        "engine_dtype": str(loaded.model.dtype).replace("torch.", ""),
+    }
     hf = _HF(Path(source), cfg.model) if cfg.hf else None
     log.info("measuring the engine%s, interleaved run by run", " and HF transformers fp32" if hf else "")
 
@@ -247,19 +261,32 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
         fns = {"ours": ours_fn, **({"hf": hf_fn} if hf and hf_fn else {}), **more}
         return _measure_interleaved(fns, cfg.runs, warmup)
 
-    full_decode = {"full": lambda: ours_full.decode_rate(decode_prompt, cfg.decode_tokens)} if ours_full else {}
-    decode = pair(lambda: ours.decode_rate(decode_prompt, cfg.decode_tokens),
-                  hf and (lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens)), **full_decode)
+    full_decode = (
+        {"full": lambda: ours_full.decode_rate(decode_prompt, cfg.decode_tokens)} if ours_full else {}
+    )
+    decode = pair(
+        lambda: ours.decode_rate(decode_prompt, cfg.decode_tokens),
+        hf and (lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens)),
+        **full_decode,
+    )
     if ours_full:
         ours_full.engine.shutdown()
     plain = _measure(lambda: ours.plain_decode_rate(decode_prompt, cfg.decode_tokens), cfg.runs)
     ttft = pair(cold, hf and (lambda: hf.ttft_ms(long_prompt)))
     cached_ttft = _measure(cached, cfg.runs)
     # HF is already warm from the runs above; a request-by-request pass is long enough
-    throughput = pair(lambda: ours.throughput(concurrent, cfg.concurrent_max_tokens),
-                      hf and (lambda: hf.throughput(concurrent, cfg.concurrent_max_tokens)), warmup=False)
-    out["ours"] = {"decode_tok_s": decode["ours"], "plain_decode_tok_s": plain, "ttft_cold_ms": ttft["ours"],
-                   "ttft_cached_ms": cached_ttft, "throughput_tok_s": throughput["ours"]}
+    throughput = pair(
+        lambda: ours.throughput(concurrent, cfg.concurrent_max_tokens),
+        hf and (lambda: hf.throughput(concurrent, cfg.concurrent_max_tokens)),
+        warmup=False,
+    )
+    out["ours"] = {
+        "decode_tok_s": decode["ours"],
+        "plain_decode_tok_s": plain,
+        "ttft_cold_ms": ttft["ours"],
+        "ttft_cached_ms": cached_ttft,
+        "throughput_tok_s": throughput["ours"],
+    }
     out["ours"]["cached_tokens"] = cached_tokens[-1] if cached_tokens else 0
     if "full" in decode:
         out["ours"]["full_precision_decode_tok_s"] = decode["full"]
@@ -267,7 +294,11 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     out["ours"]["engine_stats"] = ours.engine.stats().as_dict()
     ours.engine.shutdown()
     if hf:
-        out["hf"] = {"decode_tok_s": decode["hf"], "ttft_cold_ms": ttft["hf"], "throughput_tok_s": throughput["hf"]}
+        out["hf"] = {
+            "decode_tok_s": decode["hf"],
+            "ttft_cold_ms": ttft["hf"],
+            "throughput_tok_s": throughput["hf"],
+        }
     return out
 
 
@@ -283,7 +314,9 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     if h:
         out["decode_vs_hf"] = o["decode_tok_s"]["median"] / h["decode_tok_s"]["median"]
         if "full_precision_decode_tok_s" in o:
-            out["full_precision_decode_vs_hf"] = o["full_precision_decode_tok_s"]["median"] / h["decode_tok_s"]["median"]
+            out["full_precision_decode_vs_hf"] = (
+                o["full_precision_decode_tok_s"]["median"] / h["decode_tok_s"]["median"]
+            )
         out["ttft_cold_speedup_vs_hf"] = h["ttft_cold_ms"]["median"] / o["ttft_cold_ms"]["median"]
         out["throughput_vs_hf"] = o["throughput_tok_s"]["median"] / h["throughput_tok_s"]["median"]
     return out
@@ -302,30 +335,50 @@ def render(results: dict[str, Any]) -> str:
 
     rows = [
         ("batch-1 decode, tok/s", "decode_tok_s", ".1f", r.get("decode_vs_hf")),
-        (f"TTFT {cfg['ttft_prompt_tokens']}-token prompt, cold, ms", "ttft_cold_ms", ".0f",
-         r.get("ttft_cold_speedup_vs_hf")),
+        (
+            f"TTFT {cfg['ttft_prompt_tokens']}-token prompt, cold, ms",
+            "ttft_cold_ms",
+            ".0f",
+            r.get("ttft_cold_speedup_vs_hf"),
+        ),
         (f"TTFT, {o['cached_tokens']} tokens cached, ms", "ttft_cached_ms", ".0f", None),
-        (f"{cfg['concurrency']} concurrent requests x {cfg['concurrent_max_tokens']} tokens, total tok/s",
-         "throughput_tok_s", ".1f", r.get("throughput_vs_hf")),
+        (
+            f"{cfg['concurrency']} concurrent requests x {cfg['concurrent_max_tokens']} tokens, total tok/s",
+            "throughput_tok_s",
+            ".1f",
+            r.get("throughput_vs_hf"),
+        ),
     ]
     quant = f" + {cfg['quant']} weights" if cfg.get("quant") else ""
-    lines = [f"model {cfg['model']}, engine dtype {results['engine_dtype']}{quant}, HF transformers fp32 eager, "
-             f"{cfg['num_threads']} threads; medians of n timed runs after a warm-up",
-             "", "| measurement | engine | HF fp32 | speed-up |", "|---|---|---|---|"]
+    lines = [
+        f"model {cfg['model']}, engine dtype {results['engine_dtype']}{quant}, HF transformers fp32 eager, "
+        f"{cfg['num_threads']} threads; medians of n timed runs after a warm-up",
+        "",
+        "| measurement | engine | HF fp32 | speed-up |",
+        "|---|---|---|---|",
+    ]
     for label, key, fmt, ratio in rows:
-        lines.append(f"| {label} | {cell(o, key, fmt)} | {cell(h, key, fmt)} | "
-                     f"{f'{ratio:.2f}x' if ratio else '-'} |")
-    lines += ["", f"- plain path (contiguous cache, same dtype) batch-1 decode: {cell(o, 'plain_decode_tok_s', '.1f')}"
-              f" tok/s; engine/plain = {r['engine_vs_plain_decode']:.2f}",
-              f"- prefix cache: TTFT falls by {r['ttft_reduction_from_cache']:.0%} with "
-              f"{r['cached_share_of_prompt']:.0%} of the prompt cached"]
+        lines.append(
+            f"| {label} | {cell(o, key, fmt)} | {cell(h, key, fmt)} | {f'{ratio:.2f}x' if ratio else '-'} |"
+        )
+    lines += [
+        "",
+        f"- plain path (contiguous cache, same dtype) batch-1 decode: {cell(o, 'plain_decode_tok_s', '.1f')}"
+        f" tok/s; engine/plain = {r['engine_vs_plain_decode']:.2f}",
+        f"- prefix cache: TTFT falls by {r['ttft_reduction_from_cache']:.0%} with "
+        f"{r['cached_share_of_prompt']:.0%} of the prompt cached",
+    ]
     if "full_precision_decode_tok_s" in o:
         vs_hf = r.get("full_precision_decode_vs_hf")
-        lines.append(f"- the engine on full-precision {results['engine_dtype']} weights, same interleaved runs: "
-                     f"{cell(o, 'full_precision_decode_tok_s', '.1f')} tok/s batch-1 decode"
-                     + (f", {vs_hf:.2f}x HF fp32" if vs_hf else ""))
+        lines.append(
+            f"- the engine on full-precision {results['engine_dtype']} weights, same interleaved runs: "
+            f"{cell(o, 'full_precision_decode_tok_s', '.1f')} tok/s batch-1 decode"
+            + (f", {vs_hf:.2f}x HF fp32" if vs_hf else "")
+        )
     b = o.get("decode_step_breakdown_ms")
     if b:
-        lines.append(f"- batch-1 engine step, mean ms: schedule {b['schedule_s']}, forward + sampling "
-                     f"{b['run_s']}, update + detokenise + deliver {b['update_s']}")
+        lines.append(
+            f"- batch-1 engine step, mean ms: schedule {b['schedule_s']}, forward + sampling "
+            f"{b['run_s']}, update + detokenise + deliver {b['update_s']}"
+        )
     return "\n".join(lines)

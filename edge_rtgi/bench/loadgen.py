@@ -118,8 +118,7 @@ class Target(Protocol):
         """KV blocks in use right now, or None where the target has no such gauge."""
         ...
 
-    def kv_blocks_total(self) -> int | None:
-        ...
+    def kv_blocks_total(self) -> int | None: ...
 
 
 @dataclass
@@ -141,8 +140,14 @@ class LoadResult:
         return None if self.spec.pattern == "closed" else self.spec.rate_rps
 
     def metrics(self, slo: SLO) -> RunMetrics:
-        return summarise(self.traces, slo, offered_rps=self.offered_rps, peak_rss_mb=self.peak_rss_mb,
-                         kv_blocks_peak=self.kv_blocks_peak, kv_blocks_total=self.kv_blocks_total)
+        return summarise(
+            self.traces,
+            slo,
+            offered_rps=self.offered_rps,
+            peak_rss_mb=self.peak_rss_mb,
+            kv_blocks_peak=self.kv_blocks_peak,
+            kv_blocks_total=self.kv_blocks_total,
+        )
 
 
 async def _drive_one(target: Target, request: Any, trace: RequestTrace, clock: Callable[[], float]) -> None:
@@ -164,13 +169,18 @@ async def _drive_one(target: Target, request: Any, trace: RequestTrace, clock: C
     except asyncio.CancelledError:
         trace.error = "cancelled: the run's time bound was reached"
         raise
-    except Exception as exc:  # one failing request is recorded, the run goes on
+    except Exception as exc:  # noqa: BLE001 - one failing request is recorded, the run goes on
         trace.error = f"{type(exc).__name__}: {exc}"
 
 
 def _new_trace(i: int, request: Any, sent_s: float) -> RequestTrace:
-    return RequestTrace(request_id=f"{request.workload}-{i}", workload=request.workload, prompt_key=request.key,
-                        sent_s=sent_s, prompt_tokens=len(request.prompt_token_ids))
+    return RequestTrace(
+        request_id=f"{request.workload}-{i}",
+        workload=request.workload,
+        prompt_key=request.key,
+        sent_s=sent_s,
+        prompt_tokens=len(request.prompt_token_ids),
+    )
 
 
 async def _await_bounded(tasks: list[asyncio.Task], deadline: float, clock: Callable[[], float]) -> None:
@@ -181,8 +191,9 @@ async def _await_bounded(tasks: list[asyncio.Task], deadline: float, clock: Call
         await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def _open_loop(target: Target, requests: Sequence[Any], spec: LoadSpec,
-                     clock: Callable[[], float]) -> list[RequestTrace]:
+async def _open_loop(
+    target: Target, requests: Sequence[Any], spec: LoadSpec, clock: Callable[[], float]
+) -> list[RequestTrace]:
     order = request_order(len(requests), spec.num_requests, spec.seed)
     traces, tasks = [], []
     for i, at in enumerate(arrival_times_s(spec)):
@@ -197,8 +208,9 @@ async def _open_loop(target: Target, requests: Sequence[Any], spec: LoadSpec,
     return traces
 
 
-async def _closed_loop(target: Target, requests: Sequence[Any], spec: LoadSpec,
-                       clock: Callable[[], float]) -> list[RequestTrace]:
+async def _closed_loop(
+    target: Target, requests: Sequence[Any], spec: LoadSpec, clock: Callable[[], float]
+) -> list[RequestTrace]:
     order = request_order(len(requests), spec.num_requests, spec.seed)
     traces: list[RequestTrace] = []
     next_index = 0
@@ -220,7 +232,9 @@ async def _closed_loop(target: Target, requests: Sequence[Any], spec: LoadSpec,
     return traces
 
 
-async def run_load(target: Target, requests: Sequence[Any], spec: LoadSpec, *, workload: str = "") -> LoadResult:
+async def run_load(
+    target: Target, requests: Sequence[Any], spec: LoadSpec, *, workload: str = ""
+) -> LoadResult:
     """Drive ``target`` with ``requests`` (``PreparedRequest`` records) as ``spec`` says."""
     if not requests:
         raise ValueError("run_load needs at least one request")
@@ -238,10 +252,16 @@ async def run_load(target: Target, requests: Sequence[Any], spec: LoadSpec, *, w
         else:
             traces = await _open_loop(target, requests, spec, clock)
     peak = sampler.gauge_peak
-    return LoadResult(target=target.name, workload=workload or requests[0].workload, spec=spec, traces=traces,
-                      wall_s=clock(), peak_rss_mb=sampler.peak_rss_mb,
-                      kv_blocks_peak=int(peak) if peak is not None else None,
-                      kv_blocks_total=target.kv_blocks_total())
+    return LoadResult(
+        target=target.name,
+        workload=workload or requests[0].workload,
+        spec=spec,
+        traces=traces,
+        wall_s=clock(),
+        peak_rss_mb=sampler.peak_rss_mb,
+        kv_blocks_peak=int(peak) if peak is not None else None,
+        kv_blocks_total=target.kv_blocks_total(),
+    )
 
 
 @dataclass(frozen=True)
@@ -260,14 +280,29 @@ class RampResult:
     attainment_threshold: float
 
 
-async def run_ramp(target: Target, requests: Sequence[Any], rates_rps: Sequence[float], slo: SLO, *,
-                   requests_per_stage: int, stage_duration_s: float, seed: int = 0,
-                   attainment_threshold: float = 0.9, stop_after_saturation: bool = True) -> RampResult:
+async def run_ramp(
+    target: Target,
+    requests: Sequence[Any],
+    rates_rps: Sequence[float],
+    slo: SLO,
+    *,
+    requests_per_stage: int,
+    stage_duration_s: float,
+    seed: int = 0,
+    attainment_threshold: float = 0.9,
+    stop_after_saturation: bool = True,
+) -> RampResult:
     """Run Poisson stages at each rate; a stage saturates when SLO attainment < threshold."""
     stages, sustained, saturated = [], None, None
     for rate in sorted(rates_rps):
-        spec = LoadSpec(pattern="poisson", rate_rps=rate, num_requests=requests_per_stage,
-                        max_duration_s=stage_duration_s, drain_timeout_s=stage_duration_s, seed=seed)
+        spec = LoadSpec(
+            pattern="poisson",
+            rate_rps=rate,
+            num_requests=requests_per_stage,
+            max_duration_s=stage_duration_s,
+            drain_timeout_s=stage_duration_s,
+            seed=seed,
+        )
         result = await run_load(target, requests, spec)
         metrics = result.metrics(slo)
         stages.append(RampStage(rate, metrics))

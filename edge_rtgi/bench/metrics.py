@@ -59,8 +59,14 @@ class Distribution:
     def of(cls, values: Sequence[float]) -> Distribution:
         if len(values) == 0:
             return cls(0, math.nan, math.nan, math.nan, math.nan, math.nan)
-        return cls(len(values), float(np.mean(values)), percentile(values, 50), percentile(values, 95),
-                   percentile(values, 99), float(max(values)))
+        return cls(
+            len(values),
+            float(np.mean(values)),
+            percentile(values, 50),
+            percentile(values, 95),
+            percentile(values, 99),
+            float(max(values)),
+        )
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,9 @@ class SLO:
 
     def __post_init__(self) -> None:
         if self.ttft_ms <= 0 or self.itl_ms <= 0:
-            raise ValueError(f"SLO thresholds must be positive, got ttft_ms={self.ttft_ms}, itl_ms={self.itl_ms}")
+            raise ValueError(
+                f"SLO thresholds must be positive, got ttft_ms={self.ttft_ms}, itl_ms={self.itl_ms}"
+            )
         if not 0 < self.itl_percentile <= 100:
             raise ValueError(f"itl_percentile must be in (0, 100], got {self.itl_percentile}")
 
@@ -173,14 +181,23 @@ def run_duration_s(traces: Sequence[RequestTrace]) -> float:
     if not traces:
         return 0.0
     start = min(t.sent_s for t in traces)
-    ends = [t.end_s if t.end_s is not None else (t.chunk_times_s[-1] if t.chunk_times_s else t.sent_s)
-            for t in traces]
+    ends = [
+        t.end_s if t.end_s is not None else (t.chunk_times_s[-1] if t.chunk_times_s else t.sent_s)
+        for t in traces
+    ]
     return max(ends) - start
 
 
-def summarise(traces: Sequence[RequestTrace], slo: SLO, *, duration_s: float | None = None,
-              offered_rps: float | None = None, peak_rss_mb: float | None = None,
-              kv_blocks_peak: int | None = None, kv_blocks_total: int | None = None) -> RunMetrics:
+def summarise(
+    traces: Sequence[RequestTrace],
+    slo: SLO,
+    *,
+    duration_s: float | None = None,
+    offered_rps: float | None = None,
+    peak_rss_mb: float | None = None,
+    kv_blocks_peak: int | None = None,
+    kv_blocks_total: int | None = None,
+) -> RunMetrics:
     """Compute ``RunMetrics`` from traces. ``duration_s`` defaults to ``run_duration_s(traces)``.
 
     Failed and unfinished requests count in the denominator of every attainment fraction:

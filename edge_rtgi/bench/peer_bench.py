@@ -57,7 +57,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-async def batch1(target: Any, request: PreparedRequest, runs: int, reset: Any, reference: list[int] | None) -> dict:
+async def batch1(
+    target: Any, request: PreparedRequest, runs: int, reset: Any, reference: list[int] | None
+) -> dict:
     """Warm up once (8 tokens), then ``runs`` cold timed runs of ``request``."""
     reset()
     await timed_stream(target, replace(request, max_tokens=8))
@@ -70,23 +72,51 @@ async def batch1(target: Any, request: PreparedRequest, runs: int, reset: Any, r
         ttft_ms.append((times[0] - sent) * 1e3)
         span = times[-1] - times[0]
         decode_tok_s.append((len(times) - 1) / span if span > 0 else float("nan"))
-    return {"ttft_ms": median(ttft_ms), "decode_tok_s": median(decode_tok_s), "runs": runs,
-            "ttft_ms_runs": ttft_ms, "decode_tok_s_runs": decode_tok_s, "tokens": len(ids),
-            "reference_prefix_match": _common_prefix(ids, reference) if reference is not None else None}
+    return {
+        "ttft_ms": median(ttft_ms),
+        "decode_tok_s": median(decode_tok_s),
+        "runs": runs,
+        "ttft_ms_runs": ttft_ms,
+        "decode_tok_s_runs": decode_tok_s,
+        "tokens": len(ids),
+        "reference_prefix_match": _common_prefix(ids, reference) if reference is not None else None,
+    }
 
 
 async def under_load(target: Any, requests: list[PreparedRequest], num_requests: int) -> dict:
-    spec = LoadSpec(pattern="burst", rate_rps=1000.0, burst_size=num_requests, num_requests=num_requests,
-                    max_duration_s=1.0, drain_timeout_s=900.0, seed=0)
+    spec = LoadSpec(
+        pattern="burst",
+        rate_rps=1000.0,
+        burst_size=num_requests,
+        num_requests=num_requests,
+        max_duration_s=1.0,
+        drain_timeout_s=900.0,
+        seed=0,
+    )
     result = await run_load(target, requests, spec, workload="load")
     m = result.metrics(SLO())
-    return {"throughput_tok_s": m.throughput_tok_s, "duration_s": m.duration_s, "output_tokens": m.output_tokens,
-            "num_requests": m.num_requests, "num_failed": m.num_failed, "ttft_ms": asdict(m.ttft_ms),
-            "e2e_ms": asdict(m.e2e_ms), "peak_rss_mb": m.peak_rss_mb}
+    return {
+        "throughput_tok_s": m.throughput_tok_s,
+        "duration_s": m.duration_s,
+        "output_tokens": m.output_tokens,
+        "num_requests": m.num_requests,
+        "num_failed": m.num_failed,
+        "ttft_ms": asdict(m.ttft_ms),
+        "e2e_ms": asdict(m.e2e_ms),
+        "peak_rss_mb": m.peak_rss_mb,
+    }
 
 
-async def _measure(label: str, kind: str, target: Any, reset: Any, decode_req: PreparedRequest,
-                   load_reqs: list[PreparedRequest], cfg: Any, reference: list[int] | None) -> dict:
+async def _measure(
+    label: str,
+    kind: str,
+    target: Any,
+    reset: Any,
+    decode_req: PreparedRequest,
+    load_reqs: list[PreparedRequest],
+    cfg: Any,
+    reference: list[int] | None,
+) -> dict:
     log.info("peers: measuring %s", label)
     entry = {"name": label, "kind": kind}
     entry["batch1"] = await batch1(target, decode_req, cfg.decode_runs, reset, reference)
@@ -98,20 +128,47 @@ async def _measure(label: str, kind: str, target: Any, reset: Any, decode_req: P
 async def run_peers_section(models: Any, engine: Any, cfg: Any, gguf_path: Any) -> dict:
     """Batch-1 and under-load numbers for our engine, the plain path and each available peer."""
     tok = models.optimised.tokenizer
-    decode_req = PreparedRequest(key="decode", workload="decode", max_tokens=cfg.decode_new_tokens,
-                                 prompt_token_ids=decode_prompt_ids(tok, cfg.decode_prompt_tokens), ignore_eos=True)
-    load_reqs = [replace(r, max_tokens=cfg.load_max_tokens, ignore_eos=True)
-                 for r in prepare(get_workload("voice"), tok)]
+    decode_req = PreparedRequest(
+        key="decode",
+        workload="decode",
+        max_tokens=cfg.decode_new_tokens,
+        prompt_token_ids=decode_prompt_ids(tok, cfg.decode_prompt_tokens),
+        ignore_eos=True,
+    )
+    load_reqs = [
+        replace(r, max_tokens=cfg.load_max_tokens, ignore_eos=True)
+        for r in prepare(get_workload("voice"), tok)
+    ]
     plain = ThreadedTarget("plain", plain_stream_fn(models.full))
     reference, _, _ = await timed_stream(plain, decode_req)
     entries, skipped = [], []
     ours = f"edge-rtgi engine ({_describe(cfg.optimisations)})"
-    entries.append(await _measure(ours, "ours", EngineTarget(engine, ours), engine.reset_prefix_cache,
-                                  decode_req, load_reqs, cfg, reference))
+    entries.append(
+        await _measure(
+            ours,
+            "ours",
+            EngineTarget(engine, ours),
+            engine.reset_prefix_cache,
+            decode_req,
+            load_reqs,
+            cfg,
+            reference,
+        )
+    )
     for spec in cfg.peer_variants:
         entries.append(await _measure_variant(models, cfg, spec, decode_req, load_reqs, reference))
-    entries.append(await _measure("edge-rtgi plain path (fp32, request by request)", "plain", plain,
-                                  lambda: None, decode_req, load_reqs, cfg, reference))
+    entries.append(
+        await _measure(
+            "edge-rtgi plain path (fp32, request by request)",
+            "plain",
+            plain,
+            lambda: None,
+            decode_req,
+            load_reqs,
+            cfg,
+            reference,
+        )
+    )
     plain.close()
     for name in cfg.peers:
         try:
@@ -123,18 +180,40 @@ async def run_peers_section(models: Any, engine: Any, cfg: Any, gguf_path: Any) 
         target = ThreadedTarget(peer.name, peer.stream)
         reset = getattr(peer, "reset", lambda: None)
         try:
-            entries.append(await _measure(f"{peer.name} (request by request)", name, target, reset, decode_req,
-                                          load_reqs, cfg, reference))
+            entries.append(
+                await _measure(
+                    f"{peer.name} (request by request)",
+                    name,
+                    target,
+                    reset,
+                    decode_req,
+                    load_reqs,
+                    cfg,
+                    reference,
+                )
+            )
         finally:
             target.close()
             peer.close()
-    return {"decode_prompt_tokens": cfg.decode_prompt_tokens, "decode_new_tokens": cfg.decode_new_tokens,
-            "load_requests": cfg.load_requests, "load_max_tokens": cfg.load_max_tokens,
-            "entries": entries, "skipped": skipped, "ratios": ratios(entries)}
+    return {
+        "decode_prompt_tokens": cfg.decode_prompt_tokens,
+        "decode_new_tokens": cfg.decode_new_tokens,
+        "load_requests": cfg.load_requests,
+        "load_max_tokens": cfg.load_max_tokens,
+        "entries": entries,
+        "skipped": skipped,
+        "ratios": ratios(entries),
+    }
 
 
-async def _measure_variant(models: Any, cfg: Any, spec: str, decode_req: PreparedRequest,
-                           load_reqs: list[PreparedRequest], reference: list[int]) -> dict:
+async def _measure_variant(
+    models: Any,
+    cfg: Any,
+    spec: str,
+    decode_req: PreparedRequest,
+    load_reqs: list[PreparedRequest],
+    reference: list[int],
+) -> dict:
     """Our engine with one switch changed (its own weights when dtype or quantisation differ)."""
     from edge_rtgi.bench.suite import load_optimised, make_engine, model_for
 
@@ -145,8 +224,16 @@ async def _measure_variant(models: Any, cfg: Any, spec: str, decode_req: Prepare
     engine = make_engine(loaded, opt, cfg)
     name = f"edge-rtgi engine ({_describe(opt)})"
     try:
-        entry = await _measure(name, "ours-variant", EngineTarget(engine, name), engine.reset_prefix_cache,
-                               decode_req, load_reqs, cfg, reference)
+        entry = await _measure(
+            name,
+            "ours-variant",
+            EngineTarget(engine, name),
+            engine.reset_prefix_cache,
+            decode_req,
+            load_reqs,
+            cfg,
+            reference,
+        )
     finally:
         engine.shutdown()
     entry["variant"] = spec
@@ -154,8 +241,11 @@ async def _measure_variant(models: Any, cfg: Any, spec: str, decode_req: Prepare
 
 
 def _describe(opt: Any) -> str:
-    parts = [f"dtype {opt.dtype}", f"batch<={opt.max_num_seqs}",
-             "prefix cache" if opt.prefix_caching else "no prefix cache"]
+    parts = [
+        f"dtype {opt.dtype}",
+        f"batch<={opt.max_num_seqs}",
+        "prefix cache" if opt.prefix_caching else "no prefix cache",
+    ]
     if opt.quant:
         parts.append(f"quant {opt.quant}")
     return ", ".join(parts)
@@ -168,10 +258,15 @@ def ratios(entries: list[dict]) -> list[dict]:
         for e in entries:
             if e["kind"].startswith("ours"):
                 continue
-            out.append({
-                "ours": ours["name"], "ours_kind": ours["kind"], "vs": e["name"], "kind": e["kind"],
-                "decode_speed": ours["batch1"]["decode_tok_s"] / e["batch1"]["decode_tok_s"],
-                "ttft": ours["batch1"]["ttft_ms"] / e["batch1"]["ttft_ms"],
-                "throughput_under_load": ours["load"]["throughput_tok_s"] / e["load"]["throughput_tok_s"],
-            })
+            out.append(
+                {
+                    "ours": ours["name"],
+                    "ours_kind": ours["kind"],
+                    "vs": e["name"],
+                    "kind": e["kind"],
+                    "decode_speed": ours["batch1"]["decode_tok_s"] / e["batch1"]["decode_tok_s"],
+                    "ttft": ours["batch1"]["ttft_ms"] / e["batch1"]["ttft_ms"],
+                    "throughput_under_load": ours["load"]["throughput_tok_s"] / e["load"]["throughput_tok_s"],
+                }
+            )
     return out

@@ -77,7 +77,9 @@ def ensure_ct2_folder(hf_folder: Path, model_name: str) -> Path:
     import ctranslate2
 
     tmp = out.with_name("ct2-int8.partial")
-    ctranslate2.converters.TransformersConverter(str(hf_folder)).convert(str(tmp), quantization="int8", force=True)
+    ctranslate2.converters.TransformersConverter(str(hf_folder)).convert(
+        str(tmp), quantization="int8", force=True
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -126,10 +128,14 @@ class HFPeer:
                 return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool)
 
         ids = torch.tensor([list(request.prompt_token_ids)], device=self.device)
-        kwargs: dict[str, Any] = dict(max_new_tokens=request.max_tokens, do_sample=False, streamer=Streamer(),
-                                      stopping_criteria=StoppingCriteriaList([Cancelled()]),
-                                      attention_mask=torch.ones_like(ids),
-                                      pad_token_id=self.tokenizer.pad_token_id or 0)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=request.max_tokens,
+            do_sample=False,
+            streamer=Streamer(),
+            stopping_criteria=StoppingCriteriaList([Cancelled()]),
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=self.tokenizer.pad_token_id or 0,
+        )
         if request.ignore_eos:
             kwargs["min_new_tokens"] = request.max_tokens
         errors: list[BaseException] = []
@@ -165,9 +171,12 @@ class CT2Peer:
         from transformers import AutoTokenizer
 
         cuda = ctranslate2.get_cuda_device_count() > 0
-        self.generator = ctranslate2.Generator(str(ct2_folder), device="cuda" if cuda else "cpu",
-                                               compute_type="int8_float16" if cuda else "int8",
-                                               intra_threads=num_threads)
+        self.generator = ctranslate2.Generator(
+            str(ct2_folder),
+            device="cuda" if cuda else "cpu",
+            compute_type="int8_float16" if cuda else "int8",
+            intra_threads=num_threads,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
         self.name = "CTranslate2 int8"
 
@@ -204,7 +213,9 @@ def llamacpp_extra_buffers_work(gguf_path: Path) -> bool:
     import sys
 
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, str(gguf_path)], capture_output=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(gguf_path)], capture_output=True, timeout=300
+        )
     except subprocess.TimeoutExpired:
         return False
     return proc.returncode == 0
@@ -218,9 +229,10 @@ class LlamaCppPeer:
             import llama_cpp
             import llama_cpp.llama_cpp as low_level
         except ImportError as exc:
-            raise PeerUnavailable("llama-cpp-python is not installed",
-                                  hint="pip install 'edge-rtgi[llamacpp]' (builds llama.cpp from source, ~4 min)"
-                                  ) from exc
+            raise PeerUnavailable(
+                "llama-cpp-python is not installed",
+                hint="pip install 'edge-rtgi[llamacpp]' (builds llama.cpp from source, ~4 min)",
+            ) from exc
         self.extra_buffers = llamacpp_extra_buffers_work(gguf_path)
         defaults = low_level.llama_model_default_params
         if not self.extra_buffers:
@@ -234,13 +246,22 @@ class LlamaCppPeer:
             low_level.llama_model_default_params = without_extra_buffers
         try:
             # n_gpu_layers=-1 offloads everything when llama.cpp was built with CUDA; ignored otherwise
-            self.llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=context_tokens, n_threads=num_threads,
-                                       n_threads_batch=num_threads, n_batch=512, n_gpu_layers=-1, verbose=False)
+            self.llm = llama_cpp.Llama(
+                model_path=str(gguf_path),
+                n_ctx=context_tokens,
+                n_threads=num_threads,
+                n_threads_batch=num_threads,
+                n_batch=512,
+                n_gpu_layers=-1,
+                verbose=False,
+            )
         finally:
             low_level.llama_model_default_params = defaults
         self.eos = self.llm.token_eos()
-        self.name = (f"llama.cpp {_gguf_type(gguf_path)} (llama-cpp-python {llama_cpp.__version__}"
-                     f"{'' if self.extra_buffers else ', no extra buffer types'})")
+        self.name = (
+            f"llama.cpp {_gguf_type(gguf_path)} (llama-cpp-python {llama_cpp.__version__}"
+            f"{'' if self.extra_buffers else ', no extra buffer types'})"
+        )
 
     def reset(self) -> None:
         """Forget cached prompt state so the next request starts cold."""
@@ -248,8 +269,9 @@ class LlamaCppPeer:
 
     def stream(self, request: PreparedRequest, cancel: threading.Event) -> Pieces:
         produced = 0
-        for token in self.llm.generate(list(request.prompt_token_ids), top_k=1, top_p=1.0, temp=0.0,
-                                       repeat_penalty=1.0, reset=True):
+        for token in self.llm.generate(
+            list(request.prompt_token_ids), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True
+        ):
             if cancel.is_set():
                 return
             produced += 1

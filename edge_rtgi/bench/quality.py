@@ -65,8 +65,9 @@ class KLResult:
     num_sequences: int
 
 
-def kl_along_continuations(full: LogitsFn, optimised: LogitsFn,
-                           sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> KLResult:
+def kl_along_continuations(
+    full: LogitsFn, optimised: LogitsFn, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]
+) -> KLResult:
     """KL over (prompt ids, full model's greedy continuation ids) pairs, teacher-forced."""
     all_kl, agree = [], []
     for prompt, continuation in sequences:
@@ -80,9 +81,14 @@ def kl_along_continuations(full: LogitsFn, optimised: LogitsFn,
     if not all_kl:
         return KLResult(math.nan, math.nan, math.nan, math.nan, 0, 0)
     kl = torch.cat(all_kl)
-    return KLResult(mean=float(kl.mean()), p99=float(torch.quantile(kl, 0.99)), max=float(kl.max()),
-                    top1_agreement=float(torch.cat(agree).double().mean()), num_tokens=int(kl.numel()),
-                    num_sequences=len(all_kl))
+    return KLResult(
+        mean=float(kl.mean()),
+        p99=float(torch.quantile(kl, 0.99)),
+        max=float(kl.max()),
+        top1_agreement=float(torch.cat(agree).double().mean()),
+        num_tokens=int(kl.numel()),
+        num_sequences=len(all_kl),
+    )
 
 
 def chrf(hypotheses: Sequence[str], references: Sequence[str]) -> float:
@@ -94,7 +100,9 @@ def chrf(hypotheses: Sequence[str], references: Sequence[str]) -> float:
     import sacrebleu
 
     if len(hypotheses) != len(references):
-        raise ValueError(f"chrF needs as many hypotheses ({len(hypotheses)}) as references ({len(references)})")
+        raise ValueError(
+            f"chrF needs as many hypotheses ({len(hypotheses)}) as references ({len(references)})"
+        )
     pairs = [(h, r) for h, r in zip(hypotheses, references, strict=True) if h.strip() or r.strip()]
     if not pairs:
         return 100.0
@@ -124,8 +132,13 @@ def retention_ratio(optimised_score: float, full_score: float) -> float:
     return min(1.0, optimised_score / full_score)
 
 
-def score_outputs(workload: str, optimised_texts: Sequence[str], full_texts: Sequence[str],
-                  references: Sequence[str | None] | None = None, kl: KLResult | None = None) -> QualityResult:
+def score_outputs(
+    workload: str,
+    optimised_texts: Sequence[str],
+    full_texts: Sequence[str],
+    references: Sequence[str | None] | None = None,
+    kl: KLResult | None = None,
+) -> QualityResult:
     """Quality retention of paired outputs (same prompts, same order)."""
     agreement = chrf(optimised_texts, full_texts)
     refs = list(references or [])
@@ -133,12 +146,36 @@ def score_outputs(workload: str, optimised_texts: Sequence[str], full_texts: Seq
         ref_full = chrf(full_texts, refs)
         ref_opt = chrf(optimised_texts, refs)
         if ref_full > 0:
-            return QualityResult(workload, len(optimised_texts), agreement, ref_full, ref_opt, kl,
-                                 retention_ratio(ref_opt, ref_full), "chrF vs references, optimised / full")
-        return QualityResult(workload, len(optimised_texts), agreement, ref_full, ref_opt, kl,
-                             agreement / 100.0, "chrF agreement / 100 (full model scores 0 on references)")
-    return QualityResult(workload, len(optimised_texts), agreement, None, None, kl, agreement / 100.0,
-                         "chrF agreement with the full model / 100")
+            return QualityResult(
+                workload,
+                len(optimised_texts),
+                agreement,
+                ref_full,
+                ref_opt,
+                kl,
+                retention_ratio(ref_opt, ref_full),
+                "chrF vs references, optimised / full",
+            )
+        return QualityResult(
+            workload,
+            len(optimised_texts),
+            agreement,
+            ref_full,
+            ref_opt,
+            kl,
+            agreement / 100.0,
+            "chrF agreement / 100 (full model scores 0 on references)",
+        )
+    return QualityResult(
+        workload,
+        len(optimised_texts),
+        agreement,
+        None,
+        None,
+        kl,
+        agreement / 100.0,
+        "chrF agreement with the full model / 100",
+    )
 
 
 # --- How sure is a retention number? Paired bootstrap over prompts -----------------------------
@@ -189,9 +226,15 @@ class RetentionInterval:
 MIN_BOOTSTRAP_BLOCKS = 10
 
 
-def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str],
-                       references: Sequence[str | None] | None = None, resamples: int = 2000,
-                       level: float = 0.95, seed: int = 0, block_prompts: int = 1) -> RetentionInterval:
+def retention_interval(
+    optimised_texts: Sequence[str],
+    full_texts: Sequence[str],
+    references: Sequence[str | None] | None = None,
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+    block_prompts: int = 1,
+) -> RetentionInterval:
     """Retention as ``score_outputs`` defines it, with a paired bootstrap over the prompts.
 
     Each resample draws prompts with replacement and scores the optimised and the full
@@ -218,7 +261,11 @@ def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str]
         basis = "chrF vs references, optimised / full"
     else:  # the agreement basis: chrF(opt, full) / chrF(full, full) = agreement / 100
         # (blocks are formed after empty pairs are dropped, so a block may join non-neighbours)
-        keep = [i for i, (o, f) in enumerate(zip(optimised_texts, full_texts, strict=True)) if o.strip() or f.strip()]
+        keep = [
+            i
+            for i, (o, f) in enumerate(zip(optimised_texts, full_texts, strict=True))
+            if o.strip() or f.strip()
+        ]
         opt_rows = chrf_statistics([optimised_texts[i] for i in keep], [full_texts[i] for i in keep])
         full_rows = chrf_statistics([full_texts[i] for i in keep], [full_texts[i] for i in keep])
         basis = "chrF agreement with the full model / 100"
@@ -231,24 +278,45 @@ def retention_interval(optimised_texts: Sequence[str], full_texts: Sequence[str]
     blocks = int(block_of[-1]) + 1
     if block_prompts > 1 and blocks < MIN_BOOTSTRAP_BLOCKS:
         # a handful of blocks makes a bootstrap meaningless (one block: an interval of width 0)
-        raise ValueError(f"{n} prompts make only {blocks} blocks of {block_prompts}; a block bootstrap needs at "
-                         f"least {MIN_BOOTSTRAP_BLOCKS}: give a longer text or fewer, non-overlapping prompts")
+        raise ValueError(
+            f"{n} prompts make only {blocks} blocks of {block_prompts}; a block bootstrap needs at "
+            f"least {MIN_BOOTSTRAP_BLOCKS}: give a longer text or fewer, non-overlapping prompts"
+        )
     draws = np.random.default_rng(seed).integers(0, blocks, size=(resamples, blocks))
     counts = np.stack([np.bincount(d, minlength=blocks) for d in draws])[:, block_of]  # [resamples, n]
-    ratios = np.array([_ratio(chrf_from_statistics([counts[b] @ opt]), chrf_from_statistics([counts[b] @ full]))
-                       for b in range(resamples)])
+    ratios = np.array(
+        [
+            _ratio(chrf_from_statistics([counts[b] @ opt]), chrf_from_statistics([counts[b] @ full]))
+            for b in range(resamples)
+        ]
+    )
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(ratios, [tail, 100 - tail])
-    return RetentionInterval(min(1.0, point), point, min(1.0, float(low)), min(1.0, float(high)),
-                             float(ratios.std()), level, resamples, n, basis, block_prompts)
+    return RetentionInterval(
+        min(1.0, point),
+        point,
+        min(1.0, float(low)),
+        min(1.0, float(high)),
+        float(ratios.std()),
+        level,
+        resamples,
+        n,
+        basis,
+        block_prompts,
+    )
 
 
 def _ratio(optimised_score: float, full_score: float) -> float:
     return 1.0 if full_score <= 0 else optimised_score / full_score
 
 
-def bootstrap_mean_interval(unit_sums: Sequence[float], unit_counts: Sequence[int], resamples: int = 2000,
-                            level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean_interval(
+    unit_sums: Sequence[float],
+    unit_counts: Sequence[int],
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> tuple[float, float]:
     """Percentile interval of a per-token mean, resampling whole units (windows) with replacement.
 
     Resampling windows rather than tokens keeps the strong correlation between neighbouring

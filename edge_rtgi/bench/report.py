@@ -22,7 +22,9 @@ def _f(value: Any, digits: int = 0, unit: str = "") -> str:
 
 
 def _pct(value: Any) -> str:
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.0f} %"
+    return (
+        "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.0f} %"
+    )
 
 
 def _dist(d: dict, digits: int = 0) -> str:
@@ -87,13 +89,20 @@ def plot_ramp(results: dict, path: Path) -> bool:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.4), dpi=80)
     rates = [s["rate_rps"] for s in ramp["stages"]]
-    ax.plot(rates, [s["metrics"]["throughput_tok_s"] for s in ramp["stages"]], "o-", label="throughput (tok/s)")
+    ax.plot(
+        rates, [s["metrics"]["throughput_tok_s"] for s in ramp["stages"]], "o-", label="throughput (tok/s)"
+    )
     ax.set_xlabel("offered load (requests/s, Poisson)")
     ax.set_ylabel("output tokens/s")
     ax.set_ylim(0, 1.2 * max(s["metrics"]["throughput_tok_s"] or 0.0 for s in ramp["stages"]) + 1e-9)
     ax2 = ax.twinx()
-    ax2.plot(rates, [100 * s["metrics"]["slo_attainment"] for s in ramp["stages"]], "s--", color="tab:red",
-             label="SLO attainment (%)")
+    ax2.plot(
+        rates,
+        [100 * s["metrics"]["slo_attainment"] for s in ramp["stages"]],
+        "s--",
+        color="tab:red",
+        label="SLO attainment (%)",
+    )
     ax2.set_ylabel("requests meeting SLO (%)")
     ax2.set_ylim(0, 105)
     ax.grid(alpha=0.3)
@@ -113,10 +122,12 @@ def plot_ablations(results: dict, path: Path) -> bool:
     plt = _plt()
     fig, axes = plt.subplots(1, 4, figsize=(12, 3.8), dpi=80)
     labels = [r["label"] for r in rows]
-    panels = (("TTFT p95 (ms, log)", lambda r: r["metrics"]["ttft_ms"]["p95"]),
-              ("throughput (tok/s)", lambda r: r["metrics"]["throughput_tok_s"]),
-              ("SLO attainment (%)", lambda r: 100 * (r["metrics"]["slo_attainment"] or 0.0)),
-              ("quality retention", lambda r: (r.get("quality") or {}).get("retention")))
+    panels = (
+        ("TTFT p95 (ms, log)", lambda r: r["metrics"]["ttft_ms"]["p95"]),
+        ("throughput (tok/s)", lambda r: r["metrics"]["throughput_tok_s"]),
+        ("SLO attainment (%)", lambda r: 100 * (r["metrics"]["slo_attainment"] or 0.0)),
+        ("quality retention", lambda r: (r.get("quality") or {}).get("retention")),
+    )
     for ax, (title, get) in zip(axes, panels, strict=True):
         values = [get(r) for r in rows]
         ax.bar(range(len(rows)), [v if v is not None else 0.0 for v in values], color="tab:blue")
@@ -148,9 +159,11 @@ def plot_peers(results: dict, path: Path) -> bool:
     entries = peers["entries"]
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.6), dpi=80)
     labels = [_short_label(e) for e in entries]
-    panels = (("batch-1 decode (tok/s)", lambda e: e["batch1"]["decode_tok_s"]),
-              ("batch-1 TTFT (ms)", lambda e: e["batch1"]["ttft_ms"]),
-              ("throughput under load (tok/s)", lambda e: e["load"]["throughput_tok_s"]))
+    panels = (
+        ("batch-1 decode (tok/s)", lambda e: e["batch1"]["decode_tok_s"]),
+        ("batch-1 TTFT (ms)", lambda e: e["batch1"]["ttft_ms"]),
+        ("throughput under load (tok/s)", lambda e: e["load"]["throughput_tok_s"]),
+    )
     colors = ["tab:green" if e["kind"].startswith("ours") else "tab:grey" for e in entries]
     for ax, (title, get) in zip(axes, panels, strict=True):
         ax.barh(range(len(entries)), [get(e) for e in entries], color=colors)
@@ -165,8 +178,12 @@ def plot_peers(results: dict, path: Path) -> bool:
     return True
 
 
-FIGURES = (("latency_cdf.png", plot_latency_cdfs), ("throughput_vs_load.png", plot_ramp),
-           ("ablations.png", plot_ablations), ("peers.png", plot_peers))
+FIGURES = (
+    ("latency_cdf.png", plot_latency_cdfs),
+    ("throughput_vs_load.png", plot_ramp),
+    ("ablations.png", plot_ablations),
+    ("peers.png", plot_peers),
+)
 
 
 # --- Markdown ---------------------------------------------------------------------------------
@@ -176,8 +193,10 @@ def _model_line(results: dict, opt: dict) -> str:
     model = results.get("model")
     if not model:
         return f"- Model: whatever the daemon at {results.get('daemon', {}).get('url')} serves."
-    return (f"- Model: {model['name']} (`{Path(model['source']).name}`); engine dtype {model['engine_dtype']}; "
-            f"quantisation: {opt['quant'] or 'none (not enabled in this run)'}.")
+    return (
+        f"- Model: {model['name']} (`{Path(model['source']).name}`); engine dtype {model['engine_dtype']}; "
+        f"quantisation: {opt['quant'] or 'none (not enabled in this run)'}."
+    )
 
 
 def _conditions(results: dict) -> list[str]:
@@ -186,27 +205,37 @@ def _conditions(results: dict) -> list[str]:
     git = m.get("git") or {}
     load = m.get("load_average")
     lines = [
-        "## Conditions", "",
+        "## Conditions",
+        "",
         f"- Date (UTC): {m['date_utc']}; commit `{(git.get('commit') or 'unknown')[:10]}`"
-        f"{' (with uncommitted changes)' if git.get('dirty') else ''}; whole run {_f(results.get('elapsed_s'), 0)} s.",
+        f"{' (with uncommitted changes)' if git.get('dirty') else ''}; "
+        f"whole run {_f(results.get('elapsed_s'), 0)} s.",
         f"- Machine: {m['cpu']}, {m['cpu_count']} cores, {_f(m.get('memory_gib'), 0)} GiB"
-        f"{', GPU ' + m['cuda_device'] if m.get('cuda_device') else ', no GPU'}; {cfg['num_threads']} threads for every engine.",
+        f"{', GPU ' + m['cuda_device'] if m.get('cuda_device') else ', no GPU'}; "
+        f"{cfg['num_threads']} threads for every engine.",
         f"- Load average at start / end: {', '.join(f'{x:.1f}' for x in load) if load else '–'} / "
         f"{', '.join(f'{x:.1f}' for x in m.get('load_average_end') or []) or '–'} "
         "(other processes shared the cores; absolute numbers are noisy, same-run ratios less so).",
         "- Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".",
-        "- Environment: " + (", ".join(f"`{k}={v}`" for k, v in (m.get("env") or {}).items()) or "nothing set") + ".",
+        "- Environment: "
+        + (", ".join(f"`{k}={v}`" for k, v in (m.get("env") or {}).items()) or "nothing set")
+        + ".",
         _model_line(results, opt),
     ]
     if results.get("daemon"):
-        return [*lines, "- Decoding and prompts: as the daemon's pipeline sets them; one seeded run per workload.", ""]
+        return [
+            *lines,
+            "- Decoding and prompts: as the daemon's pipeline sets them; one seeded run per workload.",
+            "",
+        ]
     lines += [
         f"- Engine switches: prefix caching {'on' if opt['prefix_caching'] else 'off'}, max_num_seqs "
         f"{opt['max_num_seqs']}, chunked prefill {'on' if opt['chunked_prefill'] else 'off'} "
         f"({opt['max_num_batched_tokens']} tokens per step), kv dtype {opt['kv_dtype']}.",
         "- Decoding: greedy everywhere. Each load run is one seeded run; latency percentiles are over its "
         "requests (tokens for ITL). Batch-1 figures are medians of "
-        f"{cfg['decode_runs']} runs after a warm-up.", "",
+        f"{cfg['decode_runs']} runs after a warm-up.",
+        "",
     ]
     return lines
 
@@ -215,7 +244,11 @@ def _targets(results: dict) -> list[str]:
     if not (results.get("workloads") or results.get("peers")):
         return []
     rows = [[t["target"], t["measured"], t["status"]] for t in evaluate_targets(results)]
-    return ["## Where the engine stands against the targets", "", *_table(["target", "measured (this run)", "status"], rows)]
+    return [
+        "## Where the engine stands against the targets",
+        "",
+        *_table(["target", "measured (this run)", "status"], rows),
+    ]
 
 
 def _workloads(results: dict) -> list[str]:
@@ -225,15 +258,37 @@ def _workloads(results: dict) -> list[str]:
     rows = []
     for w in ws:
         m, load = w["metrics"], w["load"]
-        offered = f"{load['pattern']} {load['rate_rps']:g}/s" + (f" (bursts of {load['burst_size']})"
-                                                                  if load["pattern"] == "burst" else "")
-        rows.append([w["name"], f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}", offered,
-                     f"{m['num_ok']}/{m['num_requests']}", _dist(m["ttft_ms"]), _dist(m["itl_ms"], 1),
-                     _dist(m["e2e_ms"]), _f(m["throughput_tok_s"], 1), _f(m["goodput_rps"], 2),
-                     _f(m["peak_rss_mb"], 0), f"{m['kv_blocks_peak']}/{m['kv_blocks_total']}"])
-    header = ["workload", "SLO TTFT/ITL (ms)", "offered load", "ok/sent", "TTFT p50/p95/p99 (ms)",
-              "ITL p50/p95/p99 (ms)", "E2E p50/p95/p99 (ms)", "throughput (tok/s)", "goodput (req/s)",
-              "peak RSS (MiB)", "KV blocks peak/total"]
+        offered = f"{load['pattern']} {load['rate_rps']:g}/s" + (
+            f" (bursts of {load['burst_size']})" if load["pattern"] == "burst" else ""
+        )
+        rows.append(
+            [
+                w["name"],
+                f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}",
+                offered,
+                f"{m['num_ok']}/{m['num_requests']}",
+                _dist(m["ttft_ms"]),
+                _dist(m["itl_ms"], 1),
+                _dist(m["e2e_ms"]),
+                _f(m["throughput_tok_s"], 1),
+                _f(m["goodput_rps"], 2),
+                _f(m["peak_rss_mb"], 0),
+                f"{m['kv_blocks_peak']}/{m['kv_blocks_total']}",
+            ]
+        )
+    header = [
+        "workload",
+        "SLO TTFT/ITL (ms)",
+        "offered load",
+        "ok/sent",
+        "TTFT p50/p95/p99 (ms)",
+        "ITL p50/p95/p99 (ms)",
+        "E2E p50/p95/p99 (ms)",
+        "throughput (tok/s)",
+        "goodput (req/s)",
+        "peak RSS (MiB)",
+        "KV blocks peak/total",
+    ]
     out = ["## Workloads on the engine", "", *_table(header, rows)]
     errors = [(w["name"], e) for w in ws for e in w.get("errors", [])]
     out += [f"- {name}: {e}" for name, e in errors] + ([""] if errors else [])
@@ -248,36 +303,96 @@ def _rtiq(results: dict) -> list[str]:
     rows = []
     for w in ws:
         q, r, kl = w["quality"], w["rtiq"], w["quality"].get("kl")
-        ref = (f"{_f(q['chrf_ref_optimised'], 1)} / {_f(q['chrf_ref_full'], 1)}"
-               if q.get("chrf_ref_full") is not None else "–")
-        kl_txt = (f"{_f(kl['mean'], 4)} / {_f(kl['p99'], 3)} / {_pct(kl['top1_agreement'])}" if kl
-                  else "0 (same weights)")
-        rows.append([w["name"], f"**{_f(r['value'], 2)}**", _f(r["quality_retention"], 3),
-                     _pct(r["slo_attainment"]), _pct(r["ttft_attainment"]), _pct(r["itl_attainment"]),
-                     _f(q["chrf_agreement"], 1), ref, kl_txt, str(q["num_outputs"])])
-    header = ["workload", "RTIQ", "quality retention", "meet TTFT+ITL", "meet TTFT", "meet ITL",
-              "chrF agreement", "chrF vs refs opt/full", "KL mean / p99 / top-1 agree", "outputs compared"]
-    return ["## RTIQ per workload, with its parts", "", *_table(header, rows),
-            "Quality retention basis: " + "; ".join(f"{w['name']}: {w['quality']['basis']}" for w in ws) + ".", ""]
+        ref = (
+            f"{_f(q['chrf_ref_optimised'], 1)} / {_f(q['chrf_ref_full'], 1)}"
+            if q.get("chrf_ref_full") is not None
+            else "–"
+        )
+        kl_txt = (
+            f"{_f(kl['mean'], 4)} / {_f(kl['p99'], 3)} / {_pct(kl['top1_agreement'])}"
+            if kl
+            else "0 (same weights)"
+        )
+        rows.append(
+            [
+                w["name"],
+                f"**{_f(r['value'], 2)}**",
+                _f(r["quality_retention"], 3),
+                _pct(r["slo_attainment"]),
+                _pct(r["ttft_attainment"]),
+                _pct(r["itl_attainment"]),
+                _f(q["chrf_agreement"], 1),
+                ref,
+                kl_txt,
+                str(q["num_outputs"]),
+            ]
+        )
+    header = [
+        "workload",
+        "RTIQ",
+        "quality retention",
+        "meet TTFT+ITL",
+        "meet TTFT",
+        "meet ITL",
+        "chrF agreement",
+        "chrF vs refs opt/full",
+        "KL mean / p99 / top-1 agree",
+        "outputs compared",
+    ]
+    return [
+        "## RTIQ per workload, with its parts",
+        "",
+        *_table(header, rows),
+        "Quality retention basis: " + "; ".join(f"{w['name']}: {w['quality']['basis']}" for w in ws) + ".",
+        "",
+    ]
 
 
 def _ramp(results: dict) -> list[str]:
     ramp = results.get("ramp")
     if not ramp:
         return []
-    rows = [[f"{s['rate_rps']:g}", f"{s['metrics']['num_ok']}/{s['metrics']['num_requests']}",
-             _dist(s["metrics"]["ttft_ms"]), _f(s["metrics"]["itl_ms"]["p95"], 1),
-             _f(s["metrics"]["throughput_tok_s"], 1), _f(s["metrics"]["goodput_rps"], 2),
-             _pct(s["metrics"]["slo_attainment"])] for s in ramp["stages"]]
-    sat = (f"saturates at {ramp['saturation_rps']:g} req/s" if ramp["saturation_rps"] is not None
-           else "did not saturate within the ramp")
+    rows = [
+        [
+            f"{s['rate_rps']:g}",
+            f"{s['metrics']['num_ok']}/{s['metrics']['num_requests']}",
+            _dist(s["metrics"]["ttft_ms"]),
+            _f(s["metrics"]["itl_ms"]["p95"], 1),
+            _f(s["metrics"]["throughput_tok_s"], 1),
+            _f(s["metrics"]["goodput_rps"], 2),
+            _pct(s["metrics"]["slo_attainment"]),
+        ]
+        for s in ramp["stages"]
+    ]
+    sat = (
+        f"saturates at {ramp['saturation_rps']:g} req/s"
+        if ramp["saturation_rps"] is not None
+        else "did not saturate within the ramp"
+    )
     sus = f"{ramp['sustained_rps']:g} req/s" if ramp["sustained_rps"] is not None else "none of the stages"
     note = [f"Note: {ramp['note']}", ""] if ramp.get("note") else []
-    return [f"## Ramp to saturation ({ramp['workload']} workload)", "", *note,
-            *_table(["offered (req/s)", "ok/sent", "TTFT p50/p95/p99 (ms)", "ITL p95 (ms)", "throughput (tok/s)",
-                     "goodput (req/s)", "meet SLO"], rows),
-            f"Highest rate with at least {100 * ramp['threshold']:.0f} % of requests meeting the SLO: {sus}; {sat}.",
-            "", "![throughput against offered load](IMG/throughput_vs_load.png)", ""]
+    return [
+        f"## Ramp to saturation ({ramp['workload']} workload)",
+        "",
+        *note,
+        *_table(
+            [
+                "offered (req/s)",
+                "ok/sent",
+                "TTFT p50/p95/p99 (ms)",
+                "ITL p95 (ms)",
+                "throughput (tok/s)",
+                "goodput (req/s)",
+                "meet SLO",
+            ],
+            rows,
+        ),
+        f"Highest rate with at least {100 * ramp['threshold']:.0f} % of requests meeting the SLO: "
+        f"{sus}; {sat}.",
+        "",
+        "![throughput against offered load](IMG/throughput_vs_load.png)",
+        "",
+    ]
 
 
 def _ablations(results: dict) -> list[str]:
@@ -291,37 +406,98 @@ def _ablations(results: dict) -> list[str]:
             continue
         m, q = r["metrics"], r.get("quality") or {}
         kl = (q.get("kl") or {}).get("mean")
-        rows.append([r["label"], _dist(m["ttft_ms"]), _f(m["itl_ms"]["p95"], 1), _f(m["throughput_tok_s"], 1),
-                     _f(m["goodput_rps"], 2), _pct(m["slo_attainment"]), _f(q.get("retention"), 3),
-                     "0" if kl is None and q else _f(kl, 4), _f((r.get("rtiq") or {}).get("value"), 2),
-                     _pct(r["prefix_hit_rate"]), _f(r["requests_per_step"], 2)])
+        rows.append(
+            [
+                r["label"],
+                _dist(m["ttft_ms"]),
+                _f(m["itl_ms"]["p95"], 1),
+                _f(m["throughput_tok_s"], 1),
+                _f(m["goodput_rps"], 2),
+                _pct(m["slo_attainment"]),
+                _f(q.get("retention"), 3),
+                "0" if kl is None and q else _f(kl, 4),
+                _f((r.get("rtiq") or {}).get("value"), 2),
+                _pct(r["prefix_hit_rate"]),
+                _f(r["requests_per_step"], 2),
+            ]
+        )
     load = abl["load"]
-    return [f"## Ablations ({abl['workload']} workload, {load['pattern']} {load['rate_rps']:g} req/s, "
-            f"{load['num_requests']} requests)", "",
-            *_table(["switch changed", "TTFT p50/p95/p99 (ms)", "ITL p95 (ms)", "throughput (tok/s)",
-                     "goodput (req/s)", "meet SLO", "quality retention", "KL mean", "RTIQ", "prefix-cache hits",
-                     "requests per step"], rows),
-            "![ablations](IMG/ablations.png)", ""]
+    return [
+        f"## Ablations ({abl['workload']} workload, {load['pattern']} {load['rate_rps']:g} req/s, "
+        f"{load['num_requests']} requests)",
+        "",
+        *_table(
+            [
+                "switch changed",
+                "TTFT p50/p95/p99 (ms)",
+                "ITL p95 (ms)",
+                "throughput (tok/s)",
+                "goodput (req/s)",
+                "meet SLO",
+                "quality retention",
+                "KL mean",
+                "RTIQ",
+                "prefix-cache hits",
+                "requests per step",
+            ],
+            rows,
+        ),
+        "![ablations](IMG/ablations.png)",
+        "",
+    ]
 
 
 def _peers(results: dict) -> list[str]:
     peers = results.get("peers")
     if not peers:
         return []
-    rows = [[e["name"], _f(e["batch1"]["decode_tok_s"], 1), _f(e["batch1"]["ttft_ms"], 0),
-             f"{e['batch1']['reference_prefix_match']}/{e['batch1']['tokens']}", _f(e["load"]["throughput_tok_s"], 1),
-             _f(e["load"]["ttft_ms"]["p95"], 0), _f(e["load"]["e2e_ms"]["p95"], 0)] for e in peers["entries"]]
-    out = [f"## Peers side by side (batch 1: {peers['decode_prompt_tokens']}-token prompt, "
-           f"{peers['decode_new_tokens']} new tokens; under load: {peers['load_requests']} voice prompts at once, "
-           f"{peers['load_max_tokens']} tokens each)", "",
-           *_table(["engine", "decode (tok/s, median)", "TTFT (ms, median)", "greedy tokens equal to fp32 ref",
-                    "throughput under load (tok/s)", "TTFT p95 under load (ms)", "E2E p95 under load (ms)"], rows)]
+    rows = [
+        [
+            e["name"],
+            _f(e["batch1"]["decode_tok_s"], 1),
+            _f(e["batch1"]["ttft_ms"], 0),
+            f"{e['batch1']['reference_prefix_match']}/{e['batch1']['tokens']}",
+            _f(e["load"]["throughput_tok_s"], 1),
+            _f(e["load"]["ttft_ms"]["p95"], 0),
+            _f(e["load"]["e2e_ms"]["p95"], 0),
+        ]
+        for e in peers["entries"]
+    ]
+    out = [
+        f"## Peers side by side (batch 1: {peers['decode_prompt_tokens']}-token prompt, "
+        f"{peers['decode_new_tokens']} new tokens; "
+        f"under load: {peers['load_requests']} voice prompts at once, "
+        f"{peers['load_max_tokens']} tokens each)",
+        "",
+        *_table(
+            [
+                "engine",
+                "decode (tok/s, median)",
+                "TTFT (ms, median)",
+                "greedy tokens equal to fp32 ref",
+                "throughput under load (tok/s)",
+                "TTFT p95 under load (ms)",
+                "E2E p95 under load (ms)",
+            ],
+            rows,
+        ),
+    ]
     if peers["ratios"]:
-        rrows = [[r.get("ours", "edge-rtgi engine").replace("edge-rtgi engine ", ""), r["vs"],
-                  _f(r["decode_speed"], 2, "x"), _f(r["ttft"], 2, "x"), _f(r["throughput_under_load"], 2, "x")]
-                 for r in peers["ratios"]]
-        out += ["Ratios ours / theirs (decode and throughput: higher is better; TTFT: lower is better):", "",
-                *_table(["our engine", "vs", "batch-1 decode", "TTFT", "throughput under load"], rrows)]
+        rrows = [
+            [
+                r.get("ours", "edge-rtgi engine").replace("edge-rtgi engine ", ""),
+                r["vs"],
+                _f(r["decode_speed"], 2, "x"),
+                _f(r["ttft"], 2, "x"),
+                _f(r["throughput_under_load"], 2, "x"),
+            ]
+            for r in peers["ratios"]
+        ]
+        out += [
+            "Ratios ours / theirs (decode and throughput: higher is better; TTFT: lower is better):",
+            "",
+            *_table(["our engine", "vs", "batch-1 decode", "TTFT", "throughput under load"], rrows),
+        ]
     out += [f"- Skipped {s['name']}: {s['reason']}" for s in peers["skipped"]]
     return [*out, "", "![peers](IMG/peers.png)", ""]
 
@@ -330,17 +506,47 @@ def _daemon(results: dict) -> list[str]:
     daemon = results.get("daemon")
     if not daemon:
         return []
-    rows = [[w["name"], f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}", f"{w['load']['rate_rps']:g}/s",
-             f"{w['metrics']['num_ok']}/{w['metrics']['num_requests']}", _dist(w["metrics"]["ttft_ms"]),
-             _dist(w["metrics"]["itl_ms"], 1), _f(w["metrics"]["goodput_rps"], 2),
-             _pct(w["metrics"]["slo_attainment"]), _f(w.get("chrf_vs_references"), 1)] for w in daemon["workloads"]]
-    return [f"## Workloads over WebSocket ({daemon['url']})", "",
-            "Latency as a client sees it (ITL per text delta); the daemon builds its own prompts, so quality "
-            "retention and RTIQ are not measured here.", "",
-            *_table(["workload", "SLO TTFT/ITL (ms)", "offered", "ok/sent", "TTFT p50/p95/p99 (ms)",
-                     "ITL p50/p95/p99 (ms)", "goodput (req/s)", "meet SLO", "chrF vs refs"], rows),
-            *[f"- {w['name']}: sent {e['sent']!r}, received {e['received']!r}" for w in daemon["workloads"]
-              for e in w.get("examples", [])[:1]], ""]
+    rows = [
+        [
+            w["name"],
+            f"{w['slo']['ttft_ms']:g} / {w['slo']['itl_ms']:g}",
+            f"{w['load']['rate_rps']:g}/s",
+            f"{w['metrics']['num_ok']}/{w['metrics']['num_requests']}",
+            _dist(w["metrics"]["ttft_ms"]),
+            _dist(w["metrics"]["itl_ms"], 1),
+            _f(w["metrics"]["goodput_rps"], 2),
+            _pct(w["metrics"]["slo_attainment"]),
+            _f(w.get("chrf_vs_references"), 1),
+        ]
+        for w in daemon["workloads"]
+    ]
+    return [
+        f"## Workloads over WebSocket ({daemon['url']})",
+        "",
+        "Latency as a client sees it (ITL per text delta); the daemon builds its own prompts, so quality "
+        "retention and RTIQ are not measured here.",
+        "",
+        *_table(
+            [
+                "workload",
+                "SLO TTFT/ITL (ms)",
+                "offered",
+                "ok/sent",
+                "TTFT p50/p95/p99 (ms)",
+                "ITL p50/p95/p99 (ms)",
+                "goodput (req/s)",
+                "meet SLO",
+                "chrF vs refs",
+            ],
+            rows,
+        ),
+        *[
+            f"- {w['name']}: sent {e['sent']!r}, received {e['received']!r}"
+            for w in daemon["workloads"]
+            for e in w.get("examples", [])[:1]
+        ],
+        "",
+    ]
 
 
 def render_markdown(results: dict, image_prefix: str = "") -> str:

@@ -29,7 +29,12 @@ def rtiq(workload: str, quality_retention: float, metrics: RunMetrics) -> RTIQ:
     """Combine quality retention (0..1) with the run's SLO attainment."""
     if not 0.0 <= quality_retention <= 1.0:
         raise ValueError(f"quality retention must be in [0, 1], got {quality_retention}")
-    return RTIQ(workload=workload, value=quality_retention * metrics.slo_attainment,
-                quality_retention=quality_retention, slo_attainment=metrics.slo_attainment,
-                ttft_attainment=metrics.ttft_attainment, itl_attainment=metrics.itl_attainment,
-                offered_rps=metrics.offered_rps)
+    return RTIQ(
+        workload=workload,
+        value=quality_retention * metrics.slo_attainment,
+        quality_retention=quality_retention,
+        slo_attainment=metrics.slo_attainment,
+        ttft_attainment=metrics.ttft_attainment,
+        itl_attainment=metrics.itl_attainment,
+        offered_rps=metrics.offered_rps,
+    )

@@ -29,8 +29,15 @@ from edge_rtgi.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SECTIONS = ("workloads", "ramp", "ablations", "peers")
-ENV_RECORDED = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS", "CT2_USE_MKL", "LLAMA_CPP_LIB_PATH",
-                "CUDA_VISIBLE_DEVICES", "EDGE_RTGI_MODEL_DIR")
+ENV_RECORDED = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "MKL_NUM_THREADS",
+    "CT2_USE_MKL",
+    "LLAMA_CPP_LIB_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "EDGE_RTGI_MODEL_DIR",
+)
 
 
 def _version(package: str) -> str | None:
@@ -53,10 +60,19 @@ def _cpu_model() -> str:
 def _git_commit() -> dict:
     root = Path(__file__).resolve().parents[2]
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = (
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            != ""
+        )
         return {"commit": commit or None, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
@@ -72,11 +88,26 @@ def machine_info() -> dict:
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory_gib": mem_gib, "cuda_device": cuda,
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "cuda_device": cuda,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "versions": {p: _version(p) for p in ("edge-rtgi", "torch", "transformers", "ctranslate2",
-                                              "llama_cpp_python", "sacrebleu", "numpy")},
+        "versions": {
+            p: _version(p)
+            for p in (
+                "edge-rtgi",
+                "torch",
+                "transformers",
+                "ctranslate2",
+                "llama_cpp_python",
+                "sacrebleu",
+                "numpy",
+            )
+        },
         "git": _git_commit(),
         # settings that change how the libraries under test behave
         "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
@@ -86,7 +117,9 @@ def machine_info() -> dict:
 def check_sections(sections: list[str] | tuple[str, ...]) -> tuple[str, ...]:
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:
-        raise ConfigError(f"unknown benchmark section {unknown[0]!r}", hint=f"choose from {', '.join(SECTIONS)}")
+        raise ConfigError(
+            f"unknown benchmark section {unknown[0]!r}", hint=f"choose from {', '.join(SECTIONS)}"
+        )
     return tuple(s for s in SECTIONS if s in sections)
 
 
@@ -95,13 +128,16 @@ def warm_up(engine: Any, tokenizer: Any) -> None:
     from edge_rtgi.bench.workloads import system_prompt
     from edge_rtgi.llm.sampling import SamplingParams
 
-    prompts = [tokenizer.encode(system_prompt())[:48 + 8 * i] for i in range(3)]
+    prompts = [tokenizer.encode(system_prompt())[: 48 + 8 * i] for i in range(3)]
     engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
     engine.reset_prefix_cache()
 
 
-async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS,
-                    on_section: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+async def run_suite(
+    cfg: BenchConfig,
+    sections: tuple[str, ...] = SECTIONS,
+    on_section: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Load the models once and run the requested sections; returns the full result dict.
 
     ``on_section`` gets the results so far after each section (the CLI rewrites its report then,
@@ -112,8 +148,13 @@ async def run_suite(cfg: BenchConfig, sections: tuple[str, ...] = SECTIONS,
     results: dict[str, Any] = {"machine": machine_info(), "config": asdict(cfg), "sections": list(sections)}
     started = time.monotonic()
     models = load_models(cfg)
-    results["model"] = {"name": cfg.model, "source": str(models.source), "engine_dtype": str(models.optimised.model.dtype),
-                        "quant": models.quant_report}
+    results["model"] = {
+        "name": cfg.model,
+        "source": str(models.source),
+        "engine_dtype": str(models.optimised.model.dtype),
+        "quant": models.quant_report,
+    }
+
     def done_section() -> None:
         results["elapsed_s"] = time.monotonic() - started
         results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -157,14 +198,26 @@ async def run_daemon_workloads(cfg: BenchConfig, url: str) -> dict[str, Any]:
     from edge_rtgi.bench.targets import WebSocketTarget
     from edge_rtgi.bench.workloads import PreparedRequest
 
-    results: dict[str, Any] = {"machine": machine_info(), "config": asdict(cfg), "sections": ["daemon"],
-                               "daemon": {"url": url, "workloads": []}}
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": asdict(cfg),
+        "sections": ["daemon"],
+        "daemon": {"url": url, "workloads": []},
+    }
     started = time.monotonic()
     target = WebSocketTarget(url)
     for name in cfg.workloads:
         workload = cfg.workload(name)
-        requests = [PreparedRequest(key=i.key, workload=name, prompt_token_ids=(), max_tokens=workload.max_tokens,
-                                    source_text=i.source_text) for i in workload.items]
+        requests = [
+            PreparedRequest(
+                key=i.key,
+                workload=name,
+                prompt_token_ids=(),
+                max_tokens=workload.max_tokens,
+                source_text=i.source_text,
+            )
+            for i in workload.items
+        ]
         requests_by_key = {r.key: r.source_text for r in requests}
         result = await run_load(target, requests, workload.load, workload=name)
         m = result.metrics(workload.slo)
@@ -175,11 +228,19 @@ async def run_daemon_workloads(cfg: BenchConfig, url: str) -> dict[str, Any]:
             from edge_rtgi.bench.quality import chrf
 
             chrf_refs = chrf([t.text for t in ok], [refs[t.prompt_key] for t in ok])
-        results["daemon"]["workloads"].append({
-            "name": name, "slo": asdict(workload.slo), "load": asdict(workload.load), "metrics": asdict(m),
-            "chrf_vs_references": chrf_refs,
-            "examples": [{"sent": requests_by_key[t.prompt_key], "received": t.text[:200]} for t in ok[:3]],
-            "errors": sorted({t.error for t in result.traces if t.error})})
+        results["daemon"]["workloads"].append(
+            {
+                "name": name,
+                "slo": asdict(workload.slo),
+                "load": asdict(workload.load),
+                "metrics": asdict(m),
+                "chrf_vs_references": chrf_refs,
+                "examples": [
+                    {"sent": requests_by_key[t.prompt_key], "received": t.text[:200]} for t in ok[:3]
+                ],
+                "errors": sorted({t.error for t in result.traces if t.error}),
+            }
+        )
     results["elapsed_s"] = time.monotonic() - started
     results["machine"]["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     return results

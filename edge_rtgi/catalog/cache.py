@@ -78,8 +78,13 @@ def tree_digest(file_hashes: dict[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def check_pin(what: str, expected_sha256: str | None, actual_sha256: str,
-              expected_size: int | None = None, actual_size: int | None = None) -> None:
+def check_pin(
+    what: str,
+    expected_sha256: str | None,
+    actual_sha256: str,
+    expected_size: int | None = None,
+    actual_size: int | None = None,
+) -> None:
     """Raise PinMismatchError when a pinned hash or size differs."""
     if expected_size is not None and actual_size is not None and expected_size != actual_size:
         raise PinMismatchError(
@@ -130,8 +135,9 @@ class Manifest:
         return True
 
 
-def new_manifest(name: str, source: str, source_kind: str, path: str, folder: Path,
-                 hashes: dict[str, str]) -> Manifest:
+def new_manifest(
+    name: str, source: str, source_kind: str, path: str, folder: Path, hashes: dict[str, str]
+) -> Manifest:
     files = {rel: {"sha256": sha, "size_bytes": (folder / rel).stat().st_size} for rel, sha in hashes.items()}
     return Manifest(name, source, source_kind, path, files, time.time())
 

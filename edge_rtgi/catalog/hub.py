@@ -49,7 +49,9 @@ def probe_hub(endpoint: str | None = None, timeout_s: float = HUB_TIMEOUT_S) -> 
     """Raise HubUnavailableError unless a TCP connection to the hub (or its proxy) opens in time."""
     endpoint = endpoint or hub_endpoint()
     if _truthy(os.environ.get("HF_HUB_OFFLINE")):
-        raise HubUnavailableError(f"the model hub is disabled (HF_HUB_OFFLINE is set); cannot reach {endpoint}")
+        raise HubUnavailableError(
+            f"the model hub is disabled (HF_HUB_OFFLINE is set); cannot reach {endpoint}"
+        )
     url = urlparse(endpoint)
     host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
     proxy = urllib.request.getproxies().get(url.scheme)
@@ -59,12 +61,14 @@ def probe_hub(endpoint: str | None = None, timeout_s: float = HUB_TIMEOUT_S) -> 
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
-        raise HubUnavailableError(f"cannot reach the model hub at {endpoint} ({host}:{port}: {exc})") from None
+        raise HubUnavailableError(
+            f"cannot reach the model hub at {endpoint} ({host}:{port}: {exc})"
+        ) from None
 
 
 def git_blob_sha1(path: Path) -> str:
     """The git object id of a file, which the hub publishes for files not stored in LFS."""
-    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's own id, not security
+    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # git's own blob id, not security
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
@@ -94,7 +98,7 @@ def _hub_errors(source: SourceSpec, endpoint: str, doing: str) -> Iterator[None]
         raise DownloadError(f"{repo} has no revision {source.revision!r} on {endpoint}") from None
     except RepositoryNotFoundError:
         raise DownloadError(f"{repo} is not on {endpoint} (or it is private: set HF_TOKEN)") from None
-    except Exception as exc:  # network and HTTP errors of several libraries end up here
+    except Exception as exc:  # noqa: BLE001 - network and HTTP errors of several libraries end up here
         raise DownloadError(f"{doing} failed: {exc}") from None
 
 
@@ -110,8 +114,9 @@ def _remote_metadata(source: SourceSpec, endpoint: str) -> tuple[str, dict]:
     return commit, infos
 
 
-def fetch_hub(source: SourceSpec, folder: Path, scratch: Path, progress: bool,
-              timeout_s: float = HUB_TIMEOUT_S) -> tuple[dict[str, str], str]:
+def fetch_hub(
+    source: SourceSpec, folder: Path, scratch: Path, progress: bool, timeout_s: float = HUB_TIMEOUT_S
+) -> tuple[dict[str, str], str]:
     """Download a hub source's files into ``folder``; return ({relpath: sha256}, commit)."""
     endpoint = hub_endpoint()
     probe_hub(endpoint, timeout_s)
@@ -126,14 +131,23 @@ def fetch_hub(source: SourceSpec, folder: Path, scratch: Path, progress: bool,
             if remote is None:
                 raise DownloadError(f"{source.repo}@{commit[:12]} has no file {member!r}")
             with _hub_errors(source, endpoint, f"downloading {source.repo}/{member}"):
-                local = Path(hf_hub_download(
-                    source.repo, member, revision=commit, local_dir=tmp, endpoint=endpoint,
-                    etag_timeout=HUB_API_TIMEOUT_S, tqdm_class=None if progress else _SilentTqdm,
-                ))
+                local = Path(
+                    hf_hub_download(
+                        source.repo,
+                        member,
+                        revision=commit,
+                        local_dir=tmp,
+                        endpoint=endpoint,
+                        etag_timeout=HUB_API_TIMEOUT_S,
+                        tqdm_class=None if progress else _SilentTqdm,
+                    )
+                )
             sha = sha256_file(local)
             what = f"{f.name} (from {source.repo}@{commit[:12]}/{member})"
             if remote.lfs is not None:
-                check_pin(what + " vs the hub's sha256", remote.lfs.sha256, sha, remote.size, local.stat().st_size)
+                check_pin(
+                    what + " vs the hub's sha256", remote.lfs.sha256, sha, remote.size, local.stat().st_size
+                )
             else:
                 check_pin(what + " vs the hub's git blob id", remote.blob_id, git_blob_sha1(local))
             check_pin(what, f.sha256, sha, f.size_bytes, local.stat().st_size)

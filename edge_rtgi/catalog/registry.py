@@ -35,8 +35,19 @@ def _normalise(name: str) -> str:
 
 def pip_download(pkg: PackageRef, dest: Path, progress: bool) -> Path:
     """Download one wheel with pip (no dependencies, no cache) and return its path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-           "--only-binary=:all:", "--disable-pip-version-check", "--dest", str(dest), pkg.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-cache-dir",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        pkg.requirement,
+    ]
     log.info("running %s", " ".join(cmd))
     # With progress, pip's own progress bar goes to the terminal (stderr keeps stdout clean).
     out = None if progress else subprocess.PIPE
@@ -68,8 +79,11 @@ def _member(zf: zipfile.ZipFile, member: str, wheel: Path):
 def _extract_file(zf: zipfile.ZipFile, wheel: Path, spec: FileSpec, folder: Path, progress: bool) -> str:
     target = folder / spec.name
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _member(zf, spec.member, wheel) as src, open(target, "wb") as dst, \
-            _bar(spec.size_bytes, spec.name, progress) as bar:
+    with (
+        _member(zf, spec.member, wheel) as src,
+        open(target, "wb") as dst,
+        _bar(spec.size_bytes, spec.name, progress) as bar,
+    ):
         sha, size = copy_hashing(src, dst, bar)
     check_pin(f"{spec.name} (from {wheel.name}:{spec.member})", spec.sha256, sha, spec.size_bytes, size)
     return sha
@@ -82,14 +96,15 @@ def _extract_tree(zf: zipfile.ZipFile, wheel: Path, spec: FileSpec, folder: Path
         raise ModelFileError(f"{wheel.name} has no folder {prefix!r}")
     hashes: dict[str, str] = {}
     for m in members:
-        rel = m[len(prefix):]
+        rel = m[len(prefix) :]
         target = folder / spec.name / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         with zf.open(m) as src, open(target, "wb") as dst:
             hashes[rel], _ = copy_hashing(src, dst)
     if spec.file_count is not None and spec.file_count != len(hashes):
         raise PinMismatchError(
-            f"{spec.name}/ (from {wheel.name}:{prefix}): {len(hashes)} files, pinned {spec.file_count}; refused"
+            f"{spec.name}/ (from {wheel.name}:{prefix}): {len(hashes)} files, "
+            f"pinned {spec.file_count}; refused"
         )
     check_pin(f"{spec.name}/ (tree digest, from {wheel.name}:{prefix})", spec.sha256, tree_digest(hashes))
     return {f"{spec.name}/{rel}": sha for rel, sha in hashes.items()}
@@ -106,8 +121,9 @@ class _HashingWriter:
         self.dst.write(chunk)
 
 
-def _assemble_parts(wheels: dict[str, Path], default_pkg: str, spec: FileSpec, folder: Path,
-                    progress: bool) -> str:
+def _assemble_parts(
+    wheels: dict[str, Path], default_pkg: str, spec: FileSpec, folder: Path, progress: bool
+) -> str:
     target = folder / spec.name
     target.parent.mkdir(parents=True, exist_ok=True)
     whole = hashlib.sha256()
@@ -120,8 +136,13 @@ def _assemble_parts(wheels: dict[str, Path], default_pkg: str, spec: FileSpec, f
                 sha, size = copy_hashing(src, tee, bar)
             check_pin(f"{spec.name} part {wheel.name}:{part.member}", part.sha256, sha, part.size_bytes, size)
             total += size
-    check_pin(f"{spec.name} (assembled from {len(spec.parts)} parts)", spec.sha256, whole.hexdigest(),
-              spec.size_bytes, total)
+    check_pin(
+        f"{spec.name} (assembled from {len(spec.parts)} parts)",
+        spec.sha256,
+        whole.hexdigest(),
+        spec.size_bytes,
+        total,
+    )
     return whole.hexdigest()
 
 
@@ -148,15 +169,19 @@ def fetch_python_package(source: SourceSpec, folder: Path) -> dict[str, str]:
     """Copy pinned files shipped inside an installed Python package (e.g. faster-whisper's VAD)."""
     spec = importlib.util.find_spec(source.package)
     if spec is None or not spec.submodule_search_locations:
-        raise DownloadError(f"Python package {source.package!r} is not installed",
-                            hint=f"pip install {source.package.replace('_', '-')}")
+        raise DownloadError(
+            f"Python package {source.package!r} is not installed",
+            hint=f"pip install {source.package.replace('_', '-')}",
+        )
     root = Path(list(spec.submodule_search_locations)[0])
     hashes: dict[str, str] = {}
     for f in source.files:
         src = root / f.member
         if not src.is_file():
-            raise ModelFileError(f"{source.package} has no file {f.member} (looked in {root})",
-                                 hint="a different version of the package is installed; see docs/models.md")
+            raise ModelFileError(
+                f"{source.package} has no file {f.member} (looked in {root})",
+                hint="a different version of the package is installed; see docs/models.md",
+            )
         target = folder / f.name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, target)

@@ -18,8 +18,10 @@ from pathlib import Path
 from edge_rtgi.errors import ConfigError
 
 SUBCOMMANDS = {
-    "workloads": ("the four real-time workloads at their offered loads, with quality retention and RTIQ",
-                  ("workloads",)),
+    "workloads": (
+        "the four real-time workloads at their offered loads, with quality retention and RTIQ",
+        ("workloads",),
+    ),
     "ramp": ("Poisson stages at rising rates to find the saturation point", ("ramp",)),
     "ablations": ("one workload with each optimisation switched off in turn", ("ablations",)),
     "peers": ("batch-1 and under-load speed against HF transformers, CTranslate2, llama.cpp", ("peers",)),
@@ -36,44 +38,74 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", metavar="DIR", help="write report.md, results.json and figures into DIR")
     p.add_argument("--config", metavar="YAML", help="BenchConfig fields in YAML (strict); flags override it")
     p.add_argument("--model", help="catalogue name or path (default: smollm2-135m-instruct)")
-    p.add_argument("--workloads", type=_split, help="comma-separated subset of dialogue,code,translation,voice")
-    p.add_argument("--num-requests", type=int, help="requests per workload run (default: each workload's own)")
+    p.add_argument(
+        "--workloads", type=_split, help="comma-separated subset of dialogue,code,translation,voice"
+    )
+    p.add_argument(
+        "--num-requests", type=int, help="requests per workload run (default: each workload's own)"
+    )
     p.add_argument("--max-duration", type=float, metavar="S", help="time bound of each load run in seconds")
     p.add_argument("--rate-scale", type=float, help="multiply every workload's offered rate")
     p.add_argument("--peers", type=_split, help="comma-separated subset of hf-fp32,hf-bf16,ct2-int8,llamacpp")
-    p.add_argument("--ablation", action="append", metavar="FIELD=VALUE",
-                   help="an ablation to run (repeatable; replaces the default list)")
+    p.add_argument(
+        "--ablation",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="an ablation to run (repeatable; replaces the default list)",
+    )
     p.add_argument("--dtype", help="engine dtype switch (auto, fp32, bf16)")
-    p.add_argument("--quant", help="quantisation switch: auto (the engine default), none, a scheme (int8, int4-g64), "
-                                   "a plan YAML or a checkpoint")
+    p.add_argument(
+        "--quant",
+        help="quantisation switch: auto (the engine default), none, a scheme (int8, int4-g64), "
+        "a plan YAML or a checkpoint",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="switch prefix caching off")
-    p.add_argument("--max-num-seqs", type=int, help="batching switch: most sequences per step (1 = no batching)")
+    p.add_argument(
+        "--max-num-seqs", type=int, help="batching switch: most sequences per step (1 = no batching)"
+    )
     p.add_argument("--max-num-batched-tokens", type=int, help="chunked-prefill size: tokens per step")
     p.add_argument("--threads", type=int, help="threads for every engine (default 2)")
     p.add_argument("--seed", type=int, help="load-generator seed offset")
     p.add_argument("--ramp-requests", type=int, help="requests per ramp stage")
-    p.add_argument("--ramp-rates", type=lambda v: tuple(float(x) for x in _split(v)), metavar="R1,R2,...",
-                   help="offered rates (req/s) of the ramp stages")
-    p.add_argument("--quick", action="store_true", help="a reduced run: few requests, short outputs (a smoke test)")
-    p.add_argument("--connect", metavar="URL", help="drive a running daemon over WebSocket instead (workloads only)")
+    p.add_argument(
+        "--ramp-rates",
+        type=lambda v: tuple(float(x) for x in _split(v)),
+        metavar="R1,R2,...",
+        help="offered rates (req/s) of the ramp stages",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a reduced run: few requests, short outputs (a smoke test)"
+    )
+    p.add_argument(
+        "--connect", metavar="URL", help="drive a running daemon over WebSocket instead (workloads only)"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     global _BENCH_SUBPARSERS
-    parser = subparsers.add_parser("bench", help="benchmarks: workloads, load, quality, RTIQ, peers",
-                                   description="Benchmarks: the real-time workloads, a ramp to saturation, "
-                                               "ablations and peers, with markdown/JSON/PNG reports.")
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks: workloads, load, quality, RTIQ, peers",
+        description="Benchmarks: the real-time workloads, a ramp to saturation, "
+        "ablations and peers, with markdown/JSON/PNG reports.",
+    )
     sub = parser.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     _BENCH_SUBPARSERS = sub
     for name, (help_text, sections) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         _add_common(p)
         p.set_defaults(func=run_command, sections=sections)
-    p = sub.add_parser("report", help="re-render a saved results.json", description="re-render a saved results.json")
+    p = sub.add_parser(
+        "report", help="re-render a saved results.json", description="re-render a saved results.json"
+    )
     p.add_argument("results", help="a results.json written by --report")
     p.add_argument("--report", metavar="DIR", required=True, help="where to write report.md and figures")
-    p.add_argument("--into", metavar="DOC.md", help="also put the report under the doc's "
-                   "'## Results on this machine' heading (figures linked relative to the doc)")
+    p.add_argument(
+        "--into",
+        metavar="DOC.md",
+        help="also put the report under the doc's "
+        "'## Results on this machine' heading (figures linked relative to the doc)",
+    )
     p.set_defaults(func=report_command)
     parser.set_defaults(func=lambda args: parser.print_help() or 1)
 
@@ -85,9 +117,18 @@ def add_bench_subcommand(name: str, **kwargs) -> argparse.ArgumentParser:
     return _BENCH_SUBPARSERS.add_parser(name, **kwargs)
 
 
-QUICK = dict(num_requests=3, max_duration_s=30.0, quality_prompts=2, ramp_rates_rps=(2.0, 8.0), ramp_requests=3,
-             ablations=("prefix_caching=false", "max_num_seqs=1"), decode_new_tokens=16, decode_runs=1,
-             load_requests=3, load_max_tokens=8)
+QUICK = dict(
+    num_requests=3,
+    max_duration_s=30.0,
+    quality_prompts=2,
+    ramp_rates_rps=(2.0, 8.0),
+    ramp_requests=3,
+    ablations=("prefix_caching=false", "max_num_seqs=1"),
+    decode_new_tokens=16,
+    decode_runs=1,
+    load_requests=3,
+    load_max_tokens=8,
+)
 
 
 def build_config(args: argparse.Namespace):
@@ -98,15 +139,34 @@ def build_config(args: argparse.Namespace):
     cfg = load_config(BenchConfig, args.config) if args.config else BenchConfig()
     if args.quick:
         cfg = replace(cfg, **QUICK)
-    changes = {k: v for k, v in (("model", args.model), ("workloads", args.workloads),
-                                 ("num_requests", args.num_requests), ("max_duration_s", args.max_duration),
-                                 ("rate_scale", args.rate_scale), ("peers", args.peers),
-                                 ("ablations", tuple(args.ablation) if args.ablation else None),
-                                 ("num_threads", args.threads), ("seed", args.seed),
-                                 ("ramp_rates_rps", args.ramp_rates), ("ramp_requests", args.ramp_requests)) if v is not None}
+    changes = {
+        k: v
+        for k, v in (
+            ("model", args.model),
+            ("workloads", args.workloads),
+            ("num_requests", args.num_requests),
+            ("max_duration_s", args.max_duration),
+            ("rate_scale", args.rate_scale),
+            ("peers", args.peers),
+            ("ablations", tuple(args.ablation) if args.ablation else None),
+            ("num_threads", args.threads),
+            ("seed", args.seed),
+            ("ramp_rates_rps", args.ramp_rates),
+            ("ramp_requests", args.ramp_requests),
+        )
+        if v is not None
+    }
     opt = cfg.optimisations
-    opt_changes = {k: v for k, v in (("dtype", args.dtype), ("quant", args.quant), ("max_num_seqs", args.max_num_seqs),
-                                     ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    opt_changes = {
+        k: v
+        for k, v in (
+            ("dtype", args.dtype),
+            ("quant", args.quant),
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens),
+        )
+        if v is not None
+    }
     if args.no_prefix_caching:
         opt_changes["prefix_caching"] = False
     try:
@@ -132,7 +192,9 @@ def run_command(args: argparse.Namespace) -> int:
     config_file = args.config
     if args.connect:
         if tuple(args.sections) != ("workloads",):
-            raise ConfigError("--connect drives a daemon with the workloads only", hint="use `bench workloads --connect`")
+            raise ConfigError(
+                "--connect drives a daemon with the workloads only", hint="use `bench workloads --connect`"
+            )
         from edge_rtgi.bench.runner import run_daemon_workloads
 
         results = asyncio.run(run_daemon_workloads(cfg, args.connect))
@@ -169,7 +231,9 @@ def report_command(args: argparse.Namespace) -> int:
 
         from edge_rtgi.bench.report import embed_in_doc
 
-        prefix = os.path.relpath(Path(args.report).resolve(), Path(args.into).resolve().parent).replace(os.sep, "/")
+        prefix = os.path.relpath(Path(args.report).resolve(), Path(args.into).resolve().parent).replace(
+            os.sep, "/"
+        )
         config = " --config " + results["config_file"] if results.get("config_file") else ""
         embed_in_doc(results, args.into, prefix + "/", f"edge-rtgi bench all{config} --report {args.report}")
         print(f"results embedded in {args.into}")

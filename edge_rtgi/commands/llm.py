@@ -27,7 +27,9 @@ class Backend:
     stream: Callable[[Sequence[int], SamplingParams], Iterator]
 
 
-def open_backend(model: str, device: str, dtype: str, plain: bool = False, quant: str | None = "auto") -> Backend:
+def open_backend(
+    model: str, device: str, dtype: str, plain: bool = False, quant: str | None = "auto"
+) -> Backend:
     """Load ``model`` (catalogue name or path) and return the generation backend for the CLI.
 
     Default: the LLM engine (paged KV, prefix cache). ``plain``: the reference path. Both run
@@ -41,8 +43,11 @@ def open_backend(model: str, device: str, dtype: str, plain: bool = False, quant
     loaded = load_model(model, device=device, dtype=dtype)
     apply_engine_quant(loaded.model, quant, loaded.tokenizer)
     if plain:
-        return Backend(tokenizer=loaded.tokenizer, context_tokens=loaded.config.max_position_embeddings,
-                       stream=lambda ids, params: generate_stream(loaded, ids, params))
+        return Backend(
+            tokenizer=loaded.tokenizer,
+            context_tokens=loaded.config.max_position_embeddings,
+            stream=lambda ids, params: generate_stream(loaded, ids, params),
+        )
     from edge_rtgi.llm.engine import LLMEngine
 
     engine = LLMEngine.from_loaded(loaded)
@@ -66,9 +71,14 @@ def default_model_name() -> str:
 
 
 def _add_common(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--model", default=None,
-                        help="catalogue name or path to an HF folder / .gguf file (default: the catalogue's default LLM)")
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="catalogue name or path to an HF folder / .gguf file (default: the catalogue's default LLM)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -76,20 +86,31 @@ def _add_common(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto, fp32, bf16, fp16")
-    parser.add_argument("--quant", default="auto",
-                        help="weights: auto (bf16 CPU: Q4_1 blocks as int4-g32, the rest int8), none, int8, int4-g64, "
-                             "a plan YAML or a checkpoint")
+    parser.add_argument(
+        "--quant",
+        default="auto",
+        help="weights: auto (bf16 CPU: Q4_1 blocks as int4-g32, the rest int8), none, int8, int4-g64, "
+        "a plan YAML or a checkpoint",
+    )
     parser.add_argument("--plain", action="store_true", help="use plain generation instead of the engine")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """SamplingParams from CLI flags (raises RequestError for bad values before any model loads)."""
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
 
 
 def register(subparsers) -> None:
-    gen = subparsers.add_parser("generate", help="continue a raw prompt with a language model (streams to stdout)")
+    gen = subparsers.add_parser(
+        "generate", help="continue a raw prompt with a language model (streams to stdout)"
+    )
     _add_common(gen, max_tokens=128)
     gen.add_argument("prompt", help="the prompt text, or - to read it from stdin")
     gen.set_defaults(func=cmd_generate)
@@ -110,7 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise RequestError("the prompt is empty", hint="pass the prompt text as an argument, or - for stdin")
-    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain, args.quant)
+    backend = open_backend(
+        args.model or default_model_name(), args.device, args.dtype, args.plain, args.quant
+    )
     # A raw prompt gets the model's own special tokens (e.g. BOS for Llama), as HF's generate does.
     prompt_ids = backend.tokenizer.encode(prompt, add_special_tokens=True)
     for delta in backend.stream(prompt_ids, params):
@@ -122,8 +145,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # --- chat ----------------------------------------------------------------------------------
 
 
-def fit_history(tokenizer, system: str | None, history: list[dict[str, str]], context_tokens: int,
-                reserve_tokens: int) -> tuple[list[int], int]:
+def fit_history(
+    tokenizer, system: str | None, history: list[dict[str, str]], context_tokens: int, reserve_tokens: int
+) -> tuple[list[int], int]:
     """Prompt ids for system + history, dropping the oldest turns until ``reserve_tokens`` fit.
 
     ``history`` ends with the new user message and alternates user/assistant. Returns the
@@ -137,14 +161,22 @@ def fit_history(tokenizer, system: str | None, history: list[dict[str, str]], co
         if len(ids) + reserve_tokens <= context_tokens:
             return ids, dropped
         if dropped >= len(history) - 1:
-            raise RequestError(f"the message is {len(ids)} tokens with the chat template, and with "
-                               f"{reserve_tokens} tokens reserved for the reply the context window of "
-                               f"{context_tokens} tokens is exceeded", hint="send a shorter message")
+            raise RequestError(
+                f"the message is {len(ids)} tokens with the chat template, and with "
+                f"{reserve_tokens} tokens reserved for the reply the context window of "
+                f"{context_tokens} tokens is exceeded",
+                hint="send a shorter message",
+            )
         dropped += 2  # a whole user+assistant turn; history alternates and ends with the user
 
 
-def chat_turn(backend: Backend, system: str | None, history: list[dict[str, str]], params: SamplingParams,
-              write: Callable[[str], None] = _write) -> str:
+def chat_turn(
+    backend: Backend,
+    system: str | None,
+    history: list[dict[str, str]],
+    params: SamplingParams,
+    write: Callable[[str], None] = _write,
+) -> str:
     """Run one reply for ``history`` (ending with the user's message), stream it, return it."""
     reserve = min(params.max_tokens, backend.context_tokens // 2)
     ids, dropped = fit_history(backend.tokenizer, system, history, backend.context_tokens, reserve)
@@ -159,13 +191,17 @@ def chat_turn(backend: Backend, system: str | None, history: list[dict[str, str]
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    backend = open_backend(args.model or default_model_name(), args.device, args.dtype, args.plain, args.quant)
+    backend = open_backend(
+        args.model or default_model_name(), args.device, args.dtype, args.plain, args.quant
+    )
     if not getattr(backend.tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template", hint="use `edge-rtgi generate` instead")
     interactive = sys.stdin.isatty()
     if interactive:
-        print("Type a message; Ctrl-C stops a reply, /reset clears the conversation, /quit or Ctrl-D ends.",
-              file=sys.stderr)
+        print(
+            "Type a message; Ctrl-C stops a reply, /reset clears the conversation, /quit or Ctrl-D ends.",
+            file=sys.stderr,
+        )
     history: list[dict[str, str]] = []
     while True:
         try:

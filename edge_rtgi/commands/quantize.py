@@ -36,20 +36,28 @@ def _plan_from_args(args, loaded, table, quantiser: str):
         return None
     if table is None:
         if not args.sensitivity:
-            raise ConfigError("a budget needs a sensitivity table",
-                              hint="add --profile, or --sensitivity FILE from an earlier --profile run")
+            raise ConfigError(
+                "a budget needs a sensitivity table",
+                hint="add --profile, or --sensitivity FILE from an earlier --profile run",
+            )
         table = SensitivityTable.load(args.sensitivity)
         measured = table.info.get("quantiser", "min-max")
         if measured != quantiser:
-            print(f"warning: {args.sensitivity} was measured with {measured} grids, but this run quantises "
-                  f"with {quantiser} grids; the allocation will follow the wrong sensitivities "
-                  f"(profile again, or pass --grids {measured})", file=sys.stderr)
+            print(
+                f"warning: {args.sensitivity} was measured with {measured} grids, but this run quantises "
+                f"with {quantiser} grids; the allocation will follow the wrong sensitivities "
+                f"(profile again, or pass --grids {measured})",
+                file=sys.stderr,
+            )
     budget = Budget.from_args(groups, args.target_bits, args.max_mb)
     schemes = tuple(args.schemes.split(",")) if args.schemes else None
     plan = allocate(groups, table, budget, schemes)
     out = args.plan_out or "plan.yaml"
     plan.save(out, groups)
-    print(f"plan: {plan.notes['bits_per_weight']} bits/weight, {plan.notes['size_mb']} MB -> {out}", file=sys.stderr)
+    print(
+        f"plan: {plan.notes['bits_per_weight']} bits/weight, {plan.notes['size_mb']} MB -> {out}",
+        file=sys.stderr,
+    )
     return plan
 
 
@@ -70,10 +78,14 @@ def cmd_quantize(args) -> int:
     from edge_rtgi.llm.weights import load_model
 
     if not (args.profile or args.target_bits or args.max_mb or args.plan or args.uniform):
-        raise ConfigError("nothing to do", hint="give --profile, a budget (--target-bits/--max-mb), --plan or --uniform")
+        raise ConfigError(
+            "nothing to do", hint="give --profile, a budget (--target-bits/--max-mb), --plan or --uniform"
+        )
     if args.eval_prompts < 1:
-        raise ConfigError(f"--eval-prompts must be at least 1, got {args.eval_prompts}",
-                          hint="64 (the default) places the prompts side by side; 448 overlaps them")
+        raise ConfigError(
+            f"--eval-prompts must be at least 1, got {args.eval_prompts}",
+            hint="64 (the default) places the prompts side by side; 448 overlaps them",
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     # The full model stays fp32 (the benchmark's reference, and the best source to quantise from);
@@ -88,8 +100,15 @@ def cmd_quantize(args) -> int:
     if args.profile:
         schemes = tuple(args.schemes.split(",")) if args.schemes else DEFAULT_SCHEMES
         work = loaded.model if run_dtype == torch.float32 else copy.deepcopy(loaded.model).to(run_dtype)
-        table = profile_sensitivity(work, loaded.tokenizer, schemes, args.window_tokens,
-                                    args.calib_windows, progress=not args.quiet, importance=importance)
+        table = profile_sensitivity(
+            work,
+            loaded.tokenizer,
+            schemes,
+            args.window_tokens,
+            args.calib_windows,
+            progress=not args.quiet,
+            importance=importance,
+        )
         del work
         table.info["model"] = str(args.model)
         out = args.out or "sensitivity.yaml"
@@ -105,8 +124,9 @@ def cmd_quantize(args) -> int:
         groups = model_groups(loaded.model)
         quant = copy.deepcopy(loaded.model)
         resolved = apply_quant_plan(quant, plan, dtype=run_dtype, importance=importance)
-        quality = compare_quality(loaded.model, quant, loaded.tokenizer, calibration_text("eval"),
-                                  max_prompts=args.eval_prompts)
+        quality = compare_quality(
+            loaded.model, quant, loaded.tokenizer, calibration_text("eval"), max_prompts=args.eval_prompts
+        )
         full_bytes = sum(2 * g.numel for g in groups)
         path = write_report(args.report, resolved, groups, quality, str(args.model), full_bytes)
         print(path.read_text(encoding="utf-8").split("\n\n![")[0])
@@ -114,22 +134,34 @@ def cmd_quantize(args) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("quantize", help="per-layer mixed int8/int4 quantisation: profile, plan, save, report",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "quantize",
+        help="per-layer mixed int8/int4 quantisation: profile, plan, save, report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", metavar="MODEL", help="catalogue name, HF folder or .gguf file")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="activation dtype (auto: bf16 where the CPU has it)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--grids", choices=("fitted", "min-max"), default="fitted",
-                   help="fitted (default): each group's scale and zero minimise the error weighted by the "
-                        "calibration text's activations; min-max: span each group's range")
+    p.add_argument(
+        "--grids",
+        choices=("fitted", "min-max"),
+        default="fitted",
+        help="fitted (default): each group's scale and zero minimise the error weighted by the "
+        "calibration text's activations; min-max: span each group's range",
+    )
     prof = p.add_argument_group("sensitivity profiling")
     prof.add_argument("--profile", action="store_true", help="measure the sensitivity table")
     prof.add_argument("--out", help="where --profile writes the table (default sensitivity.yaml)")
-    prof.add_argument("--schemes", help="comma-separated candidate schemes (default: int8 and int4/int4sym g32/64/128)")
+    prof.add_argument(
+        "--schemes", help="comma-separated candidate schemes (default: int8 and int4/int4sym g32/64/128)"
+    )
     prof.add_argument("--calib-windows", type=int, default=1, help="calibration windows (default 1)")
-    prof.add_argument("--window-tokens", type=int, default=256, help="tokens per calibration window (default 256)")
+    prof.add_argument(
+        "--window-tokens", type=int, default=256, help="tokens per calibration window (default 256)"
+    )
     alloc = p.add_argument_group("bit allocation")
     alloc.add_argument("--sensitivity", help="a table from an earlier --profile")
     alloc.add_argument("--target-bits", type=float, help="average bits per weight, scales and zeros included")
@@ -140,7 +172,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     out = p.add_argument_group("outputs")
     out.add_argument("--save", help="write a quantised checkpoint (.safetensors)")
     out.add_argument("--report", metavar="DIR", help="write report.md, report.json and bits.png to DIR")
-    out.add_argument("--eval-prompts", type=int, default=64,
-                     help="greedy-continuation prompts for the report's retention (default 64, side by side; "
-                          "448, as scripts/bench_quant.py uses, overlap and narrow the interval about 2x at about 2.5x the time)")
+    out.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=64,
+        help="greedy-continuation prompts for the report's retention (default 64, side by side; "
+        "448, as scripts/bench_quant.py uses, overlap and narrow the interval about 2x "
+        "at about 2.5x the time)",
+    )
     p.set_defaults(func=cmd_quantize)

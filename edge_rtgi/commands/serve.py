@@ -59,8 +59,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, dict]:
     if getattr(args, "host", None) or getattr(args, "port", None) is not None:
         import dataclasses
 
-        server = dataclasses.replace(server, **{k: v for k, v in (("host", args.host), ("port", args.port))
-                                                 if v is not None})
+        server = dataclasses.replace(
+            server, **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        )
         config = dataclasses.replace(config, server=server)
     pipelines = load_pipelines(list(config.pipelines) or [builtin_pipelines_dir()])
     return config, pipelines
@@ -83,8 +84,11 @@ async def _serve(config: Any, pipelines: dict) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     srv = config.server
-    print(f"edge-rtgi: serving {', '.join(daemon.pipelines)} on ws://{srv.host}:{daemon.port}/v1/native "
-          f"(health: http://{srv.host}:{daemon.port}/healthz)", flush=True)
+    print(
+        f"edge-rtgi: serving {', '.join(daemon.pipelines)} on ws://{srv.host}:{daemon.port}/v1/native "
+        f"(health: http://{srv.host}:{daemon.port}/healthz)",
+        flush=True,
+    )
     sd_notify(f"READY=1\nSTATUS=serving on {srv.host}:{daemon.port}")
     await stop.wait()
     sd_notify("STOPPING=1")
@@ -122,8 +126,10 @@ async def _mic_chunks(duration_s: float | None, device: str | None, on_live: Any
         try:
             first = await asyncio.wait_for(it.__anext__(), MIC_FIRST_BLOCK_TIMEOUT_S)
         except asyncio.TimeoutError:
-            raise AudioError(f"the microphone delivered no audio within {MIC_FIRST_BLOCK_TIMEOUT_S:.0f} s",
-                             hint="check the input device (--mic-device) and that the sound server runs") from None
+            raise AudioError(
+                f"the microphone delivered no audio within {MIC_FIRST_BLOCK_TIMEOUT_S:.0f} s",
+                hint="check the input device (--mic-device) and that the sound server runs",
+            ) from None
         except StopAsyncIteration:
             return
         if on_live is not None:
@@ -145,8 +151,12 @@ async def _mic_chunks(duration_s: float | None, device: str | None, on_live: Any
         loop.remove_signal_handler(signal.SIGINT)
         await it.aclose()  # closes the PortAudio stream now, not at interpreter exit
         if mic.dropped_chunks:  # processing fell behind real time for longer than the mic queue
-            print(f"edge-rtgi: warning: dropped {mic.dropped_chunks * mic.chunk_ms / 1000:.1f} s of microphone "
-                  "audio because processing fell behind", file=sys.stderr, flush=True)
+            print(
+                f"edge-rtgi: warning: dropped {mic.dropped_chunks * mic.chunk_ms / 1000:.1f} s of microphone "
+                "audio because processing fell behind",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _announce_listening() -> None:
@@ -171,15 +181,18 @@ async def _open_transport(args: argparse.Namespace, pipeline: str) -> Any:
     from edge_rtgi.server.client import InProcessTransport, WebSocketTransport
 
     if args.connect:
-        return await WebSocketTransport.connect(args.connect, args.token or os.environ.get("EDGE_RTGI_TOKEN"),
-                                                pipeline)
+        return await WebSocketTransport.connect(
+            args.connect, args.token or os.environ.get("EDGE_RTGI_TOKEN"), pipeline
+        )
     from edge_rtgi.pipeline.resources import Resources
     from edge_rtgi.pipeline.session import Session, SessionSettings
 
     config, pipelines = _load(args)
     if pipeline not in pipelines:
-        raise ConfigError(f"no pipeline named {pipeline!r}",
-                          hint=f"available: {', '.join(pipelines)}; add pipelines/{pipeline}.yaml")
+        raise ConfigError(
+            f"no pipeline named {pipeline!r}",
+            hint=f"available: {', '.join(pipelines)}; add pipelines/{pipeline}.yaml",
+        )
     print(f"edge-rtgi: loading models for {pipeline}...", file=sys.stderr, flush=True)
     session = await Session.open(pipelines, Resources(config.engine), SessionSettings(pipeline=pipeline))
     return InProcessTransport(session)
@@ -208,8 +221,11 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
 
             speaker = SpeakerSink(output.sample_rate_hz, device=args.speaker_device)
             output.speaker = speaker
-        source = (_mic_chunks(args.duration, args.mic_device, on_live=_announce_listening) if args.mic
-                  else _file_chunks(args.input, realtime=args.realtime))
+        source = (
+            _mic_chunks(args.duration, args.mic_device, on_live=_announce_listening)
+            if args.mic
+            else _file_chunks(args.input, realtime=args.realtime)
+        )
         await run_live(transport, source, output)
         if speaker is not None:  # let the last reply play out (estimated: real time since its first chunk)
             remaining_s = output.playback_end_s - time.monotonic() if output.playback_end_s else 0.0
@@ -224,8 +240,10 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
     if args.out:
         pcm = output.audio_pcm()
         write_wav(args.out, pcm, output.sample_rate_hz or 22050)
-        print(f"edge-rtgi: wrote {len(pcm) / (output.sample_rate_hz or 22050):.1f} s of audio to {args.out}",
-              file=sys.stderr)
+        print(
+            f"edge-rtgi: wrote {len(pcm) / (output.sample_rate_hz or 22050):.1f} s of audio to {args.out}",
+            file=sys.stderr,
+        )
     return 1 if output.errors and not output.responses else 0
 
 
@@ -245,7 +263,9 @@ def _live_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--mic", action="store_true", help="listen on the microphone")
     src.add_argument("--input", metavar="FILE.wav", help="stream a WAV file instead of the microphone")
-    p.add_argument("--realtime", action="store_true", help="pace --input at real time (default: as fast as it goes)")
+    p.add_argument(
+        "--realtime", action="store_true", help="pace --input at real time (default: as fast as it goes)"
+    )
     p.add_argument("--duration", type=float, metavar="S", help="stop listening after S seconds (--mic)")
     p.add_argument("--no-speak", action="store_true", help="do not play the audio")
     p.add_argument("--out", metavar="FILE.wav", help="also write the returned audio to this WAV file")
@@ -272,6 +292,9 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("voice", help="talk to the voice assistant")
     _live_args(p)
-    p.add_argument("--no-barge-in", action="store_true",
-                   help="do not cut replies when you speak (for a speaker without echo cancellation)")
+    p.add_argument(
+        "--no-barge-in",
+        action="store_true",
+        help="do not cut replies when you speak (for a speaker without echo cancellation)",
+    )
     p.set_defaults(func=cmd_voice)

@@ -15,29 +15,54 @@ from edge_rtgi.errors import EdgeRtgiError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("transcribe", help="streaming speech recognition of a WAV file or the microphone",
-                              description="Live partial transcripts on one line, each final on its own line.")
+    p = subparsers.add_parser(
+        "transcribe",
+        help="streaming speech recognition of a WAV file or the microphone",
+        description="Live partial transcripts on one line, each final on its own line.",
+    )
     p.add_argument("file", nargs="?", help="WAV file (any rate, channels, 8-32 bit or float)")
     p.add_argument("--mic", action="store_true", help="listen to the microphone instead of a file")
     p.add_argument("--input-device", default=None, help="PortAudio input device name or index (with --mic)")
-    p.add_argument("--seconds", type=float, default=None, help="stop listening after this many seconds (with --mic)")
-    p.add_argument("--model", default="whisper-tiny.en", help="catalogue name or CTranslate2 folder (default whisper-tiny.en)")
-    p.add_argument("--language", default=None, help="spoken language, e.g. es (multilingual models; default: detect)")
-    p.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
-                   help="translate: output English text (multilingual models)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help="stop listening after this many seconds (with --mic)"
+    )
+    p.add_argument(
+        "--model",
+        default="whisper-tiny.en",
+        help="catalogue name or CTranslate2 folder (default whisper-tiny.en)",
+    )
+    p.add_argument(
+        "--language", default=None, help="spoken language, e.g. es (multilingual models; default: detect)"
+    )
+    p.add_argument(
+        "--task",
+        choices=("transcribe", "translate"),
+        default="transcribe",
+        help="translate: output English text (multilingual models)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
-    p.add_argument("--fast", action="store_true", help="feed the file as fast as possible instead of in real time")
+    p.add_argument(
+        "--fast", action="store_true", help="feed the file as fast as possible instead of in real time"
+    )
     p.add_argument("--chunk-ms", type=int, default=20, help="audio chunk size (default 20)")
-    p.add_argument("--min-silence-ms", type=int, default=None, help="silence that ends an utterance (default 500)")
+    p.add_argument(
+        "--min-silence-ms", type=int, default=None, help="silence that ends an utterance (default 500)"
+    )
     p.add_argument("--device", default="auto", help="compute device: auto, cpu, cuda")
     p.add_argument("--cpu-threads", type=int, default=2, help="CPU threads for whisper (default 2)")
     p.set_defaults(func=_transcribe)
 
-    s = subparsers.add_parser("speak", help="speak text with a Piper voice or espeak-ng",
-                              description="Plays on the speaker, or writes a WAV file with --out.")
+    s = subparsers.add_parser(
+        "speak",
+        help="speak text with a Piper voice or espeak-ng",
+        description="Plays on the speaker, or writes a WAV file with --out.",
+    )
     s.add_argument("text", help="text to speak ('-' reads standard input)")
-    s.add_argument("--voice", default="piper-en_US-joe-medium",
-                   help="catalogue name, path to VOICE.onnx, or espeak:LANG (e.g. espeak:es)")
+    s.add_argument(
+        "--voice",
+        default="piper-en_US-joe-medium",
+        help="catalogue name, path to VOICE.onnx, or espeak:LANG (e.g. espeak:es)",
+    )
     s.add_argument("--out", default=None, help="write a 16-bit WAV file instead of playing")
     s.set_defaults(func=_speak)
 
@@ -50,8 +75,13 @@ def _asr_config(args: argparse.Namespace):
     from edge_rtgi.config import from_dict
 
     vad = {} if args.min_silence_ms is None else {"min_silence_ms": args.min_silence_ms}
-    cfg = {"model": args.model, "language": args.language, "task": args.task, "device": args.device,
-           "cpu_threads": args.cpu_threads}
+    cfg = {
+        "model": args.model,
+        "language": args.language,
+        "task": args.task,
+        "device": args.device,
+        "cpu_threads": args.cpu_threads,
+    }
     config = from_dict(AsrConfig, cfg, "transcribe options")
     return dataclasses.replace(config, vad=from_dict(VadConfig, vad, "transcribe options"))
 
@@ -171,8 +201,10 @@ def _speak(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.text == "-" else args.text
     check_text(text)
     if args.out is None and not has_output_device():
-        raise AudioError("no audio output device: nothing to play the speech on",
-                         hint="write it to a file with --out speech.wav")
+        raise AudioError(
+            "no audio output device: nothing to play the speech on",
+            hint="write it to a file with --out speech.wav",
+        )
     engine = make_tts(args.voice)
     if args.out is not None:
         chunks = list(engine.synthesize_stream(text))

@@ -60,6 +60,7 @@ def target_arch() -> str:
     """The ``-march`` the kernels are built for (``$EDGE_RTGI_KERNEL_MARCH``, default "native")."""
     return os.environ.get(ENV_MARCH) or "native"
 
+
 _lock = threading.Lock()
 _ops = None  # torch.ops.edge_rtgi once loaded
 _failure: str | None = None
@@ -120,10 +121,15 @@ def load() -> bool:
         try:
             _ops = _build()
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch ops
-            _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-            log.warning("fused CPU kernels unavailable (%s); decoding uses the plain PyTorch ops, "
-                        "about 1.9x slower per token on SmolLM2. They need a C++ compiler and ninja: "
-                        "apt-get install g++ ninja-build (scripts/setup.sh installs both).", _failure)
+            _failure = (
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            )
+            log.warning(
+                "fused CPU kernels unavailable (%s); decoding uses the plain PyTorch ops, "
+                "about 1.9x slower per token on SmolLM2. They need a C++ compiler and ninja: "
+                "apt-get install g++ ninja-build (scripts/setup.sh installs both).",
+                _failure,
+            )
             return False
     return True
 
@@ -138,12 +144,22 @@ def _build():
     # -march=native (by default): the library is built on, and cached for, the machine that runs it.
     # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
     # library then needs libgomp.so.1, which resolves to the copy torch has already loaded.
-    load_extension(name="edge_rtgi_cpu_ops", sources=[str(SOURCE)],
-                   extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                   build_directory=str(directory), is_python_module=False, verbose=False)
+    load_extension(
+        name="edge_rtgi_cpu_ops",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
     ops = torch.ops.edge_rtgi
-    log.info("fused CPU kernels (%s loops) ready in %.1f s (%s)", ops.build_info(), time.perf_counter() - started,
-             directory)
+    log.info(
+        "fused CPU kernels (%s loops) ready in %.1f s (%s)",
+        ops.build_info(),
+        time.perf_counter() - started,
+        directory,
+    )
     return ops
 
 
@@ -156,7 +172,9 @@ def _clear_stale_lock(lock: Path) -> None:
         except FileNotFoundError:
             return
         if age_s > STALE_LOCK_S:
-            log.warning("removing a stale kernel build lock %s (%.0f s old: a build was interrupted)", lock, age_s)
+            log.warning(
+                "removing a stale kernel build lock %s (%.0f s old: a build was interrupted)", lock, age_s
+            )
             lock.unlink(missing_ok=True)
             return
         time.sleep(0.5)
@@ -197,8 +215,13 @@ def disabled() -> Iterator[None]:
 def _use(x: Tensor) -> bool:
     # The kernels have no backward: with gradients on, the PyTorch ops run (inference runs under
     # torch.inference_mode, where they are off).
-    return (_disabled_depth == 0 and _ops is not None and x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled())
+    return (
+        _disabled_depth == 0
+        and _ops is not None
+        and x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and not torch.is_grad_enabled()
+    )
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -230,12 +253,25 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 def decode_attention_usable(q: Tensor, k_store: Tensor, num_keys: int) -> bool:
     """Whether ``decode_attention`` should run: kernels loaded, CPU, one dtype, a contiguous store,
     and few enough keys that the fused loop beats SDPA (``DECODE_ATTENTION_MAX_KEYS``)."""
-    return (_use(q) and num_keys <= DECODE_ATTENTION_MAX_KEYS and k_store.dtype == q.dtype
-            and k_store.is_contiguous())
+    return (
+        _use(q)
+        and num_keys <= DECODE_ATTENTION_MAX_KEYS
+        and k_store.dtype == q.dtype
+        and k_store.is_contiguous()
+    )
 
 
-def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_store: Tensor, v_store: Tensor,
-                     new_slots: Tensor, key_slots: Tensor, key_mask: Tensor | None, scale: float) -> Tensor:
+def decode_attention(
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    k_store: Tensor,
+    v_store: Tensor,
+    new_slots: Tensor,
+    key_slots: Tensor,
+    key_mask: Tensor | None,
+    scale: float,
+) -> Tensor:
     """Write ``k_new``/``v_new`` ([B, Hkv, D]) at ``new_slots`` ([B]) of the stores ([N, Hkv, D]),
     then attend: row b's query heads ``q[b]`` ([Hq, D]) over the keys at ``key_slots[b]``
     ([B, S] int64), skipping keys whose ``key_mask`` ([B, S] bool) is False. -> [B, Hq, D].
@@ -243,7 +279,9 @@ def decode_attention(q: Tensor, k_new: Tensor, v_new: Tensor, k_store: Tensor, v
     Only call it where ``decode_attention_usable`` said yes; there is no PyTorch fallback here
     because the callers already have one (their SDPA path).
     """
-    return _ops.decode_attention.default(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale)
+    return _ops.decode_attention.default(
+        q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale
+    )
 
 
 # --- the layer stack in one call -----------------------------------------------------------------
@@ -278,7 +316,9 @@ class _LayerPlan:
         object.__setattr__(self, "_containers", [c for c, _, _ in self.bindings])
         object.__setattr__(self, "_keys", [k for _, k, _ in self.bindings])
         object.__setattr__(self, "_values", [v for _, _, v in self.bindings])
-        object.__setattr__(self, "_hook_dicts", [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)])
+        object.__setattr__(
+            self, "_hook_dicts", [d for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        )
         object.__setattr__(self, "_instance_dicts", [m.__dict__ for m in self.modules])
 
 
@@ -304,13 +344,25 @@ def _build_plan(model) -> _LayerPlan | None:
     for index, layer in enumerate(model.layers):
         bindings.append((model.layers._modules, str(index), layer))
         modules.append(layer)
-        for parent, child in ((layer, "input_layernorm"), (layer, "self_attn"), (layer, "post_attention_layernorm"),
-                              (layer, "mlp"), (layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                              (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+        for parent, child in (
+            (layer, "input_layernorm"),
+            (layer, "self_attn"),
+            (layer, "post_attention_layernorm"),
+            (layer, "mlp"),
+            (layer.self_attn, "qkv_proj"),
+            (layer.self_attn, "o_proj"),
+            (layer.mlp, "gate_up_proj"),
+            (layer.mlp, "down_proj"),
+        ):
             bindings.append((parent._modules, child, parent._modules[child]))
         modules += [layer.self_attn, layer.mlp]
         params += bind(layer.input_layernorm, ("weight",)) + bind(layer.post_attention_layernorm, ("weight",))
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for linear in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        ):
             kind = type(linear)
             if kind is torch.nn.Linear:
                 params += [*bind(linear, ("weight",)), None, *bind(linear, ("bias",))]
@@ -321,7 +373,11 @@ def _build_plan(model) -> _LayerPlan | None:
             dense = bind(linear, ("dense_weight",))[0]
             if dense is not None:
                 max_rows = min(max_rows, linear.max_kernel_rows)
-            names = ("qweight", "scales_and_zeros", "bias") if kind is Int4Linear else ("qweight", "scales", "bias")
+            names = (
+                ("qweight", "scales_and_zeros", "bias")
+                if kind is Int4Linear
+                else ("qweight", "scales", "bias")
+            )
             params += bind(linear, names)
             meta += [2, linear.group_size] if kind is Int4Linear else [1, 0]
     dtype = model.dtype
@@ -331,9 +387,11 @@ def _build_plan(model) -> _LayerPlan | None:
 
 
 def _plan_valid(plan: _LayerPlan) -> bool:
-    return (all(map(operator.is_, map(dict.get, plan._containers, plan._keys), plan._values))
-            and not any(plan._hook_dicts)
-            and not any(map(operator.contains, plan._instance_dicts, itertools.repeat("forward"))))
+    return (
+        all(map(operator.is_, map(dict.get, plan._containers, plan._keys), plan._values))
+        and not any(plan._hook_dicts)
+        and not any(map(operator.contains, plan._instance_dicts, itertools.repeat("forward")))
+    )
 
 
 def forget_plan(model) -> None:
@@ -355,7 +413,11 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
         return None
     describe = getattr(backend, "decode_slots", None)
     slots: DecodeSlots | None = describe() if describe is not None else None
-    if slots is None or slots.key_slots.shape[1] > DECODE_ATTENTION_MAX_KEYS or slots.k_stores[0].dtype != x.dtype:
+    if (
+        slots is None
+        or slots.key_slots.shape[1] > DECODE_ATTENTION_MAX_KEYS
+        or slots.k_stores[0].dtype != x.dtype
+    ):
         return None
     plan = model.__dict__.get("_fused_decode_plan")
     if plan is None or plan.dtype != x.dtype or not _plan_valid(plan):
@@ -367,6 +429,19 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
     if x.shape[0] > plan.max_rows or len(slots.k_stores) != len(plan.meta) // 8:
         return None
     cfg = model.config
-    return _ops.decode_layers.default(x, cos, signed_sin, plan.params, plan.meta, slots.k_stores, slots.v_stores,
-                                      slots.new_slots, slots.key_slots, slots.key_mask, cfg.num_heads,
-                                      cfg.num_kv_heads, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
+    return _ops.decode_layers.default(
+        x,
+        cos,
+        signed_sin,
+        plan.params,
+        plan.meta,
+        slots.k_stores,
+        slots.v_stores,
+        slots.new_slots,
+        slots.key_slots,
+        slots.key_mask,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.rms_norm_eps,
+        cfg.head_dim**-0.5,
+    )

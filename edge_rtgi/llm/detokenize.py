@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
     U+FFFD), nothing is emitted; the character comes out whole once its last byte arrives.
     """
 
-    def __init__(self, tokenizer: _Decoder, prompt_ids: Sequence[int] | None = None,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: _Decoder, prompt_ids: Sequence[int] | None = None, skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids or [])[-_PROMPT_CONTEXT_TOKENS:]
@@ -43,20 +44,20 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token id; return the text that became final (possibly "")."""
         self.ids.append(int(token_id))
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT):
             return ""  # an unfinished character, or a token that adds no text (yet)
-        new_text = full_text[len(prefix_text):]
+        new_text = full_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text
 
     def flush(self) -> str:
         """Text still held back at the end of the stream (an unfinished character shows as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
 
 class StopStringMatcher:
@@ -84,10 +85,10 @@ class StopStringMatcher:
         if hits:
             self.stopped = True
             self._held = ""
-            return buffer[:min(hits)], True
+            return buffer[: min(hits)], True
         keep = self._longest_partial_suffix(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep], False
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], False
 
     def _longest_partial_suffix(self, buffer: str) -> int:
         # Longest suffix of `buffer` that is a proper prefix of some stop string.

@@ -59,25 +59,46 @@ class _Stream:
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache. See docs/engine.md."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None,
-                 *, start: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        config: EngineConfig | None = None,
+        *,
+        start: bool = True,
+    ):
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
         mcfg = model.config
-        self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings)
+        self.max_model_len = min(
+            self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+        )
         num_blocks = self.config.resolve_num_blocks(mcfg, model.dtype)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         storage_cls = Int8PagedKVStorage if self.config.kv_dtype == "int8" else PagedKVStorage
-        self.storage = storage_cls(mcfg.num_layers, num_blocks, self.config.block_size, mcfg.num_kv_heads,
-                                   mcfg.head_dim, model.dtype, model.device)
+        self.storage = storage_cls(
+            mcfg.num_layers,
+            num_blocks,
+            self.config.block_size,
+            mcfg.num_kv_heads,
+            mcfg.head_dim,
+            model.dtype,
+            model.device,
+        )
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill:  # a whole prompt must fit one step
             budget = max(budget, self.max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(
-            budget, self.config.max_num_seqs, self.max_model_len, self.config.enable_chunked_prefill,
-            mcfg.sliding_window), self.kv)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                budget,
+                self.config.max_num_seqs,
+                self.max_model_len,
+                self.config.enable_chunked_prefill,
+                mcfg.sliding_window,
+            ),
+            self.kv,
+        )
         self.runner = ModelRunner(model, self.storage, self.config.decode_mode)
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
@@ -144,14 +165,19 @@ class LLMEngine:
                     continue
             holds_workers = True
             if self.config.yield_to_foreground_ms:
-                self._stats.foreground_wait_s += FOREGROUND.wait_for_idle(self.config.yield_to_foreground_ms / 1000)
+                self._stats.foreground_wait_s += FOREGROUND.wait_for_idle(
+                    self.config.yield_to_foreground_ms / 1000
+                )
             try:
                 self.step()
-            except Exception:  # noqa: BLE001 - a bug in one step must not hang every caller
+            except Exception:  # a bug in one step must not hang every caller
                 log.exception("engine step crashed; failing the requests in flight")
                 for rid in list(self.scheduler.requests):
-                    self._emit(self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR,
-                                                             "internal engine error (see the log)"))
+                    self._emit(
+                        self.scheduler.finish_request(
+                            rid, RequestStatus.FINISHED_ERROR, "internal engine error (see the log)"
+                        )
+                    )
 
     @property
     def running_in_thread(self) -> bool:
@@ -159,8 +185,16 @@ class LLMEngine:
 
     # --- intake ----------------------------------------------------------------------------
 
-    def submit(self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None, sink: DeltaSink, *,
-               request_id: str | None = None, priority: int = 0, deadline_ms: float | None = None) -> str:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, Any] | None,
+        sink: DeltaSink,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+    ) -> str:
         """Queue a request whose deltas go to ``sink`` (called from the engine thread).
 
         Bad input does not raise: ``sink`` receives one error delta. Returns the request id.
@@ -172,8 +206,15 @@ class LLMEngine:
                 raise RequestError("the engine has been shut down")
             params = self._params(params)
             prompt_ids = self._tokenize(prompt)
-            req = Request(rid, prompt_ids, params, priority=priority, deadline_ms=deadline_ms,
-                          eos_token_ids=self._stop_ids(params), arrival_time_s=arrival)
+            req = Request(
+                rid,
+                prompt_ids,
+                params,
+                priority=priority,
+                deadline_ms=deadline_ms,
+                eos_token_ids=self._stop_ids(params),
+                arrival_time_s=arrival,
+            )
             self.scheduler.check_fits(req)  # reads only immutable sizes; safe off-thread
             stream = self._make_stream(sink, arrival, params, prompt_ids)
         except EdgeRtgiError as exc:
@@ -215,8 +256,9 @@ class LLMEngine:
             ids |= self.eos_token_ids
         return frozenset(ids)
 
-    def _make_stream(self, sink: DeltaSink, arrival: float, params: SamplingParams,
-                     prompt_ids: list[int]) -> _Stream:
+    def _make_stream(
+        self, sink: DeltaSink, arrival: float, params: SamplingParams, prompt_ids: list[int]
+    ) -> _Stream:
         stream = _Stream(sink, arrival)
         if self.tokenizer is not None:
             from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -227,9 +269,15 @@ class LLMEngine:
             raise RequestError("stop strings need a tokenizer; this engine has none")
         return stream
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, *,
-                    request_id: str | None = None, priority: int = 0,
-                    deadline_ms: float | None = None) -> RequestStream:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline_ms: float | None = None,
+    ) -> RequestStream:
         """Queue a request; iterate the result (``async for``) to receive its deltas.
 
         Call from a coroutine. Closing or dropping the iterator aborts the request.
@@ -246,16 +294,18 @@ class LLMEngine:
             elif not delta.finished:
                 self.abort(delta.request_id)
 
-        stream.request_id = self.submit(prompt, params, sink, request_id=request_id,
-                                        priority=priority, deadline_ms=deadline_ms)
+        stream.request_id = self.submit(
+            prompt, params, sink, request_id=request_id, priority=priority, deadline_ms=deadline_ms
+        )
         return stream
 
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks (thread-safe; no-op if already done)."""
         self._commands.put(("abort", request_id))
 
-    def stream(self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, *,
-               priority: int = 0) -> Iterator[RequestDelta]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, *, priority: int = 0
+    ) -> Iterator[RequestDelta]:
         """Synchronous streaming for threads without an event loop (the CLI).
 
         Closing the generator early aborts the request. Without a running engine thread the
@@ -278,18 +328,21 @@ class LLMEngine:
                 if not self.running_in_thread:
                     self._drain_commands()
 
-    def generate(self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None
-                 ) -> list[GenerationResult]:
+    def generate(
+        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None
+    ) -> list[GenerationResult]:
         """Synchronous convenience: run prompts to completion (batched) and return the results."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, Mapping))):
             prompts = [prompts]
         results = [GenerationResult() for _ in prompts]
         done: queue.SimpleQueue = queue.SimpleQueue()
         for res, prompt in zip(results, prompts, strict=True):
+
             def sink(delta: RequestDelta, res: GenerationResult = res) -> None:
                 res.add(delta)
                 if delta.finished:
                     done.put(True)
+
             self.submit(prompt, params, sink)
         for _ in prompts:
             if self.running_in_thread:
@@ -336,9 +389,11 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             result = self.runner.execute(output, params)
-        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+        except Exception as exc:  # fail this step's requests, keep serving
             log.exception("engine step failed")
-            result = ModelRunnerOutput({}, {s.request_id: f"engine step failed: {exc}" for s in output.scheduled})
+            result = ModelRunnerOutput(
+                {}, {s.request_id: f"engine step failed: {exc}" for s in output.scheduled}
+            )
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(output, result)
         for update in updates:
@@ -372,9 +427,12 @@ class LLMEngine:
             del self._streams[update.request_id]
             self.runner.release(update.request_id)
         try:
-            stream.sink(RequestDelta(update.request_id, text, tuple(update.new_token_ids), finish, usage,
-                                     update.error))
-        except Exception:  # noqa: BLE001 - a broken consumer must not stop the engine
+            stream.sink(
+                RequestDelta(
+                    update.request_id, text, tuple(update.new_token_ids), finish, usage, update.error
+                )
+            )
+        except Exception:  # a broken consumer must not stop the engine
             log.exception("delivering a delta for %s failed; aborting it", update.request_id)
             if not finish:
                 self.abort(update.request_id)

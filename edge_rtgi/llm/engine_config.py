@@ -72,8 +72,13 @@ class EngineConfig:
         from edge_rtgi.llm.kv.storage import PagedKVStorage
 
         elem_dtype = torch.int8 if self.kv_dtype == "int8" else dtype
-        per_block = PagedKVStorage.bytes_per_block(model_config.num_layers, self.block_size,
-                                                   model_config.num_kv_heads, model_config.head_dim, elem_dtype)
+        per_block = PagedKVStorage.bytes_per_block(
+            model_config.num_layers,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            elem_dtype,
+        )
         return max(1, self.kv_cache_memory_mb * 2**20 // per_block)
 
 
@@ -113,8 +118,9 @@ class EngineStats:
         """Share of admitted prompt tokens served from the prefix cache."""
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
-    def record_step(self, output: SchedulerOutput, schedule_s: float = 0.0, run_s: float = 0.0,
-                    update_s: float = 0.0) -> None:
+    def record_step(
+        self, output: SchedulerOutput, schedule_s: float = 0.0, run_s: float = 0.0, update_s: float = 0.0
+    ) -> None:
         self.schedule_s += schedule_s
         self.run_s += run_s
         self.update_s += update_s
@@ -138,6 +144,9 @@ class EngineStats:
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for /metrics."""
         out = {k: float(v) for k, v in self.__dict__.items()}
-        out.update(tokens_per_step=self.tokens_per_step, requests_per_step=self.requests_per_step,
-                   prefix_hit_rate=self.prefix_hit_rate)
+        out.update(
+            tokens_per_step=self.tokens_per_step,
+            requests_per_step=self.requests_per_step,
+            prefix_hit_rate=self.prefix_hit_rate,
+        )
         return out

@@ -54,8 +54,11 @@ def check_prompt(prompt_ids: Sequence[int], context_tokens: int, vocab_size: int
     if len(prompt_ids) == 0:
         raise RequestError("the prompt is empty", hint="give at least one token of prompt")
     if len(prompt_ids) >= context_tokens:
-        raise RequestError(f"the prompt is {len(prompt_ids)} tokens but the model's context window is "
-                           f"{context_tokens} tokens", hint="shorten the prompt")
+        raise RequestError(
+            f"the prompt is {len(prompt_ids)} tokens but the model's context window is "
+            f"{context_tokens} tokens",
+            hint="shorten the prompt",
+        )
     bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
     if bad:
         raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
@@ -67,8 +70,9 @@ def stop_token_set(tokenizer: Tokenizer, model: Transformer, params: SamplingPar
     return frozenset((*eos, *params.stop_token_ids))
 
 
-def generate_stream(loaded: LoadedModel | tuple[Transformer, Tokenizer], prompt_ids: Sequence[int],
-                    params: SamplingParams) -> Iterator[GenerationDelta]:
+def generate_stream(
+    loaded: LoadedModel | tuple[Transformer, Tokenizer], prompt_ids: Sequence[int], params: SamplingParams
+) -> Iterator[GenerationDelta]:
     """Generate a continuation of ``prompt_ids``, yielding one delta per sampled token.
 
     The last delta carries ``finish_reason``: "stop" (EOS, a stop token or a stop string;
@@ -105,8 +109,9 @@ def generate_stream(loaded: LoadedModel | tuple[Transformer, Tokenizer], prompt_
                 return
             if step == budget_tokens - 1:
                 tail, hit = stops.push(detok.flush())
-                yield GenerationDelta(text + tail + ("" if hit else stops.flush()), [token],
-                                      "stop" if hit else "length")
+                yield GenerationDelta(
+                    text + tail + ("" if hit else stops.flush()), [token], "stop" if hit else "length"
+                )
                 return
             yield GenerationDelta(text, [token])
             logits = forward([token])
@@ -117,8 +122,9 @@ def _final_text(detok: IncrementalDetokenizer, stops: StopStringMatcher) -> str:
     return text if hit else text + stops.flush()
 
 
-def generate(loaded: LoadedModel | tuple[Transformer, Tokenizer], prompt_ids: Sequence[int],
-             params: SamplingParams) -> GenerationResult:
+def generate(
+    loaded: LoadedModel | tuple[Transformer, Tokenizer], prompt_ids: Sequence[int], params: SamplingParams
+) -> GenerationResult:
     """Run ``generate_stream`` to the end and join its deltas."""
     texts, ids = [], []
     reason: FinishReason = "length"

@@ -162,7 +162,9 @@ class RotaryEmbedding(nn.Module):
         """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
-        return torch.cat((cos, cos), dim=-1)[:, None].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None].to(dtype)
+        return torch.cat((cos, cos), dim=-1)[:, None].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None].to(
+            dtype
+        )
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -299,7 +301,10 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     # math path, about 4x slower per decode step); enable_gqa shares each KV head across its
     # query group without copying the cache prefix Hq/Hkv times.
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
@@ -318,7 +323,7 @@ class ContiguousKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.window = cfg.sliding_window
         self.max_len = max_len
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.length = 0  # tokens fully written (all layers)
         self._pending = 0
         self._slots = torch.arange(max_len, device=device)  # row i of the cache is slot i
@@ -333,7 +338,7 @@ class ContiguousKVCache:
         # Slot views for the fused decode kernel, made once per step rather than once per layer.
         end = self.length + num_new_tokens
         first_key = 0 if self.window is None else max(0, end - self.window)
-        self._new_slots, self._key_slots = self._slots[self.length:end], self._slots[None, first_key:end]
+        self._new_slots, self._key_slots = self._slots[self.length : end], self._slots[None, first_key:end]
 
     def commit(self) -> None:
         self.length += self._pending
@@ -353,8 +358,17 @@ class ContiguousKVCache:
         start, end = self.length, self.length + q.shape[0]
         key_slots = self._key_slots
         if q.shape[0] == 1 and cpu_ops.decode_attention_usable(q, self.k, key_slots.shape[1]):
-            return cpu_ops.decode_attention(q, k, v, self._layer_k[layer], self._layer_v[layer], self._new_slots,
-                                            key_slots, None, self.scale)
+            return cpu_ops.decode_attention(
+                q,
+                k,
+                v,
+                self._layer_k[layer],
+                self._layer_v[layer],
+                self._new_slots,
+                key_slots,
+                None,
+                self.scale,
+            )
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
         keys, values = self.k[layer, :end], self.v[layer, :end]

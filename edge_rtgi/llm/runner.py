@@ -62,8 +62,9 @@ class ModelRunner:
         keep = positions < ctx_len
         return slots[keep], positions[keep]
 
-    def _metadata(self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
-                  ) -> PagedAttentionMetadata:
+    def _metadata(
+        self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
+    ) -> PagedAttentionMetadata:
         new_slots: list[Tensor] = []
         padded = mask = per_seq = None
         if decodes and self.decode_mode == "padded":
@@ -109,14 +110,15 @@ class ModelRunner:
         ctx = [sr.start_position + 1 for sr in decodes]
         longest = max(ctx)
         num_blocks = -(-longest // bs)
-        rows = [sr.block_ids[:num_blocks] + [-1] * (num_blocks - len(sr.block_ids[:num_blocks]))
-                for sr in decodes]
+        rows = [
+            sr.block_ids[:num_blocks] + [-1] * (num_blocks - len(sr.block_ids[:num_blocks])) for sr in decodes
+        ]
         table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, nb]
         slots = (table.clamp_min(0)[:, :, None] * bs + self._offsets).flatten(1)[:, :longest]  # [B, S]
         ctx_len = torch.tensor(ctx, device=self.device)
         new = slots.gather(1, (ctx_len - 1)[:, None]).squeeze(1)
         # Released blocks (sliding window) inside a sequence's own context must be masked out.
-        holes = any(-1 in sr.block_ids[:-(-c // bs)] for sr, c in zip(decodes, ctx, strict=True))
+        holes = any(-1 in sr.block_ids[: -(-c // bs)] for sr, c in zip(decodes, ctx, strict=True))
         if min(ctx) == longest and self.window is None and not holes:
             return slots, None, new
         positions = torch.arange(longest, device=self.device)[None, :]
@@ -154,8 +156,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, index))  # [N, V] fp32
         return self._sample(sampling, logits, params)
 
-    def _sample(self, request_ids: list[str], logits: Tensor, params: Mapping[str, SamplingParams]
-                ) -> ModelRunnerOutput:
+    def _sample(
+        self, request_ids: list[str], logits: Tensor, params: Mapping[str, SamplingParams]
+    ) -> ModelRunnerOutput:
         tokens: dict[str, int] = {}
         errors: dict[str, str] = {}
         # One reduction per row: NaN or inf anywhere makes the row's sum non-finite.

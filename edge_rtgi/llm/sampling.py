@@ -42,8 +42,10 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise RequestError naming the bad field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}",
-                               hint="ask for at least 1 token")
+            raise RequestError(
+                f"max_tokens must be a positive integer, got {self.max_tokens!r}",
+                hint="ask for at least 1 token",
+            )
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k < 0:

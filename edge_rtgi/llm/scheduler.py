@@ -46,7 +46,8 @@ class SchedulerConfig:
             # Otherwise a long prompt could never be scheduled in one piece.
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len})")
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ class Scheduler:
             raise RequestError(
                 f"the prompt is {request.num_prompt_tokens} tokens but the context window is "
                 f"{cfg.max_model_len} tokens (at least one token must be generated)",
-                hint="shorten the prompt")
+                hint="shorten the prompt",
+            )
         worst_tokens = min(request.max_total_tokens, cfg.max_model_len)
         worst_blocks = kv.blocks_for_tokens(worst_tokens)
         if worst_blocks > kv.num_blocks:
@@ -131,7 +133,8 @@ class Scheduler:
                 f"request needs up to {worst_tokens} tokens of KV cache ({worst_blocks} blocks of "
                 f"{kv.block_size}) but the pool holds {kv.num_blocks} blocks "
                 f"({kv.num_blocks * kv.block_size} tokens)",
-                hint="lower max_tokens, shorten the prompt, or give the engine more kv blocks")
+                hint="lower max_tokens, shorten the prompt, or give the engine more kv blocks",
+            )
 
     def add_request(self, request: Request) -> None:
         """Queue a request (raises RequestError if it can never fit)."""
@@ -169,18 +172,19 @@ class Scheduler:
             if n is None:
                 continue
             start = req.num_computed_tokens
-            scheduled.append(ScheduledRequest(
-                request_id=req.request_id,
-                token_ids=req.all_token_ids[start:start + n],
-                start_position=start,
-                block_ids=self.kv.block_ids(req.request_id),
-                sample=start + n == req.num_tokens,
-            ))
+            scheduled.append(
+                ScheduledRequest(
+                    request_id=req.request_id,
+                    token_ids=req.all_token_ids[start : start + n],
+                    start_position=start,
+                    block_ids=self.kv.block_ids(req.request_id),
+                    sample=start + n == req.num_tokens,
+                )
+            )
         return SchedulerOutput(scheduled, sum(num_new.values()), [r.request_id for r in preempted])
 
     def _schedule_running(self, budget: int, num_new: dict[str, int], preempted: list[Request]) -> int:
-        order = sorted(self.running,
-                       key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, *_serve_key(r)))
+        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, *_serve_key(r)))
         for req in order:
             if budget <= 0:
                 break
@@ -262,7 +266,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def finish_request(self, request_id: str, status: RequestStatus, error: str | None = None) -> RequestUpdate:
+    def finish_request(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> RequestUpdate:
         """End a request from outside (abort, stop string, error) and free its blocks."""
         req = self.requests.get(request_id)
         if req is None:

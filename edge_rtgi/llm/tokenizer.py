@@ -40,8 +40,12 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLIT_BY_PRE = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 # SmolLM's vocabulary was trained with every digit on its own (llama.cpp's "smollm" pre-type).
 _DIGIT_PRES = {"smollm", "starcoder", "refact"}
@@ -78,24 +82,32 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         """Render ``messages`` ([{"role": ..., "content": ...}]) with the model's chat template."""
         if not self.chat_template:
-            raise RequestError("this model has no chat template",
-                               hint="use `edge-rtgi generate` with a raw prompt, or pick an instruct model")
+            raise RequestError(
+                "this model has no chat template",
+                hint="use `edge-rtgi generate` with a raw prompt, or pick an instruct model",
+            )
         import jinja2
 
         context = {**self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
         try:
             return _compile_template(self.chat_template).render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context)
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **context
+            )
         except jinja2.TemplateError as exc:
             raise RequestError(f"the chat template rejected the conversation: {exc}") from None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered chat prompt (special tokens come from the template itself)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,7 +121,9 @@ def _compile_template(source: str):
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # Jinja's own tojson escapes HTML characters, which would change the prompt text.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
@@ -156,10 +170,12 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokeni
     """Tokenizer from an HF folder (``tokenizer.json`` + ``tokenizer_config.json``)."""
     path = folder / "tokenizer.json"
     if not path.is_file():
-        raise ModelFileError(f"{folder} has no tokenizer.json", hint="only fast (tokenizer.json) tokenizers are supported")
+        raise ModelFileError(
+            f"{folder} has no tokenizer.json", hint="only fast (tokenizer.json) tokenizers are supported"
+        )
     try:
         backend = BackendTokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust side raises plain Exception for any parse error
+    except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception for any parse error
         raise ModelFileError(f"cannot parse {path}: {exc}", hint="re-download the model") from None
     config_path = folder / "tokenizer_config.json"
     tok_config = _read_json(config_path) if config_path.is_file() else {}
@@ -169,8 +185,14 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokeni
     eos_ids = list(eos_token_ids)
     if eos is not None and backend.token_to_id(eos) is not None:
         eos_ids.append(backend.token_to_id(eos))
-    return Tokenizer(backend=backend, bos_token=bos, eos_token=eos, eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-                     chat_template=_hf_chat_template(folder, tok_config), special_tokens=special)
+    return Tokenizer(
+        backend=backend,
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+        chat_template=_hf_chat_template(folder, tok_config),
+        special_tokens=special,
+    )
 
 
 # --- GGUF metadata -----------------------------------------------------------------------------
@@ -179,8 +201,11 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokeni
 @functools.lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -192,10 +217,12 @@ def _byte_alphabet() -> dict[int, str]:
 
 def _byte_level_pre_tokenizer(pre: str | None):
     if pre in _SPLIT_BY_PRE:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_BY_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_PRES:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -226,8 +253,11 @@ def _sentencepiece_merges(tokens: list[str], scores: Sequence[float]) -> list[tu
     vocab = {t: i for i, t in enumerate(tokens)}
     candidates = []
     for token, score in zip(tokens, scores, strict=False):
-        local = [(token[:i], token[i:], score) for i in range(1, len(token))
-                 if token[:i] in vocab and token[i:] in vocab]
+        local = [
+            (token[:i], token[i:], score)
+            for i in range(1, len(token))
+            if token[:i] in vocab and token[i:] in vocab
+        ]
         candidates += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in candidates]
@@ -241,11 +271,19 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[
     vocab = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_sentencepiece_merges(tokens, scores),
-                                          unk_token=unk, fuse_unk=True, byte_fallback=True))
+    backend = BackendTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_sentencepiece_merges(tokens, scores),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     prefix_space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False)
+        replacement="\u2581", prepend_scheme="first" if prefix_space else "never", split=False
+    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix_space else []))
     return backend, None
@@ -262,7 +300,9 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
     if kind not in ("gpt2", "llama") or not tokens:
         raise ModelFileError(
             f"{source}: GGUF tokenizer type {kind!r} is not supported (only 'gpt2' byte-level BPE and "
-            "'llama' SentencePiece BPE)", hint="use the model's HF folder (tokenizer.json) instead")
+            "'llama' SentencePiece BPE)",
+            hint="use the model's HF folder (tokenizer.json) instead",
+        )
     backend, alphabet = (_byte_level_backend if kind == "gpt2" else _sentencepiece_backend)(meta, tokens)
 
     # Control tokens (<|im_start|>, <s>) are matched whole and skipped when decoding; user-defined
@@ -285,13 +325,27 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     if add_bos and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
+        )
     elif kind == "gpt2":
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     # Chat models often end a turn with a token other than EOS (Llama 3's <|eot_id|>).
     eos_ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    special = {name: t for name, t in (("bos_token", bos), ("eos_token", eos), ("unk_token", token_at("unknown_token_id")),
-                                       ("pad_token", token_at("padding_token_id"))) if t is not None}
-    return Tokenizer(backend=backend, bos_token=bos, eos_token=eos,
-                     eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if isinstance(i, int))),
-                     chat_template=meta.get("tokenizer.chat_template"), special_tokens=special)
+    special = {
+        name: t
+        for name, t in (
+            ("bos_token", bos),
+            ("eos_token", eos),
+            ("unk_token", token_at("unknown_token_id")),
+            ("pad_token", token_at("padding_token_id")),
+        )
+        if t is not None
+    }
+    return Tokenizer(
+        backend=backend,
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if isinstance(i, int))),
+        chat_template=meta.get("tokenizer.chat_template"),
+        special_tokens=special,
+    )

@@ -27,7 +27,11 @@ from edge_rtgi.llm.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_toke
 
 log = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 # HF tensors some checkpoints carry that our model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # safetensors' own names for the dtypes, so source formats read the same for both file kinds.
@@ -44,13 +48,14 @@ class LoadedModel:
     source: Path
 
 
-def load_model(source: str | Path, device: str | torch.device = "auto",
-               dtype: str | torch.dtype = "auto") -> LoadedModel:
+def load_model(
+    source: str | Path, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto"
+) -> LoadedModel:
     """Load an HF folder, a ``.gguf`` file, or a catalogue model name.
 
     ``device``/``dtype`` are config values ("auto", "cpu", "cuda", "fp32", "bf16", ...)
-    resolved by ``edge_rtgi.device`` (or already-resolved torch objects). Raises ModelFileError for a missing, corrupt or
-    unsupported file and ModelNotFoundError for an unknown name.
+    resolved by ``edge_rtgi.device`` (or already-resolved torch objects). Raises ModelFileError
+    for a missing, corrupt or unsupported file and ModelNotFoundError for an unknown name.
     """
     path = resolve_source(source)
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
@@ -87,12 +92,16 @@ def resolve_source(source: str | Path) -> Path:
         return _pick_file_in_folder(path)
     text = str(source)
     if os.sep in text or text.endswith((".gguf", ".safetensors", ".json")):
-        raise ModelFileError(f"model path {text} does not exist", hint="check the path, or pass a catalogue name")
+        raise ModelFileError(
+            f"model path {text} does not exist", hint="check the path, or pass a catalogue name"
+        )
     try:
         from edge_rtgi.catalog import resolve_model
     except ImportError:
-        raise ModelNotFoundError(f"unknown model {text!r}: not a path, and the model catalogue is unavailable",
-                                 hint="pass the path of an HF folder or a .gguf file") from None
+        raise ModelNotFoundError(
+            f"unknown model {text!r}: not a path, and the model catalogue is unavailable",
+            hint="pass the path of an HF folder or a .gguf file",
+        ) from None
     return _pick_file_in_folder(Path(resolve_model(text, role="llm")))
 
 
@@ -102,8 +111,10 @@ def _pick_file_in_folder(path: Path) -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-        raise ModelFileError(f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files" if ggufs else ""),
-                             hint="point at an HF model folder or at one .gguf file")
+        raise ModelFileError(
+            f"{path} has no config.json" + (f" and {len(ggufs)} .gguf files" if ggufs else ""),
+            hint="point at an HF model folder or at one .gguf file",
+        )
     return path
 
 
@@ -129,8 +140,10 @@ def _open_hf_folder(folder: Path, formats: dict[str, str]):
             handle = safe_open(str(file), framework="pt")
             for name in handle.keys():
                 where[name] = (handle, file)
-        except Exception as exc:  # safetensors raises SafetensorError (not exported stably)
-            raise ModelFileError(f"{file} is truncated or corrupt: {exc}", hint="re-download the model") from None
+        except Exception as exc:  # noqa: BLE001 - safetensors raises SafetensorError (not exported stably)
+            raise ModelFileError(
+                f"{file} is truncated or corrupt: {exc}", hint="re-download the model"
+            ) from None
 
     def fetch(name: str) -> tuple[Tensor, Path] | None:
         if name not in where:
@@ -140,8 +153,10 @@ def _open_hf_folder(folder: Path, formats: dict[str, str]):
             tensor = handle.get_tensor(name)
             formats[name] = _SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))
             return tensor, file
-        except Exception as exc:
-            raise ModelFileError(f"{file}: cannot read tensor {name}: {exc}", hint="re-download the model") from None
+        except Exception as exc:  # noqa: BLE001 - safetensors raises SafetensorError (not exported stably)
+            raise ModelFileError(
+                f"{file}: cannot read tensor {name}: {exc}", hint="re-download the model"
+            ) from None
 
     eos = list(cfg.eos_token_ids)
     gen_config = folder / "generation_config.json"
@@ -165,12 +180,16 @@ def _safetensors_files(folder: Path) -> list[Path]:
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         for file in files:
             if not file.is_file():
-                raise ModelFileError(f"shard {file} listed in {index.name} is missing", hint="re-download the model")
+                raise ModelFileError(
+                    f"shard {file} listed in {index.name} is missing", hint="re-download the model"
+                )
         return files
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelFileError(f"{folder} has no *.safetensors weights",
-                             hint="convert .bin/.pt checkpoints to safetensors, or use a GGUF file")
+        raise ModelFileError(
+            f"{folder} has no *.safetensors weights",
+            hint="convert .bin/.pt checkpoints to safetensors, or use a GGUF file",
+        )
     return files
 
 
@@ -186,17 +205,19 @@ def _read_gguf(path: Path):
     except OSError as exc:
         raise ModelFileError(f"cannot open {path}: {exc}") from None
     if magic != b"GGUF":
-        raise ModelFileError(f"{path} is neither a GGUF file nor an HF model folder (magic {magic!r})",
-                             hint="pass a .gguf file or a folder with config.json and *.safetensors")
+        raise ModelFileError(
+            f"{path} is neither a GGUF file nor an HF model folder (magic {magic!r})",
+            hint="pass a .gguf file or a folder with config.json and *.safetensors",
+        )
     try:
         reader = GGUFReader(str(path))
-    except Exception as exc:  # the reader fails with ValueError/IndexError/struct errors on damaged files
+    except Exception as exc:  # noqa: BLE001 - the reader fails with ValueError/IndexError/struct errors on damaged files
         raise ModelFileError(f"{path} is truncated or corrupt: {exc}", hint="re-download the model") from None
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
         try:
             meta[key] = fld.contents()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - gguf's field parsers raise several error types on damaged data
             raise ModelFileError(f"{path}: metadata field {key} is corrupt: {exc}") from None
     return reader, meta
 
@@ -205,8 +226,10 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: set[str], path: Path) -> 
     """ModelConfig from GGUF metadata (llama, mistral, qwen2 architectures)."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ModelFileError(f"{path}: unsupported architecture {arch!r}",
-                             hint=f"supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+        raise ModelFileError(
+            f"{path}: unsupported architecture {arch!r}",
+            hint=f"supported GGUF architectures: {', '.join(sorted(GGUF_ARCHITECTURES))}",
+        )
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -239,16 +262,23 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: set[str], path: Path) -> 
     if scaling in ("linear", "yarn") and factor:
         hf["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
         if get("rope.scaling.original_context_length"):
-            hf["rope_scaling"]["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+            hf["rope_scaling"]["original_max_position_embeddings"] = int(
+                get("rope.scaling.original_context_length")
+            )
     return ModelConfig.from_hf(hf)
 
 
 # GGUF block tensor -> HF tensor name (per layer).
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -286,9 +316,13 @@ def _open_gguf(path: Path, formats: dict[str, str]):
             return None
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
-            weights = torch.from_numpy(array.copy()).float().reshape(tuple(int(d) for d in reversed(tensor.shape)))
+            weights = (
+                torch.from_numpy(array.copy()).float().reshape(tuple(int(d) for d in reversed(tensor.shape)))
+            )
         except (NotImplementedError, ValueError) as exc:
-            raise ModelFileError(f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {exc}") from None
+            raise ModelFileError(
+                f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {exc}"
+            ) from None
         formats[name] = tensor.tensor_type.name
         if unpermute and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, cfg.num_heads)
@@ -298,8 +332,13 @@ def _open_gguf(path: Path, formats: dict[str, str]):
 
     rope_factors = None
     if "rope_freqs.weight" in tensors:  # llama 3.x stores its rope scaling as per-frequency divisors
-        rope_factors = torch.from_numpy(dequantize(tensors["rope_freqs.weight"].data,
-                                                   tensors["rope_freqs.weight"].tensor_type).copy()).float().flatten()
+        rope_factors = (
+            torch.from_numpy(
+                dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type).copy()
+            )
+            .float()
+            .flatten()
+        )
     return cfg, fetch, tokenizer, rope_factors
 
 
@@ -308,7 +347,12 @@ def _open_gguf(path: Path, formats: dict[str, str]):
 
 def _slots(cfg: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Our parameter name -> the HF tensors (name, expected shape) concatenated along dim 0 to make it."""
-    h, q, kv, inter = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    h, q, kv, inter = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     slots: dict[str, list[tuple[str, tuple[int, ...]]]] = {
         "embed_tokens.weight": [("model.embed_tokens.weight", (cfg.vocab_size, h))],
         "norm.weight": [("model.norm.weight", (h,))],
@@ -319,21 +363,33 @@ def _slots(cfg: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         attn = hf + "self_attn."
         slots[ours + "self_attn.qkv_proj.weight"] = [
-            (attn + "q_proj.weight", (q, h)), (attn + "k_proj.weight", (kv, h)), (attn + "v_proj.weight", (kv, h))]
+            (attn + "q_proj.weight", (q, h)),
+            (attn + "k_proj.weight", (kv, h)),
+            (attn + "v_proj.weight", (kv, h)),
+        ]
         if cfg.attention_bias:
             slots[ours + "self_attn.qkv_proj.bias"] = [
-                (attn + "q_proj.bias", (q,)), (attn + "k_proj.bias", (kv,)), (attn + "v_proj.bias", (kv,))]
+                (attn + "q_proj.bias", (q,)),
+                (attn + "k_proj.bias", (kv,)),
+                (attn + "v_proj.bias", (kv,)),
+            ]
         slots[ours + "self_attn.o_proj.weight"] = [(attn + "o_proj.weight", (h, q))]
         slots[ours + "mlp.gate_up_proj.weight"] = [
-            (hf + "mlp.gate_proj.weight", (inter, h)), (hf + "mlp.up_proj.weight", (inter, h))]
+            (hf + "mlp.gate_proj.weight", (inter, h)),
+            (hf + "mlp.up_proj.weight", (inter, h)),
+        ]
         slots[ours + "mlp.down_proj.weight"] = [(hf + "mlp.down_proj.weight", (h, inter))]
         slots[ours + "input_layernorm.weight"] = [(hf + "input_layernorm.weight", (h,))]
         slots[ours + "post_attention_layernorm.weight"] = [(hf + "post_attention_layernorm.weight", (h,))]
     return slots
 
 
-def assemble_state_dict(cfg: ModelConfig, fetch: Callable[[str], tuple[Tensor, Path] | None],
-                        source: Path, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+def assemble_state_dict(
+    cfg: ModelConfig,
+    fetch: Callable[[str], tuple[Tensor, Path] | None],
+    source: Path,
+    dtype: torch.dtype | None = None,
+) -> dict[str, Tensor]:
     """Our state dict (fused layout), from a name -> (tensor, file) lookup over HF tensor names.
 
     Each tensor is cast to ``dtype`` as soon as it is read, so a dequantised GGUF never sits
@@ -345,19 +401,28 @@ def assemble_state_dict(cfg: ModelConfig, fetch: Callable[[str], tuple[Tensor, P
         for hf_name, shape in parts:
             found = fetch(hf_name)
             if found is None:
-                raise ModelFileError(f"{source}: tensor {hf_name} is missing",
-                                     hint="the file does not match its config; re-download or re-convert it")
+                raise ModelFileError(
+                    f"{source}: tensor {hf_name} is missing",
+                    hint="the file does not match its config; re-download or re-convert it",
+                )
             tensor, file = found
             if tuple(tensor.shape) != shape:
-                raise ModelFileError(f"{file}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
-                                     f"the config implies {shape}", hint="the weights do not match config.json")
+                raise ModelFileError(
+                    f"{file}: tensor {hf_name} has shape {tuple(tensor.shape)}, the config implies {shape}",
+                    hint="the weights do not match config.json",
+                )
             pieces.append(tensor if dtype is None else tensor.to(dtype))
         state[ours] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
     return state
 
 
-def _build_model(cfg: ModelConfig, state: dict[str, Tensor], device: torch.device, dtype: torch.dtype,
-                 rope_factors: Tensor | None) -> Transformer:
+def _build_model(
+    cfg: ModelConfig,
+    state: dict[str, Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    rope_factors: Tensor | None,
+) -> Transformer:
     # Build on the meta device so no memory or time goes into random init that is overwritten anyway.
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -368,7 +433,9 @@ def _build_model(cfg: ModelConfig, state: dict[str, Tensor], device: torch.devic
     model.rotary = RotaryEmbedding(cfg).to(device)
     if rope_factors is not None:
         if rope_factors.numel() != model.rotary.inv_freq.numel():
-            raise ModelFileError(f"rope_freqs has {rope_factors.numel()} entries, expected {model.rotary.inv_freq.numel()}")
+            raise ModelFileError(
+                f"rope_freqs has {rope_factors.numel()} entries, expected {model.rotary.inv_freq.numel()}"
+            )
         model.rotary.inv_freq = model.rotary.inv_freq / rope_factors.to(device)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:  # a bug in _slots, not a user error

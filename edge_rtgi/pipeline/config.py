@@ -11,9 +11,10 @@ kind::
       - assistant: {model: smollm2-135m-instruct, max_reply_tokens: 60}
       - tts: {voice: piper-en_US-joe-medium}
 
-The ``asr`` stage takes ``edge_rtgi.asr.config.AsrConfig``'s keys. Loading is strict: an unknown stage kind, an unknown key, a model the catalogue does not
-know (and that is not a path), or a chain in the wrong order is a ``ConfigError`` that
-names the file, the line and the key.
+The ``asr`` stage takes ``edge_rtgi.asr.config.AsrConfig``'s keys. Loading is strict: an
+unknown stage kind, an unknown key, a model the catalogue does not know (and that is not a
+path), or a chain in the wrong order is a ``ConfigError`` that names the file, the line and
+the key.
 """
 
 from __future__ import annotations
@@ -134,12 +135,15 @@ _TOP_KEYS = ("version", "name", "description", "input_sample_rate_hz", "stages")
 def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig:
     loc = where(parent, "stages")
     if not isinstance(item, dict) or len(item) != 1:
-        raise ConfigError(f"{loc}: stage #{index + 1} must be a one-key mapping like '- asr: {{...}}'",
-                          hint=f"stage kinds: {', '.join(STAGE_KINDS)}")
-    (kind, body), = item.items()
+        raise ConfigError(
+            f"{loc}: stage #{index + 1} must be a one-key mapping like '- asr: {{...}}'",
+            hint=f"stage kinds: {', '.join(STAGE_KINDS)}",
+        )
+    ((kind, body),) = item.items()
     if kind not in STAGE_KINDS:
-        raise ConfigError(f"{where(item, kind)}: unknown stage {kind!r}",
-                          hint=f"stage kinds: {', '.join(STAGE_KINDS)}")
+        raise ConfigError(
+            f"{where(item, kind)}: unknown stage {kind!r}", hint=f"stage kinds: {', '.join(STAGE_KINDS)}"
+        )
     if body is None:
         body = {}
     if not isinstance(body, dict):
@@ -151,11 +155,18 @@ def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig
 
 def _check_order(stages: list[StageConfig], data: Any) -> None:
     kinds = [next(k for k, c in STAGE_KINDS.items() if isinstance(s, c)) for s in stages]
-    allowed = (["asr"], ["asr", "assistant"], ["asr", "translate"],
-               ["asr", "assistant", "tts"], ["asr", "translate", "tts"])
+    allowed = (
+        ["asr"],
+        ["asr", "assistant"],
+        ["asr", "translate"],
+        ["asr", "assistant", "tts"],
+        ["asr", "translate", "tts"],
+    )
     if kinds not in [list(a) for a in allowed]:
-        raise ConfigError(f"{where(data, 'stages')}: stages {kinds} are not a valid chain",
-                          hint="use asr, then optionally assistant or translate, then optionally tts")
+        raise ConfigError(
+            f"{where(data, 'stages')}: stages {kinds} are not a valid chain",
+            hint="use asr, then optionally assistant or translate, then optionally tts",
+        )
 
 
 def _model_known(name: str, role: str) -> str | None:
@@ -176,13 +187,15 @@ def _model_known(name: str, role: str) -> str | None:
 
 def _check_models(stage: StageConfig, body: Any) -> None:
     """Every model a stage names must be a path or a catalogue entry of the right role."""
+
     def check(name: str | None, role: str, mapping: Any, key: str) -> None:
         if name is None:
             return
         problem = _model_known(name, role)
         if problem:
-            raise ConfigError(f"{where(mapping, key)}: unknown {role} model {name!r} for key {key!r}",
-                              hint=problem)
+            raise ConfigError(
+                f"{where(mapping, key)}: unknown {role} model {name!r} for key {key!r}", hint=problem
+            )
 
     if isinstance(stage, AsrConfig):
         check(stage.model, "asr", body, "model")
@@ -199,11 +212,15 @@ def pipeline_from_data(data: Any, source: str, default_name: str = "pipeline") -
         raise ConfigError(f"{source}: a pipeline file must be a mapping with a 'stages' list")
     for key in data:
         if key not in _TOP_KEYS:
-            raise ConfigError(f"{where(data, key)}: unknown key {key!r} in pipeline",
-                              hint=f"allowed keys: {', '.join(_TOP_KEYS)}")
+            raise ConfigError(
+                f"{where(data, key)}: unknown key {key!r} in pipeline",
+                hint=f"allowed keys: {', '.join(_TOP_KEYS)}",
+            )
     if data.get("version", 1) != 1:
-        raise ConfigError(f"{where(data, 'version')}: unsupported pipeline version {data['version']!r}",
-                          hint="this edge-rtgi reads version: 1")
+        raise ConfigError(
+            f"{where(data, 'version')}: unsupported pipeline version {data['version']!r}",
+            hint="this edge-rtgi reads version: 1",
+        )
     raw_stages = data.get("stages")
     if not isinstance(raw_stages, list) or not raw_stages:
         raise ConfigError(f"{where(data, 'stages')}: 'stages' must be a non-empty list")
@@ -211,13 +228,20 @@ def pipeline_from_data(data: Any, source: str, default_name: str = "pipeline") -
     _check_order(stages, data)
     rate = data.get("input_sample_rate_hz", 16000)
     if not isinstance(rate, int) or isinstance(rate, bool) or not 8000 <= rate <= 48000:
-        raise ConfigError(f"{where(data, 'input_sample_rate_hz')}: input_sample_rate_hz must be an "
-                          f"integer in [8000, 48000], got {rate!r}")
+        raise ConfigError(
+            f"{where(data, 'input_sample_rate_hz')}: input_sample_rate_hz must be an "
+            f"integer in [8000, 48000], got {rate!r}"
+        )
     name = data.get("name", default_name)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where(data, 'name')}: name must be a non-empty string")
-    return PipelineConfig(name=name, stages=tuple(stages), description=str(data.get("description", "")),
-                          input_sample_rate_hz=rate, source=source)
+    return PipelineConfig(
+        name=name,
+        stages=tuple(stages),
+        description=str(data.get("description", "")),
+        input_sample_rate_hz=rate,
+        source=source,
+    )
 
 
 def load_pipeline(path: str | Path) -> PipelineConfig:

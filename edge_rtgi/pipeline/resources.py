@@ -86,7 +86,10 @@ class Resources:
                 await asyncio.to_thread(self._warm, ("asr", _whisper_key(stage)), self.whisper, stage)
             elif isinstance(stage, AssistantStageConfig):
                 # warming with the system prompt also puts it in the prefix cache
-                prompt = [{"role": "system", "content": stage.system_prompt}, {"role": "user", "content": "Hi"}]
+                prompt = [
+                    {"role": "system", "content": stage.system_prompt},
+                    {"role": "user", "content": "Hi"},
+                ]
                 await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model, prompt)
             elif isinstance(stage, TranslateStageConfig) and stage.backend == "llm":
                 await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model)

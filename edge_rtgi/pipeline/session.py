@@ -89,8 +89,14 @@ _ids = itertools.count(1)
 class Session:
     """One conversation over one pipeline. Create with ``await Session.open(...)``."""
 
-    def __init__(self, pipelines: dict[str, PipelineConfig], resources: Any,
-                 settings: SessionSettings, limits: SessionLimits, session_id: str | None = None):
+    def __init__(
+        self,
+        pipelines: dict[str, PipelineConfig],
+        resources: Any,
+        settings: SessionSettings,
+        limits: SessionLimits,
+        session_id: str | None = None,
+    ):
         self.session_id = session_id or f"sess_{uuid.uuid4().hex[:12]}"
         self.pipelines = pipelines
         self.resources = resources
@@ -109,17 +115,28 @@ class Session:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    async def open(cls, pipelines: dict[str, PipelineConfig], resources: Any,
-                   settings: SessionSettings | None = None, limits: SessionLimits | None = None,
-                   session_id: str | None = None) -> Session:
+    async def open(
+        cls,
+        pipelines: dict[str, PipelineConfig],
+        resources: Any,
+        settings: SessionSettings | None = None,
+        limits: SessionLimits | None = None,
+        session_id: str | None = None,
+    ) -> Session:
         """Build the stages (models come from the shared ``resources``) and start them."""
-        session = cls(pipelines, resources, settings or SessionSettings(), limits or SessionLimits(),
-                      session_id)
+        session = cls(
+            pipelines, resources, settings or SessionSettings(), limits or SessionLimits(), session_id
+        )
         await session._build_stages()
-        session.outbox.put_control(F.SessionStarted(
-            session_id=session.session_id, pipeline=session.pipeline.name, config=session.describe(),
-            input_sample_rate_hz=session.input_sample_rate_hz,
-            output_sample_rate_hz=session.output_sample_rate_hz))
+        session.outbox.put_control(
+            F.SessionStarted(
+                session_id=session.session_id,
+                pipeline=session.pipeline.name,
+                config=session.describe(),
+                input_sample_rate_hz=session.input_sample_rate_hz,
+                output_sample_rate_hz=session.output_sample_rate_hz,
+            )
+        )
         return session
 
     def _pick_pipeline(self, name: str | None) -> PipelineConfig:
@@ -156,7 +173,11 @@ class Session:
 
     @property
     def output_sample_rate_hz(self) -> int | None:
-        if not self.settings.audio_output or not self._stages or not hasattr(self._stages[-1], "voice_rate_hz"):
+        if (
+            not self.settings.audio_output
+            or not self._stages
+            or not hasattr(self._stages[-1], "voice_rate_hz")
+        ):
             return None
         return self.settings.output_sample_rate_hz or self._stages[-1].voice_rate_hz
 
@@ -169,13 +190,20 @@ class Session:
     def describe(self) -> dict:
         """The effective settings, as sent in ``session.created`` / ``session.updated``."""
         d = {k: v for k, v in dataclasses.asdict(self.settings).items() if v is not None}
-        d.update(pipeline=self.pipeline.name, input_sample_rate_hz=self.input_sample_rate_hz,
-                 output_sample_rate_hz=self.output_sample_rate_hz, barge_in=self.barge_in,
-                 stages=[type(s).__name__ for s in self._stages])
+        d.update(
+            pipeline=self.pipeline.name,
+            input_sample_rate_hz=self.input_sample_rate_hz,
+            output_sample_rate_hz=self.output_sample_rate_hz,
+            barge_in=self.barge_in,
+            stages=[type(s).__name__ for s in self._stages],
+        )
         text = self.pipeline.text_stage
         if isinstance(text, TranslateStageConfig):
-            d.update(source_language=text.source_language, target_language=text.target_language,
-                     translate_backend=text.backend)
+            d.update(
+                source_language=text.source_language,
+                target_language=text.target_language,
+                translate_backend=text.backend,
+            )
         return d
 
     def ms(self, t_s: float) -> int:
@@ -210,13 +238,16 @@ class Session:
             return await self.create_response(turn_id=turn_id, source_text=text)
         return None
 
-    async def create_response(self, turn_id: int | None = None, source_text: str | None = None,
-                              timing: F.Transcript | None = None) -> str:
+    async def create_response(
+        self, turn_id: int | None = None, source_text: str | None = None, timing: F.Transcript | None = None
+    ) -> str:
         """Start a response to the conversation so far (or to ``source_text`` for translation)."""
         text_stage = self.pipeline.text_stage
         if text_stage is None:
-            raise RequestError(f"pipeline {self.pipeline.name!r} has no assistant or translate stage",
-                               hint="use a pipeline such as voice-assistant or translate-en-es")
+            raise RequestError(
+                f"pipeline {self.pipeline.name!r} has no assistant or translate stage",
+                hint="use a pipeline such as voice-assistant or translate-en-es",
+            )
         if source_text is None:
             users = [t for r, t in self.conversation if r == "user"]
             if not users:
@@ -229,9 +260,17 @@ class Session:
         self._forget_old_responses()
         await self.outbox.put(F.ResponseStarted(rid, st.turn_id, kind, source_text))
         s = self.settings
-        await self._stages[1].inbox.put(F.ResponseRequest(
-            response_id=rid, turn_id=st.turn_id, source_text=source_text, messages=tuple(self.conversation),
-            system_prompt=s.system_prompt, max_tokens=s.max_reply_tokens, temperature=s.temperature))
+        await self._stages[1].inbox.put(
+            F.ResponseRequest(
+                response_id=rid,
+                turn_id=st.turn_id,
+                source_text=source_text,
+                messages=tuple(self.conversation),
+                system_prompt=s.system_prompt,
+                max_tokens=s.max_reply_tokens,
+                temperature=s.temperature,
+            )
+        )
         return rid
 
     async def cancel_response(self, response_id: str | None = None, reason: str = "client_cancel") -> bool:
@@ -293,7 +332,9 @@ class Session:
             if event is None:
                 return None
             rid = getattr(event, "response_id", None)
-            if (rid in self._cancelled and isinstance(event, (F.TextDelta, F.TextDone, F.AudioOut, F.AudioDone))):
+            if rid in self._cancelled and isinstance(
+                event, (F.TextDelta, F.TextDone, F.AudioOut, F.AudioDone)
+            ):
                 continue  # raced with an interrupt; the client must not get it
             st = self.responses.get(rid) if rid else None
             if st is not None and isinstance(event, F.AudioOut):
@@ -359,8 +400,9 @@ class Session:
         if isinstance(exc, EdgeRtgiError):
             err = F.ErrorEvent("stage_failed", f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
         else:
-            err = F.ErrorEvent("internal_error", f"{stage.name} failed: {type(exc).__name__}: {exc}",
-                               response_id=rid)
+            err = F.ErrorEvent(
+                "internal_error", f"{stage.name} failed: {type(exc).__name__}: {exc}", response_id=rid
+            )
         self.outbox.put_control(err)
         if rid is not None and rid in self.responses and not self.responses[rid].done:
             st = self.responses[rid]

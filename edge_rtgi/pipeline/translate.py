@@ -15,12 +15,37 @@ import subprocess
 from edge_rtgi.errors import ConfigError, RequestError
 
 ISO_639_3 = {
-    "en": "eng", "es": "spa", "fr": "fra", "de": "deu", "it": "ita", "pt": "por", "ca": "cat",
-    "gl": "glg", "eu": "eus", "ro": "ron", "nl": "nld", "sv": "swe", "da": "dan", "nb": "nob",
-    "nn": "nno", "oc": "oci", "eo": "epo", "cy": "cym", "br": "bre", "ga": "gle",
+    "en": "eng",
+    "es": "spa",
+    "fr": "fra",
+    "de": "deu",
+    "it": "ita",
+    "pt": "por",
+    "ca": "cat",
+    "gl": "glg",
+    "eu": "eus",
+    "ro": "ron",
+    "nl": "nld",
+    "sv": "swe",
+    "da": "dan",
+    "nb": "nob",
+    "nn": "nno",
+    "oc": "oci",
+    "eo": "epo",
+    "cy": "cym",
+    "br": "bre",
+    "ga": "gle",
 }
-LANGUAGE_NAMES = {"en": "English", "es": "Spanish", "fr": "French", "de": "German", "it": "Italian",
-                  "pt": "Portuguese", "ca": "Catalan", "nl": "Dutch"}
+LANGUAGE_NAMES = {
+    "en": "English",
+    "es": "Spanish",
+    "fr": "French",
+    "de": "German",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "ca": "Catalan",
+    "nl": "Dutch",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,29 +64,38 @@ def apertium_mode(source_language: str, target_language: str, override: str | No
     dst = ISO_639_3.get(target_language, target_language)
     mode = override or f"{src}-{dst}"
     if shutil.which("apertium") is None:
-        raise ConfigError("the translate stage uses Apertium, but the 'apertium' program is not installed",
-                          hint=f"apt-get install apertium apertium-{src}-{dst} (scripts/setup.sh does)")
+        raise ConfigError(
+            "the translate stage uses Apertium, but the 'apertium' program is not installed",
+            hint=f"apt-get install apertium apertium-{src}-{dst} (scripts/setup.sh does)",
+        )
     modes = apertium_modes()
     if mode not in modes:
-        raise ConfigError(f"Apertium has no mode {mode!r} for {source_language}->{target_language}",
-                          hint=f"installed modes: {', '.join(modes) or 'none'}; "
-                               f"try apt-get install apertium-{src}-{dst}")
+        raise ConfigError(
+            f"Apertium has no mode {mode!r} for {source_language}->{target_language}",
+            hint=f"installed modes: {', '.join(modes) or 'none'}; try apt-get install apertium-{src}-{dst}",
+        )
     return mode
 
 
 class ApertiumTranslator:
     """One ``apertium -u <mode>`` process per utterance (about 0.1 s; no state to keep warm)."""
 
-    def __init__(self, source_language: str, target_language: str, pair: str | None = None,
-                 timeout_s: float = 10.0):
+    def __init__(
+        self, source_language: str, target_language: str, pair: str | None = None, timeout_s: float = 10.0
+    ):
         self.mode = apertium_mode(source_language, target_language, pair)
         self.timeout_s = timeout_s
 
     async def translate(self, text: str) -> str:
         """Translate one utterance. The subprocess is awaited, never blocking the event loop."""
         proc = await asyncio.create_subprocess_exec(
-            "apertium", "-u", self.mode, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            "apertium",
+            "-u",
+            self.mode,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         try:
             out, err = await asyncio.wait_for(proc.communicate(text.encode("utf-8")), self.timeout_s)
         except asyncio.TimeoutError:
@@ -83,8 +117,11 @@ def translation_messages(text: str, source_language: str, target_language: str) 
     src = LANGUAGE_NAMES.get(source_language, source_language)
     dst = LANGUAGE_NAMES.get(target_language, target_language)
     return [
-        {"role": "system", "content": f"You translate {src} into {dst}. Reply with the {dst} "
-                                      "translation only, with no notes or quotes."},
+        {
+            "role": "system",
+            "content": f"You translate {src} into {dst}. Reply with the {dst} "
+            "translation only, with no notes or quotes.",
+        },
         {"role": "user", "content": text},
     ]
 

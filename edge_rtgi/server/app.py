@@ -49,8 +49,9 @@ def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
 
 def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
     data = body.encode()
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(data))),
-                       ("Cache-Control", "no-store")])
+    headers = Headers(
+        [("Content-Type", content_type), ("Content-Length", str(len(data))), ("Cache-Control", "no-store")]
+    )
     return Response(status.value, status.phrase, headers, data)
 
 
@@ -61,8 +62,10 @@ class Daemon:
         if config.default_pipeline not in pipelines:
             from edge_rtgi.errors import ConfigError
 
-            raise ConfigError(f"default_pipeline {config.default_pipeline!r} is not among the loaded "
-                              f"pipelines", hint=f"loaded: {', '.join(pipelines)}")
+            raise ConfigError(
+                f"default_pipeline {config.default_pipeline!r} is not among the loaded pipelines",
+                hint=f"loaded: {', '.join(pipelines)}",
+            )
         self.config = config
         # the default pipeline first: a session that names none gets it
         self.pipelines = {config.default_pipeline: pipelines[config.default_pipeline], **pipelines}
@@ -83,9 +86,17 @@ class Daemon:
         srv = self.config.server
         self._token = srv.check_bind()
         self._server = await serve(
-            self._handle, srv.host, srv.port, process_request=self._process_request,
-            max_size=srv.max_message_bytes, max_queue=16, compression=None, ping_interval=20,
-            ping_timeout=60, server_header="edge-rtgi")
+            self._handle,
+            srv.host,
+            srv.port,
+            process_request=self._process_request,
+            max_size=srv.max_message_bytes,
+            max_queue=16,
+            compression=None,
+            ping_interval=20,
+            ping_timeout=60,
+            server_header="edge-rtgi",
+        )
         log.info("listening on ws://%s:%d", srv.host, self.port)
 
     @property
@@ -101,7 +112,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline and any(
-                not st.finished for s in self.sessions for st in s.responses.values()):
+            not st.finished for s in self.sessions for st in s.responses.values()
+        ):
             await asyncio.sleep(0.05)
         for ws in list(self.connections):
             await ws.close(1001, "server shutting down")
@@ -116,8 +128,13 @@ class Daemon:
     async def open_session(self, settings: SessionSettings, session_id: str | None = None) -> Session:
         """A session on this daemon's pipelines and shared models (used by every adapter)."""
         srv = self.config.server
-        session = await Session.open(self.pipelines, self.resources, settings,
-                                     SessionLimits(srv.stage_queue_frames, srv.outbox_events), session_id)
+        session = await Session.open(
+            self.pipelines,
+            self.resources,
+            settings,
+            SessionLimits(srv.stage_queue_frames, srv.outbox_events),
+            session_id,
+        )
         self.sessions.add(session)
         self.metrics.inc("edge_rtgi_sessions_total")
         self.metrics.set("edge_rtgi_sessions_active", len(self.sessions))
@@ -148,8 +165,11 @@ class Daemon:
         path = urlsplit(request.path).path
         if path == "/healthz":
             status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
-            body = {"status": "draining" if self.draining else "ok", "sessions": len(self.sessions),
-                    "pipelines": list(self.pipelines)}
+            body = {
+                "status": "draining" if self.draining else "ok",
+                "sessions": len(self.sessions),
+                "pipelines": list(self.pipelines),
+            }
             return _response(status, json.dumps(body), "application/json")
         if path == "/metrics":
             if not self._token_ok(request):
@@ -163,16 +183,21 @@ class Daemon:
         srv = self.config.server
         origin = request.headers.get("Origin")
         if origin is not None and not origin_allowed(origin, srv.allowed_origins):
-            return self._reject("origin", HTTPStatus.FORBIDDEN,
-                                f"origin {origin} is not allowed (server.allowed_origins)")
+            return self._reject(
+                "origin", HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed (server.allowed_origins)"
+            )
         if not self._token_ok(request):
-            return self._reject("token", HTTPStatus.UNAUTHORIZED, "missing or wrong token "
-                                "(send 'Authorization: Bearer <token>' or ?token=)")
+            return self._reject(
+                "token",
+                HTTPStatus.UNAUTHORIZED,
+                "missing or wrong token (send 'Authorization: Bearer <token>' or ?token=)",
+            )
         if self.draining:
             return self._reject("draining", HTTPStatus.SERVICE_UNAVAILABLE, "server is shutting down")
         if len(self.connections) >= srv.max_sessions:
-            return self._reject("capacity", HTTPStatus.SERVICE_UNAVAILABLE,
-                                f"session limit reached ({srv.max_sessions})")
+            return self._reject(
+                "capacity", HTTPStatus.SERVICE_UNAVAILABLE, f"session limit reached ({srv.max_sessions})"
+            )
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:

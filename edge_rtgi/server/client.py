@@ -63,7 +63,9 @@ class WebSocketTransport:
         self.ws = ws
 
     @classmethod
-    async def connect(cls, url: str, token: str | None = None, pipeline: str | None = None) -> WebSocketTransport:
+    async def connect(
+        cls, url: str, token: str | None = None, pipeline: str | None = None
+    ) -> WebSocketTransport:
         from websockets.asyncio.client import connect
 
         if pipeline:
@@ -71,9 +73,11 @@ class WebSocketTransport:
         headers = {"Authorization": f"Bearer {token}"} if token else None
         try:
             ws = await connect(url, additional_headers=headers, max_size=1 << 22)
-        except (OSError, Exception) as exc:  # connection refused, handshake refused...
-            raise EdgeRtgiError(f"cannot connect to {url}: {exc}",
-                                hint="is `edge-rtgi serve` running there? does it need a token?") from None
+        except Exception as exc:  # noqa: BLE001 - connection refused, handshake refused...
+            raise EdgeRtgiError(
+                f"cannot connect to {url}: {exc}",
+                hint="is `edge-rtgi serve` running there? does it need a token?",
+            ) from None
         return cls(ws)
 
     async def send_audio(self, pcm: np.ndarray) -> None:
@@ -152,7 +156,9 @@ class LiveOutput:
             self.responses.append(head)
             stats = head.get("stats", {})
             if stats:
-                parts = ", ".join(f"{k.removesuffix('_ms')} {v:.0f} ms" for k, v in stats.items() if k.endswith("_ms"))
+                parts = ", ".join(
+                    f"{k.removesuffix('_ms')} {v:.0f} ms" for k, v in stats.items() if k.endswith("_ms")
+                )
                 self._line(f"  ({head['status']}: {parts})")
         elif kind == "error":
             self.errors.append(head)
@@ -162,9 +168,14 @@ class LiveOutput:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, dtype=np.int16)
 
 
-async def run_live(transport: Any, source: AsyncIterator[np.ndarray], output: LiveOutput,
-                   trailing_silence_s: float = 0.6, input_rate_hz: int = 16000,
-                   settle_timeout_s: float = 120.0) -> LiveOutput:
+async def run_live(
+    transport: Any,
+    source: AsyncIterator[np.ndarray],
+    output: LiveOutput,
+    trailing_silence_s: float = 0.6,
+    input_rate_hz: int = 16000,
+    settle_timeout_s: float = 120.0,
+) -> LiveOutput:
     """Stream ``source`` to ``transport`` while handling its messages; at the end of the
     source, commit and wait for every response to finish."""
     committed = asyncio.Event()

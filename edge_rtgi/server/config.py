@@ -40,7 +40,9 @@ class ServerConfig:
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be >= 4096")
         if self.max_sessions < 1 or self.stage_queue_frames < 4 or self.outbox_events < 16:
-            raise ValueError("max_sessions >= 1, stage_queue_frames >= 4 and outbox_events >= 16 are required")
+            raise ValueError(
+                "max_sessions >= 1, stage_queue_frames >= 4 and outbox_events >= 16 are required"
+            )
         if self.token is not None and len(self.token) < 16:
             raise ValueError("token must be at least 16 characters")
 
@@ -65,7 +67,8 @@ class ServerConfig:
         if not is_loopback(self.host) and not token:
             raise ConfigError(
                 f"refusing to listen on {self.host}: a non-loopback address needs a token",
-                hint="set server.token_file (or $EDGE_RTGI_TOKEN), or bind 127.0.0.1")
+                hint="set server.token_file (or $EDGE_RTGI_TOKEN), or bind 127.0.0.1",
+            )
         return token
 
 
@@ -97,5 +100,10 @@ def load_daemon_config(path: str | Path | None) -> DaemonConfig:
     cfg = load_config(DaemonConfig, path)
     base = Path(path).resolve().parent
     pipes = tuple(str((base / p) if not Path(p).is_absolute() else Path(p)) for p in cfg.pipelines)
-    return DaemonConfig(server=cfg.server, pipelines=pipes, default_pipeline=cfg.default_pipeline,
-                        preload=cfg.preload, engine=cfg.engine)
+    return DaemonConfig(
+        server=cfg.server,
+        pipelines=pipes,
+        default_pipeline=cfg.default_pipeline,
+        preload=cfg.preload,
+        engine=cfg.engine,
+    )

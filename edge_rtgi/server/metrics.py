@@ -13,8 +13,9 @@ from collections.abc import Callable
 def _labels(labels: tuple[tuple[str, str], ...]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in labels)
+    inner = ",".join(
+        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels
+    )
     return "{" + inner + "}"
 
 
@@ -71,8 +72,11 @@ def daemon_metrics() -> Metrics:
         ("edge_rtgi_voice_to_voice_ms_sum", "counter", "Sum of end-of-speech to first-audio latencies"),
         ("edge_rtgi_voice_to_voice_ms_count", "counter", "Number of voice-to-voice latencies summed"),
         ("edge_rtgi_engine_steps_total", "counter", "LLM engine steps run"),
-        ("edge_rtgi_engine_scheduled_requests_total", "counter",
-         "Sum over engine steps of the requests each step ran (divide by steps: batch size)"),
+        (
+            "edge_rtgi_engine_scheduled_requests_total",
+            "counter",
+            "Sum over engine steps of the requests each step ran (divide by steps: batch size)",
+        ),
         ("edge_rtgi_engine_requests_per_step", "gauge", "Mean LLM requests scheduled per engine step"),
         ("edge_rtgi_engine_max_requests_per_step", "gauge", "Most LLM requests in one engine step"),
         ("edge_rtgi_engine_running_requests", "gauge", "LLM requests running now"),

@@ -80,7 +80,9 @@ class AudioChunk:
     pcm: np.ndarray  # int16 [N]
 
 
-ClientEvent = SessionUpdate | AudioCommit | AudioClear | TextInput | ResponseCreate | ResponseCancel | Ping | AudioChunk
+ClientEvent = (
+    SessionUpdate | AudioCommit | AudioClear | TextInput | ResponseCreate | ResponseCancel | Ping | AudioChunk
+)
 
 # type -> (class, {field: (python type, required)})
 CLIENT_EVENTS: dict[str, tuple[type, dict[str, tuple[type | tuple, bool]]]] = {
@@ -99,32 +101,49 @@ def decode_client(message: str | bytes) -> ClientEvent:
     if isinstance(message, (bytes, bytearray, memoryview)):
         data = bytes(message)
         if len(data) % 2:
-            raise ProtocolError("invalid_audio", f"binary audio frame has an odd byte count ({len(data)})",
-                                hint="send mono 16-bit little-endian PCM: 2 bytes per sample")
+            raise ProtocolError(
+                "invalid_audio",
+                f"binary audio frame has an odd byte count ({len(data)})",
+                hint="send mono 16-bit little-endian PCM: 2 bytes per sample",
+            )
         return AudioChunk(np.frombuffer(data, dtype="<i2").astype(np.int16, copy=False))
     try:
         obj = json.loads(message)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError("invalid_json", f"message is not valid JSON: {exc.msg} at char {exc.pos}",
-                            hint="text frames must be JSON objects with a 'type'") from None
+        raise ProtocolError(
+            "invalid_json",
+            f"message is not valid JSON: {exc.msg} at char {exc.pos}",
+            hint="text frames must be JSON objects with a 'type'",
+        ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
         raise ProtocolError("invalid_event", "a JSON message must be an object with a string 'type'")
     kind = obj["type"]
     if kind not in CLIENT_EVENTS:
-        raise ProtocolError("unknown_event", f"unknown event type {kind!r}", event_type=kind,
-                            hint=f"client events: {', '.join(CLIENT_EVENTS)}")
+        raise ProtocolError(
+            "unknown_event",
+            f"unknown event type {kind!r}",
+            event_type=kind,
+            hint=f"client events: {', '.join(CLIENT_EVENTS)}",
+        )
     cls, spec = CLIENT_EVENTS[kind]
     kwargs = {}
     for key, value in obj.items():
         if key in ("type", "event_id"):
             continue
         if key not in spec:
-            raise ProtocolError("invalid_event", f"{kind}: unknown field {key!r}", event_type=kind,
-                                hint=f"fields: {', '.join(spec) or 'none'}")
+            raise ProtocolError(
+                "invalid_event",
+                f"{kind}: unknown field {key!r}",
+                event_type=kind,
+                hint=f"fields: {', '.join(spec) or 'none'}",
+            )
         tp, _ = spec[key]
         if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-            raise ProtocolError("invalid_event", f"{kind}: field {key!r} has the wrong type "
-                                f"({type(value).__name__})", event_type=kind)
+            raise ProtocolError(
+                "invalid_event",
+                f"{kind}: field {key!r} has the wrong type ({type(value).__name__})",
+                event_type=kind,
+            )
         kwargs[key] = value
     missing = [k for k, (_, required) in spec.items() if required and k not in kwargs]
     if missing:
@@ -157,14 +176,29 @@ def encode_server(event: Any, ms) -> list[str | bytes]:
     t = {"t_ms": ms(e.t_s)}
     if isinstance(e, F.AudioOut):
         pcm = e.pcm.astype("<i2").tobytes()
-        head = {"type": "response.audio", "response_id": e.response_id, "sample_rate_hz": e.sample_rate_hz,
-                "format": AUDIO_FORMAT, "num_bytes": len(pcm), **t}
+        head = {
+            "type": "response.audio",
+            "response_id": e.response_id,
+            "sample_rate_hz": e.sample_rate_hz,
+            "format": AUDIO_FORMAT,
+            "num_bytes": len(pcm),
+            **t,
+        }
         return [json.dumps(head), pcm]
     if isinstance(e, F.SessionStarted):
-        body = {"type": "session.created", "protocol": PROTOCOL_VERSION, "session_id": e.session_id,
-                "pipeline": e.pipeline, "session": e.config,
-                "audio": {"format": AUDIO_FORMAT, "channels": 1, "input_sample_rate_hz": e.input_sample_rate_hz,
-                          "output_sample_rate_hz": e.output_sample_rate_hz}}
+        body = {
+            "type": "session.created",
+            "protocol": PROTOCOL_VERSION,
+            "session_id": e.session_id,
+            "pipeline": e.pipeline,
+            "session": e.config,
+            "audio": {
+                "format": AUDIO_FORMAT,
+                "channels": 1,
+                "input_sample_rate_hz": e.input_sample_rate_hz,
+                "output_sample_rate_hz": e.output_sample_rate_hz,
+            },
+        }
     elif isinstance(e, F.SessionUpdated):
         body = {"type": "session.updated", "session": e.config}
     elif isinstance(e, F.SpeechStarted):
@@ -172,15 +206,23 @@ def encode_server(event: Any, ms) -> list[str | bytes]:
     elif isinstance(e, F.SpeechStopped):
         body = {"type": "input.speech_stopped", "turn_id": e.turn_id, "audio_ms": e.audio_ms}
     elif isinstance(e, F.Transcript):
-        body = {"type": "transcript.final" if e.final else "transcript.partial", "turn_id": e.turn_id,
-                "text": e.text}
+        body = {
+            "type": "transcript.final" if e.final else "transcript.partial",
+            "turn_id": e.turn_id,
+            "text": e.text,
+        }
         if e.language:
             body["language"] = e.language
     elif isinstance(e, F.AudioCommitted):
         body = {"type": "input_audio.committed"}
     elif isinstance(e, F.ResponseStarted):
-        body = {"type": "response.created", "response_id": e.response_id, "turn_id": e.turn_id,
-                "kind": e.kind, "source_text": e.source_text}
+        body = {
+            "type": "response.created",
+            "response_id": e.response_id,
+            "turn_id": e.turn_id,
+            "kind": e.kind,
+            "source_text": e.source_text,
+        }
     elif isinstance(e, F.TextDelta):
         body = {"type": "response.text.delta", "response_id": e.response_id, "delta": e.delta}
     elif isinstance(e, F.TextDone):
@@ -190,17 +232,31 @@ def encode_server(event: Any, ms) -> list[str | bytes]:
     elif isinstance(e, F.AudioDone):
         body = {"type": "response.audio.done", "response_id": e.response_id}
     elif isinstance(e, F.ResponseInterrupted):
-        body = {"type": "response.interrupted", "response_id": e.response_id, "reason": e.reason,
-                "played_ms": e.played_ms}
+        body = {
+            "type": "response.interrupted",
+            "response_id": e.response_id,
+            "reason": e.reason,
+            "played_ms": e.played_ms,
+        }
     elif isinstance(e, F.ResponseDone):
-        body = {"type": "response.done", "response_id": e.response_id, "status": e.status, "text": e.text,
-                "stats": _stats(e.stats)}
+        body = {
+            "type": "response.done",
+            "response_id": e.response_id,
+            "status": e.status,
+            "text": e.text,
+            "stats": _stats(e.stats),
+        }
         if e.usage:
             body["usage"] = e.usage
     elif isinstance(e, F.ErrorEvent):
         body = {"type": "error", "code": e.code, "message": e.message}
-        body.update({k: v for k, v in (("hint", e.hint), ("event_type", e.event_type),
-                                       ("response_id", e.response_id)) if v is not None})
+        body.update(
+            {
+                k: v
+                for k, v in (("hint", e.hint), ("event_type", e.event_type), ("response_id", e.response_id))
+                if v is not None
+            }
+        )
         if e.fatal:
             body["fatal"] = True
     else:

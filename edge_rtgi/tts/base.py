@@ -23,8 +23,10 @@ class EmptyTextError(EdgeRtgiError):
 def check_text(text: str) -> str:
     """The text itself, or ``EmptyTextError`` if it has nothing speakable."""
     if not text or not any(ch.isalnum() for ch in text):
-        raise EmptyTextError("nothing to speak: the text is empty or has no words",
-                             hint="give some text, e.g. edge-rtgi speak \"Hello there\"")
+        raise EmptyTextError(
+            "nothing to speak: the text is empty or has no words",
+            hint='give some text, e.g. edge-rtgi speak "Hello there"',
+        )
     return text
 
 
@@ -42,8 +44,9 @@ class TtsEngine(Protocol):
     def synthesize_stream(self, text: str) -> Iterator[np.ndarray]: ...
 
 
-async def synthesize_async(engine: TtsEngine, text: str, executor: Executor | None = None,
-                           max_queued_chunks: int = 8) -> AsyncIterator[np.ndarray]:
+async def synthesize_async(
+    engine: TtsEngine, text: str, executor: Executor | None = None, max_queued_chunks: int = 8
+) -> AsyncIterator[np.ndarray]:
     """Iterate an engine's chunks from asyncio; synthesis runs on a worker thread.
 
     Leaving the ``async for`` early (barge-in) stops the worker after the sentence in

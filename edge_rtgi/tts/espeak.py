@@ -55,8 +55,9 @@ def _find_library() -> str:
 
         return espeakng_loader.get_library_path()
     except ImportError:
-        raise EspeakError("libespeak-ng is not installed",
-                          hint="apt-get install espeak-ng (scripts/setup.sh does)") from None
+        raise EspeakError(
+            "libespeak-ng is not installed", hint="apt-get install espeak-ng (scripts/setup.sh does)"
+        ) from None
 
 
 def _clauses(text: str) -> list[tuple[str, str]]:
@@ -110,7 +111,9 @@ class EspeakPhonemizer:
     def _set_voice(self, voice: str) -> None:
         if voice != self._voice:
             if self._lib.espeak_SetVoiceByName(voice.encode()) != 0:
-                raise ConfigError(f"espeak-ng has no voice {voice!r}", hint="list voices with `espeak-ng --voices`")
+                raise ConfigError(
+                    f"espeak-ng has no voice {voice!r}", hint="list voices with `espeak-ng --voices`"
+                )
             self._voice = voice
 
     def _phonemize_piece(self, piece: str) -> str:
@@ -147,12 +150,16 @@ class EspeakEngine:
     def __init__(self, voice: str = "en-us", speed_wpm: int = 165):
         self.program = shutil.which("espeak-ng")
         if self.program is None:
-            raise EspeakError("the espeak-ng program is not installed",
-                              hint="apt-get install espeak-ng (scripts/setup.sh does)")
+            raise EspeakError(
+                "the espeak-ng program is not installed",
+                hint="apt-get install espeak-ng (scripts/setup.sh does)",
+            )
         self.voice, self.speed_wpm = voice, speed_wpm
         probe = subprocess.run([self.program, "-v", voice, "-q", "x"], capture_output=True, text=True)
         if probe.returncode != 0 or "not found" in (probe.stderr or "").lower():
-            raise ConfigError(f"espeak-ng has no voice {voice!r}", hint="list voices with `espeak-ng --voices`")
+            raise ConfigError(
+                f"espeak-ng has no voice {voice!r}", hint="list voices with `espeak-ng --voices`"
+            )
 
     def _sentence_pcm(self, sentence: str, block_samples: int = 4096) -> Iterator[np.ndarray]:
         cmd = [self.program, "--stdout", "-v", self.voice, "-s", str(self.speed_wpm), "--", sentence]

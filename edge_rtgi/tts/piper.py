@@ -43,14 +43,23 @@ class PiperConfig:
             raw = json.loads(path.read_text(encoding="utf-8"))
             inference = raw.get("inference", {})
             if raw.get("phoneme_type", "espeak") != "espeak":
-                raise ModelFileError(f"{path}: phoneme_type {raw['phoneme_type']!r} is not supported (only espeak)")
-            return cls(int(raw["audio"]["sample_rate"]), raw["espeak"]["voice"],
-                       float(inference.get("noise_scale", 0.667)), float(inference.get("length_scale", 1.0)),
-                       float(inference.get("noise_w", 0.8)), {k: list(v) for k, v in raw["phoneme_id_map"].items()},
-                       int(raw.get("num_speakers", 1)))
+                raise ModelFileError(
+                    f"{path}: phoneme_type {raw['phoneme_type']!r} is not supported (only espeak)"
+                )
+            return cls(
+                int(raw["audio"]["sample_rate"]),
+                raw["espeak"]["voice"],
+                float(inference.get("noise_scale", 0.667)),
+                float(inference.get("length_scale", 1.0)),
+                float(inference.get("noise_w", 0.8)),
+                {k: list(v) for k, v in raw["phoneme_id_map"].items()},
+                int(raw.get("num_speakers", 1)),
+            )
         except FileNotFoundError:
-            raise ModelFileError(f"Piper voice config not found: {path}",
-                                 hint="a voice needs both VOICE.onnx and VOICE.onnx.json") from None
+            raise ModelFileError(
+                f"Piper voice config not found: {path}",
+                hint="a voice needs both VOICE.onnx and VOICE.onnx.json",
+            ) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelFileError(f"{path}: not a valid Piper voice config ({exc!r})") from None
 
@@ -63,7 +72,9 @@ def _voice_files(path: Path, config_json: Path | None) -> tuple[Path, Path]:
             raise ModelFileError(f"expected one Piper .onnx voice in {path}, found {len(found)}")
         path = found[0]
     if not path.is_file():
-        raise ModelFileError(f"Piper voice model not found: {path}", hint="run `edge-rtgi models pull piper-en_US-joe-medium`")
+        raise ModelFileError(
+            f"Piper voice model not found: {path}", hint="run `edge-rtgi models pull piper-en_US-joe-medium`"
+        )
     return path, config_json or path.with_name(path.name + ".json")
 
 
@@ -77,8 +88,13 @@ def _providers() -> list[str]:
 class PiperVoice:
     """A Piper voice. ``synthesize_stream`` yields int16 chunks, one per sentence."""
 
-    def __init__(self, onnx_path: str | Path, config_json: str | Path | None = None, intra_op_threads: int = 0,
-                 speaker_id: int = 0):
+    def __init__(
+        self,
+        onnx_path: str | Path,
+        config_json: str | Path | None = None,
+        intra_op_threads: int = 0,
+        speaker_id: int = 0,
+    ):
         import onnxruntime
 
         onnx_file, json_file = _voice_files(Path(onnx_path), Path(config_json) if config_json else None)
@@ -95,10 +111,14 @@ class PiperVoice:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3
         try:
-            self._session = onnxruntime.InferenceSession(str(onnx_file), sess_options=opts, providers=_providers())
+            self._session = onnxruntime.InferenceSession(
+                str(onnx_file), sess_options=opts, providers=_providers()
+            )
         except Exception as exc:  # noqa: BLE001 - onnxruntime has its own exception types
-            raise ModelFileError(f"cannot load Piper voice {onnx_file}: {exc}",
-                                 hint="the file may be truncated; re-pull it with `edge-rtgi models pull --force`") from None
+            raise ModelFileError(
+                f"cannot load Piper voice {onnx_file}: {exc}",
+                hint="the file may be truncated; re-pull it with `edge-rtgi models pull --force`",
+            ) from None
         self._input_names = {i.name for i in self._session.get_inputs()}
         self._phonemizer = EspeakPhonemizer.get()
         self._run_lock = threading.Lock()

@@ -9,8 +9,8 @@ A voice reply should start after the first clause, not after the whole answer. T
   ``because``, ``which``, ...), or before ``is``/``are``/``was``/``were`` after a subject of
   three or more words that does not end in a pronoun, once it has ``first_break_after_words``
   words and no quote or bracket is open: where a speaker would naturally pause. A first
-  sentence without commas then does not hold back the voice until its period. (Time to first audio is LLM time to that cut plus TTS time for
-  that chunk, and both grow with its length.)
+  sentence without commas then does not hold back the voice until its period. (Time to first
+  audio is LLM time to that cut plus TTS time for that chunk, and both grow with its length.)
 - A mark only ends a chunk when whitespace follows it, so ``3.14``, ``1,000`` and ``e.g.x``
   never split, and text still arriving is never cut mid-token. Closing quotes and brackets
   stay with the chunk they close.
@@ -27,10 +27,53 @@ from __future__ import annotations
 
 import re
 
-_TITLES = frozenset({"dr", "mr", "mrs", "ms", "prof", "st", "sr", "jr", "mt", "ft", "vs", "no", "fig", "gen",
-                     "gov", "sen", "rep", "rev", "capt", "col", "lt", "sgt", "approx", "dept", "est", "inc",
-                     "ltd", "co", "corp", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct",
-                     "nov", "dec", "cf", "al"})
+_TITLES = frozenset(
+    {
+        "dr",
+        "mr",
+        "mrs",
+        "ms",
+        "prof",
+        "st",
+        "sr",
+        "jr",
+        "mt",
+        "ft",
+        "vs",
+        "no",
+        "fig",
+        "gen",
+        "gov",
+        "sen",
+        "rep",
+        "rev",
+        "capt",
+        "col",
+        "lt",
+        "sgt",
+        "approx",
+        "dept",
+        "est",
+        "inc",
+        "ltd",
+        "co",
+        "corp",
+        "jan",
+        "feb",
+        "mar",
+        "apr",
+        "jun",
+        "jul",
+        "aug",
+        "sep",
+        "sept",
+        "oct",
+        "nov",
+        "dec",
+        "cf",
+        "al",
+    }
+)
 _INITIALISM = re.compile(r"^(?:[A-Za-z]\.)+[A-Za-z]?$")  # e.g / i.e / U.S
 _MARKS = re.compile(r"(\.\.\.|…|[.!?]+|[,;:])([\"'”’)\]]*)(?=\s)|\n\s*\n|\n")
 _MARKDOWN = re.compile(r"[*#`_]+|^\s*[-•]\s+", re.MULTILINE)
@@ -41,20 +84,62 @@ _CLOSERS = "\"'”’)]"
 # the boundary between a long subject and its predicate ("The capital of Australia | is
 # Canberra."), but not after a pronoun ("because they | are"). Lower case only: at a
 # sentence start they follow a period anyway.
-CLAUSE_WORDS = ("and", "but", "or", "because", "which", "who", "where", "when", "while", "although",
-                "though", "unless", "until", "whereas", "since")
+CLAUSE_WORDS = (
+    "and",
+    "but",
+    "or",
+    "because",
+    "which",
+    "who",
+    "where",
+    "when",
+    "while",
+    "although",
+    "though",
+    "unless",
+    "until",
+    "whereas",
+    "since",
+)
 COPULAS = ("is", "are", "was", "were")
 _BREAK = re.compile(r"(?<=\s)(" + "|".join(CLAUSE_WORDS + COPULAS) + r")(?=\s)")
-_PRONOUNS = frozenset({"i", "you", "he", "she", "it", "we", "they", "this", "that", "these", "those", "there",
-                       "here", "what", "which", "who", "where", "when", "how", "why", "one"})
+_PRONOUNS = frozenset(
+    {
+        "i",
+        "you",
+        "he",
+        "she",
+        "it",
+        "we",
+        "they",
+        "this",
+        "that",
+        "these",
+        "those",
+        "there",
+        "here",
+        "what",
+        "which",
+        "who",
+        "where",
+        "when",
+        "how",
+        "why",
+        "one",
+    }
+)
 _MIN_SUBJECT_WORDS = 3
 
 
 class ClauseSegmenter:
     """Incremental text -> speakable chunks. ``push`` deltas, then ``flush`` at the end."""
 
-    def __init__(self, min_first_clause_words: int = 3, max_chunk_chars: int = 220,
-                 first_break_after_words: int | None = 3):
+    def __init__(
+        self,
+        min_first_clause_words: int = 3,
+        max_chunk_chars: int = 220,
+        first_break_after_words: int | None = 3,
+    ):
         """``first_break_after_words`` None: the first chunk ends only at a mark."""
         if min_first_clause_words < 1 or max_chunk_chars < 1:
             raise ValueError("min_first_clause_words and max_chunk_chars must be >= 1")
@@ -108,7 +193,7 @@ class ClauseSegmenter:
             # Only a break word that comes before the mark cut matters; each cut depends only on
             # the text up to the whitespace after it, so delta sizes never change the result.
             for match in _BREAK.finditer(self._buf, 0, len(self._buf) if cut is None else cut):
-                if self._is_break(self._buf[:match.start()], match.group(1)):
+                if self._is_break(self._buf[: match.start()], match.group(1)):
                     return match.start()
         return cut
 
@@ -156,8 +241,12 @@ class ClauseSegmenter:
 
 def _inside_quote(text: str) -> bool:
     """True when ``text`` leaves a quote or bracket open ("Romeo and Juliet" is one name)."""
-    return (text.count('"') % 2 == 1 or text.count("“") > text.count("”")
-            or text.count("(") > text.count(")") or text.count("[") > text.count("]"))
+    return (
+        text.count('"') % 2 == 1
+        or text.count("“") > text.count("”")
+        or text.count("(") > text.count(")")
+        or text.count("[") > text.count("]")
+    )
 
 
 def is_abbreviation(token: str) -> bool:

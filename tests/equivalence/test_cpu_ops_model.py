@@ -25,7 +25,9 @@ from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, engine_for, run_staggered
 from tests.tiny_models import make_tiny_hf_model
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}"
+)
 
 MODES = ["per-op", "layer loop"]
 
@@ -114,7 +116,9 @@ def test_plan_follows_every_kind_of_weight_replacement(folder):
     o_proj._buffers["scales_and_zeros"] = o_proj.scales_and_zeros * 3
     check()
     cfg = loaded.config  # a module swapped behind nn.Module's back, to a full-precision layer
-    model.layers[-1].mlp._modules["down_proj"] = torch.nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+    model.layers[-1].mlp._modules["down_proj"] = torch.nn.Linear(
+        cfg.intermediate_size, cfg.hidden_size, bias=False
+    )
     changed = check()
     assert changed != first
 
@@ -132,7 +136,9 @@ def test_functional_call_and_hooks_and_short_stacks_fall_back_or_follow(folder):
             cache.commit()
             cache.begin(1)  # the decode step: the layer loop's case
             if overrides:
-                return torch.func.functional_call(model, overrides, (ids[-1:], torch.tensor([len(ids) - 1]), cache))
+                return torch.func.functional_call(
+                    model, overrides, (ids[-1:], torch.tensor([len(ids) - 1]), cache)
+                )
             return model(ids[-1:], torch.tensor([len(ids) - 1]), cache)
 
     base = last_hidden()
@@ -174,7 +180,8 @@ def test_bf16_logits_stay_close(folder, fused_mode):
     fused = teacher_forced_logits()
     with cpu_ops.disabled():
         plain = teacher_forced_logits()
-    kl = torch.nn.functional.kl_div(fused.log_softmax(-1), plain.log_softmax(-1), log_target=True,
-                                    reduction="batchmean").item()
+    kl = torch.nn.functional.kl_div(
+        fused.log_softmax(-1), plain.log_softmax(-1), log_target=True, reduction="batchmean"
+    ).item()
     assert kl < 1e-3, kl
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.9

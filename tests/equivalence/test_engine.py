@@ -148,7 +148,9 @@ def test_int8_kv_stays_close(llama):
     p = SamplingParams(max_tokens=8, ignore_eos=True)
     full = engine_for(llama).generate(prompts, p)
     int8 = engine_for(llama, kv_dtype="int8").generate(prompts, p)
-    agree = sum(a == b for x, y in zip(full, int8, strict=True) for a, b in zip(x.token_ids, y.token_ids, strict=True))
+    agree = sum(
+        a == b for x, y in zip(full, int8, strict=True) for a, b in zip(x.token_ids, y.token_ids, strict=True)
+    )
     assert agree >= 0.75 * 32
 
 
@@ -157,6 +159,10 @@ def test_switches_off_give_the_same_output(llama):
     prompts = [llama.tokenizer.encode(t) for t in TEXTS[:4]]
     p = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [reference(llama, x, p).token_ids for x in prompts]
-    for overrides in ({"enable_chunked_prefill": False}, {"enable_prefix_caching": False}, {"max_num_seqs": 1}):
+    for overrides in (
+        {"enable_chunked_prefill": False},
+        {"enable_prefix_caching": False},
+        {"max_num_seqs": 1},
+    ):
         got = engine_for(llama, **overrides).generate(prompts, p)
         assert [r.token_ids for r in got] == want, overrides

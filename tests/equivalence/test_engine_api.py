@@ -26,7 +26,9 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture
 def engine(loaded):
-    eng = LLMEngine.from_loaded(loaded, EngineConfig(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32))
+    eng = LLMEngine.from_loaded(
+        loaded, EngineConfig(block_size=4, num_kv_blocks=48, max_num_batched_tokens=32)
+    )
     yield eng
     eng.shutdown()
 

@@ -13,12 +13,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_engine_matches_plain_generation_on_smollm2():
-    engine = LLMEngine.from_config(EngineConfig(model="smollm2-135m-instruct", device="cpu", dtype="fp32",
-                                                max_num_batched_tokens=32, num_threads=2))
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model="smollm2-135m-instruct",
+            device="cpu",
+            dtype="fp32",
+            max_num_batched_tokens=32,
+            num_threads=2,
+        )
+    )
     try:
         tok = engine.tokenizer
-        chats = [[{"role": "user", "content": q}] for q in
-                 ("What is the capital of France?", "Name three colours.", "What is 2 + 2?")]
+        chats = [
+            [{"role": "user", "content": q}]
+            for q in ("What is the capital of France?", "Name three colours.", "What is 2 + 2?")
+        ]
         params = SamplingParams(max_tokens=12)
         results = engine.generate(chats, params)  # batched, prompts chunked over several steps
         for chat, got in zip(chats, results, strict=True):

@@ -67,7 +67,7 @@ def test_greedy_continuation_matches_hf(pair):
     ids = ours.tokenizer.encode(PROMPT)
     result = generate(ours, ids, SamplingParams(max_tokens=32))
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids) :].tolist()
     assert result.token_ids == ref
     assert len(ref) >= 8  # a continuation that ended at once would check little
 
@@ -79,8 +79,12 @@ def test_tokenizer_and_chat_template_match_hf(pair):
     hf_tok = AutoTokenizer.from_pretrained(folder)
     for text in (PROMPT, "  two spaces\nnewline \U0001f600", "<|im_start|>user\nhi<|im_end|>"):
         assert ours.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"},
-                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Capital of France?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Capital of France?"},
+    ]
     rendered = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ours.tokenizer.apply_chat_template(messages) == rendered
     hf_ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
@@ -104,14 +108,17 @@ def test_gguf_f32_conversion_is_exact(pair, tmp_path):
     gguf = load_model(write_tiny_gguf(folder, tmp_path / f"{arch}.gguf", "F32"), device="cpu", dtype="fp32")
     ids = ours.tokenizer.encode(PROMPT)
     assert gguf.tokenizer.encode(PROMPT) == ids
-    assert gguf.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == \
-        ours.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert gguf.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}]
+    ) == ours.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert (our_logits(gguf, ids) - our_logits(ours, ids)).abs().max() < 1e-5
 
 
 def test_gguf_q8_0_weights_within_quantisation_error(pair, tmp_path):
     arch, folder, ours, _ = pair
-    gguf = load_model(write_tiny_gguf(folder, tmp_path / f"{arch}-q8.gguf", "Q8_0"), device="cpu", dtype="fp32")
+    gguf = load_model(
+        write_tiny_gguf(folder, tmp_path / f"{arch}-q8.gguf", "Q8_0"), device="cpu", dtype="fp32"
+    )
     for name, ref in ours.model.state_dict().items():
         got = gguf.model.state_dict()[name]
         if ref.dim() == 2:  # Q8_0: blocks of 32 with one scale, error at most half a step

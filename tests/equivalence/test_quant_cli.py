@@ -23,10 +23,34 @@ def tiny_dir(tmp_path_factory):
 
 def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
     sens, plan, ckpt, report = (tmp_path / n for n in ("sens.yaml", "plan.yaml", "m.q.safetensors", "rep"))
-    rc = main(["quantize", str(tiny_dir), "--dtype", "fp32", "--profile", "--out", str(sens), "-q",
-               "--schemes", "int8,int4-g32,int4-g64", "--window-tokens", "64", "--calib-windows", "2",
-               "--target-bits", "5.5", "--plan-out", str(plan), "--save", str(ckpt), "--report", str(report),
-               "--eval-prompts", "200"])  # more than fit side by side: overlapping, resampled in runs
+    rc = main(
+        [
+            "quantize",
+            str(tiny_dir),
+            "--dtype",
+            "fp32",
+            "--profile",
+            "--out",
+            str(sens),
+            "-q",
+            "--schemes",
+            "int8,int4-g32,int4-g64",
+            "--window-tokens",
+            "64",
+            "--calib-windows",
+            "2",
+            "--target-bits",
+            "5.5",
+            "--plan-out",
+            str(plan),
+            "--save",
+            str(ckpt),
+            "--report",
+            str(report),
+            "--eval-prompts",
+            "200",
+        ]
+    )  # more than fit side by side: overlapping, resampled in runs
     assert rc == 0
     assert "groups:" in sens.read_text() and "layers.1.down:" in sens.read_text()
     loaded = load_model(tiny_dir, device="cpu", dtype="fp32")
@@ -50,11 +74,40 @@ def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
 
 def test_budget_below_minimum_is_one_line_error(tiny_dir, tmp_path, capsys):
     sens = tmp_path / "sens.yaml"
-    assert main(["quantize", str(tiny_dir), "--dtype", "fp32", "--profile", "--out", str(sens), "-q",
-                 "--schemes", "int8,int4-g64", "--window-tokens", "64", "--calib-windows", "1"]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(tiny_dir),
+                "--dtype",
+                "fp32",
+                "--profile",
+                "--out",
+                str(sens),
+                "-q",
+                "--schemes",
+                "int8,int4-g64",
+                "--window-tokens",
+                "64",
+                "--calib-windows",
+                "1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    rc = main(["quantize", str(tiny_dir), "--sensitivity", str(sens), "--target-bits", "3",
-               "--plan-out", str(tmp_path / "p.yaml")])
+    rc = main(
+        [
+            "quantize",
+            str(tiny_dir),
+            "--sensitivity",
+            str(sens),
+            "--target-bits",
+            "3",
+            "--plan-out",
+            str(tmp_path / "p.yaml"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "below the smallest plan" in err and "bits per weight" in err
     assert len(err.strip().splitlines()) == 1
@@ -70,6 +123,17 @@ def test_plan_naming_missing_layer_is_refused(tiny_dir, tmp_path, capsys):
 
 
 def test_eval_prompts_must_be_positive(tiny_dir, tmp_path, capsys):
-    rc = main(["quantize", str(tiny_dir), "--uniform", "int8", "--report", str(tmp_path / "r"), "--eval-prompts", "0"])
+    rc = main(
+        [
+            "quantize",
+            str(tiny_dir),
+            "--uniform",
+            "int8",
+            "--report",
+            str(tmp_path / "r"),
+            "--eval-prompts",
+            "0",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "--eval-prompts must be at least 1" in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,5 @@
-"""The engine's ``quant:`` setting: a quantised engine generates what the plain path does with the same weights."""
+"""The engine's ``quant:`` setting: a quantised engine generates what the plain path does
+with the same weights."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def test_engine_quant_checkpoint_matches_plain_quantised_generation(tmp_path):
     prompt = loaded.tokenizer.encode("The quick brown fox")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     expected = generate((reference, loaded.tokenizer), prompt, params).token_ids
-    engine = LLMEngine.from_config(EngineConfig(model=str(folder), device="cpu", dtype="fp32", quant=str(ckpt),
-                                                block_size=4, num_kv_blocks=64))
+    engine = LLMEngine.from_config(
+        EngineConfig(
+            model=str(folder), device="cpu", dtype="fp32", quant=str(ckpt), block_size=4, num_kv_blocks=64
+        )
+    )
     try:
         assert any(isinstance(m, Int4Linear) for m in engine.model.modules())
         assert engine.generate([prompt], params)[0].token_ids == expected

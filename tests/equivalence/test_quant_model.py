@@ -71,8 +71,13 @@ def test_bf16_activation_path_runs_and_stays_close(tiny):
 
 def test_checkpoint_round_trip_is_bit_exact(tiny, tmp_path):
     groups = model_groups(tiny.model)
-    plan = QuantPlan({g.name: s for g, s in zip(groups, ["int8", "int4-g32", "int4sym-g64", "int4-g64"] * 99,
-                                                strict=False)}, "none")
+    plan = QuantPlan(
+        {
+            g.name: s
+            for g, s in zip(groups, ["int8", "int4-g32", "int4sym-g64", "int4-g64"] * 99, strict=False)
+        },
+        "none",
+    )
     path = tmp_path / "m.q.safetensors"
     resolved = save_quantized_checkpoint(tiny.model, plan, path)
     direct = copy.deepcopy(tiny.model)
@@ -90,8 +95,11 @@ def test_checkpoint_round_trip_is_bit_exact(tiny, tmp_path):
 def test_checkpoint_for_another_model_is_refused_with_the_names(tiny, tmp_path):
     path = tmp_path / "m.q.safetensors"
     save_quantized_checkpoint(tiny.model, QuantPlan(default="int8"), path)
-    other = load_model(make_tiny_hf_model("llama", tmp_path, seed=1, num_hidden_layers=3, intermediate_size=192),
-                       device="cpu", dtype="fp32")
+    other = load_model(
+        make_tiny_hf_model("llama", tmp_path, seed=1, num_hidden_layers=3, intermediate_size=192),
+        device="cpu",
+        dtype="fp32",
+    )
     with pytest.raises(ModelFileError, match=r"does not match.*num_layers: checkpoint 2 vs model 3") as err:
         load_quantized_checkpoint(path, other.model)
     assert "intermediate_size" in str(err.value)
@@ -123,8 +131,9 @@ def test_cpu_without_bf16_runs_on_the_fp32_path_with_a_warning(tiny, monkeypatch
 
 def test_profile_table_covers_every_group_and_int8_is_least_sensitive(tiny):
     schemes = ("int8", "int4-g32", "int4sym-g64")
-    table = profile_sensitivity(tiny.model, tiny.tokenizer, schemes, window_tokens=48, max_windows=2,
-                                progress=False)
+    table = profile_sensitivity(
+        tiny.model, tiny.tokenizer, schemes, window_tokens=48, max_windows=2, progress=False
+    )
     groups = model_groups(tiny.model)
     assert set(table.kl) == {g.name for g in groups}
     for name, row in table.kl.items():
@@ -155,7 +164,7 @@ def test_smollm2_int8_everything_is_close_and_int4_g64_is_not_free():
 def test_batched_greedy_continuations_equal_one_by_one(tiny):
     """The report decodes its evaluation prompts as one batch; each row must be the batch-1 result."""
     ids = _ids(tiny, 120)
-    prompts = torch.stack([ids[i * 20:i * 20 + 16] for i in range(5)])
+    prompts = torch.stack([ids[i * 20 : i * 20 + 16] for i in range(5)])
     quant = copy.deepcopy(tiny.model)
     apply_quant_plan(quant, QuantPlan(default="int8"))
     for model in (tiny.model, quant):
@@ -165,11 +174,22 @@ def test_batched_greedy_continuations_equal_one_by_one(tiny):
 
 def test_compare_quality_of_the_full_model_against_itself_is_perfect(tiny):
     text = calibration_text("heldout")
-    result = compare_quality(tiny.model, tiny.model, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
-                             new_tokens=8, max_prompts=6, resamples=200)
+    result = compare_quality(
+        tiny.model,
+        tiny.model,
+        tiny.tokenizer,
+        text,
+        window_tokens=64,
+        prompt_tokens=16,
+        new_tokens=8,
+        max_prompts=6,
+        resamples=200,
+    )
     assert result.mean_kl == pytest.approx(0.0, abs=1e-9) and result.next_token_agreement == 1.0
     assert result.quality_retention == result.retention_low == result.retention_high == 1.0
-    assert result.token_accuracy_full == result.token_accuracy_quant and result.token_accuracy_retention == 1.0
+    assert (
+        result.token_accuracy_full == result.token_accuracy_quant and result.token_accuracy_retention == 1.0
+    )
     assert result.prompts == 6 and sum(result.window_tokens) == result.tokens
     assert result.kl_low <= result.mean_kl <= result.kl_high + 1e-12
 
@@ -189,13 +209,31 @@ def test_overlapping_evaluation_prompts_are_resampled_in_blocks(tiny, monkeypatc
     quant = copy.deepcopy(tiny.model)
     apply_quant_plan(quant, QuantPlan(default="int4-g32"))  # a different model: a real interval
     text = calibration_text("heldout")
-    result = compare_quality(tiny.model, quant, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
-                             new_tokens=8, max_prompts=200, resamples=200)
+    result = compare_quality(
+        tiny.model,
+        quant,
+        tiny.tokenizer,
+        text,
+        window_tokens=64,
+        prompt_tokens=16,
+        new_tokens=8,
+        max_prompts=200,
+        resamples=200,
+    )
     assert result.prompts == 200 and result.prompt_stride_tokens < 24
     assert blocks_used[-1] == result.bootstrap_block_prompts == 2 * -(-24 // result.prompt_stride_tokens)
     assert result.retention_low <= result.quality_retention <= result.retention_high
-    apart = compare_quality(tiny.model, quant, tiny.tokenizer, text, window_tokens=64, prompt_tokens=16,
-                            new_tokens=8, max_prompts=12, resamples=50)
+    apart = compare_quality(
+        tiny.model,
+        quant,
+        tiny.tokenizer,
+        text,
+        window_tokens=64,
+        prompt_tokens=16,
+        new_tokens=8,
+        max_prompts=12,
+        resamples=50,
+    )
     assert apart.prompt_stride_tokens >= 24 and blocks_used[-1] == apart.bootstrap_block_prompts == 1
     with pytest.raises(ValueError, match="max_prompts"):
         compare_quality(tiny.model, quant, tiny.tokenizer, text, max_prompts=0)
@@ -217,13 +255,16 @@ def test_collect_importance_is_the_mean_squared_input_of_each_linear(tiny):
             finals.append(tiny.model(window, torch.arange(32), cache))
     expected = (torch.cat(finals) ** 2).mean(0)
     torch.testing.assert_close(importance["lm_head"], expected, rtol=1e-4, atol=1e-7)
-    assert all(isinstance(tiny.model.get_submodule(g.module_path), torch.nn.Linear) for g in groups)  # no hooks left
+    assert all(
+        isinstance(tiny.model.get_submodule(g.module_path), torch.nn.Linear) for g in groups
+    )  # no hooks left
     assert not any(m._forward_pre_hooks for m in tiny.model.modules())
 
 
 def test_fitted_checkpoint_round_trip_is_bit_exact_and_says_how_it_was_quantised(tiny, tmp_path):
-    importance = collect_importance(tiny.model, tiny.tokenizer, calibration_text("heldout"), window_tokens=32,
-                                    max_windows=2)
+    importance = collect_importance(
+        tiny.model, tiny.tokenizer, calibration_text("heldout"), window_tokens=32, max_windows=2
+    )
     plan = QuantPlan({"lm_head": "int8"}, "int4-g32")
     path = tmp_path / "fitted.safetensors"
     save_quantized_checkpoint(tiny.model, plan, path, importance)
@@ -247,16 +288,18 @@ def test_smollm2_fitted_int4_g64_loses_far_less_than_min_max_grids():
     kls = {}
     for name, weights in (("min-max", None), ("fitted", importance)):
         quant = copy.deepcopy(loaded.model)
-        apply_quant_plan(quant, QuantPlan({"lm_head": "int8"}, "int4-g64"), dtype=torch.bfloat16,
-                         importance=weights)
+        apply_quant_plan(
+            quant, QuantPlan({"lm_head": "int8"}, "int4-g64"), dtype=torch.bfloat16, importance=weights
+        )
         kls[name] = _mean_kl(loaded.model, quant, ids)
         del quant
     assert kls["fitted"] < 0.6 * kls["min-max"], kls
 
 
 def test_importance_that_misses_a_planned_group_is_refused_with_its_name(tiny):
-    importance = collect_importance(tiny.model, tiny.tokenizer, calibration_text("heldout"), window_tokens=32,
-                                    max_windows=1)
+    importance = collect_importance(
+        tiny.model, tiny.tokenizer, calibration_text("heldout"), window_tokens=32, max_windows=1
+    )
     del importance["lm_head"]
     quant = copy.deepcopy(tiny.model)
     with pytest.raises(ConfigError, match="the importance has no entry for lm_head"):

@@ -20,8 +20,10 @@ MODEL = "smollm2-135m-instruct"
 RAW_PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    "]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a concise assistant."},
-     {"role": "user", "content": "Name two fruits that are yellow."}],
+    [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "Name two fruits that are yellow."},
+    ],
 ]
 TEXTS = [
     "Hello world! How are you today?",
@@ -58,20 +60,31 @@ def hf_tokenizer(gguf_path):
 def hf_model(gguf_path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
 
 
 def hf_greedy(hf_model, ids: list[int]) -> list[int]:
     with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=NEW_TOKENS, do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_config_from_gguf_metadata(ours):
     cfg = ours.config
-    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
     assert ours.tokenizer.eos_token_ids == (2,) and ours.tokenizer.eos_token == "<|im_end|>"
 
@@ -80,8 +93,9 @@ def test_tokenizer_matches_transformers(ours, hf_tokenizer):
     for text in TEXTS:
         ids = ours.tokenizer.encode(text)
         assert ids == hf_tokenizer.encode(text, add_special_tokens=False), text
-        assert ours.tokenizer.decode(ids, skip_special_tokens=False) == \
-            hf_tokenizer.decode(ids, skip_special_tokens=False)
+        assert ours.tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(
+            ids, skip_special_tokens=False
+        )
 
 
 @pytest.mark.parametrize("chat", CHATS)

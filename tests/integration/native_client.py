@@ -43,8 +43,9 @@ def speak_16k(voice, text: str, lead_s: float = 0.3, tail_s: float = 1.0) -> np.
     """``text`` spoken by a real TTS voice, as int16 PCM at 16 kHz with silence around it."""
     pcm = np.concatenate(list(voice.synthesize_stream(text)))
     audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
-    audio = np.concatenate([np.zeros(int(lead_s * 16000), np.float32), audio,
-                            np.zeros(int(tail_s * 16000), np.float32)])
+    audio = np.concatenate(
+        [np.zeros(int(lead_s * 16000), np.float32), audio, np.zeros(int(tail_s * 16000), np.float32)]
+    )
     return float32_to_pcm16(audio)
 
 
@@ -111,7 +112,7 @@ class NativeClient:
         loop = asyncio.get_running_loop()
         start = loop.time()
         for i in range(0, len(pcm), step):
-            await self.ws.send(pcm[i:i + step].astype("<i2").tobytes())
+            await self.ws.send(pcm[i : i + step].astype("<i2").tobytes())
             delay = start + (i + step) / 16000 / speed - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -121,6 +122,7 @@ class NativeClient:
 
     async def wait_for(self, predicate, timeout: float = EVENT_TIMEOUT_S) -> dict:
         """The first recorded message head satisfying ``predicate`` (waits for it)."""
+
         async def find():
             async with self._changed:
                 while True:
@@ -130,15 +132,20 @@ class NativeClient:
                     if self._reader.done():
                         raise AssertionError(f"connection ended; got {[h['type'] for h, _ in self.messages]}")
                     await self._changed.wait()
+
         return await asyncio.wait_for(find(), timeout)
 
     async def wait_type(self, kind: str, timeout: float = EVENT_TIMEOUT_S, **fields) -> dict:
-        return await self.wait_for(lambda h: h["type"] == kind and all(h.get(k) == v for k, v in fields.items()),
-                                   timeout)
+        return await self.wait_for(
+            lambda h: h["type"] == kind and all(h.get(k) == v for k, v in fields.items()), timeout
+        )
 
     def audio(self, response_id: str) -> tuple[np.ndarray, int]:
-        chunks = [(np.frombuffer(p, "<i2"), h["sample_rate_hz"]) for h, p in self.messages
-                  if h["type"] == "response.audio" and h["response_id"] == response_id and p is not None]
+        chunks = [
+            (np.frombuffer(p, "<i2"), h["sample_rate_hz"])
+            for h, p in self.messages
+            if h["type"] == "response.audio" and h["response_id"] == response_id and p is not None
+        ]
         if not chunks:
             return np.zeros(0, np.int16), 0
         return np.concatenate([c for c, _ in chunks]), chunks[0][1]

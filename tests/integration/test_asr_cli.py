@@ -19,8 +19,13 @@ TEXT = "The library closes early on public holidays."
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edge_rtgi.cli", *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ})
+    return subprocess.run(
+        [sys.executable, "-m", "edge_rtgi.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
+    )
 
 
 def _assert_clean_error(done: subprocess.CompletedProcess, needle: str) -> None:
@@ -58,12 +63,16 @@ def test_truncated_and_non_wav_files(tmp_path):
 def test_missing_or_broken_model(tmp_path):
     path = tmp_path / "ok.wav"
     write_wav(path, np.zeros(1600, np.float32), 16000)
-    _assert_clean_error(_cli("transcribe", str(path), "--model", str(tmp_path / "no" / "model")),
-                        "whisper model folder not found")
+    _assert_clean_error(
+        _cli("transcribe", str(path), "--model", str(tmp_path / "no" / "model")),
+        "whisper model folder not found",
+    )
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     _assert_clean_error(_cli("transcribe", str(path), "--model", str(broken)), "lacks model.bin")
     (broken / "model.bin").write_bytes(b"\x00" * 100)  # a truncated download
     _assert_clean_error(_cli("transcribe", str(path), "--model", str(broken)), "cannot load whisper model")
-    _assert_clean_error(_cli("transcribe", str(path), "--task", "translate"), "needs a multilingual whisper model")
+    _assert_clean_error(
+        _cli("transcribe", str(path), "--task", "translate"), "needs a multilingual whisper model"
+    )

@@ -29,8 +29,11 @@ from tests.integration.native_client import steady_voice
 
 pytestmark = pytest.mark.slow
 
-SENTENCES = [s.strip() for s in (Path(__file__).parents[1] / "data" / "sentences_en.txt").read_text().splitlines()
-             if s.strip()]
+SENTENCES = [
+    s.strip()
+    for s in (Path(__file__).parents[1] / "data" / "sentences_en.txt").read_text().splitlines()
+    if s.strip()
+]
 LEAD_IN = np.zeros(8000, np.float32)  # 0.5 s of silence before speech, as a speaker would leave
 
 
@@ -59,7 +62,9 @@ def vad() -> SileroVad:
 
 @pytest.fixture(scope="module")
 def streamed(corpus, asr, vad) -> list[list]:
-    return [stream_samples(StreamingTranscriber(asr, vad=vad), np.concatenate([LEAD_IN, x])) for _, x in corpus]
+    return [
+        stream_samples(StreamingTranscriber(asr, vad=vad), np.concatenate([LEAD_IN, x])) for _, x in corpus
+    ]
 
 
 def test_corpus_is_about_twenty_sentences():
@@ -96,11 +101,18 @@ def test_short_end_pad_speculates_the_final_without_losing_words(corpus, asr, st
     100/64/32/0 ms end pad gave identical words in a same-audio comparison, docs/daemon.md)."""
     from edge_rtgi.asr.config import VadConfig
 
-    config = AsrConfig(model="whisper-tiny.en", cpu_threads=2,
-                       vad=VadConfig(min_silence_ms=300, speech_pad_ms=100, end_pad_ms=64))
+    config = AsrConfig(
+        model="whisper-tiny.en",
+        cpu_threads=2,
+        vad=VadConfig(min_silence_ms=300, speech_pad_ms=100, end_pad_ms=64),
+    )
     files = corpus[:6]
-    events = [stream_samples(StreamingTranscriber(asr, config, vad=SileroVad(config.vad)), np.concatenate([LEAD_IN, x]))
-              for _, x in files]
+    events = [
+        stream_samples(
+            StreamingTranscriber(asr, config, vad=SileroVad(config.vad)), np.concatenate([LEAD_IN, x])
+        )
+        for _, x in files
+    ]
     finals = [e for ev in events for e in ev if isinstance(e, FinalTranscript)]
     assert len(finals) == len(files)
     for final in finals:
@@ -108,7 +120,7 @@ def test_short_end_pad_speculates_the_final_without_losing_words(corpus, asr, st
         assert final.segments[-1].end_audio_s <= final.speech_end_audio_s + 0.064 + 1e-6
     refs = [t for t, _ in files]
     wer_short = word_error_rate(refs, [final_text(ev) for ev in events])
-    wer_default = word_error_rate(refs, [final_text(ev) for ev in streamed[:len(files)]])
+    wer_default = word_error_rate(refs, [final_text(ev) for ev in streamed[: len(files)]])
     words = sum(len(t.split()) for t in refs)
     assert wer_short <= wer_default + 2 / words + 1e-9, (wer_short, wer_default)
 
@@ -123,7 +135,9 @@ def test_partials_are_stable_on_every_file(streamed):
         assert partials, "partials must appear while the sentence is spoken"
     # Words get committed while the speaker is still talking, on most files (a 3 s sentence
     # gets only 2-3 decodes, so two of them may disagree to the end on a few files).
-    committing = sum(any(isinstance(e, PartialTranscript) and e.committed_text for e in events) for events in streamed)
+    committing = sum(
+        any(isinstance(e, PartialTranscript) and e.committed_text for e in events) for events in streamed
+    )
     assert committing >= len(streamed) // 2
 
 
@@ -140,18 +154,25 @@ def test_final_carries_timestamps_within_the_audio(corpus, streamed):
 @pytest.mark.parametrize("kind", ["silence", "white_noise"])
 def test_silence_and_noise_give_no_transcript(asr, vad, kind):
     rng = np.random.default_rng(7)
-    audio = np.zeros(160000, np.float32) if kind == "silence" else (rng.standard_normal(160000) * 0.05).astype(np.float32)
+    audio = (
+        np.zeros(160000, np.float32)
+        if kind == "silence"
+        else (rng.standard_normal(160000) * 0.05).astype(np.float32)
+    )
     events = stream_samples(StreamingTranscriber(asr, vad=vad), audio)
     assert [e for e in events if isinstance(e, (PartialTranscript, FinalTranscript))] == []
 
 
 def _trim(x: np.ndarray, floor: float = 0.01) -> np.ndarray:
     loud = np.nonzero(np.abs(x) > floor)[0]
-    return x[loud[0]:loud[-1] + 1]
+    return x[loud[0] : loud[-1] + 1]
 
 
-@pytest.mark.parametrize(("first", "chunk_ms"), [(1, (20, 30, 40)), (1, (2000,)), (9, (20, 30, 40))],
-                         ids=["live", "backlog", "live-2"])
+@pytest.mark.parametrize(
+    ("first", "chunk_ms"),
+    [(1, (20, 30, 40)), (1, (2000,)), (9, (20, 30, 40))],
+    ids=["live", "backlog", "live-2"],
+)
 def test_long_speech_is_split_without_losing_words(corpus, asr, vad, first, chunk_ms):
     """Three sentences without pauses (about 9-10 s) exceed max_utterance_s (5 s) and get split.
 
@@ -161,8 +182,8 @@ def test_long_speech_is_split_without_losing_words(corpus, asr, vad, first, chun
     real-time loop does after a stalled decode: the limit is passed by up to 2 s before the
     cut can be made."""
     config = AsrConfig(model="whisper-tiny.en", max_utterance_s=5.0)
-    texts = [t for t, _ in corpus[first:first + 3]]
-    audio = np.concatenate([LEAD_IN] + [_trim(x) for _, x in corpus[first:first + 3]])
+    texts = [t for t, _ in corpus[first : first + 3]]
+    audio = np.concatenate([LEAD_IN] + [_trim(x) for _, x in corpus[first : first + 3]])
     events = stream_samples(StreamingTranscriber(asr, config=config, vad=vad), audio, chunk_ms=chunk_ms)
     ends = [e for e in events if isinstance(e, SpeechEnded)]
     finals = [e for e in events if isinstance(e, FinalTranscript)]
@@ -183,7 +204,9 @@ def test_unsupported_rate_and_channels_are_converted(tmp_path, corpus, asr, vad,
     stereo_48k = np.stack([stereo_48k, stereo_48k * 0.5], axis=1)
     path = tmp_path / "stereo48k.wav"
     write_wav(path, stereo_48k, 48000)
-    events = stream_samples(StreamingTranscriber(asr, vad=vad), np.concatenate([LEAD_IN, read_wav_mono(path)]))
+    events = stream_samples(
+        StreamingTranscriber(asr, vad=vad), np.concatenate([LEAD_IN, read_wav_mono(path)])
+    )
     mono_wer = word_error_rate([text], [final_text(streamed[1])])
     assert word_error_rate([text], [final_text(events)]) <= mono_wer + 1.0 / len(text.split()) + 1e-9
 
@@ -221,10 +244,14 @@ def test_blocklist_drops_only_unsure_stock_phrases(asr, vad):
     from edge_rtgi.asr.whisper import DecodedSegment, Hypothesis
 
     def hyp(text: str, avg_logprob: float, no_speech_prob: float) -> Hypothesis:
-        return Hypothesis(text, (DecodedSegment(text, 0.0, 1.0, avg_logprob, no_speech_prob, 1.2),), "en", 1.0)
+        return Hypothesis(
+            text, (DecodedSegment(text, 0.0, 1.0, avg_logprob, no_speech_prob, 1.2),), "en", 1.0
+        )
 
     tr = StreamingTranscriber(asr, vad=vad)
     assert tr._is_hallucination("Thanks for watching!", hyp("Thanks for watching!", -0.9, 0.05))
     assert tr._is_hallucination("Subtitles by the Amara.org community", hyp("x", -0.2, 0.5))
-    assert not tr._is_hallucination("Thanks for watching!", hyp("Thanks for watching!", -0.1, 0.01))  # sure: kept
+    assert not tr._is_hallucination(
+        "Thanks for watching!", hyp("Thanks for watching!", -0.1, 0.01)
+    )  # sure: kept
     assert not tr._is_hallucination("Thanks for the tea.", hyp("Thanks for the tea.", -0.9, 0.05))

@@ -18,18 +18,40 @@ CLI = [sys.executable, "-m", "edge_rtgi.cli"]
 @pytest.mark.slow
 async def test_bench_drives_the_daemon_over_websocket(tmp_path):
     cfg = tmp_path / "daemon.yaml"
-    cfg.write_text(f"pipelines: [{ROOT / 'pipelines' / 'translate-en-es.yaml'}]\n"
-                   "default_pipeline: translate-en-es\nserver: {port: 0, drain_timeout_s: 5}\n")
-    daemon = await asyncio.create_subprocess_exec(*CLI, "serve", "--config", str(cfg), cwd=ROOT,
-                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    cfg.write_text(
+        f"pipelines: [{ROOT / 'pipelines' / 'translate-en-es.yaml'}]\n"
+        "default_pipeline: translate-en-es\nserver: {port: 0, drain_timeout_s: 5}\n"
+    )
+    daemon = await asyncio.create_subprocess_exec(
+        *CLI,
+        "serve",
+        "--config",
+        str(cfg),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         line = (await asyncio.wait_for(daemon.stdout.readline(), 300)).decode()
         port = int(re.search(r":(\d+)/v1/native", line).group(1))
         out = tmp_path / "report"
         bench = await asyncio.create_subprocess_exec(
-            *CLI, "bench", "workloads", "--connect", f"ws://127.0.0.1:{port}/v1/native", "--workloads",
-            "translation", "--num-requests", "3", "--report", str(out), cwd=ROOT, env=dict(os.environ),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            *CLI,
+            "bench",
+            "workloads",
+            "--connect",
+            f"ws://127.0.0.1:{port}/v1/native",
+            "--workloads",
+            "translation",
+            "--num-requests",
+            "3",
+            "--report",
+            str(out),
+            cwd=ROOT,
+            env=dict(os.environ),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         stdout, stderr = await asyncio.wait_for(bench.communicate(), 300)
         assert bench.returncode == 0, stderr.decode()[-2000:]
     finally:

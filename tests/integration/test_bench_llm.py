@@ -16,10 +16,39 @@ def test_bench_llm_smoke(tmp_path, dtype, quant):
     folder = make_tiny_hf_model("llama", tmp_path, seed=1)
     report = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "edge_rtgi.cli", "bench", "llm", "--model", str(folder), "--dtype", dtype, "--quant", quant,
-         "--runs", "1", "--decode-tokens", "4", "--ttft-prompt-tokens", "96", "--cached-prefix-tokens", "64",
-         "--concurrency", "3", "--concurrent-max-tokens", "4", "--threads", "1", "--report", str(report)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "edge_rtgi.cli",
+            "bench",
+            "llm",
+            "--model",
+            str(folder),
+            "--dtype",
+            dtype,
+            "--quant",
+            quant,
+            "--runs",
+            "1",
+            "--decode-tokens",
+            "4",
+            "--ttft-prompt-tokens",
+            "96",
+            "--cached-prefix-tokens",
+            "64",
+            "--concurrency",
+            "3",
+            "--concurrent-max-tokens",
+            "4",
+            "--threads",
+            "1",
+            "--report",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| batch-1 decode, tok/s |" in proc.stdout and "speed-up" in proc.stdout
     results = json.loads((report / "llm.json").read_text())
@@ -31,6 +60,20 @@ def test_bench_llm_smoke(tmp_path, dtype, quant):
 
 
 def test_bench_llm_rejects_bad_sizes():
-    proc = subprocess.run([sys.executable, "-m", "edge_rtgi.cli", "bench", "llm", "--ttft-prompt-tokens", "64",
-                           "--cached-prefix-tokens", "64"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "edge_rtgi.cli",
+            "bench",
+            "llm",
+            "--ttft-prompt-tokens",
+            "64",
+            "--cached-prefix-tokens",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--cached-prefix-tokens (64)" in proc.stderr

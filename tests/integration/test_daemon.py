@@ -23,8 +23,14 @@ CLI = [sys.executable, "-m", "edge_rtgi.cli"]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
@@ -33,8 +39,16 @@ def test_systemd_unit_verifies():
     out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     text = unit.read_text()
-    for line in ("Type=notify", "Restart=on-failure", "DynamicUser=yes", "ProtectSystem=strict",
-                 "PrivateTmp=yes", "NoNewPrivileges=yes", "ProtectHome=yes", "--config /etc/edge-rtgi/edge-rtgi.yaml"):
+    for line in (
+        "Type=notify",
+        "Restart=on-failure",
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "ProtectHome=yes",
+        "--config /etc/edge-rtgi/edge-rtgi.yaml",
+    ):
         assert line in text
 
 
@@ -47,8 +61,9 @@ def test_non_loopback_bind_without_token_refuses_to_start():
 def test_pipeline_typo_fails_at_start_with_the_line(tmp_path):
     pipes = tmp_path / "pipelines"
     pipes.mkdir()
-    (pipes / "mine.yaml").write_text("name: mine\nstages:\n  - asr:\n      model: whisper-tiny.en\n"
-                                     "      lenguage: en\n")
+    (pipes / "mine.yaml").write_text(
+        "name: mine\nstages:\n  - asr:\n      model: whisper-tiny.en\n      lenguage: en\n"
+    )
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text("pipelines: [pipelines]\ndefault_pipeline: mine\n")
     out = run_cli("serve", "--config", str(cfg), "--port", "0")
@@ -65,11 +80,20 @@ async def test_serve_notifies_systemd_and_drains_on_sigterm(tmp_path):
     notify.bind(str(notify_path))
     notify.setblocking(False)
     cfg = tmp_path / "daemon.yaml"
-    cfg.write_text(f"pipelines: [{ROOT / 'pipelines' / 'translate-en-es.yaml'}]\n"
-                   "default_pipeline: translate-en-es\nserver: {port: 0, drain_timeout_s: 20}\n")
+    cfg.write_text(
+        f"pipelines: [{ROOT / 'pipelines' / 'translate-en-es.yaml'}]\n"
+        "default_pipeline: translate-en-es\nserver: {port: 0, drain_timeout_s: 20}\n"
+    )
     proc = await asyncio.create_subprocess_exec(
-        *CLI, "serve", "--config", str(cfg), cwd=ROOT, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL, env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
+        *CLI,
+        "serve",
+        "--config",
+        str(cfg),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
+    )
     loop = asyncio.get_running_loop()
     try:
         ready = await asyncio.wait_for(loop.sock_recv(notify, 4096), 240)

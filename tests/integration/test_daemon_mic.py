@@ -24,20 +24,42 @@ TEXT = "Good morning. I would like a cup of coffee."
 
 
 def test_translate_mic_prints_captions_and_writes_audio(pulse, tmp_path):  # noqa: F811
-    subprocess.run(["pactl", "load-module", "module-null-sink", "sink_name=vspk"], env=pulse, check=True,
-                   capture_output=True, timeout=30)
+    subprocess.run(
+        ["pactl", "load-module", "module-null-sink", "sink_name=vspk"],
+        env=pulse,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     subprocess.run(["pactl", "set-default-sink", "vspk"], env=pulse, check=True, timeout=30)
     voice = steady_voice(make_tts("piper-en_US-joe-medium"))
     pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
     wav = tmp_path / "speech.wav"
     write_wav(wav, pcm, voice.sample_rate_hz)
     out_wav = tmp_path / "translated.wav"
-    stdout = run_cli_with_mic(["translate", "--mic", "--from", "en", "--to", "es",
-                               "--duration", f"{len(pcm) / voice.sample_rate_hz + 5:.1f}",
-                               "--no-speak", "--out", str(out_wav)], wav, pulse, tmp_path)
+    stdout = run_cli_with_mic(
+        [
+            "translate",
+            "--mic",
+            "--from",
+            "en",
+            "--to",
+            "es",
+            "--duration",
+            f"{len(pcm) / voice.sample_rate_hz + 5:.1f}",
+            "--no-speak",
+            "--out",
+            str(out_wav),
+        ],
+        wav,
+        pulse,
+        tmp_path,
+    )
     lines = stdout.splitlines()
-    sources = " ".join(line[len("[source] "):] for line in lines if line.startswith("[source] "))
-    translations = " ".join(line[len("[translation] "):] for line in lines if line.startswith("[translation] "))
+    sources = " ".join(line[len("[source] ") :] for line in lines if line.startswith("[source] "))
+    translations = " ".join(
+        line[len("[translation] ") :] for line in lines if line.startswith("[translation] ")
+    )
     assert wer(TEXT, sources) <= 0.2, lines
     assert "café" in translations.lower(), lines
     audio, rate = read_wav(out_wav)

@@ -32,14 +32,28 @@ TEXT = "Please turn off the kitchen lights before you leave the house."
 @pytest.fixture()
 def pulse(tmp_path):
     if shutil.which("pulseaudio") is None or shutil.which("paplay") is None:
-        pytest.skip("pulseaudio / pulseaudio-utils are not installed (apt-get install pulseaudio pulseaudio-utils)")
+        pytest.skip(
+            "pulseaudio / pulseaudio-utils are not installed (apt-get install pulseaudio pulseaudio-utils)"
+        )
     runtime = tmp_path / "xdg"
     runtime.mkdir(mode=0o700)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "HOME": str(tmp_path)}
     env.pop("PULSE_SERVER", None)
-    subprocess.run(["pulseaudio", "--daemonize=yes", "--exit-idle-time=-1", "-n", "--load=module-native-protocol-unix",
-                    "--load=module-null-sink sink_name=vmic", "--load=module-always-sink"],
-                   env=env, check=True, capture_output=True, timeout=30)
+    subprocess.run(
+        [
+            "pulseaudio",
+            "--daemonize=yes",
+            "--exit-idle-time=-1",
+            "-n",
+            "--load=module-native-protocol-unix",
+            "--load=module-null-sink sink_name=vmic",
+            "--load=module-always-sink",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     pid_file = runtime / "pulse" / "pid"
     try:
         subprocess.run(["pactl", "set-default-source", "vmic.monitor"], env=env, check=True, timeout=30)
@@ -66,8 +80,9 @@ def run_cli_with_mic(cli_args: list[str], wav: Path, pulse: dict, tmp_path: Path
     listens, and return its stdout. The command must end by itself with exit 0."""
     err_path, out_path = tmp_path / "stderr.txt", tmp_path / "stdout.txt"
     with open(err_path, "w") as err, open(out_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "edge_rtgi.cli", *cli_args],
-                                stdout=out, stderr=err, env=pulse)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_rtgi.cli", *cli_args], stdout=out, stderr=err, env=pulse
+        )
         try:
             _wait_for(err_path, "listening", 240)
             subprocess.run(["paplay", "-d", "vmic", str(wav)], env=pulse, check=True, timeout=60)
@@ -85,8 +100,9 @@ def test_transcribe_mic_through_pulseaudio(pulse, tmp_path):
     write_wav(wav, pcm, voice.sample_rate_hz)
     speech_s = len(pcm) / voice.sample_rate_hz
 
-    stdout = run_cli_with_mic(["transcribe", "--mic", "--json", "--seconds", f"{speech_s + 6:.1f}"],
-                              wav, pulse, tmp_path)
+    stdout = run_cli_with_mic(
+        ["transcribe", "--mic", "--json", "--seconds", f"{speech_s + 6:.1f}"], wav, pulse, tmp_path
+    )
     events = [json.loads(line) for line in stdout.splitlines() if line.strip()]
     finals = [e["text"] for e in events if e["type"] == "final_transcript"]
     assert any(e["type"] == "speech_started" for e in events)
@@ -100,11 +116,26 @@ def test_speak_plays_on_the_pulseaudio_speaker(pulse, tmp_path):
     if shutil.which("parecord") is None:
         pytest.skip("parecord (pulseaudio-utils) is not installed")
     captured = tmp_path / "captured.wav"
-    recorder = subprocess.Popen(["parecord", "-d", "vmic.monitor", "--file-format=wav", str(captured)], env=pulse)
+    recorder = subprocess.Popen(
+        ["parecord", "-d", "vmic.monitor", "--file-format=wav", str(captured)], env=pulse
+    )
     try:
         time.sleep(1.0)
-        done = subprocess.run([sys.executable, "-m", "edge_rtgi.cli", "speak", "Testing the speaker, one two three.",
-                               "--voice", "espeak"], env=pulse, capture_output=True, text=True, timeout=240)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "edge_rtgi.cli",
+                "speak",
+                "Testing the speaker, one two three.",
+                "--voice",
+                "espeak",
+            ],
+            env=pulse,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert done.returncode == 0, done.stderr
         time.sleep(0.5)
     finally:

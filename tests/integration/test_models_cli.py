@@ -19,8 +19,13 @@ def run_cli(*args: str, cache: Path, catalog: Path | None = None, **env: str) ->
     full_env.pop("EDGE_RTGI_CATALOG", None)
     if catalog is not None:
         full_env["EDGE_RTGI_CATALOG"] = str(catalog)
-    return subprocess.run([sys.executable, "-m", "edge_rtgi.cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "edge_rtgi.cli", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=600,
+    )
 
 
 @pytest.fixture
@@ -45,7 +50,8 @@ def cli(monkeypatch, capsys):
 @pytest.fixture
 def vad_catalog(tmp_path: Path) -> Path:
     path = tmp_path / "catalog.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         version: 1
         models:
           - name: vad-test
@@ -57,7 +63,8 @@ def vad_catalog(tmp_path: Path) -> Path:
                 path: silero.onnx
                 files:
                   - {{name: silero.onnx, member: assets/silero_vad_v6.onnx, sha256: {SILERO_SHA256}}}
-        """))
+        """)
+    )
     return path
 
 
@@ -95,7 +102,10 @@ def test_pull_defaults_path_and_verify(cli, tmp_path, vad_catalog):
     assert f"silero.onnx  ?  sha256 {SILERO_SHA256}" in info and "python-package faster_whisper" in info
     assert cli("models", "remove", "vad-test", cache=cache, catalog=vad_catalog).returncode == 0
     assert not (cache / "vad-test").exists()
-    assert "vad-test: not installed" in cli("models", "remove", "vad-test", cache=cache, catalog=vad_catalog).stderr
+    assert (
+        "vad-test: not installed"
+        in cli("models", "remove", "vad-test", cache=cache, catalog=vad_catalog).stderr
+    )
 
 
 def test_verify_detects_a_corrupted_cached_file(cli, tmp_path, vad_catalog):
@@ -122,7 +132,9 @@ def test_bad_input_is_one_line(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_hub_only_model_offline_fails_fast_with_alternatives(tmp_path):
-    proc = run_cli("models", "pull", "qwen2.5-0.5b-instruct", cache=tmp_path, HF_ENDPOINT="https://hub.invalid")
+    proc = run_cli(
+        "models", "pull", "qwen2.5-0.5b-instruct", cache=tmp_path, HF_ENDPOINT="https://hub.invalid"
+    )
     assert_one_line_error(proc, "cannot reach the model hub at https://hub.invalid")
     assert "smollm2-135m-instruct" in proc.stderr and "local path" in proc.stderr
 
@@ -130,8 +142,14 @@ def test_hub_only_model_offline_fails_fast_with_alternatives(tmp_path):
 @pytest.mark.slow
 def test_catalogue_round_trip_of_the_default_model(tmp_path):
     """`models pull` of the default LLM with no model hub: registry package -> verified cache."""
-    proc = run_cli("models", "pull", "smollm2-135m-instruct", "--quiet", cache=tmp_path,
-                   HF_ENDPOINT="https://hub.invalid")
+    proc = run_cli(
+        "models",
+        "pull",
+        "smollm2-135m-instruct",
+        "--quiet",
+        cache=tmp_path,
+        HF_ENDPOINT="https://hub.invalid",
+    )
     assert proc.returncode == 0, proc.stderr
     gguf = tmp_path / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert f"smollm2-135m-instruct: verified, {gguf}" in proc.stderr

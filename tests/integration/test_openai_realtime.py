@@ -60,7 +60,9 @@ def speak_24k(piper, text: str, tail_silence_s: float = 0.0) -> np.ndarray:
     """Piper speech of ``text`` as int16 at 24 kHz, with optional trailing silence."""
     pcm = np.concatenate(list(piper.synthesize_stream(text)))
     audio = resample(pcm16_to_float32(pcm), piper.sample_rate_hz, 24000)
-    audio = np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(int(tail_silence_s * 24000), np.float32)])
+    audio = np.concatenate(
+        [np.zeros(4800, np.float32), audio, np.zeros(int(tail_silence_s * 24000), np.float32)]
+    )
     return float32_to_pcm16(audio)
 
 
@@ -92,7 +94,7 @@ def client_for(daemon):
 
 async def stream_audio(conn, pcm: np.ndarray, paced: bool = False) -> None:
     for i in range(0, len(pcm), CHUNK_SAMPLES):
-        chunk = pcm[i:i + CHUNK_SAMPLES].astype("<i2").tobytes()
+        chunk = pcm[i : i + CHUNK_SAMPLES].astype("<i2").tobytes()
         await conn.input_audio_buffer.append(audio=base64.b64encode(chunk).decode())
         if paced:
             await asyncio.sleep(0.1)  # faster than real time, but the VAD sees a stream
@@ -136,11 +138,20 @@ async def test_manual_commit_turn_with_official_client(daemon, piper, whisper):
     async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
         created = await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)
         assert created.type == "session.created"
-        await conn.session.update(session={
-            "type": "realtime", "output_modalities": ["audio"],
-            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None,
-                                "transcription": {"model": "whisper-1"}},
-                      "output": {"format": {"type": "audio/pcm", "rate": 24000}}}})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["audio"],
+                "audio": {
+                    "input": {
+                        "format": {"type": "audio/pcm", "rate": 24000},
+                        "turn_detection": None,
+                        "transcription": {"model": "whisper-1"},
+                    },
+                    "output": {"format": {"type": "audio/pcm", "rate": 24000}},
+                },
+            }
+        )
         updated = await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)
         assert updated.type == "session.updated" and updated.session.audio.input.turn_detection is None
         await stream_audio(conn, speech)
@@ -154,13 +165,29 @@ async def test_manual_commit_turn_with_official_client(daemon, piper, whisper):
 async def test_server_vad_turn_ends_by_silence(daemon, piper, whisper):
     speech = speak_24k(piper, QUESTION, tail_silence_s=1.5)
     async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
-        await conn.session.update(session={
-            "type": "realtime", "audio": {"input": {"turn_detection": {
-                "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500}}}})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "audio": {
+                    "input": {
+                        "turn_detection": {
+                            "type": "server_vad",
+                            "threshold": 0.5,
+                            "prefix_padding_ms": 300,
+                            "silence_duration_ms": 500,
+                        }
+                    }
+                },
+            }
+        )
         await stream_audio(conn, speech, paced=True)  # no commit, no response.create
         turn = await collect_turn(conn)
-    for kind in ("input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                 "input_audio_buffer.committed", "response.created"):
+    for kind in (
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "response.created",
+    ):
         assert kind in turn["types"], kind
     assert turn["types"].index("input_audio_buffer.speech_stopped") < turn["types"].index("response.created")
     check_spoken_reply(turn, whisper)
@@ -172,12 +199,20 @@ async def test_bad_input_then_good_turn(daemon, piper, whisper):
         ("{this is not json", "invalid_json"),
         ('{"type": "response.dance", "event_id": "e2"}', "unknown_event"),
         ('{"type": "input_audio_buffer.append", "audio": "***", "event_id": "e3"}', "invalid_base64"),
-        ('{"type": "session.update", "event_id": "e4", "session": {"type": "realtime", '
-         '"audio": {"input": {"format": {"type": "audio/opus"}}}}}', "unsupported_audio_format"),
+        (
+            '{"type": "session.update", "event_id": "e4", "session": {"type": "realtime", '
+            '"audio": {"input": {"format": {"type": "audio/opus"}}}}}',
+            "unsupported_audio_format",
+        ),
     ]
     async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
-        await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
-                                           "audio": {"input": {"turn_detection": None}}})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "audio": {"input": {"turn_detection": None}},
+            }
+        )
         for raw, code in bad:
             await conn.send_raw(raw)
             while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "error":
@@ -194,8 +229,9 @@ async def test_bad_input_then_good_turn(daemon, piper, whisper):
             assert wer(QUESTION, turn["transcript"] or "") <= 0.2
             assert turn["text"].strip() and "response.output_text.delta" in turn["types"]
         # a typed user turn works in the same session
-        await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                  "content": [{"type": "input_text", "text": QUESTION}]})
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}
+        )
         await conn.response.create()
         turn = await collect_turn(conn)
         assert turn["errors"] == [] and turn["response"].status == "completed"
@@ -207,10 +243,17 @@ async def test_barge_in_cancels_the_reply(daemon, piper):
     question = speak_24k(piper, "Tell me a long story about a dragon and a brave knight.", tail_silence_s=1.0)
     interruption = speak_24k(piper, "Stop, please stop.", tail_silence_s=1.0)
     async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
-        await conn.session.update(session={"type": "realtime", "max_output_tokens": 300,
-                                           "instructions": "You tell long, detailed stories."})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "max_output_tokens": 300,
+                "instructions": "You tell long, detailed stories.",
+            }
+        )
         await stream_audio(conn, question, paced=True)
-        while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "response.output_audio.delta":
+        while (
+            event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)
+        ).type != "response.output_audio.delta":
             assert event.type != "response.done", "the reply ended before any audio"
         await stream_audio(conn, interruption, paced=True)  # the user talks over the reply
         seen = []
@@ -225,8 +268,13 @@ async def test_barge_in_cancels_the_reply(daemon, piper):
 async def test_translation_session_extension(daemon, piper):
     speech = speak_24k(piper, "Good morning, my friend.")
     async with client_for(daemon).realtime.connect(model="edge-rtgi") as conn:
-        await conn.session.update(session={"type": "realtime", "edge_rtgi": {"pipeline": "translate-en-es"},
-                                           "audio": {"input": {"turn_detection": None}}})
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "edge_rtgi": {"pipeline": "translate-en-es"},
+                "audio": {"input": {"turn_detection": None}},
+            }
+        )
         while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "session.updated":
             pass
         assert event.to_dict()["session"]["edge_rtgi"] == {"pipeline": "translate-en-es"}
@@ -250,27 +298,42 @@ async def test_token_origin_and_g711_audio(daemon, piper, whisper):
     from edge_rtgi.server.openai_realtime.codecs import ulaw_decode, ulaw_encode
 
     token = "realtime-test-token-0123456789"
-    guarded = Daemon(DaemonConfig(server=ServerConfig(port=0, token=token)), daemon.pipelines, daemon.resources)
+    guarded = Daemon(
+        DaemonConfig(server=ServerConfig(port=0, token=token)), daemon.pipelines, daemon.resources
+    )
     await guarded.start()
     base = f"ws://127.0.0.1:{guarded.port}/v1"
     try:
         with pytest.raises(InvalidStatus) as refused:
-            async with openai.AsyncOpenAI(api_key="wrong", websocket_base_url=base).realtime.connect(model="x"):
+            async with openai.AsyncOpenAI(api_key="wrong", websocket_base_url=base).realtime.connect(
+                model="x"
+            ):
                 pass
         assert refused.value.response.status_code == 401
         with pytest.raises(InvalidStatus) as refused:
             async with openai.AsyncOpenAI(api_key=token, websocket_base_url=base).realtime.connect(
-                    model="x", extra_headers={"Origin": "https://evil.example"}):
+                model="x", extra_headers={"Origin": "https://evil.example"}
+            ):
                 pass
         assert refused.value.response.status_code == 403
 
         speech_8k = float32_to_pcm16(resample(pcm16_to_float32(speak_24k(piper, QUESTION)), 24000, 8000))
-        async with openai.AsyncOpenAI(api_key=token, websocket_base_url=base).realtime.connect(model="x") as conn:
-            await conn.session.update(session={"type": "realtime", "audio": {
-                "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
-                "output": {"format": {"type": "audio/pcmu"}}}})
+        async with openai.AsyncOpenAI(api_key=token, websocket_base_url=base).realtime.connect(
+            model="x"
+        ) as conn:
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "audio": {
+                        "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+                        "output": {"format": {"type": "audio/pcmu"}},
+                    },
+                }
+            )
             for i in range(0, len(speech_8k), 1600):
-                await conn.input_audio_buffer.append(audio=base64.b64encode(ulaw_encode(speech_8k[i:i + 1600])).decode())
+                await conn.input_audio_buffer.append(
+                    audio=base64.b64encode(ulaw_encode(speech_8k[i : i + 1600])).decode()
+                )
             await conn.input_audio_buffer.commit()
             await conn.response.create()
             turn = await collect_turn(conn)

@@ -91,10 +91,20 @@ async def test_spoken_question_gets_a_streamed_spoken_reply(daemon, piper, whisp
         kinds = [h["type"] for h, _ in c.messages]
         assert kinds.index("response.audio") < kinds.index("response.text.done") or len(deltas) < 4
         stats = done["stats"]
-        for part in ("endpointing_ms", "asr_final_ms", "llm_ttft_ms", "tts_first_chunk_ms", "voice_to_voice_ms"):
+        for part in (
+            "endpointing_ms",
+            "asr_final_ms",
+            "llm_ttft_ms",
+            "tts_first_chunk_ms",
+            "voice_to_voice_ms",
+        ):
             assert part in stats and stats[part] >= 0, stats
         order = [h["type"] for h, _ in c.messages if not h["type"].startswith("response.audio")]
-        assert order.index("input.speech_started") < order.index("transcript.final") < order.index("response.created")
+        assert (
+            order.index("input.speech_started")
+            < order.index("transcript.final")
+            < order.index("response.created")
+        )
     finally:
         await c.close()
 
@@ -118,8 +128,12 @@ async def test_spoken_english_is_captioned_and_spoken_in_spanish(daemon, piper):
 
 
 async def test_four_concurrent_sessions_are_batched(daemon, piper):
-    questions = ["How many days are in a week?", "What is the capital of France?",
-                 "What is the opposite of hot?", "Why do birds fly south in winter?"]
+    questions = [
+        "How many days are in a week?",
+        "What is the capital of France?",
+        "What is the opposite of hot?",
+        "Why do birds fly south in winter?",
+    ]
     speech = [speak_16k(piper, q) for q in questions]
     _, before = await http_get(daemon.port, "/metrics")
     clients = [await NativeClient.open(daemon.port) for _ in questions]
@@ -138,8 +152,9 @@ async def test_four_concurrent_sessions_are_batched(daemon, piper):
             await c.close()
     _, after = await http_get(daemon.port, "/metrics")
     steps = metric(after, "edge_rtgi_engine_steps_total") - metric(before, "edge_rtgi_engine_steps_total")
-    scheduled = (metric(after, "edge_rtgi_engine_scheduled_requests_total")
-                 - metric(before, "edge_rtgi_engine_scheduled_requests_total"))
+    scheduled = metric(after, "edge_rtgi_engine_scheduled_requests_total") - metric(
+        before, "edge_rtgi_engine_scheduled_requests_total"
+    )
     assert steps > 0 and scheduled / steps > 1.0, (scheduled, steps)
 
 
@@ -160,8 +175,11 @@ async def test_barge_in_cancels_the_reply_within_300_ms(daemon, piper):
         assert done["status"] == "interrupted"
         heads = [h for h, _ in c.messages]
         cut = heads.index(interrupted)
-        assert not [h for h in heads[cut:] if h.get("response_id") == rid
-                    and h["type"] in ("response.audio", "response.text.delta")], "cancelled audio leaked"
+        assert not [
+            h
+            for h in heads[cut:]
+            if h.get("response_id") == rid and h["type"] in ("response.audio", "response.text.delta")
+        ], "cancelled audio leaked"
         # the interruption's own turn is answered next
         await c.wait_for(lambda h: h["type"] == "response.created" and h["response_id"] != rid)
     finally:
@@ -238,14 +256,18 @@ async def test_history_trimming_keeps_the_system_prompt(daemon):
     for i in range(12):
         turns += [("user", f"Question number {i} about something."), ("assistant", f"Answer number {i}.")]
     turns.append(("user", "The last question?"))
-    full = len(tok.encode_chat([{"role": "system", "content": "Be brief."}]
-                               + [{"role": r, "content": t} for r, t in turns]))
+    full = len(
+        tok.encode_chat(
+            [{"role": "system", "content": "Be brief."}] + [{"role": r, "content": t} for r, t in turns]
+        )
+    )
     msgs = trim_history(tok, "Be brief.", turns, budget_tokens=full // 2)
     assert msgs[0] == {"role": "system", "content": "Be brief."}
     assert msgs[1]["role"] == "user" and msgs[-1]["content"] == "The last question?"
     assert len(tok.encode_chat(msgs)) <= full // 2 and len(msgs) < len(turns) + 1
     assert trim_history(tok, "Be brief.", turns, budget_tokens=full + 10)[1:] == [
-        {"role": r, "content": t} for r, t in turns]
+        {"role": r, "content": t} for r, t in turns
+    ]
     with pytest.raises(RequestError, match="does not fit"):
         trim_history(tok, "Be brief.", turns, budget_tokens=5)
 
@@ -256,8 +278,11 @@ async def test_llm_translation_backend_streams_within_its_budget(daemon):
     from edge_rtgi.pipeline.session import Session, SessionSettings
     from edge_rtgi.pipeline.translate import translation_budget_tokens
 
-    pipe = parse_pipeline("name: tr-llm\nstages:\n  - asr: {}\n  - translate:\n      backend: llm\n"
-                          "      model: smollm2-135m-instruct\n      budget_ratio: 1.5\n", "tr-llm.yaml")
+    pipe = parse_pipeline(
+        "name: tr-llm\nstages:\n  - asr: {}\n  - translate:\n      backend: llm\n"
+        "      model: smollm2-135m-instruct\n      budget_ratio: 1.5\n",
+        "tr-llm.yaml",
+    )
     session = await Session.open({"tr-llm": pipe}, daemon.resources, SessionSettings())
     try:
         source = "The train leaves at nine in the morning."

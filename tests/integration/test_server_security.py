@@ -39,7 +39,9 @@ def resources():
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def daemon(resources):
-    cfg = DaemonConfig(server=ServerConfig(port=0, max_message_bytes=65536), default_pipeline="translate-en-es")
+    cfg = DaemonConfig(
+        server=ServerConfig(port=0, max_message_bytes=65536), default_pipeline="translate-en-es"
+    )
     d = Daemon(cfg, light_pipelines(), resources)
     await d.start()
     yield d
@@ -73,15 +75,23 @@ async def test_cross_site_origin_is_refused(daemon):
 
 async def test_non_loopback_bind_needs_a_token(resources, monkeypatch):
     monkeypatch.delenv("EDGE_RTGI_TOKEN", raising=False)
-    d = Daemon(DaemonConfig(server=ServerConfig(host="0.0.0.0", port=0), default_pipeline="transcribe"),
-               light_pipelines(), resources)
-    with pytest.raises(ConfigError, match="refusing to listen on 0.0.0.0: a non-loopback address needs a token"):
+    d = Daemon(
+        DaemonConfig(server=ServerConfig(host="0.0.0.0", port=0), default_pipeline="transcribe"),
+        light_pipelines(),
+        resources,
+    )
+    with pytest.raises(
+        ConfigError, match="refusing to listen on 0.0.0.0: a non-loopback address needs a token"
+    ):
         await d.start()
 
 
 async def test_token_is_required_when_configured(resources):
-    d = Daemon(DaemonConfig(server=ServerConfig(host="0.0.0.0", port=0, token=TOKEN),
-                            default_pipeline="transcribe"), light_pipelines(), resources)
+    d = Daemon(
+        DaemonConfig(server=ServerConfig(host="0.0.0.0", port=0, token=TOKEN), default_pipeline="transcribe"),
+        light_pipelines(),
+        resources,
+    )
     await d.start()
     try:
         url = f"ws://127.0.0.1:{d.port}/v1/native"
@@ -105,10 +115,14 @@ async def test_bad_messages_get_error_events_and_the_session_continues(daemon):
     c = await NativeClient.open(daemon.port)
     try:
         await c.wait_type("session.created")
-        bad = [("{this is not json", "invalid_json"), ('{"type": "session.explode"}', "unknown_event"),
-               (b"\x01\x02\x03", "invalid_audio"), ('{"type": "text.input"}', "invalid_event"),
-               ('{"type": "session.update", "session": {"max_reply_tokns": 5}}', "invalid_request"),
-               ('{"type": "session.update", "session": {"pipeline": "nope"}}', "invalid_request")]
+        bad = [
+            ("{this is not json", "invalid_json"),
+            ('{"type": "session.explode"}', "unknown_event"),
+            (b"\x01\x02\x03", "invalid_audio"),
+            ('{"type": "text.input"}', "invalid_event"),
+            ('{"type": "session.update", "session": {"max_reply_tokns": 5}}', "invalid_request"),
+            ('{"type": "session.update", "session": {"pipeline": "nope"}}', "invalid_request"),
+        ]
         for i, (message, code) in enumerate(bad):
             await c.ws.send(message)
             err = await c.wait_for(lambda h, code=code: h["type"] == "error" and h["code"] == code)

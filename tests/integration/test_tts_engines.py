@@ -45,7 +45,9 @@ def test_piper_yields_one_chunk_per_sentence_before_the_rest_is_made(piper, monk
 def test_piper_phoneme_ids_follow_piper_conventions(piper):
     id_map = piper.config.phoneme_id_map
     ids = piper.phoneme_ids("hə")
-    assert ids == id_map["^"] + id_map["_"] + id_map["h"] + id_map["_"] + id_map["ə"] + id_map["_"] + id_map["$"]
+    assert (
+        ids == id_map["^"] + id_map["_"] + id_map["h"] + id_map["_"] + id_map["ə"] + id_map["_"] + id_map["$"]
+    )
     # Punctuation survives phonemisation: voices were trained with it.
     phonemes = piper._phonemizer.phonemize("Hello, world. Dr. Smith paid 3.14 dollars!", "en-us")
     assert phonemes.count(",") == 1 and phonemes.endswith("!") and "." in phonemes
@@ -79,8 +81,13 @@ def test_empty_text_is_a_clear_error(piper):
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edge_rtgi.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "edge_rtgi.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_speak_cli_writes_wav_and_reports_bad_input(tmp_path):
@@ -93,9 +100,23 @@ def test_speak_cli_writes_wav_and_reports_bad_input(tmp_path):
     done = _cli("speak", "")
     assert done.returncode == 2 and "nothing to speak" in done.stderr and "Traceback" not in done.stderr
     done = _cli("speak", "Hi there", "--voice", str(tmp_path / "missing" / "voice.onnx"), "--out", str(out))
-    assert done.returncode == 2 and "Piper voice model not found" in done.stderr and "Traceback" not in done.stderr
+    assert (
+        done.returncode == 2
+        and "Piper voice model not found" in done.stderr
+        and "Traceback" not in done.stderr
+    )
     # No sound server and no sound card here: say so instead of failing inside PortAudio.
-    done = _cli("speak", "Hi there", "--voice", "espeak", env={"XDG_RUNTIME_DIR": str(tmp_path), "PULSE_SERVER": "none"})
+    done = _cli(
+        "speak",
+        "Hi there",
+        "--voice",
+        "espeak",
+        env={"XDG_RUNTIME_DIR": str(tmp_path), "PULSE_SERVER": "none"},
+    )
     assert done.returncode in (0, 2), done.stderr  # 0 only where a real sound card exists
     if done.returncode == 2:
-        assert done.returncode == 2 and "no audio output device" in done.stderr and "Traceback" not in done.stderr
+        assert (
+            done.returncode == 2
+            and "no audio output device" in done.stderr
+            and "Traceback" not in done.stderr
+        )

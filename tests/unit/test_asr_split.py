@@ -41,11 +41,28 @@ def _vad(quiet: dict[float, float], default: float = 0.95):
 # "Please turn off the kitchen lights before you leave the house. My sister bought a green
 # bicycle at the market", with a pause between the sentences (2.68-2.88 s) and a short gap
 # after "bicycle" (4.22-4.28 s).
-WORDS = [("Please", 0.0, 0.46), ("turn", 0.46, 0.62), ("off", 0.62, 0.86), ("the", 0.86, 1.1),
-         ("kitchen", 1.1, 1.2), ("lights", 1.2, 1.52), ("before", 1.52, 1.86), ("you", 1.86, 2.04),
-         ("leave", 2.04, 2.24), ("the", 2.24, 2.42), ("house.", 2.42, 2.68), ("My", 2.88, 2.96),
-         ("sister", 2.96, 3.24), ("bought", 3.24, 3.48), ("a", 3.48, 3.66), ("green", 3.66, 3.88),
-         ("bicycle", 3.88, 4.22), ("at", 4.28, 4.56), ("the", 4.56, 4.78), ("market.", 4.78, 4.98)]
+WORDS = [
+    ("Please", 0.0, 0.46),
+    ("turn", 0.46, 0.62),
+    ("off", 0.62, 0.86),
+    ("the", 0.86, 1.1),
+    ("kitchen", 1.1, 1.2),
+    ("lights", 1.2, 1.52),
+    ("before", 1.52, 1.86),
+    ("you", 1.86, 2.04),
+    ("leave", 2.04, 2.24),
+    ("the", 2.24, 2.42),
+    ("house.", 2.42, 2.68),
+    ("My", 2.88, 2.96),
+    ("sister", 2.96, 3.24),
+    ("bought", 3.24, 3.48),
+    ("a", 3.48, 3.66),
+    ("green", 3.66, 3.88),
+    ("bicycle", 3.88, 4.22),
+    ("at", 4.28, 4.56),
+    ("the", 4.56, 4.78),
+    ("market.", 4.78, 4.98),
+]
 END = START + 5 * SAMPLE_RATE_HZ
 
 
@@ -112,25 +129,46 @@ def test_without_word_times_everything_decoded_stays():
 
 def test_word_pieces_are_regrouped_into_whitespace_words():
     piece = SimpleNamespace
-    segment = SimpleNamespace(words=[piece(word=" at", start=0.0, end=0.2), piece(word=" half", start=0.2, end=0.4),
-                                     piece(word="-past", start=0.4, end=0.7), piece(word=" seven.", start=0.7, end=1.0)])
-    assert _timed_words(segment) == [TimedWord("at", 0.0, 0.2), TimedWord("half-past", 0.2, 0.7),
-                                     TimedWord("seven.", 0.7, 1.0)]
+    segment = SimpleNamespace(
+        words=[
+            piece(word=" at", start=0.0, end=0.2),
+            piece(word=" half", start=0.2, end=0.4),
+            piece(word="-past", start=0.4, end=0.7),
+            piece(word=" seven.", start=0.7, end=1.0),
+        ]
+    )
+    assert _timed_words(segment) == [
+        TimedWord("at", 0.0, 0.2),
+        TimedWord("half-past", 0.2, 0.7),
+        TimedWord("seven.", 0.7, 1.0),
+    ]
 
 
 def test_stability_check_flags_a_word_on_both_sides_of_a_forced_split():
     def final(uid: int, text: str) -> FinalTranscript:
         return FinalTranscript(uid, text, (), 0.0, 1.0, 1.0, "en", 0.0)
 
-    repeated = [SpeechEnded(0, 1.0, 1.0, "max_length"), final(0, "my sister bought a"),
-                SpeechEnded(1, 2.0, 2.0, "silence"), final(1, "a green bicycle")]
+    repeated = [
+        SpeechEnded(0, 1.0, 1.0, "max_length"),
+        final(0, "my sister bought a"),
+        SpeechEnded(1, 2.0, 2.0, "silence"),
+        final(1, "a green bicycle"),
+    ]
     assert len(stability_problems(repeated)) == 1
-    clean = [SpeechEnded(0, 1.0, 1.0, "max_length"), final(0, "my sister bought"),
-             SpeechEnded(1, 2.0, 2.0, "silence"), final(1, "a green bicycle")]
+    clean = [
+        SpeechEnded(0, 1.0, 1.0, "max_length"),
+        final(0, "my sister bought"),
+        SpeechEnded(1, 2.0, 2.0, "silence"),
+        final(1, "a green bicycle"),
+    ]
     assert stability_problems(clean) == []
     # Two utterances separated by a pause may well share a word.
-    paused = [SpeechEnded(0, 1.0, 1.0, "silence"), final(0, "say it again"),
-              SpeechEnded(1, 2.0, 2.0, "silence"), final(1, "again and again")]
+    paused = [
+        SpeechEnded(0, 1.0, 1.0, "silence"),
+        final(0, "say it again"),
+        SpeechEnded(1, 2.0, 2.0, "silence"),
+        final(1, "again and again"),
+    ]
     assert stability_problems(paused) == []
 
 

@@ -37,7 +37,12 @@ def test_holdback_keeps_the_last_word_of_the_newest_hypothesis_tentative():
 
 def test_committed_words_never_change_and_final_is_committed_plus_tail():
     la = LocalAgreement(n=2, holdback_words=1)
-    for hyp in ["That's it.", "The quick round 5", "The quick roundfire system.", "The quick round fox jumps"]:
+    for hyp in [
+        "That's it.",
+        "The quick round 5",
+        "The quick roundfire system.",
+        "The quick round fox jumps",
+    ]:
         before = list(la.committed)
         la.update(_w(hyp))
         assert la.committed[: len(before)] == before

@@ -29,7 +29,7 @@ def _tone(freq_hz: float, rate_hz: int, seconds: float = 1.0) -> np.ndarray:
 
 
 def _peak_hz(x: np.ndarray, rate_hz: int) -> float:
-    x = x[len(x) // 10: -len(x) // 10]
+    x = x[len(x) // 10 : -len(x) // 10]
     spectrum = np.abs(np.fft.rfft(x * np.hanning(len(x))))
     return float(np.argmax(spectrum) * rate_hz / len(x))
 
@@ -49,12 +49,14 @@ def test_downmix_averages_channels():
     assert downmix(np.ones(3, np.float32)).shape == (3,)
 
 
-@pytest.mark.parametrize("src,dst", [(44100, 16000), (48000, 16000), (8000, 16000), (16000, 22050), (22050, 16000)])
+@pytest.mark.parametrize(
+    "src,dst", [(44100, 16000), (48000, 16000), (8000, 16000), (16000, 22050), (22050, 16000)]
+)
 def test_resample_keeps_tone_frequency_amplitude_and_length(src, dst):
     y = resample(_tone(1000.0, src), src, dst)
     assert len(y) == int(np.ceil(src * dst / src))
     assert abs(_peak_hz(y, dst) - 1000.0) < 3.0
-    rms = float(np.sqrt(np.mean(y[len(y) // 10: -len(y) // 10] ** 2)))
+    rms = float(np.sqrt(np.mean(y[len(y) // 10 : -len(y) // 10] ** 2)))
     assert rms == pytest.approx(0.5 / np.sqrt(2), rel=0.01)
 
 
@@ -71,7 +73,7 @@ def test_streaming_resampler_equals_one_call():
     sizes = [1, 7, 441, 1000, 13]
     parts, pos, i = [], 0, 0
     while pos < len(x):
-        parts.append(rs.process(x[pos:pos + sizes[i % len(sizes)]]))
+        parts.append(rs.process(x[pos : pos + sizes[i % len(sizes)]]))
         pos += sizes[i % len(sizes)]
         i += 1
     parts.append(rs.flush())
@@ -91,11 +93,24 @@ def test_ring_buffer_absolute_indexing_and_wrap():
         rb.read(10, 20)
 
 
-def _wav(fmt_tag: int, channels: int, rate: int, bits: int, data: bytes, declared: int | None = None) -> bytes:
+def _wav(
+    fmt_tag: int, channels: int, rate: int, bits: int, data: bytes, declared: int | None = None
+) -> bytes:
     size = len(data) if declared is None else declared
-    fmt = struct.pack("<HHIIHH", fmt_tag, channels, rate, rate * channels * bits // 8, channels * bits // 8, bits)
-    return b"RIFF" + struct.pack("<I", min(36 + size, 0xFFFFFFFF)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt + \
-        b"data" + struct.pack("<I", size) + data
+    fmt = struct.pack(
+        "<HHIIHH", fmt_tag, channels, rate, rate * channels * bits // 8, channels * bits // 8, bits
+    )
+    return (
+        b"RIFF"
+        + struct.pack("<I", min(36 + size, 0xFFFFFFFF))
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<I", 16)
+        + fmt
+        + b"data"
+        + struct.pack("<I", size)
+        + data
+    )
 
 
 def test_wav_formats_decode_to_the_same_signal():
@@ -127,8 +142,10 @@ def test_write_read_stereo_and_mono_16k(tmp_path):
 
 def test_truncated_and_invalid_wavs_give_clear_errors(tmp_path):
     good = wav_bytes(np.zeros(1000, np.float32), 16000)
-    with pytest.raises(AudioError, match="truncated WAV file: header promises 2000 bytes of audio, only 1000"):
-        parse_wav_bytes(good[:44 + 1000])
+    with pytest.raises(
+        AudioError, match="truncated WAV file: header promises 2000 bytes of audio, only 1000"
+    ):
+        parse_wav_bytes(good[: 44 + 1000])
     with pytest.raises(AudioError, match="not a WAV file"):
         parse_wav_bytes(b"ID3\x03 this is an mp3")
     with pytest.raises(AudioError, match="no 'fmt ' chunk|truncated"):

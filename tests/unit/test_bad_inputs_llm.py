@@ -25,8 +25,13 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edge_rtgi.cli", *args], input=stdin, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "edge_rtgi.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -108,8 +113,11 @@ def test_shape_mismatch_names_file_and_tensor(tiny_folder, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["intermediate_size"] = 96
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight "
-                                              r"has shape \(128, 64\), the config implies \(96, 64\)"):
+    with pytest.raises(
+        ModelFileError,
+        match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight "
+        r"has shape \(128, 64\), the config implies \(96, 64\)",
+    ):
         load_model(folder, device="cpu", dtype="fp32")
 
 
@@ -150,8 +158,19 @@ def test_unknown_name_in_process():
 
 @pytest.mark.parametrize("backend", [[], ["--plain"]])
 def test_chat_repl_runs_turns_from_stdin(tiny_folder, backend):
-    proc = run_cli("chat", "--model", str(tiny_folder), "--dtype", "fp32", "--max-tokens", "4", "--system", "Be brief.",
-                   *backend, stdin="Hello!\n/reset\nWhat is the capital of France?\n/quit\n")
+    proc = run_cli(
+        "chat",
+        "--model",
+        str(tiny_folder),
+        "--dtype",
+        "fp32",
+        "--max-tokens",
+        "4",
+        "--system",
+        "Be brief.",
+        *backend,
+        stdin="Hello!\n/reset\nWhat is the capital of France?\n/quit\n",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout.endswith("\n") and proc.stdout.count("\n") >= 2  # a reply per message, each ended

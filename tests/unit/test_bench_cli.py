@@ -54,13 +54,29 @@ def test_rtiq_multiplies_retention_by_attainment():
 
 
 def _results(decode_ratio, load_ratio, voice_p95, rate=4.0, llamacpp_skipped=True):
-    ratios = [{"vs": "HF", "kind": "hf-fp32", "decode_speed": decode_ratio, "ttft": 0.5,
-               "throughput_under_load": load_ratio}]
-    skipped = [{"name": "llamacpp", "reason": "llama-cpp-python is not installed"}] if llamacpp_skipped else []
-    voice = {"name": "voice", "metrics": {"ttft_ms": {"p95": voice_p95}}, "load": {"rate_rps": rate},
-             "quality": {"retention": 0.97}}
-    return {"config": {"optimisations": {"quant": None}}, "workloads": [voice],
-            "peers": {"ratios": ratios, "skipped": skipped}}
+    ratios = [
+        {
+            "vs": "HF",
+            "kind": "hf-fp32",
+            "decode_speed": decode_ratio,
+            "ttft": 0.5,
+            "throughput_under_load": load_ratio,
+        }
+    ]
+    skipped = (
+        [{"name": "llamacpp", "reason": "llama-cpp-python is not installed"}] if llamacpp_skipped else []
+    )
+    voice = {
+        "name": "voice",
+        "metrics": {"ttft_ms": {"p95": voice_p95}},
+        "load": {"rate_rps": rate},
+        "quality": {"retention": 0.97},
+    }
+    return {
+        "config": {"optimisations": {"quant": None}},
+        "workloads": [voice],
+        "peers": {"ratios": ratios, "skipped": skipped},
+    }
 
 
 def test_targets_are_checked_against_fixed_bars():
@@ -68,7 +84,11 @@ def test_targets_are_checked_against_fixed_bars():
     assert statuses == ["**met**", "not measured", "not met", "**met**", "**met**"]
     assert "not installed" in evaluate_targets(_results(2.5, 4.0, 450))[1]["measured"]
     assert [r["status"] for r in evaluate_targets(_results(1.9, 6.0, 650))][:4] == [
-        "not met", "not measured", "**met**", "not met"]
+        "not met",
+        "not measured",
+        "**met**",
+        "not met",
+    ]
     assert evaluate_targets(_results(2.5, 6.0, 100, rate=2.0))[3]["status"].startswith("not comparable")
 
 
@@ -84,8 +104,13 @@ def test_cli_rejects_bad_settings():
 @pytest.mark.timeout(1800)  # about 2 minutes on 2 idle cores; far longer when the cores are shared
 def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out), "--cpu"], cwd=ROOT,
-                          capture_output=True, text=True, env={**__import__("os").environ, "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out), "--cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["sections"] == ["workloads", "ramp", "ablations", "peers"]
@@ -94,12 +119,20 @@ def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
         assert w["metrics"]["num_requests"] == 3 and 0.0 <= w["rtiq"]["value"] <= 1.0
         assert 0.0 <= w["quality"]["retention"] <= 1.0
     kinds = [e["kind"] for e in results["peers"]["entries"]]
-    assert kinds[:3] == ["ours", "ours-variant", "plain"] and ("hf-fp32" in kinds or results["peers"]["skipped"])
+    assert kinds[:3] == ["ours", "ours-variant", "plain"] and (
+        "hf-fp32" in kinds or results["peers"]["skipped"]
+    )
     assert results["peers"]["entries"][1]["variant"] == "quant=int8"
     assert results["machine"]["git"]["commit"]
     text = (out / "report.md").read_text()
-    for heading in ("## Conditions", "## Where the engine stands", "## RTIQ per workload", "## Ramp",
-                    "## Ablations", "## Peers side by side"):
+    for heading in (
+        "## Conditions",
+        "## Where the engine stands",
+        "## RTIQ per workload",
+        "## Ramp",
+        "## Ablations",
+        "## Peers side by side",
+    ):
         assert heading in text
     for png in ("latency_cdf.png", "throughput_vs_load.png", "ablations.png", "peers.png"):
         assert (out / png).stat().st_size > 1000
@@ -107,9 +140,17 @@ def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
 
 def test_a_faster_variant_is_named_but_the_engine_as_configured_decides():
     results = _results(1.5, 6.0, 450)
-    results["peers"]["ratios"].append({"ours": "edge-rtgi engine (quant int8)", "ours_kind": "ours-variant",
-                                       "vs": "HF", "kind": "hf-fp32", "decode_speed": 2.4, "ttft": 0.5,
-                                       "throughput_under_load": 7.0})
+    results["peers"]["ratios"].append(
+        {
+            "ours": "edge-rtgi engine (quant int8)",
+            "ours_kind": "ours-variant",
+            "vs": "HF",
+            "kind": "hf-fp32",
+            "decode_speed": 2.4,
+            "ttft": 0.5,
+            "throughput_under_load": 7.0,
+        }
+    )
     row = evaluate_targets(results)[0]
     assert row["status"] == "met only with a variant"
     assert "1.50x (engine as configured)" in row["measured"] and "2.40x with (quant int8)" in row["measured"]

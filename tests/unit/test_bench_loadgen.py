@@ -15,8 +15,9 @@ def test_poisson_schedule_is_seeded_and_has_the_right_rate():
     spec = LoadSpec(pattern="poisson", rate_rps=4.0, num_requests=2000, max_duration_s=1e9, seed=7)
     a, b = arrival_times_s(spec), arrival_times_s(spec)
     assert a == b and len(a) == 2000 and a[0] == 0.0
-    assert a != arrival_times_s(LoadSpec(pattern="poisson", rate_rps=4.0, num_requests=2000,
-                                         max_duration_s=1e9, seed=8))
+    assert a != arrival_times_s(
+        LoadSpec(pattern="poisson", rate_rps=4.0, num_requests=2000, max_duration_s=1e9, seed=8)
+    )
     mean_gap = a[-1] / (len(a) - 1)
     assert mean_gap == pytest.approx(0.25, rel=0.1)
     assert all(y >= x for x, y in zip(a, a[1:], strict=False))
@@ -47,8 +48,10 @@ def test_bad_spec_is_rejected():
 
 
 def _requests(n=6, max_tokens=4):
-    return [PreparedRequest(key=f"k{i}", workload="w", prompt_token_ids=(1, 2 + i), max_tokens=max_tokens)
-            for i in range(n)]
+    return [
+        PreparedRequest(key=f"k{i}", workload="w", prompt_token_ids=(1, 2 + i), max_tokens=max_tokens)
+        for i in range(n)
+    ]
 
 
 def _counting_stream(delay_s=0.0):
@@ -57,6 +60,7 @@ def _counting_stream(delay_s=0.0):
             if delay_s:
                 time.sleep(delay_s)
             yield (i,), f"t{i} "
+
     return stream
 
 
@@ -68,8 +72,11 @@ async def test_run_load_is_reproducible_from_its_seed():
     assert [t.prompt_key for t in first.traces] == [t.prompt_key for t in second.traces]
     assert [t.sent_s for t in first.traces] == [t.sent_s for t in second.traces]
     assert all(t.ok and t.completion_tokens == 4 and t.text == "t0 t1 t2 t3 " for t in first.traces)
-    other = await run_load(target, _requests(), LoadSpec(pattern="poisson", rate_rps=50.0, num_requests=8,
-                                                          max_duration_s=5.0, seed=12))
+    other = await run_load(
+        target,
+        _requests(),
+        LoadSpec(pattern="poisson", rate_rps=50.0, num_requests=8, max_duration_s=5.0, seed=12),
+    )
     assert [t.sent_s for t in other.traces] != [t.sent_s for t in first.traces]
     m = first.metrics(SLO())
     assert m.num_requests == 8 and m.output_tokens == 32
@@ -88,8 +95,15 @@ async def test_unfinished_requests_are_cancelled_and_counted_as_failed():
         finally:  # the worker stops pulling from (and closes) a cancelled request's generator
             cancelled.set()
 
-    spec = LoadSpec(pattern="burst", rate_rps=100.0, burst_size=2, num_requests=2, max_duration_s=0.2,
-                    drain_timeout_s=0.1, seed=0)
+    spec = LoadSpec(
+        pattern="burst",
+        rate_rps=100.0,
+        burst_size=2,
+        num_requests=2,
+        max_duration_s=0.2,
+        drain_timeout_s=0.1,
+        seed=0,
+    )
     target = ThreadedTarget("slow", slow, max_concurrency=2)
     result = await run_load(target, _requests(2), spec)
     m = result.metrics(SLO())
@@ -124,9 +138,12 @@ async def test_engine_and_plain_targets_give_the_same_greedy_text(tiny):
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.engine_config import EngineConfig
 
-    reqs = [PreparedRequest(key=f"k{i}", workload="w", max_tokens=6,
-                            prompt_token_ids=tuple(tiny.tokenizer.encode(text)))
-            for i, text in enumerate(["Hello! How are", "The quick brown", "def add(a, b):"])]
+    reqs = [
+        PreparedRequest(
+            key=f"k{i}", workload="w", max_tokens=6, prompt_token_ids=tuple(tiny.tokenizer.encode(text))
+        )
+        for i, text in enumerate(["Hello! How are", "The quick brown", "def add(a, b):"])
+    ]
     spec = LoadSpec(pattern="burst", rate_rps=100.0, burst_size=3, num_requests=3, max_duration_s=30.0)
     engine = LLMEngine.from_loaded(tiny, EngineConfig(dtype="fp32", num_kv_blocks=64, block_size=4))
     try:

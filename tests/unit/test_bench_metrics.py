@@ -63,10 +63,10 @@ def test_multi_token_chunks_spread_their_gap():
 def test_summary_goodput_and_attainment():
     slo = SLO(ttft_ms=500.0, itl_ms=50.0)
     traces = [
-        make_trace(0, 0.0, 100.0, 20.0, 10),   # meets both
-        make_trace(1, 0.5, 600.0, 20.0, 10),   # TTFT miss
-        make_trace(2, 1.0, 100.0, 80.0, 10),   # ITL miss
-        make_trace(3, 1.5, 200.0, 40.0, 10),   # meets both
+        make_trace(0, 0.0, 100.0, 20.0, 10),  # meets both
+        make_trace(1, 0.5, 600.0, 20.0, 10),  # TTFT miss
+        make_trace(2, 1.0, 100.0, 80.0, 10),  # ITL miss
+        make_trace(3, 1.5, 200.0, 40.0, 10),  # meets both
         make_trace(4, 2.0, 100.0, 20.0, 10, error="timeout"),  # failed
     ]
     m = summarise(traces, slo, duration_s=4.0, offered_rps=1.25)

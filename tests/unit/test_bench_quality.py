@@ -56,7 +56,7 @@ def test_greedy_continuation_matches_teacher_forced_argmax(tiny):
     # the KL rows line up with the continuation: row len(prompt)-1 predicts its first token
     prompt, cont = _sequences(tiny, n=1)[0]
     logits = model_logits_fn(tiny.model)([*prompt, *cont])
-    predicted = logits[len(prompt) - 1:-1].argmax(-1).tolist()
+    predicted = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     assert predicted == cont
 
 

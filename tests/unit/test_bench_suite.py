@@ -12,14 +12,23 @@ from tests.tiny_models import make_tiny_hf_model
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("tiny"), seed=2, max_position_embeddings=4096,
-                              rope_scaling=None)
+    return make_tiny_hf_model(
+        "llama", tmp_path_factory.mktemp("tiny"), seed=2, max_position_embeddings=4096, rope_scaling=None
+    )
 
 
 async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path):
-    cfg = BenchConfig(model=str(tiny_folder), optimisations=Optimisations(dtype="fp32", quant=None), num_requests=3,
-                      max_duration_s=30.0, rate_scale=10.0, quality_prompts=2, ramp_rates_rps=(5.0, 50.0),
-                      ramp_requests=3, ablations=("prefix_caching=false", "max_num_seqs=1", "dtype=bf16"))
+    cfg = BenchConfig(
+        model=str(tiny_folder),
+        optimisations=Optimisations(dtype="fp32", quant=None),
+        num_requests=3,
+        max_duration_s=30.0,
+        rate_scale=10.0,
+        quality_prompts=2,
+        ramp_rates_rps=(5.0, 50.0),
+        ramp_requests=3,
+        ablations=("prefix_caching=false", "max_num_seqs=1", "dtype=bf16"),
+    )
     results = await run_suite(cfg, ("workloads", "ramp", "ablations"))
     assert [w["name"] for w in results["workloads"]] == ["dialogue", "code", "translation", "voice"]
     for w in results["workloads"]:

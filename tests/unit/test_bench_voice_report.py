@@ -13,8 +13,16 @@ def bench():
 
 
 def _row(v2v: float, load: float, tts: float | None = 100.0) -> dict:
-    return {"client_voice_to_voice_ms": v2v, "endpointing_ms": 300.0, "asr_final_ms": 200.0, "llm_ttft_ms": 80.0,
-            "first_clause_ms": 250.0, "tts_first_chunk_ms": tts, "voice_to_voice_ms": v2v + 10, "load_average_1m": load}
+    return {
+        "client_voice_to_voice_ms": v2v,
+        "endpointing_ms": 300.0,
+        "asr_final_ms": 200.0,
+        "llm_ttft_ms": 80.0,
+        "first_clause_ms": 250.0,
+        "tts_first_chunk_ms": tts,
+        "voice_to_voice_ms": v2v + 10,
+        "load_average_1m": load,
+    }
 
 
 def test_summary_has_median_p95_and_counts(bench):

@@ -31,8 +31,17 @@ def test_write_then_gather_roundtrip_and_int8_error_is_small():
 def test_mixed_batch_attention_matches_dense_reference():
     """Two decodes of different lengths and a mid-sequence chunk, with a window and a released block."""
     torch.manual_seed(1)
-    cfg = ModelConfig(arch="mistral", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=1,
-                      num_heads=4, num_kv_heads=2, head_dim=8, sliding_window=6)
+    cfg = ModelConfig(
+        arch="mistral",
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        sliding_window=6,
+    )
     model = Transformer(cfg).double().eval()
     bs = 4
     storage = PagedKVStorage(1, 16, bs, 2, 8, torch.float64)
@@ -41,14 +50,19 @@ def test_mixed_batch_attention_matches_dense_reference():
     tables = {"a": [5, 1, 7], "b": [2, 3], "c": [-1, 8, 9, 10]}  # c's block 0 is outside the window
     # Fill the cache for the already-computed prefixes by running each one as a chunk.
     computed = {"a": 10, "b": 5, "c": 9}
-    prefill = [ScheduledRequest(r, seqs[r][:computed[r]], 0, [max(b, 11) if b < 0 else b for b in tables[r]], False)
-               for r in seqs]
+    prefill = [
+        ScheduledRequest(r, seqs[r][: computed[r]], 0, [max(b, 11) if b < 0 else b for b in tables[r]], False)
+        for r in seqs
+    ]
     runner.execute(SchedulerOutput(prefill, 0), {})
-    step = SchedulerOutput([
-        ScheduledRequest("a", seqs["a"][10:11], 10, tables["a"], True),
-        ScheduledRequest("c", seqs["c"][9:14], 9, tables["c"], True),
-        ScheduledRequest("b", seqs["b"][5:6], 5, tables["b"], True),
-    ], 7)
+    step = SchedulerOutput(
+        [
+            ScheduledRequest("a", seqs["a"][10:11], 10, tables["a"], True),
+            ScheduledRequest("c", seqs["c"][9:14], 9, tables["c"], True),
+            ScheduledRequest("b", seqs["b"][5:6], 5, tables["b"], True),
+        ],
+        7,
+    )
     captured = {}
 
     class Spy:
@@ -80,6 +94,6 @@ def test_mixed_batch_attention_matches_dense_reference():
         q = apply_rope(q.view(end, 4, 8), cos, sin)[start:end]
         k = apply_rope(k.view(end, 2, 8), cos, sin)
         want = sdpa(q, k, v.view(end, 2, 8), causal_window_mask(pos[start:end], pos, cfg.sliding_window))
-        got = captured["out"][row:row + end - start]
+        got = captured["out"][row : row + end - start]
         assert torch.allclose(got, want, atol=1e-10), rid
         row += end - start

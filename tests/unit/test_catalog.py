@@ -52,10 +52,15 @@ HUB_ONLY = """
 
 # ---------------------------------------------------------------- the shipped catalogue
 
+
 def test_shipped_catalogue_has_a_default_per_role_and_pins_every_registry_file():
     entries = catalog.list_entries()
     assert {catalog.default_model(r) for r in catalog.ROLES} == {
-        "smollm2-135m-instruct", "whisper-tiny.en", "piper-en_US-joe-medium", "silero-vad"}
+        "smollm2-135m-instruct",
+        "whisper-tiny.en",
+        "piper-en_US-joe-medium",
+        "silero-vad",
+    }
     assert "whisper-base" in catalog.setup_models()
     for entry in entries:
         for source in entry.sources:
@@ -80,19 +85,40 @@ def test_entry_fields():
 
 # ---------------------------------------------------------------- strictness
 
-@pytest.mark.parametrize("body, expected", [
-    ("- {name: a, role: llm, colour: red, sources: []}\n", "catalog.yaml:3: unknown key 'colour'"),
-    ("- {name: a, role: painter, sources: []}\n", "unknown role 'painter'"),
-    ("- name: a\n  role: vad\n  sources:\n    - kind: ftp\n      files: [{name: x}]\n", "unknown source kind 'ftp'"),
-    ("- name: a\n  role: vad\n  sources:\n    - kind: pypi\n      packages: [{name: p, version: '1'}]\n"
-     "      files: [{name: x, member: p/x}]\n", "needs a sha256 pin"),
-    ("- name: a\n  role: vad\n  sources:\n    - kind: pypi\n      packages: [{name: p, version: '1'}]\n"
-     "      files: [{name: x, member: p/x, sha256: abc}]\n", "64 lowercase hex"),
-    ("- name: a\n  role: vad\n  sources:\n    - kind: hub\n      repo: o/r\n      files: [{name: x}]\n",
-     "needs repo and revision"),
-    ("- name: a\n  role: vad\n  sources:\n    - kind: hub\n      repo: o/r\n      revision: main\n"
-     "      files: [{name: ../x}]\n", "relative path inside the model folder"),
-])
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("- {name: a, role: llm, colour: red, sources: []}\n", "catalog.yaml:3: unknown key 'colour'"),
+        ("- {name: a, role: painter, sources: []}\n", "unknown role 'painter'"),
+        (
+            "- name: a\n  role: vad\n  sources:\n    - kind: ftp\n      files: [{name: x}]\n",
+            "unknown source kind 'ftp'",
+        ),
+        (
+            "- name: a\n  role: vad\n  sources:\n    - kind: pypi\n"
+            "      packages: [{name: p, version: '1'}]\n"
+            "      files: [{name: x, member: p/x}]\n",
+            "needs a sha256 pin",
+        ),
+        (
+            "- name: a\n  role: vad\n  sources:\n    - kind: pypi\n"
+            "      packages: [{name: p, version: '1'}]\n"
+            "      files: [{name: x, member: p/x, sha256: abc}]\n",
+            "64 lowercase hex",
+        ),
+        (
+            "- name: a\n  role: vad\n  sources:\n    - kind: hub\n      repo: o/r\n"
+            "      files: [{name: x}]\n",
+            "needs repo and revision",
+        ),
+        (
+            "- name: a\n  role: vad\n  sources:\n    - kind: hub\n      repo: o/r\n      revision: main\n"
+            "      files: [{name: ../x}]\n",
+            "relative path inside the model folder",
+        ),
+    ],
+)
 def test_bad_catalogue_is_a_config_error_naming_the_file(tmp_path, body, expected):
     path = write_catalog(tmp_path, body)
     with pytest.raises(ConfigError) as info:
@@ -117,6 +143,7 @@ def test_missing_catalogue_file(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- resolution
+
 
 def test_existing_paths_are_returned_as_is(tmp_path):
     f = tmp_path / "my.gguf"
@@ -164,6 +191,7 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- pulls that need no network
 
+
 def test_python_package_pull_installs_verifies_and_is_a_noop_the_second_time(tmp_path):
     cat, cache = write_catalog(tmp_path, silero_entry()), tmp_path / "cache"
     path = catalog.resolve_model("vad-test", role="vad", cache_dir=cache, catalog=cat)
@@ -202,19 +230,29 @@ def test_tree_digest_matches_the_documented_shell_pipeline(tmp_path):
     (tmp_path / "d" / "sub").mkdir(parents=True)
     for rel, text in {"b.txt": "bee", "a.txt": "a", "sub/c": "sea", "Z": "upper"}.items():
         (tmp_path / "d" / rel).write_text(text)
-    hashes = {str(p.relative_to(tmp_path / "d")): sha256_file(p) for p in (tmp_path / "d").rglob("*") if p.is_file()}
+    hashes = {
+        str(p.relative_to(tmp_path / "d")): sha256_file(p) for p in (tmp_path / "d").rglob("*") if p.is_file()
+    }
     shell = subprocess.run(
         "(find . -type f | sed 's|^./||' | LC_ALL=C sort | xargs sha256sum) | sha256sum",
-        shell=True, cwd=tmp_path / "d", capture_output=True, text=True, check=True).stdout.split()[0]
+        shell=True,
+        cwd=tmp_path / "d",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[0]
     assert tree_digest(hashes) == shell
 
 
 # ---------------------------------------------------------------- the hub, offline
 
+
 @pytest.mark.timeout(60)
 def test_unreachable_hub_fails_fast_and_names_alternatives(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # .invalid never resolves (RFC 2606)
-    cat = write_catalog(tmp_path, HUB_ONLY + textwrap.dedent(silero_entry()).replace("role: vad", "role: llm"))
+    cat = write_catalog(
+        tmp_path, HUB_ONLY + textwrap.dedent(silero_entry()).replace("role: vad", "role: llm")
+    )
     with pytest.raises(DownloadError) as info:
         catalog.pull("hub-only-llm", cache_dir=tmp_path / "c", catalog=cat, progress=False)
     msg = str(info.value)
@@ -232,7 +270,9 @@ def test_hub_that_accepts_but_never_answers_ends_in_a_clear_error(tmp_path, monk
         monkeypatch.setattr(hub, "HUB_API_TIMEOUT_S", 1.0)
         cat = write_catalog(tmp_path, HUB_ONLY)
         start = time.monotonic()
-        with pytest.raises(DownloadError, match="hub request for HuggingFaceTB/SmolLM2-135M-Instruct@main failed"):
+        with pytest.raises(
+            DownloadError, match="hub request for HuggingFaceTB/SmolLM2-135M-Instruct@main failed"
+        ):
             catalog.pull("hub-only-llm", cache_dir=tmp_path / "c", catalog=cat, progress=False)
         assert time.monotonic() - start < 30  # generous: guards against a hang, not a timing claim
     finally:
@@ -284,7 +324,9 @@ def test_concurrent_pulls_of_one_model_install_it_once(tmp_path):
 
     cat, cache = write_catalog(tmp_path, silero_entry()), tmp_path / "cache"
     with ThreadPoolExecutor(4) as pool:
-        paths = list(pool.map(lambda _: catalog.resolve_model("vad-test", cache_dir=cache, catalog=cat), range(4)))
+        paths = list(
+            pool.map(lambda _: catalog.resolve_model("vad-test", cache_dir=cache, catalog=cat), range(4))
+        )
     assert set(paths) == {cache / "vad-test" / "silero.onnx"}
     assert sorted(p.name for p in cache.iterdir()) == [".locks", "vad-test"]
     assert catalog.verify("vad-test", cache_dir=cache, catalog=cat) == [("silero.onnx", True)]

@@ -40,8 +40,12 @@ class FakeRepo:
 
     def path_info(self, path: str) -> dict:
         data = self.published[path]
-        info = {"type": "file", "path": path, "size": len(data),
-                "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}  # noqa: S324
+        info = {
+            "type": "file",
+            "path": path,
+            "size": len(data),
+            "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+        }
         if path in self.lfs:
             info["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
         return info
@@ -67,8 +71,12 @@ def make_handler(repo: FakeRepo):
                 return self._send(404, b"", {"X-Error-Code": "EntryNotFound"}, head)
             path = m.group(2)
             if repo.gated:
-                return self._send(403, b"", {"X-Error-Code": "GatedRepo",
-                                             "X-Error-Message": "Access to this model is restricted."}, head)
+                return self._send(
+                    403,
+                    b"",
+                    {"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to this model is restricted."},
+                    head,
+                )
             data = repo.served[path]
             etag = repo.path_info(path).get("lfs", {}).get("oid") or repo.path_info(path)["oid"]
             self._send(200, data, {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'}, head)
@@ -97,8 +105,10 @@ def make_handler(repo: FakeRepo):
 @pytest.fixture
 def hub(monkeypatch):
     onnx = bytes(range(256)) * 64
-    repo = FakeRepo({"voices/x.onnx": onnx, "voices/x.onnx.json": b'{"audio": {"sample_rate": 22050}}\n'},
-                    lfs={"voices/x.onnx"})
+    repo = FakeRepo(
+        {"voices/x.onnx": onnx, "voices/x.onnx.json": b'{"audio": {"sample_rate": 22050}}\n'},
+        lfs={"voices/x.onnx"},
+    )
     server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(repo))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -113,7 +123,8 @@ def hub(monkeypatch):
 def hub_catalog(tmp_path: Path, json_pin: str | None = None) -> Path:
     pin = f", sha256: '{json_pin}'" if json_pin else ""
     path = tmp_path / "catalog.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         version: 1
         models:
           - name: voice-x
@@ -125,7 +136,8 @@ def hub_catalog(tmp_path: Path, json_pin: str | None = None) -> Path:
                 files:
                   - {{name: x.onnx, member: voices/x.onnx}}
                   - {{name: x.onnx.json, member: voices/x.onnx.json{pin}}}
-        """))
+        """)
+    )
     return path
 
 
@@ -145,13 +157,18 @@ def test_hub_pull_checks_published_hashes_and_records_the_commit(tmp_path, hub):
     assert (folder / "x.onnx.json").read_bytes() == hub.published["voices/x.onnx.json"]
     manifest = json.loads((folder / ".edge-rtgi-manifest.json").read_text())
     assert manifest["source"] == f"hub {REPO}@{COMMIT}"
-    assert catalog.verify("voice-x", cache_dir=cache, catalog=cat) == [("x.onnx", True), ("x.onnx.json", True)]
+    assert catalog.verify("voice-x", cache_dir=cache, catalog=cat) == [
+        ("x.onnx", True),
+        ("x.onnx.json", True),
+    ]
     assert sorted(p.name for p in cache.iterdir()) == [".locks", "voice-x"]  # no staging left over
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path, what", [("voices/x.onnx", "vs the hub's sha256"),
-                                        ("voices/x.onnx.json", "vs the hub's git blob id")])
+@pytest.mark.parametrize(
+    "path, what",
+    [("voices/x.onnx", "vs the hub's sha256"), ("voices/x.onnx.json", "vs the hub's git blob id")],
+)
 def test_bytes_that_differ_from_the_hubs_hashes_are_refused(tmp_path, hub, path, what):
     served = bytearray(hub.served[path])
     served[3] ^= 0x20  # same size, different bytes

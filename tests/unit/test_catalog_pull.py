@@ -33,7 +33,8 @@ print(lib.espeak_TextToPhonemes(ctypes.byref(ptr), 1, 2).decode())
 def _espeak_catalog(tmp_path: Path, en_dict_sha256: str) -> Path:
     """A one-entry catalogue on the smallest registry wheel we pin (espeakng-loader, 10 MB)."""
     path = tmp_path / "catalog.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         version: 1
         models:
           - name: espeak-test
@@ -46,14 +47,17 @@ def _espeak_catalog(tmp_path: Path, en_dict_sha256: str) -> Path:
                     member: espeakng_loader/espeak-ng-data/en_dict
                     sha256: '{en_dict_sha256}'
                     size_bytes: 168204
-        """))
+        """)
+    )
     return path
 
 
 @pytest.mark.slow
 def test_wrong_registry_pin_refuses_the_file(tmp_path):
     cat, cache = _espeak_catalog(tmp_path, "f" * 64), tmp_path / "cache"
-    with pytest.raises(PinMismatchError, match=r"en_dict \(from espeakng_loader-0.2.4-.*\.whl:.*pinned f{64}; file refused"):
+    with pytest.raises(
+        PinMismatchError, match=r"en_dict \(from espeakng_loader-0.2.4-.*\.whl:.*pinned f{64}; file refused"
+    ):
         catalog.pull("espeak-test", cache_dir=cache, catalog=cat, progress=False)
     assert not (cache / "espeak-test").exists()
     assert not any(p.name.startswith((".partial", ".wheels")) for p in cache.iterdir())
@@ -68,8 +72,9 @@ def test_espeak_ng_data_tree_round_trip(tmp_path):
     assert len(results) == 365 and all(ok for _, ok in results)
     assert (folder / "espeak-ng-data" / "phontab").is_file()
     assert Manifest.read(folder).source == "pypi espeakng-loader==0.2.4"
-    ipa = subprocess.run([sys.executable, "-c", PHONEMISE, str(folder)], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    ipa = subprocess.run(
+        [sys.executable, "-c", PHONEMISE, str(folder)], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert ipa == "ˈola mˈundo"
     en_dict = folder / "espeak-ng-data" / "en_dict"
     data = bytearray(en_dict.read_bytes())
@@ -102,8 +107,19 @@ def test_whisper_base_assembled_from_parts_loads_and_detects_spanish(tmp_path):
     folder = catalog.resolve_model("whisper-base", role="asr")
     assert all(ok for _, ok in catalog.verify("whisper-base"))
     wav = tmp_path / "es.wav"
-    subprocess.run(["espeak-ng", "-v", "es", "-s", "140", "-w", str(wav),
-                    "Buenos días. Hoy vamos a hablar del tiempo y de la ciudad donde vivimos."], check=True)
+    subprocess.run(
+        [
+            "espeak-ng",
+            "-v",
+            "es",
+            "-s",
+            "140",
+            "-w",
+            str(wav),
+            "Buenos días. Hoy vamos a hablar del tiempo y de la ciudad donde vivimos.",
+        ],
+        check=True,
+    )
     with wave.open(str(wav)) as w:
         assert w.getnframes() > 0
     model = WhisperModel(str(folder), device="cpu", compute_type="int8", cpu_threads=2)

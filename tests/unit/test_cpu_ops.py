@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.model import apply_rope, causal_window_mask, sdpa
 
-pytestmark = pytest.mark.skipif(not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}")
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}"
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -58,12 +60,12 @@ def test_rms_norm(dtype, rows, dim):
 def test_rotate_qk_in_place(dtype, tokens, heads, dim):
     qkv = torch.randn(tokens, (heads + 2) * dim, dtype=dtype)
     cos, sin = rope_tables(torch.randint(0, 4000, (tokens,)), dim, dtype)
-    qk = qkv[:, :heads * dim].view(tokens, heads, dim)  # a strided view, as in the model
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)  # a strided view, as in the model
     want = apply_rope(qk, cos, sin)
-    untouched = qkv[:, heads * dim:].clone()
+    untouched = qkv[:, heads * dim :].clone()
     got = cpu_ops.rotate_qk(qk, cos, sin)
     assert got.data_ptr() == qk.data_ptr()  # in place
-    assert torch.equal(qkv[:, heads * dim:], untouched)  # v is not touched
+    assert torch.equal(qkv[:, heads * dim :], untouched)  # v is not touched
     assert_matches(got, want, dtype)
 
 
@@ -81,7 +83,7 @@ def reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, ke
     outs = []
     for b in range(q.shape[0]):
         slots = key_slots[b] if key_mask is None else key_slots[b][key_mask[b]]
-        outs.append(sdpa(q[b:b + 1], k_store[slots], v_store[slots], None))
+        outs.append(sdpa(q[b : b + 1], k_store[slots], v_store[slots], None))
     return torch.cat(outs), k_store, v_store
 
 
@@ -92,14 +94,18 @@ def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
     k_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
     v_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
     q = torch.randn(rows, heads, dim, dtype=dtype)
-    k_new, v_new = torch.randn(rows, kv_heads, dim, dtype=dtype), torch.randn(rows, kv_heads, dim, dtype=dtype)
+    k_new, v_new = (
+        torch.randn(rows, kv_heads, dim, dtype=dtype),
+        torch.randn(rows, kv_heads, dim, dtype=dtype),
+    )
     key_slots = torch.stack([torch.randperm(num_slots)[:keys] for _ in range(rows)])
     new_slots = key_slots[:, -1].clone()  # each row's new token is among its own keys
     key_mask = torch.rand(rows, keys) > 0.3
     key_mask[:, -1] = True
     want, want_k, want_v = reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask)
-    got = cpu_ops.decode_attention(q, k_new, v_new, k_store, v_store, new_slots, key_slots,
-                                   key_mask[:, None, None, :], dim ** -0.5)  # SDPA's mask shape is accepted
+    got = cpu_ops.decode_attention(
+        q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask[:, None, None, :], dim**-0.5
+    )  # SDPA's mask shape is accepted
     assert torch.equal(k_store, want_k) and torch.equal(v_store, want_v)  # the writes are exact
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
@@ -110,14 +116,27 @@ def test_decode_attention_contiguous_window(dtype):
     """The contiguous cache's case: slots are cache rows, a sliding window drops the oldest."""
     end, window = 50, 16
     k_store, v_store = torch.randn(64, 2, 32, dtype=dtype), torch.randn(64, 2, 32, dtype=dtype)
-    q, k_new, v_new = torch.randn(1, 4, 32, dtype=dtype), torch.randn(1, 2, 32, dtype=dtype), torch.randn(1, 2, 32, dtype=dtype)
+    q, k_new, v_new = (
+        torch.randn(1, 4, 32, dtype=dtype),
+        torch.randn(1, 2, 32, dtype=dtype),
+        torch.randn(1, 2, 32, dtype=dtype),
+    )
     want_k, want_v = k_store.clone(), v_store.clone()
     want_k[end - 1], want_v[end - 1] = k_new[0], v_new[0]
     mask = causal_window_mask(torch.tensor([end - 1]), torch.arange(end), window)
     want = sdpa(q, want_k[:end], want_v[:end], mask)
     slots = torch.arange(64)
-    got = cpu_ops.decode_attention(q, k_new, v_new, k_store, v_store, slots[end - 1:end], slots[None, end - window:end],
-                                   None, 32 ** -0.5)
+    got = cpu_ops.decode_attention(
+        q,
+        k_new,
+        v_new,
+        k_store,
+        v_store,
+        slots[end - 1 : end],
+        slots[None, end - window : end],
+        None,
+        32**-0.5,
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
@@ -126,11 +145,17 @@ def test_bad_slots_are_refused_with_the_slot():
     k_store = torch.zeros(8, 1, 16)
     q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)
     with pytest.raises(RuntimeError, match="slot 9 out of range"):
-        cpu_ops.decode_attention(q, k, k, k_store, k_store.clone(), torch.tensor([1]), torch.tensor([[0, 9]]), None, 0.25)
+        cpu_ops.decode_attention(
+            q, k, k, k_store, k_store.clone(), torch.tensor([1]), torch.tensor([[0, 9]]), None, 0.25
+        )
     with pytest.raises(RuntimeError, match="slot 8 out of range"):
-        cpu_ops.decode_attention(q, k, k, k_store, k_store.clone(), torch.tensor([8]), torch.tensor([[0, 1]]), None, 0.25)
+        cpu_ops.decode_attention(
+            q, k, k, k_store, k_store.clone(), torch.tensor([8]), torch.tensor([[0, 1]]), None, 0.25
+        )
     with pytest.raises(RuntimeError, match="must be Float"):
-        cpu_ops.decode_attention(q, k.bfloat16(), k, k_store, k_store.clone(), torch.tensor([1]), torch.tensor([[0]]), None, 0.25)
+        cpu_ops.decode_attention(
+            q, k.bfloat16(), k, k_store, k_store.clone(), torch.tensor([1]), torch.tensor([[0]]), None, 0.25
+        )
 
 
 def test_disabled_runs_the_pytorch_ops():
@@ -142,10 +167,12 @@ def test_disabled_runs_the_pytorch_ops():
         assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), F.rms_norm(x, (32,), w, 1e-6))
     assert cpu_ops.available()
     # float64 and long contexts always take the PyTorch path
-    assert not cpu_ops.decode_attention_usable(torch.zeros(1, 2, 8, dtype=torch.float64),
-                                               torch.zeros(4, 1, 8, dtype=torch.float64), 3)
-    assert not cpu_ops.decode_attention_usable(torch.zeros(1, 2, 8), torch.zeros(4, 1, 8),
-                                               cpu_ops.DECODE_ATTENTION_MAX_KEYS + 1)
+    assert not cpu_ops.decode_attention_usable(
+        torch.zeros(1, 2, 8, dtype=torch.float64), torch.zeros(4, 1, 8, dtype=torch.float64), 3
+    )
+    assert not cpu_ops.decode_attention_usable(
+        torch.zeros(1, 2, 8), torch.zeros(4, 1, 8), cpu_ops.DECODE_ATTENTION_MAX_KEYS + 1
+    )
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
@@ -217,8 +244,9 @@ def test_layer_loop_refuses_mismatched_arguments():
     x, cos = torch.zeros(1, 8), torch.ones(1, 1, 4)
     store, slots = torch.zeros(4, 1, 4), torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="1 layers need 14 params and 8 meta entries"):
-        torch.ops.edge_rtgi.decode_layers(x, cos, cos, [None] * 3, [0] * 8, [store], [store], slots[0], slots, None,
-                                          2, 1, 1e-6, 0.5)
+        torch.ops.edge_rtgi.decode_layers(
+            x, cos, cos, [None] * 3, [0] * 8, [store], [store], slots[0], slots, None, 2, 1, 1e-6, 0.5
+        )
 
 
 @pytest.mark.slow
@@ -234,15 +262,42 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, cpu_ops.ENV_MARCH: "x86-64-v3", "EDGE_RTGI_KERNEL_DIR": str(tmp_path)}
-    probe = subprocess.run([sys.executable, "-c", "from edge_rtgi.llm import cpu_ops; assert cpu_ops.load(), "
-                            "cpu_ops.failure(); print(cpu_ops.build_info(), cpu_ops.build_dir().name)"],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from edge_rtgi.llm import cpu_ops; assert cpu_ops.load(), "
+            "cpu_ops.failure(); print(cpu_ops.build_info(), cpu_ops.build_dir().name)",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split() == ["portable", "march-x86-64-v3"]
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/unit/test_cpu_ops.py", "tests/equivalence/test_cpu_ops_model.py",
-                            "-k", "not portable and not stale and not build_dir", "-m", "not slow"],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    tests = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/unit/test_cpu_ops.py",
+            "tests/equivalence/test_cpu_ops_model.py",
+            "-k",
+            "not portable and not stale and not build_dir",
+            "-m",
+            "not slow",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert tests.returncode == 0, tests.stdout[-3000:]
 
 
@@ -253,14 +308,19 @@ def test_registered_ops_refuse_malformed_shapes():
     with pytest.raises(RuntimeError, match="v_store"):
         cpu_ops.decode_attention(q, k, k, k_store, torch.zeros(4, 1, 16), new, slots, None, 0.25)
     with pytest.raises(RuntimeError, match="k_new and v_new must be"):
-        cpu_ops.decode_attention(q, k, torch.zeros(1, 3, 16), k_store, k_store.clone(), new, slots, None, 0.25)
+        cpu_ops.decode_attention(
+            q, k, torch.zeros(1, 3, 16), k_store, k_store.clone(), new, slots, None, 0.25
+        )
     with pytest.raises(RuntimeError, match="k_new and v_new must be"):
-        cpu_ops.decode_attention(q, torch.zeros(2, 1, 16), k, k_store, k_store.clone(), new, slots, None, 0.25)
+        cpu_ops.decode_attention(
+            q, torch.zeros(2, 1, 16), k, k_store, k_store.clone(), new, slots, None, 0.25
+        )
     x, cos = torch.zeros(1, 16), torch.ones(1, 1, 16)
     params = [torch.ones(16), None] + [torch.zeros(48, 16), None, None] * 4  # a missing norm weight
     with pytest.raises(RuntimeError, match="lacks a norm weight"):
-        torch.ops.edge_rtgi.decode_layers(x, cos, cos, params, [0, 0] * 4, [k_store], [k_store], new, slots, None,
-                                          2, 1, 1e-6, 0.25)
+        torch.ops.edge_rtgi.decode_layers(
+            x, cos, cos, params, [0, 0] * 4, [k_store], [k_store], new, slots, None, 2, 1, 1e-6, 0.25
+        )
 
 
 def test_disabled_blocks_nest():

@@ -54,7 +54,9 @@ def test_wait_is_bounded_from_when_foreground_work_began():
 
 async def test_engine_holds_its_steps_while_foreground_work_runs(tmp_path):
     loaded = load_model(make_tiny_hf_model("llama", tmp_path, seed=3), "cpu", "fp32")
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(block_size=4, num_kv_blocks=32, yield_to_foreground_ms=60_000))
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(block_size=4, num_kv_blocks=32, yield_to_foreground_ms=60_000)
+    )
     try:
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         with FOREGROUND.foreground():
@@ -73,10 +75,17 @@ async def test_engine_holds_its_steps_while_foreground_work_runs(tmp_path):
 
 async def test_engine_without_yield_ignores_foreground_work(tmp_path):
     loaded = load_model(make_tiny_hf_model("llama", tmp_path, seed=3), "cpu", "fp32")
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(block_size=4, num_kv_blocks=32, yield_to_foreground_ms=0))
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(block_size=4, num_kv_blocks=32, yield_to_foreground_ms=0)
+    )
     try:
         with FOREGROUND.foreground():
-            deltas = [d async for d in engine.add_request("hello there", SamplingParams(max_tokens=4, ignore_eos=True))]
+            deltas = [
+                d
+                async for d in engine.add_request(
+                    "hello there", SamplingParams(max_tokens=4, ignore_eos=True)
+                )
+            ]
         assert sum(len(d.token_ids) for d in deltas) == 4
     finally:
         engine.shutdown()

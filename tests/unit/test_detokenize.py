@@ -32,9 +32,12 @@ def sentencepiece_like() -> Tokenizer:
     for ch in "\u2581abcdefghijklmnopqrstuvwxyzHW,.?":
         vocab.setdefault(ch, len(vocab))
     backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return Tokenizer(backend=backend)
 
 
@@ -49,7 +52,7 @@ def test_byte_level_stream_equals_full_decode_and_never_splits_chars(byte_bpe, t
     prompt = byte_bpe.encode("Say:")
     generated = byte_bpe.encode(" " + text)
     deltas = stream(byte_bpe, prompt, generated)
-    assert "".join(deltas) == byte_bpe.decode(prompt + generated)[len(byte_bpe.decode(prompt)):]
+    assert "".join(deltas) == byte_bpe.decode(prompt + generated)[len(byte_bpe.decode(prompt)) :]
     assert all("\ufffd" not in d for d in deltas)
 
 
@@ -65,7 +68,7 @@ def test_emoji_is_really_split_across_byte_tokens(byte_bpe):
 def test_byte_fallback_and_leading_space_with_prompt_context(sentencepiece_like):
     tok = sentencepiece_like
     prompt = tok.encode("Hello")
-    generated = tok.encode("Hello world \U0001f600 ok?")[len(prompt):]
+    generated = tok.encode("Hello world \U0001f600 ok?")[len(prompt) :]
     assert len([t for t in generated if 1 <= t <= 256]) == 4  # the emoji is four byte-fallback tokens
     deltas = stream(tok, prompt, generated)
     assert "".join(deltas) == " world \U0001f600 ok?"

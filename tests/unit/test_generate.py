@@ -42,7 +42,7 @@ def test_stop_token_ends_generation_and_is_not_in_text(tiny, prompt):
     first = free.token_ids.index(stop_id)
     result = generate(tiny, prompt, SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(stop_id,)))
     assert result.finish_reason == "stop"
-    assert result.token_ids == free.token_ids[:first + 1]
+    assert result.token_ids == free.token_ids[: first + 1]
     assert result.text == tiny.tokenizer.decode(free.token_ids[:first])
 
 
@@ -50,10 +50,10 @@ def test_stop_string_cuts_text_before_it(tiny, prompt):
     free = generate(tiny, prompt, SamplingParams(max_tokens=24, ignore_eos=True))
     visible = free.text.replace("\ufffd", "")
     assert len(visible) >= 6, free.text
-    stop = visible[len(visible) // 2:len(visible) // 2 + 2]
+    stop = visible[len(visible) // 2 : len(visible) // 2 + 2]
     result = generate(tiny, prompt, SamplingParams(max_tokens=24, ignore_eos=True, stop=(stop,)))
     assert result.finish_reason == "stop"
-    assert result.text == free.text[:free.text.index(stop)]
+    assert result.text == free.text[: free.text.index(stop)]
 
 
 def test_seeded_sampling_is_reproducible(tiny, prompt):
@@ -85,7 +85,10 @@ def test_chat_history_keeps_system_and_drops_oldest_turns(tiny):
     tok = tiny.tokenizer
     history = []
     for i in range(6):
-        history += [{"role": "user", "content": f"question {i} " * 8}, {"role": "assistant", "content": "answer " * 8}]
+        history += [
+            {"role": "user", "content": f"question {i} " * 8},
+            {"role": "assistant", "content": "answer " * 8},
+        ]
     history.append({"role": "user", "content": "last question"})
     full = len(tok.encode_chat([{"role": "system", "content": "SYS"}, *history]))
     ids, dropped = fit_history(tok, "SYS", history, context_tokens=full - 40, reserve_tokens=0)
@@ -97,8 +100,11 @@ def test_chat_history_keeps_system_and_drops_oldest_turns(tiny):
 
 
 def test_chat_turn_streams_and_trims(tiny):
-    backend = Backend(tokenizer=tiny.tokenizer, context_tokens=tiny.config.max_position_embeddings,
-                      stream=lambda ids, params: generate_stream(tiny, ids, params))
+    backend = Backend(
+        tokenizer=tiny.tokenizer,
+        context_tokens=tiny.config.max_position_embeddings,
+        stream=lambda ids, params: generate_stream(tiny, ids, params),
+    )
     history = [{"role": "user", "content": "Hello!"}]
     written: list[str] = []
     reply = chat_turn(backend, "Be brief.", history, SamplingParams(max_tokens=6), write=written.append)

@@ -1,4 +1,5 @@
-"""A SentencePiece-style GGUF vocabulary (Llama 2 / Mistral v0.1 files) against transformers' GGUF tokenizer."""
+"""A SentencePiece-style GGUF vocabulary (Llama 2 / Mistral v0.1 files) against
+transformers' GGUF tokenizer."""
 
 from __future__ import annotations
 
@@ -9,10 +10,40 @@ import pytest
 
 from edge_rtgi.llm.weights import _read_gguf, load_gguf_tokenizer
 
-PIECES = ["\u2581", "\u2581t", "\u2581th", "\u2581the", "he", "ll", "llo", "\u2581he", "\u2581hello", "\u2581w",
-          "or", "ld", "orld", "\u2581world", "in", "\u2581in", "ing", "\u2581a", "an", "\u2581an", "\u2581and", "er", "es"]
-TEXTS = ["hello world", "The theme in the world", "  two leading spaces", "caf\u00e9 \U0001f600 and more",
-         "<s>hello</s> world", "unknownwords zzz", "line\nbreak"]
+PIECES = [
+    "\u2581",
+    "\u2581t",
+    "\u2581th",
+    "\u2581the",
+    "he",
+    "ll",
+    "llo",
+    "\u2581he",
+    "\u2581hello",
+    "\u2581w",
+    "or",
+    "ld",
+    "orld",
+    "\u2581world",
+    "in",
+    "\u2581in",
+    "ing",
+    "\u2581a",
+    "an",
+    "\u2581an",
+    "\u2581and",
+    "er",
+    "es",
+]
+TEXTS = [
+    "hello world",
+    "The theme in the world",
+    "  two leading spaces",
+    "caf\u00e9 \U0001f600 and more",
+    "<s>hello</s> world",
+    "unknownwords zzz",
+    "line\nbreak",
+]
 
 
 def write_spm_gguf(path: Path) -> Path:
@@ -21,15 +52,23 @@ def write_spm_gguf(path: Path) -> Path:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
     scores = [0.0] * len(tokens)
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        chr(c) for c in range(ord("A"), ord("Z") + 1)
+    ]
     for rank, piece in enumerate(letters + PIECES):
         tokens.append(piece)
         types.append(1)
         scores.append(-float(rank))
     writer = GGUFWriter(str(path), "llama")
     writer.add_name("tiny spm")
-    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 64), (writer.add_embedding_length, 8),
-                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2), (writer.add_head_count_kv, 2)):
+    for add, value in (
+        (writer.add_block_count, 1),
+        (writer.add_context_length, 64),
+        (writer.add_embedding_length, 8),
+        (writer.add_feed_forward_length, 16),
+        (writer.add_head_count, 2),
+        (writer.add_head_count_kv, 2),
+    ):
         add(value)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")

@@ -37,8 +37,11 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_typo_in_stage_key_names_file_line_and_key(tmp_path):
-    path = _write(tmp_path, "name: x\nstages:\n  - asr:\n      model: whisper-tiny.en\n"
-                            "  - assistant:\n      max_reply_tokns: 20\n")
+    path = _write(
+        tmp_path,
+        "name: x\nstages:\n  - asr:\n      model: whisper-tiny.en\n"
+        "  - assistant:\n      max_reply_tokns: 20\n",
+    )
     with pytest.raises(ConfigError) as err:
         load_pipeline(path)
     msg = str(err.value)
@@ -69,12 +72,15 @@ def test_nested_vad_key_typo(tmp_path):
         load_pipeline(path)
 
 
-@pytest.mark.parametrize("stages, why", [
-    ("  - tts: {}\n", "not a valid chain"),
-    ("  - asr: {}\n  - tts: {}\n", "not a valid chain"),
-    ("  - asr: {}\n  - assistant: {}\n  - translate: {}\n", "not a valid chain"),
-    ("  - asr\n", "one-key mapping"),
-])
+@pytest.mark.parametrize(
+    "stages, why",
+    [
+        ("  - tts: {}\n", "not a valid chain"),
+        ("  - asr: {}\n  - tts: {}\n", "not a valid chain"),
+        ("  - asr: {}\n  - assistant: {}\n  - translate: {}\n", "not a valid chain"),
+        ("  - asr\n", "one-key mapping"),
+    ],
+)
 def test_bad_chains(stages, why):
     with pytest.raises(ConfigError, match=why):
         parse_pipeline("stages:\n" + stages, "c.yaml")
@@ -92,12 +98,17 @@ def test_bad_values_and_top_level_keys():
     with pytest.raises(ConfigError, match="input_sample_rate_hz"):
         parse_pipeline("input_sample_rate_hz: 3\nstages:\n  - asr: {}\n", "c.yaml")
     with pytest.raises(ConfigError, match="first_break_after_words must be >= 1"):
-        parse_pipeline("stages:\n  - asr: {}\n  - assistant: {}\n  - tts: {first_break_after_words: 0}\n", "c.yaml")
+        parse_pipeline(
+            "stages:\n  - asr: {}\n  - assistant: {}\n  - tts: {first_break_after_words: 0}\n", "c.yaml"
+        )
 
 
 def test_first_chunk_settings_reach_the_tts_stage():
-    pipe = parse_pipeline("stages:\n  - asr: {}\n  - assistant: {}\n"
-                          "  - tts: {first_clause_min_words: 2, first_break_after_words: null}\n", "c.yaml")
+    pipe = parse_pipeline(
+        "stages:\n  - asr: {}\n  - assistant: {}\n"
+        "  - tts: {first_clause_min_words: 2, first_break_after_words: null}\n",
+        "c.yaml",
+    )
     tts = pipe.stage(TtsStageConfig)
     assert (tts.first_clause_min_words, tts.first_break_after_words) == (2, None)
 

@@ -47,12 +47,23 @@ def test_kernel_matches_float_reference(scheme_name, dtype, batch, gen):
     assert _rel(y, ref) < bound, f"seed {SEED}"
 
 
-@pytest.mark.parametrize("scheme_name,bound", [("int8", 0.02), ("int4-g32", 0.10), ("int4-g64", 0.11),
-                                               ("int4-g128", 0.12), ("int4sym-g32", 0.14),
-                                               ("int4sym-g64", 0.15), ("int4sym-g128", 0.16)])
+@pytest.mark.parametrize(
+    "scheme_name,bound",
+    [
+        ("int8", 0.02),
+        ("int4-g32", 0.10),
+        ("int4-g64", 0.11),
+        ("int4-g128", 0.12),
+        ("int4sym-g32", 0.14),
+        ("int4sym-g64", 0.15),
+        ("int4sym-g128", 0.16),
+    ],
+)
 def test_quantisation_error_bounds(scheme_name, bound, gen):
     weight = torch.randn(256, 512, generator=gen)
-    assert _rel(quantize_weight(weight, parse_scheme(scheme_name)).dequantize(), weight) < bound, f"seed {SEED}"
+    assert _rel(quantize_weight(weight, parse_scheme(scheme_name)).dequantize(), weight) < bound, (
+        f"seed {SEED}"
+    )
 
 
 @pytest.mark.parametrize("scheme_name", ["int8", "int4-g64"])

@@ -16,9 +16,11 @@ SCHEMES = ("int8", "int4-g32", "int4-g64", "int4-g128")
 
 def _groups():
     shapes = [(256, 128), (128, 128), (512, 128), (128, 256)]
-    return [WeightGroup(f"layers.{i}.{k}", f"layers.{i}.x", *shapes[j])
-            for i in range(3) for j, k in enumerate(("qkv", "o", "gate_up", "down"))] + [
-        WeightGroup("lm_head", "lm_head", 384, 128)]
+    return [
+        WeightGroup(f"layers.{i}.{k}", f"layers.{i}.x", *shapes[j])
+        for i in range(3)
+        for j, k in enumerate(("qkv", "o", "gate_up", "down"))
+    ] + [WeightGroup("lm_head", "lm_head", 384, 128)]
 
 
 def _table(groups):
@@ -46,9 +48,11 @@ def test_allocation_respects_budget_and_beats_uniform_at_equal_size():
 
 def _exhaustive(groups, table, max_bytes, schemes=SCHEMES):
     names = [g.name for g in groups]
-    return min(_kl_sum(dict(zip(names, combo, strict=True)), table)
-               for combo in itertools.product(schemes, repeat=len(groups))
-               if plan_nbytes(dict(zip(names, combo, strict=True)), groups) <= max_bytes)
+    return min(
+        _kl_sum(dict(zip(names, combo, strict=True)), table)
+        for combo in itertools.product(schemes, repeat=len(groups))
+        if plan_nbytes(dict(zip(names, combo, strict=True)), groups) <= max_bytes
+    )
 
 
 @pytest.mark.parametrize("max_steps", [None, 500], ids=["exact", "coarse"])
@@ -83,7 +87,9 @@ def test_one_large_sensitive_group_is_upgraded_where_a_greedy_by_ratio_stalls():
     table = SensitivityTable(kl, {g.name: (g.out_features, g.in_features) for g in groups})
     cheap = plan_nbytes({g.name: "int4-g64" for g in groups}, groups)
     head_upgrade = plan_nbytes({"lm_head": "int8"}, [head]) - plan_nbytes({"lm_head": "int4-g64"}, [head])
-    plan = allocate(groups, table, Budget(cheap + head_upgrade, "head"), ("int8", "int4-g64")).resolved(groups)
+    plan = allocate(groups, table, Budget(cheap + head_upgrade, "head"), ("int8", "int4-g64")).resolved(
+        groups
+    )
     assert plan["lm_head"] == "int8"
     assert _kl_sum(plan, table) == pytest.approx(8 * 0.0012)
 
@@ -114,7 +120,9 @@ def test_plan_yaml_round_trip_is_exact(tmp_path):
     again = QuantPlan.load(tmp_path / "plan.yaml")
     assert again.resolved(groups) == plan.resolved(groups)
     assert again.notes == plan.notes
-    assert plan_bits_per_weight(again.resolved(groups), groups) == pytest.approx(plan.notes["bits_per_weight"], abs=1e-4)
+    assert plan_bits_per_weight(again.resolved(groups), groups) == pytest.approx(
+        plan.notes["bits_per_weight"], abs=1e-4
+    )
     assert plan_bits_per_weight(again.resolved(groups), groups) <= 4.8
 
 

@@ -16,8 +16,10 @@ from edge_rtgi.bench.quality import (
 )
 from edge_rtgi.llm.quant.report import looping_share
 
-WORDS = ("the train leaves at nine from platform three and the next one comes an hour later "
-         "bring a warm coat because the evenings are cold in the mountains").split()
+WORDS = (
+    "the train leaves at nine from platform three and the next one comes an hour later "
+    "bring a warm coat because the evenings are cold in the mountains"
+).split()
 
 
 def _sentences(rng: random.Random, count: int, words: int = 20) -> list[str]:
@@ -91,7 +93,9 @@ def test_block_bootstrap_counts_a_run_of_overlapping_prompts_as_one(rng):
     distinct = retention_interval(opt, full, refs, resamples=300)
     blocked = retention_interval(copies(opt), copies(full), copies(refs), resamples=300, block_prompts=k)
     naive = retention_interval(copies(opt), copies(full), copies(refs), resamples=300)
-    assert (blocked.low, blocked.high, blocked.std) == pytest.approx((distinct.low, distinct.high, distinct.std))
+    assert (blocked.low, blocked.high, blocked.std) == pytest.approx(
+        (distinct.low, distinct.high, distinct.std)
+    )
     assert blocked.retention == distinct.retention and blocked.block_prompts == k
     assert naive.std < 0.7 * distinct.std  # ~1/sqrt(5): the falsely narrow interval blocks avoid
 

@@ -29,8 +29,17 @@ needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="auto quantises only 
 @pytest.fixture(scope="module")
 def tiny_q4_1(tmp_path_factory):
     root = tmp_path_factory.mktemp("aligned")
-    folder = make_tiny_hf_model("llama", root, seed=11, init_std=0.05, hidden_size=128, intermediate_size=256,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    folder = make_tiny_hf_model(
+        "llama",
+        root,
+        seed=11,
+        init_std=0.05,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     return folder, write_tiny_gguf(folder, root / "tiny-q4_1.gguf", qtype="Q4_1")
 
 

@@ -126,19 +126,39 @@ async def test_session_created_and_update_maps_to_core_settings(h):
     created = h.take()[0]
     assert created["type"] == "session.created"
     assert created["session"]["audio"]["input"]["format"] == {"type": "audio/pcm", "rate": 24000}
-    await h.client({"type": "session.update", "event_id": "c1", "session": {
-        "type": "realtime", "instructions": "Be brief.", "output_modalities": ["text"],
-        "audio": {"input": {"format": {"type": "audio/pcmu"},
-                            "turn_detection": {"type": "server_vad", "threshold": 0.6,
-                                               "prefix_padding_ms": 200, "silence_duration_ms": 700}},
-                  "output": {"format": {"type": "audio/pcma"}, "voice": "alloy"}},
-        "edge_rtgi": {"pipeline": "translate-en-es"}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "event_id": "c1",
+            "session": {
+                "type": "realtime",
+                "instructions": "Be brief.",
+                "output_modalities": ["text"],
+                "audio": {
+                    "input": {
+                        "format": {"type": "audio/pcmu"},
+                        "turn_detection": {
+                            "type": "server_vad",
+                            "threshold": 0.6,
+                            "prefix_padding_ms": 200,
+                            "silence_duration_ms": 700,
+                        },
+                    },
+                    "output": {"format": {"type": "audio/pcma"}, "voice": "alloy"},
+                },
+                "edge_rtgi": {"pipeline": "translate-en-es"},
+            },
+        }
+    )
     changes = h.core.named("update")[-1][1]
     assert changes["system_prompt"] == "Be brief."
     assert changes["input_sample_rate_hz"] == 8000 and changes["output_sample_rate_hz"] == 8000
     assert changes["audio_output"] is False
     assert (changes["vad_threshold"], changes["vad_prefix_padding_ms"], changes["vad_min_silence_ms"]) == (
-        0.6, 200, 700)
+        0.6,
+        200,
+        700,
+    )
     assert changes["turn_detection"] is True and changes["auto_response"] is True
     assert changes["pipeline"] == "translate-en-es"
     updated = h.take()[-1]
@@ -146,8 +166,12 @@ async def test_session_created_and_update_maps_to_core_settings(h):
     assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
     assert updated["session"]["edge_rtgi"] == {"pipeline": "translate-en-es"}
     # null turn detection: manual commits, no automatic responses
-    await h.client({"type": "session.update", "session": {"type": "realtime",
-                                                          "audio": {"input": {"turn_detection": None}}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+        }
+    )
     changes = h.core.named("update")[-1][1]
     assert changes["turn_detection"] is False and changes["auto_response"] is False
 
@@ -157,17 +181,36 @@ async def test_unknown_pipeline_is_an_error_and_keeps_the_session(h):
 
     h.take()
     h.core.update_error = ConfigError("unknown pipeline 'klingon'", hint="available: voice-assistant")
-    await h.client({"type": "session.update", "event_id": "u1",
-                    "session": {"type": "realtime", "edge_rtgi": {"pipeline": "klingon"}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "event_id": "u1",
+            "session": {"type": "realtime", "edge_rtgi": {"pipeline": "klingon"}},
+        }
+    )
     err = h.last_error()
-    assert err["param"] == "session.edge_rtgi.pipeline" and "klingon" in err["message"] and err["event_id"] == "u1"
+    assert (
+        err["param"] == "session.edge_rtgi.pipeline"
+        and "klingon" in err["message"]
+        and err["event_id"] == "u1"
+    )
     assert h.adapter.config.pipeline is None
 
 
 async def test_beta_session_shape_is_accepted(h):
-    await h.client({"type": "session.update", "session": {
-        "modalities": ["text", "audio"], "input_audio_format": "g711_ulaw", "output_audio_format": "pcm16",
-        "voice": "alloy", "turn_detection": None, "input_audio_transcription": {"model": "whisper-1"}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "session": {
+                "modalities": ["text", "audio"],
+                "input_audio_format": "g711_ulaw",
+                "output_audio_format": "pcm16",
+                "voice": "alloy",
+                "turn_detection": None,
+                "input_audio_transcription": {"model": "whisper-1"},
+            },
+        }
+    )
     assert "error" not in h.types(), h.sent
     cfg = h.adapter.config
     assert cfg.input_format.type == "audio/pcmu" and cfg.output_format.type == "audio/pcm"
@@ -175,11 +218,15 @@ async def test_beta_session_shape_is_accepted(h):
 
 
 async def test_manual_turn_full_lifecycle(h):
-    await h.client({"type": "session.update", "session": {"type": "realtime",
-                                                          "audio": {"input": {"turn_detection": None}}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+        }
+    )
     h.take()
     await h.client({"type": "input_audio_buffer.append", "audio": pcm_b64(4800)})
-    (_, pcm, rate), = h.core.named("push_audio")
+    ((_, pcm, rate),) = h.core.named("push_audio")
     assert rate == 24000 and len(pcm) == 4800 and pcm.dtype == np.int16
     await h.client({"type": "input_audio_buffer.commit"})
     assert h.core.named("commit_audio")
@@ -188,11 +235,16 @@ async def test_manual_turn_full_lifecycle(h):
     h.take()
     await h.client({"type": "response.create"})
     assert not h.core.named("create_response"), "must wait for the committed turn's transcript"
-    await h.core_emits(F.Transcript(turn_id=1, text="What is the capital", final=False),
-                       F.Transcript(turn_id=1, text="What is the capital of France?", final=True))
-    assert h.types() == ["conversation.item.input_audio_transcription.delta",
-                         "conversation.item.input_audio_transcription.delta",
-                         "conversation.item.input_audio_transcription.completed", "conversation.item.done"]
+    await h.core_emits(
+        F.Transcript(turn_id=1, text="What is the capital", final=False),
+        F.Transcript(turn_id=1, text="What is the capital of France?", final=True),
+    )
+    assert h.types() == [
+        "conversation.item.input_audio_transcription.delta",
+        "conversation.item.input_audio_transcription.delta",
+        "conversation.item.input_audio_transcription.completed",
+        "conversation.item.done",
+    ]
     deltas = "".join(e["delta"] for e in h.sent if e["type"].endswith("transcription.delta"))
     assert deltas == "What is the capital of France?"
     assert all(e["item_id"] == user_item for e in h.sent if "item_id" in e)
@@ -202,20 +254,40 @@ async def test_manual_turn_full_lifecycle(h):
     voice = (np.sin(np.arange(2205) / 10) * 5000).astype(np.int16)  # 100 ms at 22.05 kHz
     await h.core_emits(
         F.ResponseStarted("resp_1", 1, "reply", "What is the capital of France?"),
-        F.TextDelta("resp_1", "Paris"), F.AudioOut("resp_1", voice, 22050),
-        F.TextDelta("resp_1", " is."), F.AudioOut("resp_1", voice, 22050), F.AudioDone("resp_1"),
+        F.TextDelta("resp_1", "Paris"),
+        F.AudioOut("resp_1", voice, 22050),
+        F.TextDelta("resp_1", " is."),
+        F.AudioOut("resp_1", voice, 22050),
+        F.AudioDone("resp_1"),
         F.TextDone("resp_1", "Paris is.", usage={"prompt_tokens": 30, "completion_tokens": 4}),
-        F.ResponseDone("resp_1", "completed", "Paris is.", F.TurnStats(llm_ttft_ms=80.0),
-                       usage={"prompt_tokens": 30, "completion_tokens": 4}))
+        F.ResponseDone(
+            "resp_1",
+            "completed",
+            "Paris is.",
+            F.TurnStats(llm_ttft_ms=80.0),
+            usage={"prompt_tokens": 30, "completion_tokens": 4},
+        ),
+    )
     types = h.types()
-    assert types[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
-                         "response.content_part.added"]
-    assert types[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
-                          "response.content_part.done", "response.output_item.done", "conversation.item.done",
-                          "response.done"]
+    assert types[:4] == [
+        "response.created",
+        "response.output_item.added",
+        "conversation.item.added",
+        "response.content_part.added",
+    ]
+    assert types[-6:] == [
+        "response.output_audio.done",
+        "response.output_audio_transcript.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "conversation.item.done",
+        "response.done",
+    ]
     text = "".join(e["delta"] for e in h.sent if e["type"] == "response.output_audio_transcript.delta")
     assert text == "Paris is."
-    audio = b"".join(base64.b64decode(e["delta"]) for e in h.sent if e["type"] == "response.output_audio.delta")
+    audio = b"".join(
+        base64.b64decode(e["delta"]) for e in h.sent if e["type"] == "response.output_audio.delta"
+    )
     assert abs(len(audio) // 2 - 4800) <= 2  # 200 ms resampled 22.05 -> 24 kHz
     done = h.sent[-1]["response"]
     assert done["status"] == "completed"
@@ -225,8 +297,12 @@ async def test_manual_turn_full_lifecycle(h):
 
 
 async def test_commit_of_silence_completes_with_empty_transcript(h):
-    await h.client({"type": "session.update", "session": {"type": "realtime",
-                                                          "audio": {"input": {"turn_detection": None}}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}},
+        }
+    )
     await h.client({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(9600)).decode()})
     await h.client({"type": "input_audio_buffer.commit"})
     await h.client({"type": "response.create", "event_id": "c5"})
@@ -238,8 +314,12 @@ async def test_commit_of_silence_completes_with_empty_transcript(h):
     assert h.last_error()["code"] == "input_audio_buffer_commit_empty"
     assert h.last_error()["event_id"] == "c5"  # it answers the deferred response.create
     assert not h.core.named("create_response")
-    await h.client({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hola"}]}})
+    await h.client(
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hola"}]},
+        }
+    )
     # the session is still usable; beta per-response fields are accepted (and ignored)
     await h.client({"type": "response.create", "response": {"modalities": ["text"], "instructions": "x"}})
     assert h.core.named("create_response") == [("create_response", "Hola")]
@@ -248,8 +328,11 @@ async def test_commit_of_silence_completes_with_empty_transcript(h):
 async def test_text_only_modality_emits_output_text(h):
     await h.client({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"]}})
     h.take()
-    await h.core_emits(F.ResponseStarted("r", 1, "reply", "hi"), F.TextDelta("r", "Hello"),
-                       F.ResponseDone("r", "completed", "Hello", F.TurnStats()))
+    await h.core_emits(
+        F.ResponseStarted("r", 1, "reply", "hi"),
+        F.TextDelta("r", "Hello"),
+        F.ResponseDone("r", "completed", "Hello", F.TurnStats()),
+    )
     types = h.types()
     assert "response.output_text.delta" in types and "response.output_text.done" in types
     assert not any("audio" in t for t in types)
@@ -261,17 +344,25 @@ async def test_server_vad_turn_and_barge_in(h):
     started = h.take()[0]
     assert started["type"] == "input_audio_buffer.speech_started" and started["audio_start_ms"] == 120
     await h.core_emits(F.SpeechStopped(turn_id=1, audio_ms=1500))
-    assert h.types() == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
-                         "conversation.item.added"]
+    assert h.types() == [
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+    ]
     assert {e["item_id"] for e in h.sent[:2]} == {started["item_id"]}
     h.take()
-    await h.core_emits(F.Transcript(turn_id=1, text="Tell me a story.", final=True),
-                       F.ResponseStarted("r1", 1, "reply", "Tell me a story."), F.TextDelta("r1", "Once"))
+    await h.core_emits(
+        F.Transcript(turn_id=1, text="Tell me a story.", final=True),
+        F.ResponseStarted("r1", 1, "reply", "Tell me a story."),
+        F.TextDelta("r1", "Once"),
+    )
     h.take()
     # the user talks over the reply: the core cancels it, the client sees a cancelled response
-    await h.core_emits(F.SpeechStarted(turn_id=2, audio_ms=3000),
-                       F.ResponseInterrupted("r1", "barge_in", played_ms=400),
-                       F.ResponseDone("r1", "interrupted", "Once", F.TurnStats()))
+    await h.core_emits(
+        F.SpeechStarted(turn_id=2, audio_ms=3000),
+        F.ResponseInterrupted("r1", "barge_in", played_ms=400),
+        F.ResponseDone("r1", "interrupted", "Once", F.TurnStats()),
+    )
     assert h.types()[0] == "input_audio_buffer.speech_started"
     done = h.sent[-1]
     assert done["type"] == "response.done"
@@ -305,36 +396,88 @@ async def test_response_cancel_and_conflicts(h):
 
 async def test_user_text_item(h):
     h.take()
-    await h.client({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello there"}]}})
+    await h.client(
+        {
+            "type": "conversation.item.create",
+            "item": {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Hello there"}],
+            },
+        }
+    )
     assert h.core.named("add_user_text") == [("add_user_text", "Hello there", False)]
     assert h.types() == ["conversation.item.added", "conversation.item.done"]  # the echo is swallowed
     await h.client({"type": "response.create"})
     assert h.core.named("create_response")
 
 
-@pytest.mark.parametrize("message, code, param", [
-    ("{not json", "invalid_json", None),
-    ({"type": "response.dance"}, "unknown_event", "type"),
-    ({"type": "response.audio.delta", "delta": ""}, "unknown_event", "type"),
-    ({"type": "input_audio_buffer.append", "audio": "@@not base64@@"}, "invalid_base64", "audio"),
-    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "invalid_audio", "audio"),
-    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-        "format": {"type": "audio/opus"}}}}}, "unsupported_audio_format", "session.audio.input.format.type"),
-    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-        "format": {"type": "audio/pcm", "rate": 16000}}}}}, "unsupported_audio_format",
-     "session.audio.input.format.rate"),
-    ({"type": "session.update", "session": {"type": "realtime", "voise": "x"}}, "unknown_parameter",
-     "session.voise"),
-    ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
-    ({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 10},
-     "item_not_found", "item_id"),
-    ({"type": "conversation.item.create", "item": {"type": "message", "role": "system", "content": [
-        {"type": "input_text", "text": "be nice"}]}}, "invalid_value", "item.role"),
-    ({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}, "invalid_value",
-     "item.type"),
-    ({"type": "response.create", "response": {"input": [{"type": "message"}]}}, "invalid_value", "response.input"),
-])
+@pytest.mark.parametrize(
+    "message, code, param",
+    [
+        ("{not json", "invalid_json", None),
+        ({"type": "response.dance"}, "unknown_event", "type"),
+        ({"type": "response.audio.delta", "delta": ""}, "unknown_event", "type"),
+        ({"type": "input_audio_buffer.append", "audio": "@@not base64@@"}, "invalid_base64", "audio"),
+        (
+            {"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()},
+            "invalid_audio",
+            "audio",
+        ),
+        (
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"input": {"format": {"type": "audio/opus"}}}},
+            },
+            "unsupported_audio_format",
+            "session.audio.input.format.type",
+        ),
+        (
+            {
+                "type": "session.update",
+                "session": {
+                    "type": "realtime",
+                    "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}},
+                },
+            },
+            "unsupported_audio_format",
+            "session.audio.input.format.rate",
+        ),
+        (
+            {"type": "session.update", "session": {"type": "realtime", "voise": "x"}},
+            "unknown_parameter",
+            "session.voise",
+        ),
+        ({"type": "input_audio_buffer.commit"}, "input_audio_buffer_commit_empty", None),
+        (
+            {"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0, "audio_end_ms": 10},
+            "item_not_found",
+            "item_id",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "system",
+                    "content": [{"type": "input_text", "text": "be nice"}],
+                },
+            },
+            "invalid_value",
+            "item.role",
+        ),
+        (
+            {"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}},
+            "invalid_value",
+            "item.type",
+        ),
+        (
+            {"type": "response.create", "response": {"input": [{"type": "message"}]}},
+            "invalid_value",
+            "response.input",
+        ),
+    ],
+)
 async def test_bad_input_gets_error_and_session_stays_usable(h, message, code, param):
     h.take()
     if isinstance(message, dict):
@@ -355,11 +498,17 @@ async def test_bad_input_gets_error_and_session_stays_usable(h, message, code, p
 
 
 async def test_g711_input_is_decoded_at_8khz(h):
-    await h.client({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-        "format": {"type": "audio/pcmu"}}}}})
+    await h.client(
+        {
+            "type": "session.update",
+            "session": {"type": "realtime", "audio": {"input": {"format": {"type": "audio/pcmu"}}}},
+        }
+    )
     pcm = (np.sin(np.arange(800) / 5) * 10000).astype(np.int16)
-    await h.client({"type": "input_audio_buffer.append", "audio": base64.b64encode(ulaw_encode(pcm)).decode()})
-    (_, got, rate), = h.core.named("push_audio")
+    await h.client(
+        {"type": "input_audio_buffer.append", "audio": base64.b64encode(ulaw_encode(pcm)).decode()}
+    )
+    ((_, got, rate),) = h.core.named("push_audio")
     assert rate == 8000 and len(got) == 800
     assert np.max(np.abs(got.astype(int) - pcm)) < 700  # mu-law quantisation step at this level
 
@@ -367,14 +516,19 @@ async def test_g711_input_is_decoded_at_8khz(h):
 async def test_truncate_keeps_heard_text(h):
     await h.core_emits(F.ResponseStarted("r1", 1, "reply", "x"))
     one_s = np.zeros(24000, dtype=np.int16)
-    await h.core_emits(F.TextDelta("r1", "First clause."), F.AudioOut("r1", one_s, 24000),
-                       F.TextDelta("r1", " Second clause."), F.AudioOut("r1", one_s, 24000),
-                       F.ResponseDone("r1", "completed", "First clause. Second clause.", F.TurnStats()))
+    await h.core_emits(
+        F.TextDelta("r1", "First clause."),
+        F.AudioOut("r1", one_s, 24000),
+        F.TextDelta("r1", " Second clause."),
+        F.AudioOut("r1", one_s, 24000),
+        F.ResponseDone("r1", "completed", "First clause. Second clause.", F.TurnStats()),
+    )
     item_id = h.sent[-1]["response"]["output"][0]["id"]
     h.core.conversation.append(("assistant", "First clause. Second clause."))
     h.take()
-    await h.client({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
-                    "audio_end_ms": 1000})  # half the audio: about half the characters
+    await h.client(
+        {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0, "audio_end_ms": 1000}
+    )  # half the audio: about half the characters
     assert h.types() == ["conversation.item.truncated"]
     assert h.core.conversation[-1] == ("assistant", "First clause.")
     await h.client({"type": "conversation.item.retrieve", "item_id": item_id})

@@ -72,27 +72,43 @@ def test_client_event_parsing():
     beta = parse_client_event(json.dumps({"type": "transcription_session.update", "session": {}}))
     assert beta.type == "session.update" and beta.original_type == "transcription_session.update"
     assert all(ga in SERVER_EVENTS or ga == "session.update" for ga in BETA_ALIASES.values())
-    for message, code in (("[1, 2]", "invalid_json"), ('{"event_id": "x"}', "missing_required_parameter"),
-                          (b"\xff\xfe", "invalid_json"), ('{"type": "nope.nope"}', "unknown_event")):
+    for message, code in (
+        ("[1, 2]", "invalid_json"),
+        ('{"event_id": "x"}', "missing_required_parameter"),
+        (b"\xff\xfe", "invalid_json"),
+        ('{"type": "nope.nope"}', "unknown_event"),
+    ):
         with pytest.raises(RealtimeProtocolError) as err:
             parse_client_event(message)
         assert err.value.code == code
 
 
 def test_session_update_ga_and_errors():
-    cfg = apply_session_update(RealtimeSessionConfig(), {
-        "type": "realtime", "instructions": "Hi", "max_output_tokens": 40,
-        "audio": {"input": {"transcription": None, "noise_reduction": None},
-                  "output": {"voice": {"id": "joe"}, "speed": 1.0}}})
+    cfg = apply_session_update(
+        RealtimeSessionConfig(),
+        {
+            "type": "realtime",
+            "instructions": "Hi",
+            "max_output_tokens": 40,
+            "audio": {
+                "input": {"transcription": None, "noise_reduction": None},
+                "output": {"voice": {"id": "joe"}, "speed": 1.0},
+            },
+        },
+    )
     assert cfg.instructions == "Hi" and cfg.max_output_tokens == 40 and cfg.voice == "joe"
     assert cfg.transcription is None
     wire = cfg.to_wire("s", "m")
     assert wire["audio"]["input"]["transcription"] is None and wire["max_output_tokens"] == 40
     bad = [
-        ({"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
-         "session.audio.input.turn_detection.type"),
-        ({"type": "realtime", "audio": {"input": {"turn_detection": {"threshold": 1.5}}}},
-         "session.audio.input.turn_detection.threshold"),
+        (
+            {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+            "session.audio.input.turn_detection.type",
+        ),
+        (
+            {"type": "realtime", "audio": {"input": {"turn_detection": {"threshold": 1.5}}}},
+            "session.audio.input.turn_detection.threshold",
+        ),
         ({"type": "realtime", "output_modalities": ["video"]}, "session.output_modalities"),
         ({"type": "realtime", "edge_rtgi": {"pipe": "x"}}, "session.edge_rtgi.pipe"),
         ({"type": "transcription"}, "session.type"),

@@ -28,8 +28,14 @@ def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, max_len=256, chunke
 
 
 def req(rid, n_prompt, max_tokens=4, priority=0, t=0.0, base=1):
-    return Request(rid, list(range(base, base + n_prompt)), Params(max_tokens), priority=priority,
-                   eos_token_ids=frozenset({EOS}), arrival_time_s=t)
+    return Request(
+        rid,
+        list(range(base, base + n_prompt)),
+        Params(max_tokens),
+        priority=priority,
+        eos_token_ids=frozenset({EOS}),
+        arrival_time_s=t,
+    )
 
 
 def fake_run(out: SchedulerOutput, token=7, errors=None) -> ModelRunnerOutput:
@@ -43,8 +49,10 @@ def step(s: Scheduler, token=7, errors=None):
 
 
 def test_scheduler_imports_no_torch():
-    code = ("import sys; import edge_rtgi.llm.scheduler, edge_rtgi.llm.kv.manager; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import edge_rtgi.llm.scheduler, edge_rtgi.llm.kv.manager; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

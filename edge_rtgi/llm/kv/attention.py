@@ -65,22 +65,36 @@ class PagedAttentionBackend:
             k_store = self.storage.k[layer]
             if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
                 # Writes the new keys/values too; an int8 store (other dtype) never gets here.
-                return cpu_ops.decode_attention(q, k, v, k_store, self.storage.v[layer], md.slot_mapping,
-                                                md.decode_slots, md.decode_mask, q.shape[-1] ** -0.5)
+                return cpu_ops.decode_attention(
+                    q,
+                    k,
+                    v,
+                    k_store,
+                    self.storage.v[layer],
+                    md.slot_mapping,
+                    md.decode_slots,
+                    md.decode_mask,
+                    q.shape[-1] ** -0.5,
+                )
         self.storage.write(layer, md.slot_mapping, k, v)
         if not md.chunks:
             return self._decodes(layer, q)
         out = torch.empty_like(q)
         if md.num_decodes:
-            out[:md.num_decodes] = self._decodes(layer, q[:md.num_decodes])
+            out[: md.num_decodes] = self._decodes(layer, q[: md.num_decodes])
         for c in md.chunks:
             keys, values = self.storage.gather(layer, c.slots)  # [S, Hkv, D]
             # 4-D inputs ([1, H, T, D]) select PyTorch's fused CPU flash kernel; 3-D ones fall
             # back to the unfused math path.
             o = F.scaled_dot_product_attention(
-                q[c.q_start:c.q_start + c.q_len].transpose(0, 1)[None], keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None], attn_mask=c.mask, is_causal=c.causal, enable_gqa=True)
-            out[c.q_start:c.q_start + c.q_len] = o[0].transpose(0, 1)
+                q[c.q_start : c.q_start + c.q_len].transpose(0, 1)[None],
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=c.mask,
+                is_causal=c.causal,
+                enable_gqa=True,
+            )
+            out[c.q_start : c.q_start + c.q_len] = o[0].transpose(0, 1)
         return out
 
     def decode_slots(self) -> cpu_ops.DecodeSlots | None:
@@ -88,7 +102,9 @@ class PagedAttentionBackend:
         md = self.md
         if md.chunks or md.decode_slots is None or type(self.storage) is not PagedKVStorage:
             return None
-        return cpu_ops.DecodeSlots(self.storage.k, self.storage.v, md.slot_mapping, md.decode_slots, md.decode_mask)
+        return cpu_ops.DecodeSlots(
+            self.storage.k, self.storage.v, md.slot_mapping, md.decode_slots, md.decode_mask
+        )
 
     def _decodes(self, layer: int, q: Tensor) -> Tensor:
         # q: [B, Hq, D], one query per sequence -> [B, Hq, D]
@@ -97,12 +113,21 @@ class PagedAttentionBackend:
             outs = []
             for b, slots in enumerate(md.decode_seq_slots):
                 keys, values = self.storage.gather(layer, slots)  # [S, Hkv, D]
-                outs.append(F.scaled_dot_product_attention(
-                    q[b, None, :, None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                    enable_gqa=True))  # [1, Hq, 1, D]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[b, None, :, None],
+                        keys.transpose(0, 1)[None],
+                        values.transpose(0, 1)[None],
+                        enable_gqa=True,
+                    )
+                )  # [1, Hq, 1, D]
             return torch.cat(outs, dim=0).squeeze(2)
         keys, values = self.storage.gather(layer, md.decode_slots)  # [B, S, Hkv, D]
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=md.decode_mask, enable_gqa=True)  # [B, Hq, 1, D]
+            q.unsqueeze(2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=md.decode_mask,
+            enable_gqa=True,
+        )  # [B, Hq, 1, D]
         return o.squeeze(2)

@@ -48,7 +48,7 @@ class KVCacheManager:
         while len(hashes) <= index:
             i = len(hashes)
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[index]
 
     # --- admission -------------------------------------------------------------------------
@@ -74,8 +74,9 @@ class KVCacheManager:
         self.prefix_queries_tokens += num_tokens
         self.prefix_hits_tokens += num_hit_tokens
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
         """Make room for ``num_new_tokens`` after the request's computed tokens.
 
         ``computed_blocks`` (from ``get_computed_blocks``, only on first admission) are

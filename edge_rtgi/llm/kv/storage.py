@@ -21,8 +21,16 @@ from torch import Tensor
 class PagedKVStorage:
     """Full-precision paged KV storage."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
@@ -30,8 +38,9 @@ class PagedKVStorage:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         """Memory one block takes across all layers (keys and values)."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
@@ -56,8 +65,16 @@ class Int8PagedKVStorage(PagedKVStorage):
     dtype. Per-slot scales mean a block never needs requantising when tokens are appended.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_blocks * block_size, num_kv_heads, head_dim)

@@ -64,7 +64,9 @@ def source_aligned_plan(model: nn.Module, default: str) -> QuantPlan:
         aligned = source_aligned_scheme(formats.get(param))
         if aligned is not None and group.allowed(parse_scheme(aligned)):
             schemes[group.name] = aligned
-    return QuantPlan(schemes, default, notes={"policy": "auto: source-aligned where the file allows, else " + default})
+    return QuantPlan(
+        schemes, default, notes={"policy": "auto: source-aligned where the file allows, else " + default}
+    )
 
 
 def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> dict[str, str] | None:
@@ -84,7 +86,8 @@ def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> di
     is_plan = text.endswith((".yaml", ".yml")) or Path(text).is_file()
     groups = model_groups(model)
     plan = QuantPlan.load(text) if is_plan else uniform_plan(groups, text)
-    # a bad plan (resolved() validates it) or an already quantised model is refused before the calibration pass
+    # a bad plan (resolved() validates it) or an already quantised model is refused
+    # before the calibration pass
     check_plan_inputs(model, groups, plan.resolved(groups))
     importance = None
     if tokenizer is not None:
@@ -94,6 +97,17 @@ def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> di
     return apply_quant_plan(model, plan, importance=importance)
 
 
-__all__ = ["QuantPlan", "QuantScheme", "apply_engine_quant", "apply_quant", "apply_quant_plan", "load_quantized_checkpoint",
-           "model_groups", "parse_scheme", "quantize_weight", "save_quantized_checkpoint", "source_aligned_plan",
-           "uniform_plan"]
+__all__ = [
+    "QuantPlan",
+    "QuantScheme",
+    "apply_engine_quant",
+    "apply_quant",
+    "apply_quant_plan",
+    "load_quantized_checkpoint",
+    "model_groups",
+    "parse_scheme",
+    "quantize_weight",
+    "save_quantized_checkpoint",
+    "source_aligned_plan",
+    "uniform_plan",
+]

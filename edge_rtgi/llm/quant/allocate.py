@@ -56,8 +56,10 @@ def _candidates(group: WeightGroup, table: SensitivityTable, schemes: tuple[str,
     """(bytes, kl, name) options for a group, dominated ones removed, cheapest first."""
     measured = table.kl.get(group.name)
     if measured is None:
-        raise ConfigError(f"the sensitivity table has no row for {group.name}",
-                          hint="profile this model again with edge-rtgi quantize --profile")
+        raise ConfigError(
+            f"the sensitivity table has no row for {group.name}",
+            hint="profile this model again with edge-rtgi quantize --profile",
+        )
     # "none" (bf16) is a candidate only when asked for: its KL is exactly 0 by construction, while
     # every measured trial carries the bf16 noise floor (~1e-3 nats on SmolLM2), so it would look
     # better than it is next to int8.
@@ -76,8 +78,9 @@ def _candidates(group: WeightGroup, table: SensitivityTable, schemes: tuple[str,
     return kept
 
 
-def allocate(groups: list[WeightGroup], table: SensitivityTable, budget: Budget,
-             schemes: tuple[str, ...] | None = None) -> QuantPlan:
+def allocate(
+    groups: list[WeightGroup], table: SensitivityTable, budget: Budget, schemes: tuple[str, ...] | None = None
+) -> QuantPlan:
     """The plan minimising summed KL within ``budget``; ``schemes`` limits the candidates."""
     options = {g.name: _candidates(g, table, schemes) for g in groups}
     assert all(len(rows) < 256 for rows in options.values())  # picks are stored as uint8
@@ -95,15 +98,21 @@ def allocate(groups: list[WeightGroup], table: SensitivityTable, budget: Budget,
     choice = _knapsack(options, budget.max_bytes - cheapest)
     resolved = {name: options[name][choice[name]][2] for name in options}
     total_kl = sum(options[name][choice[name]][1] for name in options)
-    notes = {"budget": budget.described, "bits_per_weight": round(8 * plan_nbytes(resolved, groups) / numel, 4),
-             "size_mb": round(plan_nbytes(resolved, groups) / 1e6, 3), "predicted_kl_sum": float(f"{total_kl:.4g}")}
+    notes = {
+        "budget": budget.described,
+        "bits_per_weight": round(8 * plan_nbytes(resolved, groups) / numel, 4),
+        "size_mb": round(plan_nbytes(resolved, groups) / 1e6, 3),
+        "predicted_kl_sum": float(f"{total_kl:.4g}"),
+    }
     return QuantPlan(resolved, "none", notes)
 
 
 def _knapsack(options: dict[str, list], spare_bytes: int) -> dict[str, int]:
     """Index of the chosen option per group: least summed KL with extra bytes <= ``spare_bytes``."""
     extras = [nbytes - rows[0][0] for rows in options.values() for nbytes, _, _ in rows]
-    unit = math.gcd(*extras) or 1  # exact when the byte costs share a large factor (they do: shapes are multiples of 64)
+    unit = (
+        math.gcd(*extras) or 1
+    )  # exact when the byte costs share a large factor (they do: shapes are multiples of 64)
     if spare_bytes // unit > DP_MAX_STEPS:  # coarser, in multiples of the divisor so fewer costs round up
         unit *= math.ceil(spare_bytes // unit / DP_MAX_STEPS)
     capacity = spare_bytes // unit
@@ -117,7 +126,7 @@ def _knapsack(options: dict[str, list], spare_bytes: int) -> dict[str, int]:
             if c > capacity:
                 continue
             candidate = np.full(capacity + 1, np.inf)
-            candidate[c:] = best[:capacity + 1 - c] + kl
+            candidate[c:] = best[: capacity + 1 - c] + kl
             better = candidate < new  # strict: on a tie the cheaper option (lower j) stays
             new[better], pick[better] = candidate[better], j
         best = new

@@ -33,13 +33,19 @@ CHECKPOINT_FORMAT = "edge-rtgi-quant/1"
 
 def _fingerprint(model: nn.Module) -> dict:
     cfg = model.config
-    return {"arch": cfg.arch, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
-            "tie_word_embeddings": bool(cfg.tie_word_embeddings)}
+    return {
+        "arch": cfg.arch,
+        "num_layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": bool(cfg.tie_word_embeddings),
+    }
 
 
-def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Path,
-                              importance: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+def save_quantized_checkpoint(
+    model: nn.Module, plan: QuantPlan, path: str | Path, importance: dict[str, torch.Tensor] | None = None
+) -> dict[str, str]:
     """Quantise the float ``model``'s groups per ``plan`` and write them to ``path`` (.safetensors).
 
     ``importance``: as for ``apply_quant_plan``; the fitted codes are what is stored, so loading
@@ -55,7 +61,9 @@ def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Pat
         if scheme.bits == 16:
             continue
         module = model.get_submodule(group.module_path)
-        packed = quantize_weight(module.weight, scheme, None if importance is None else importance[group.name])
+        packed = quantize_weight(
+            module.weight, scheme, None if importance is None else importance[group.name]
+        )
         tensors[f"{group.name}.qweight"] = packed.qweight
         tensors[f"{group.name}.scales"] = packed.scales
         if packed.zeros is not None:
@@ -63,7 +71,9 @@ def save_quantized_checkpoint(model: nn.Module, plan: QuantPlan, path: str | Pat
         shapes[group.name] = [group.out_features, group.in_features]
     metadata = {
         "format": CHECKPOINT_FORMAT,
-        "plan": QuantPlan(resolved, plan.default, {**plan.notes, "quantiser": quantiser_name(importance)}).to_yaml(),
+        "plan": QuantPlan(
+            resolved, plan.default, {**plan.notes, "quantiser": quantiser_name(importance)}
+        ).to_yaml(),
         "model": json.dumps(_fingerprint(model)),
         "shapes": json.dumps(shapes),
     }
@@ -79,26 +89,37 @@ def read_checkpoint_plan(path: str | Path) -> tuple[QuantPlan, dict, dict]:
     except (OSError, SafetensorError) as exc:
         raise ModelFileError(f"cannot read quantised checkpoint {path}: {exc}") from None
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ModelFileError(f"{path} is not an edge-rtgi quantised checkpoint",
-                             hint="create one with: edge-rtgi quantize MODEL --target-bits B --save FILE")
+        raise ModelFileError(
+            f"{path} is not an edge-rtgi quantised checkpoint",
+            hint="create one with: edge-rtgi quantize MODEL --target-bits B --save FILE",
+        )
     plan = QuantPlan.from_yaml(meta["plan"], f"{path} (metadata)")
     return plan, json.loads(meta.get("model", "{}")), json.loads(meta.get("shapes", "{}"))
 
 
-def _check_matches(path: str | Path, model: nn.Module, plan: QuantPlan, fingerprint: dict, shapes: dict) -> None:
+def _check_matches(
+    path: str | Path, model: nn.Module, plan: QuantPlan, fingerprint: dict, shapes: dict
+) -> None:
     groups = {g.name: g for g in model_groups(model)}
     problems = []
     mine = _fingerprint(model)
-    problems += [f"{k}: checkpoint {fingerprint[k]} vs model {mine[k]}"
-                 for k in mine if k in fingerprint and fingerprint[k] != mine[k]]
+    problems += [
+        f"{k}: checkpoint {fingerprint[k]} vs model {mine[k]}"
+        for k in mine
+        if k in fingerprint and fingerprint[k] != mine[k]
+    ]
     problems += [f"{name}: not in the model" for name in sorted(set(plan.schemes) - set(groups))]
     for name, shape in shapes.items():
         g = groups.get(name)
         if g is not None and [g.out_features, g.in_features] != shape:
-            problems.append(f"{name}: checkpoint {shape[0]}x{shape[1]} vs model {g.out_features}x{g.in_features}")
+            problems.append(
+                f"{name}: checkpoint {shape[0]}x{shape[1]} vs model {g.out_features}x{g.in_features}"
+            )
     if problems:
-        raise ModelFileError(f"quantised checkpoint {path} does not match the model: " + "; ".join(problems),
-                             hint="load it onto the model it was made from, or re-run edge-rtgi quantize")
+        raise ModelFileError(
+            f"quantised checkpoint {path} does not match the model: " + "; ".join(problems),
+            hint="load it onto the model it was made from, or re-run edge-rtgi quantize",
+        )
 
 
 def load_quantized_checkpoint(path: str | Path, base_model: nn.Module) -> dict[str, str]:
@@ -119,8 +140,14 @@ def load_quantized_checkpoint(path: str | Path, base_model: nn.Module) -> dict[s
             if f"{group.name}.qweight" not in names:
                 raise ModelFileError(f"quantised checkpoint {path} lacks tensors for {group.name}")
             zeros = f.get_tensor(f"{group.name}.zeros") if scheme.bits == 4 else None
-            packed = PackedWeight(scheme, group.out_features, group.in_features,
-                                  f.get_tensor(f"{group.name}.qweight"), f.get_tensor(f"{group.name}.scales"), zeros)
+            packed = PackedWeight(
+                scheme,
+                group.out_features,
+                group.in_features,
+                f.get_tensor(f"{group.name}.qweight"),
+                f.get_tensor(f"{group.name}.scales"),
+                zeros,
+            )
             install_packed(base_model, group, packed)
     warn_if_slow_activations(base_model)
     return resolved

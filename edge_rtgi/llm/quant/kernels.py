@@ -39,7 +39,9 @@ class QuantLinear(nn.Module, abc.ABC):
         super().__init__()
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.scheme_name = packed.scheme.name
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().to(device, dtype), requires_grad=False)
+        )
         self.register_buffer("dense_weight", None, persistent=False)  # see keep_dense_copy
 
     def keep_dense_copy(self, max_kernel_rows: int) -> None:
@@ -132,8 +134,11 @@ def _int8_mm_cuda(x: Tensor, qweight: Tensor, scales: Tensor) -> Tensor:
 def _cuda_int8_kernel_available() -> bool:
     try:
         x = torch.zeros(1, 32, device="cuda", dtype=torch.bfloat16)
-        torch.ops.aten._weight_int8pack_mm(x, torch.zeros(32, 32, dtype=torch.int8, device="cuda"),
-                                           torch.ones(32, device="cuda", dtype=torch.bfloat16))
+        torch.ops.aten._weight_int8pack_mm(
+            x,
+            torch.zeros(32, 32, dtype=torch.int8, device="cuda"),
+            torch.ones(32, device="cuda", dtype=torch.bfloat16),
+        )
         return True
     except (RuntimeError, NotImplementedError):
         log.warning("this PyTorch build has no CUDA _weight_int8pack_mm; int8 layers widen weights per call")
@@ -152,7 +157,9 @@ class Int4Linear(QuantLinear):
         self.on_cuda = device.type == "cuda"
         if self.on_cuda:
             if dtype != torch.bfloat16:
-                raise ValueError("the CUDA int4 kernel needs bf16 activations; load the model with dtype bf16")
+                raise ValueError(
+                    "the CUDA int4 kernel needs bf16 activations; load the model with dtype bf16"
+                )
             nibbles = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
             wq = torch.ops.aten._convert_weight_to_int4pack(nibbles, _CUDA_INNER_K_TILES)
             # The tiled CUDA layout cannot be row-gathered; a tied embedding keeps the portable copy.
@@ -204,8 +211,9 @@ def cpu_int4_layout_ok() -> bool:
     return bool(torch.equal(got.to(torch.int32), codes))
 
 
-def make_quant_linear(packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype,
-                      device: torch.device) -> QuantLinear:
+def make_quant_linear(
+    packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device
+) -> QuantLinear:
     """Build the kernel-backed layer for a packed weight."""
     cls = Int8Linear if packed.scheme.bits == 8 else Int4Linear
     return cls(packed, bias, dtype, device)

@@ -31,8 +31,12 @@ from edge_rtgi.llm.quant.schemes import PackedWeight, QuantScheme, parse_scheme,
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "edge-rtgi-quant-plan/1"
-_KIND_PATHS = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj",
-               "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"}
+_KIND_PATHS = {
+    "qkv": "self_attn.qkv_proj",
+    "o": "self_attn.o_proj",
+    "gate_up": "mlp.gate_up_proj",
+    "down": "mlp.down_proj",
+}
 GROUP_KINDS = tuple(_KIND_PATHS)
 
 
@@ -66,10 +70,18 @@ def model_groups(model: nn.Module) -> list[WeightGroup]:
     for i in range(cfg.num_layers):
         for kind, path in _KIND_PATHS.items():
             mod = model.get_submodule(f"layers.{i}.{path}")
-            groups.append(WeightGroup(f"layers.{i}.{kind}", f"layers.{i}.{path}",
-                                      mod.out_features, mod.in_features))
-    groups.append(WeightGroup("lm_head", "lm_head", cfg.vocab_size, cfg.hidden_size,
-                              tied_embedding=bool(cfg.tie_word_embeddings)))
+            groups.append(
+                WeightGroup(f"layers.{i}.{kind}", f"layers.{i}.{path}", mod.out_features, mod.in_features)
+            )
+    groups.append(
+        WeightGroup(
+            "lm_head",
+            "lm_head",
+            cfg.vocab_size,
+            cfg.hidden_size,
+            tied_embedding=bool(cfg.tie_word_embeddings),
+        )
+    )
     return groups
 
 
@@ -100,11 +112,16 @@ class QuantPlan:
                 f"layers.{len(known) // 4 - 1}.down, lm_head",
             )
         parse_scheme(self.default)
-        bad = [f"{g.name}={self.schemes.get(g.name, self.default)}" for g in groups
-               if not g.allowed(parse_scheme(self.schemes.get(g.name, self.default)))]
+        bad = [
+            f"{g.name}={self.schemes.get(g.name, self.default)}"
+            for g in groups
+            if not g.allowed(parse_scheme(self.schemes.get(g.name, self.default)))
+        ]
         if bad:
-            raise ConfigError(f"quantisation schemes that do not fit their matrices: {', '.join(bad)}",
-                              hint="int4 needs in_features divisible by the group size; pick a smaller group")
+            raise ConfigError(
+                f"quantisation schemes that do not fit their matrices: {', '.join(bad)}",
+                hint="int4 needs in_features divisible by the group size; pick a smaller group",
+            )
 
     def to_yaml(self, groups: list[WeightGroup] | None = None) -> str:
         schemes = self.resolved(groups) if groups is not None else dict(self.schemes)
@@ -120,10 +137,14 @@ class QuantPlan:
         except yaml.YAMLError as exc:
             raise ConfigError(f"{source}: invalid YAML: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
-            raise ConfigError(f"{source} is not a quantisation plan", hint=f"expected 'format: {PLAN_FORMAT}'")
+            raise ConfigError(
+                f"{source} is not a quantisation plan", hint=f"expected 'format: {PLAN_FORMAT}'"
+            )
         unknown = set(doc) - {"format", "default", "groups", "notes"}
         if unknown:
-            raise ConfigError(f"{source}: unknown keys {sorted(unknown)}", hint="allowed: format, default, groups, notes")
+            raise ConfigError(
+                f"{source}: unknown keys {sorted(unknown)}", hint="allowed: format, default, groups, notes"
+            )
         schemes = {str(k): str(v) for k, v in (doc.get("groups") or {}).items()}
         for name in schemes.values():
             parse_scheme(name)
@@ -156,11 +177,15 @@ def warn_if_slow_activations(model: nn.Module) -> None:
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return
     if not cpu_has_bf16():
-        log.warning("this CPU has no native bf16: quantised layers run on the fp32 path. Weights "
-                    "still shrink, but int8/int4 matmuls with fp32 activations are slower than fp32.")
+        log.warning(
+            "this CPU has no native bf16: quantised layers run on the fp32 path. Weights "
+            "still shrink, but int8/int4 matmuls with fp32 activations are slower than fp32."
+        )
     else:
-        log.warning("quantised model runs with fp32 activations; load it with dtype bf16 (or auto) "
-                    "for the fast int8/int4 kernels")
+        log.warning(
+            "quantised model runs with fp32 activations; load it with dtype bf16 (or auto) "
+            "for the fast int8/int4 kernels"
+        )
 
 
 def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -> None:
@@ -174,23 +199,32 @@ def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -
         model.embed_tokens = TiedQuantEmbedding(new)
 
 
-def check_plan_inputs(model: nn.Module, groups: list[WeightGroup], resolved: dict[str, str],
-                      importance: dict | None = None) -> None:
+def check_plan_inputs(
+    model: nn.Module, groups: list[WeightGroup], resolved: dict[str, str], importance: dict | None = None
+) -> None:
     """Refuse, before any work, groups to quantise that are not float linears any more, or that
     ``importance`` (when given) does not cover."""
     planned = [g for g in groups if parse_scheme(resolved[g.name]).bits < 16]
     done = [g.name for g in planned if not isinstance(model.get_submodule(g.module_path), nn.Linear)]
     if done:
-        raise ConfigError(f"{', '.join(done[:4])}{' ...' if len(done) > 4 else ''} already quantised",
-                          hint="apply a plan to a float model (load it again)")
+        raise ConfigError(
+            f"{', '.join(done[:4])}{' ...' if len(done) > 4 else ''} already quantised",
+            hint="apply a plan to a float model (load it again)",
+        )
     missing = [g.name for g in planned if importance is not None and g.name not in importance]
     if missing:
-        raise ConfigError(f"the importance has no entry for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
-                          hint="collect it on this model with edge_rtgi.llm.quant.profile.collect_importance")
+        raise ConfigError(
+            f"the importance has no entry for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
+            hint="collect it on this model with edge_rtgi.llm.quant.profile.collect_importance",
+        )
 
 
-def apply_quant_plan(model: nn.Module, plan: QuantPlan | str | Path, dtype: torch.dtype | None = None,
-                     importance: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+def apply_quant_plan(
+    model: nn.Module,
+    plan: QuantPlan | str | Path,
+    dtype: torch.dtype | None = None,
+    importance: dict[str, torch.Tensor] | None = None,
+) -> dict[str, str]:
     """Quantise ``model`` in place according to ``plan`` (a QuantPlan or a YAML path).
 
     Weights are quantised from the model's current precision; ``dtype``, when given, then moves
@@ -226,7 +260,11 @@ def uniform_plan(groups: list[WeightGroup], scheme_name: str) -> QuantPlan:
         name = scheme.name
         if scheme.bits == 4 and not g.allowed(scheme):
             prefix = "int4sym" if scheme.symmetric else "int4"
-            fitting = [s for s in (128, 64, 32) if s < scheme.group_size and g.allowed(parse_scheme(f"{prefix}-g{s}"))]
+            fitting = [
+                s
+                for s in (128, 64, 32)
+                if s < scheme.group_size and g.allowed(parse_scheme(f"{prefix}-g{s}"))
+            ]
             name = f"{prefix}-g{fitting[0]}" if fitting else "int8"
             fallbacks[g.name] = name
         schemes[g.name] = name

@@ -54,9 +54,11 @@ def token_windows(tokenizer, text: str, window_tokens: int, max_windows: int) ->
     ids = list(getattr(ids, "ids", ids))
     count = min(max_windows, len(ids) // window_tokens)
     if count == 0:
-        raise ConfigError(f"calibration text has {len(ids)} tokens, fewer than one window of {window_tokens}",
-                          hint="use a longer text or a smaller --window-tokens")
-    return [torch.tensor(ids[i * window_tokens:(i + 1) * window_tokens]) for i in range(count)]
+        raise ConfigError(
+            f"calibration text has {len(ids)} tokens, fewer than one window of {window_tokens}",
+            hint="use a longer text or a smaller --window-tokens",
+        )
+    return [torch.tensor(ids[i * window_tokens : (i + 1) * window_tokens]) for i in range(count)]
 
 
 @dataclass
@@ -107,15 +109,18 @@ def calibrate(model: nn.Module, windows: list[Tensor]) -> Calibration:
 
 
 @torch.no_grad()
-def collect_importance(model: nn.Module, tokenizer, text: str | None = None, window_tokens: int = 256,
-                       max_windows: int = 16) -> dict[str, Tensor]:
+def collect_importance(
+    model: nn.Module, tokenizer, text: str | None = None, window_tokens: int = 256, max_windows: int = 16
+) -> dict[str, Tensor]:
     """Mean squared input activation per input channel of every quantisable group ([in_features]
     fp32 each, keyed by group name): the "importance matrix" that ``quantize_weight`` fits grids to.
 
     Runs the model as it is over the calibration text (all of it by default: about 2,600 tokens
     in 10 windows for SmolLM2's tokenizer), with forward pre-hooks on the groups' linears.
     """
-    windows = token_windows(tokenizer, text if text is not None else calibration_text(), window_tokens, max_windows)
+    windows = token_windows(
+        tokenizer, text if text is not None else calibration_text(), window_tokens, max_windows
+    )
     sums: dict[str, Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -124,6 +129,7 @@ def collect_importance(model: nn.Module, tokenizer, text: str | None = None, win
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
             sums[name] = sums.get(name, 0) + (x * x).sum(0).cpu()
             counts[name] = counts.get(name, 0) + x.shape[0]
+
         return accumulate
 
     groups = model_groups(model)
@@ -138,8 +144,10 @@ def collect_importance(model: nn.Module, tokenizer, text: str | None = None, win
             handle.remove()
     missing = [g.name for g in groups if g.name not in sums]
     if missing:  # a custom forward that skips a linear
-        raise ConfigError(f"no activations reached {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
-                          hint="collect importance on a float model loaded with load_model")
+        raise ConfigError(
+            f"no activations reached {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
+            hint="collect importance on a float model loaded with load_model",
+        )
     return {name: sums[name] / counts[name] for name in sums}
 
 
@@ -150,8 +158,13 @@ def mean_kl(ref_logprobs: Tensor, logits: Tensor) -> float:
 
 
 @torch.no_grad()
-def group_kl(model: nn.Module, calib: Calibration, group: WeightGroup, layer_index: int | None,
-             cache: ContiguousKVCache) -> float:
+def group_kl(
+    model: nn.Module,
+    calib: Calibration,
+    group: WeightGroup,
+    layer_index: int | None,
+    cache: ContiguousKVCache,
+) -> float:
     """Mean KL over all calibration windows with the model as it is now (one group swapped)."""
     total = 0.0
     for w, ids in enumerate(calib.windows):
@@ -174,10 +187,17 @@ class SensitivityTable:
     info: dict = field(default_factory=dict)
 
     def to_yaml(self) -> str:
-        groups = {name: {"shape": list(self.shapes[name]), **{s: float(f"{v:.4g}") for s, v in row.items()}}
-                  for name, row in self.kl.items()}
-        doc = {"format": SENSITIVITY_FORMAT, "metric": "mean KL(full || quantised) of next-token "
-               "distributions, nats per token; each group quantised alone", **self.info, "groups": groups}
+        groups = {
+            name: {"shape": list(self.shapes[name]), **{s: float(f"{v:.4g}") for s, v in row.items()}}
+            for name, row in self.kl.items()
+        }
+        doc = {
+            "format": SENSITIVITY_FORMAT,
+            "metric": "mean KL(full || quantised) of next-token "
+            "distributions, nats per token; each group quantised alone",
+            **self.info,
+            "groups": groups,
+        }
         return yaml.safe_dump(doc, sort_keys=False, width=120)
 
     def save(self, path: str | Path) -> None:
@@ -190,7 +210,9 @@ class SensitivityTable:
         except (OSError, yaml.YAMLError) as exc:
             raise ConfigError(f"cannot read sensitivity table {path}: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != SENSITIVITY_FORMAT:
-            raise ConfigError(f"{path} is not a sensitivity table", hint="create one with edge-rtgi quantize --profile")
+            raise ConfigError(
+                f"{path} is not a sensitivity table", hint="create one with edge-rtgi quantize --profile"
+            )
         kl, shapes = {}, {}
         for name, row in doc["groups"].items():
             row = dict(row)
@@ -201,9 +223,16 @@ class SensitivityTable:
 
 
 @torch.no_grad()
-def profile_sensitivity(model: nn.Module, tokenizer, schemes: tuple[str, ...] = DEFAULT_SCHEMES,
-                        window_tokens: int = 256, max_windows: int = 4, text: str | None = None,
-                        progress: bool = True, importance: dict[str, Tensor] | None = None) -> SensitivityTable:
+def profile_sensitivity(
+    model: nn.Module,
+    tokenizer,
+    schemes: tuple[str, ...] = DEFAULT_SCHEMES,
+    window_tokens: int = 256,
+    max_windows: int = 4,
+    text: str | None = None,
+    progress: bool = True,
+    importance: dict[str, Tensor] | None = None,
+) -> SensitivityTable:
     """Measure the sensitivity table of a float model (not modified on return).
 
     ``importance`` (from ``collect_importance``): quantise each trial as the plan will be applied,
@@ -211,7 +240,9 @@ def profile_sensitivity(model: nn.Module, tokenizer, schemes: tuple[str, ...] = 
     """
     parsed = [parse_scheme(s) for s in schemes]
     started = time.perf_counter()
-    windows = token_windows(tokenizer, text if text is not None else calibration_text(), window_tokens, max_windows)
+    windows = token_windows(
+        tokenizer, text if text is not None else calibration_text(), window_tokens, max_windows
+    )
     calib = calibrate(model, windows)
     groups = model_groups(model)
     cache = ContiguousKVCache(model.config, window_tokens, model.dtype, model.device)
@@ -223,13 +254,18 @@ def profile_sensitivity(model: nn.Module, tokenizer, schemes: tuple[str, ...] = 
         module = model.get_submodule(group.module_path)
         original = module.weight.data
         weights = None if importance is None else importance[group.name]
-        module.weight.data = quantize_weight(original, scheme, weights).dequantize().to(original.dtype, copy=False)
+        module.weight.data = (
+            quantize_weight(original, scheme, weights).dequantize().to(original.dtype, copy=False)
+        )
         try:
             layer = None if group.name == "lm_head" else int(group.name.split(".")[1])
             kl[group.name][scheme.name] = group_kl(model, calib, group, layer, cache)
         finally:
             module.weight.data = original
-    info = {"calibration": {"tokens": calib.num_tokens, "windows": len(windows), "window_tokens": window_tokens},
-            "dtype": str(model.dtype).replace("torch.", ""), "seconds": round(time.perf_counter() - started, 1),
-            "quantiser": quantiser_name(importance)}
+    info = {
+        "calibration": {"tokens": calib.num_tokens, "windows": len(windows), "window_tokens": window_tokens},
+        "dtype": str(model.dtype).replace("torch.", ""),
+        "seconds": round(time.perf_counter() - started, 1),
+        "quantiser": quantiser_name(importance),
+    }
     return SensitivityTable(kl, {g.name: (g.out_features, g.in_features) for g in groups}, info)

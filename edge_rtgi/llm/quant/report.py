@@ -42,7 +42,9 @@ def window_logits(model: nn.Module, ids: Tensor) -> Tensor:
     """Logits [T, vocab] (fp32) for one window of token ids, from a fresh contiguous cache."""
     cache = ContiguousKVCache(model.config, len(ids), model.dtype, model.device)
     cache.begin(len(ids))
-    return model.compute_logits(model(ids.to(model.device), torch.arange(len(ids), device=model.device), cache))
+    return model.compute_logits(
+        model(ids.to(model.device), torch.arange(len(ids), device=model.device), cache)
+    )
 
 
 @torch.no_grad()
@@ -66,8 +68,9 @@ def looping_share(continuations: list[list[int]], ngram: int = 4, repeated_fract
     """Share of token sequences in which at least ``repeated_fraction`` of the ``ngram``-grams repeat
     an earlier one of the same sequence: a greedy decode caught in a loop. The evaluation decodes
     past EOS, so a run of end-of-text or newline tokens counts as a loop too."""
+
     def looping(tokens: list[int]) -> bool:
-        grams = [tuple(tokens[i:i + ngram]) for i in range(len(tokens) - ngram + 1)]
+        grams = [tuple(tokens[i : i + ngram]) for i in range(len(tokens) - ngram + 1)]
         return bool(grams) and len(grams) - len(set(grams)) >= repeated_fraction * len(grams)
 
     return sum(map(looping, continuations)) / len(continuations) if continuations else 0.0
@@ -97,9 +100,17 @@ class BatchKVCache:
         keys, values = self.k[layer, :, :end].transpose(1, 2), self.v[layer, :, :end].transpose(1, 2)
         mask = None
         if T > 1:
-            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-        out = F.scaled_dot_product_attention(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values,
-                                             attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+            mask = (
+                torch.arange(end, device=q.device)[None, :]
+                <= torch.arange(start, end, device=q.device)[:, None]
+            )
+        out = F.scaled_dot_product_attention(
+            q.view(B, T, *q.shape[1:]).transpose(1, 2),
+            keys,
+            values,
+            attn_mask=mask,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         return out.transpose(1, 2).reshape(B * T, *q.shape[1:])
 
 
@@ -167,7 +178,7 @@ def _teacher_forced(full: nn.Module, quant: nn.Module, ids: Tensor, window_token
     """KL, NLLs and top-1 agreement over non-overlapping windows of ``ids``, summed per window."""
     out = {"kl": [], "nll_f": [], "nll_q": [], "agree": [], "hit_f": [], "hit_q": [], "count": []}
     for start in range(0, len(ids) - 1, window_tokens):
-        window = ids[start:start + window_tokens + 1]
+        window = ids[start : start + window_tokens + 1]
         if len(window) < 2:
             break
         if ("logits", start) not in cache:
@@ -186,9 +197,18 @@ def _teacher_forced(full: nn.Module, quant: nn.Module, ids: Tensor, window_token
 
 
 @torch.no_grad()
-def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | None = None,
-                    window_tokens: int = 256, prompt_tokens: int = 64, new_tokens: int = 48,
-                    max_prompts: int = 64, full_cache: dict | None = None, resamples: int = 2000) -> QualityResult:
+def compare_quality(
+    full: nn.Module,
+    quant: nn.Module,
+    tokenizer,
+    text: str | None = None,
+    window_tokens: int = 256,
+    prompt_tokens: int = 64,
+    new_tokens: int = 48,
+    max_prompts: int = 64,
+    full_cache: dict | None = None,
+    resamples: int = 2000,
+) -> QualityResult:
     """Every number in ``QualityResult`` for ``quant`` against ``full`` on ``text``.
 
     ``text`` defaults to the evaluation text (``calibration_text("eval")``, ~7,300 tokens, never
@@ -219,8 +239,10 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
     # with runs of ceil(span / stride) prompts, 0.92 with twice that; real text is also correlated
     # beyond the overlap (topics), so the longer run is the safer one.
     block_prompts = 1 if stride >= span else 2 * -(-span // stride)
-    prompts = torch.stack([ids[s:s + prompt_tokens] for s in starts])
-    truths = [tokenizer.decode(ids[s + prompt_tokens:s + prompt_tokens + new_tokens].tolist()) for s in starts]
+    prompts = torch.stack([ids[s : s + prompt_tokens] for s in starts])
+    truths = [
+        tokenizer.decode(ids[s + prompt_tokens : s + prompt_tokens + new_tokens].tolist()) for s in starts
+    ]
     key = ("continuations", tuple(starts), prompt_tokens, new_tokens)
     if key not in cache:
         cache[key] = greedy_continuations(full, prompts, new_tokens)
@@ -230,13 +252,33 @@ def compare_quality(full: nn.Module, quant: nn.Module, tokenizer, text: str | No
     interval = retention_interval(texts_q, texts_f, truths, resamples=resamples, block_prompts=block_prompts)
     kl_low, kl_high = bootstrap_mean_interval(tf["kl"], tf["count"], resamples=resamples)
     return QualityResult(
-        sum(tf["kl"]) / count, math.exp(sum(tf["nll_f"]) / count), math.exp(sum(tf["nll_q"]) / count),
-        sum(tf["agree"]) / count, scored.chrf_ref_full, scored.chrf_ref_optimised, scored.chrf_agreement,
-        scored.retention, count, len(truths), new_tokens, kl_low, kl_high, interval.uncapped, interval.low,
-        interval.high, interval.std, [round(v, 6) for v in tf["kl"]], tf["count"],
-        sum(tf["hit_f"]) / count, sum(tf["hit_q"]) / count,
-        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples), stride, block_prompts,
-        looping_share(ids_f), looping_share(ids_q))
+        sum(tf["kl"]) / count,
+        math.exp(sum(tf["nll_f"]) / count),
+        math.exp(sum(tf["nll_q"]) / count),
+        sum(tf["agree"]) / count,
+        scored.chrf_ref_full,
+        scored.chrf_ref_optimised,
+        scored.chrf_agreement,
+        scored.retention,
+        count,
+        len(truths),
+        new_tokens,
+        kl_low,
+        kl_high,
+        interval.uncapped,
+        interval.low,
+        interval.high,
+        interval.std,
+        [round(v, 6) for v in tf["kl"]],
+        tf["count"],
+        sum(tf["hit_f"]) / count,
+        sum(tf["hit_q"]) / count,
+        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples),
+        stride,
+        block_prompts,
+        looping_share(ids_f),
+        looping_share(ids_q),
+    )
 
 
 def bits_table(resolved: dict[str, str], groups: list[WeightGroup]) -> str:
@@ -258,16 +300,35 @@ def bits_heatmap(resolved: dict[str, str], groups: list[WeightGroup], path: str 
 
     shape = {g.name: g for g in groups}
     layers = sorted({int(g.name.split(".")[1]) for g in groups if g.name.startswith("layers.")})
-    grid = [[parse_scheme(resolved[f"layers.{i}.{k}"]).bits_per_weight(
-        shape[f"layers.{i}.{k}"].out_features, shape[f"layers.{i}.{k}"].in_features) for k in GROUP_KINDS]
-        for i in layers]
+    grid = [
+        [
+            parse_scheme(resolved[f"layers.{i}.{k}"]).bits_per_weight(
+                shape[f"layers.{i}.{k}"].out_features, shape[f"layers.{i}.{k}"].in_features
+            )
+            for k in GROUP_KINDS
+        ]
+        for i in layers
+    ]
     fig, ax = plt.subplots(figsize=(5.5, 0.28 * len(layers) + 1.6))
-    im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=4, vmax=16 if any(
-        resolved[g.name] == "none" for g in groups) else 8.1)
+    im = ax.imshow(
+        grid,
+        aspect="auto",
+        cmap="viridis",
+        vmin=4,
+        vmax=16 if any(resolved[g.name] == "none" for g in groups) else 8.1,
+    )
     for r, i in enumerate(layers):
         for c, k in enumerate(GROUP_KINDS):
             label = resolved[f"layers.{i}.{k}"].replace("int4sym-", "s").replace("int4-", "")
-            ax.text(c, r, label, ha="center", va="center", fontsize=6, color="white" if grid[r][c] < 6 else "black")
+            ax.text(
+                c,
+                r,
+                label,
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white" if grid[r][c] < 6 else "black",
+            )
     ax.set_xticks(range(len(GROUP_KINDS)), GROUP_KINDS)
     ax.set_yticks(range(len(layers)), [str(i) for i in layers], fontsize=6)
     ax.set_ylabel("layer")
@@ -278,44 +339,69 @@ def bits_heatmap(resolved: dict[str, str], groups: list[WeightGroup], path: str 
     plt.close(fig)
 
 
-def write_report(out_dir: str | Path, resolved: dict[str, str], groups: list[WeightGroup],
-                 quality: QualityResult, model_name: str, full_weight_bytes: int) -> Path:
+def write_report(
+    out_dir: str | Path,
+    resolved: dict[str, str],
+    groups: list[WeightGroup],
+    quality: QualityResult,
+    model_name: str,
+    full_weight_bytes: int,
+) -> Path:
     """Write report.md, report.json and bits.png into ``out_dir``; returns the markdown path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     numel = sum(g.numel for g in groups)
     size = plan_nbytes(resolved, groups)
-    summary = {"model": model_name, "bits_per_weight": round(8 * size / numel, 4),
-               "quantised_groups_mb": round(size / 1e6, 3), "full_groups_mb_bf16": round(full_weight_bytes / 1e6, 3),
-               **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(quality).items()},
-               "token_accuracy_retention": round(quality.token_accuracy_retention, 6),
-               "plan": resolved}
+    summary = {
+        "model": model_name,
+        "bits_per_weight": round(8 * size / numel, 4),
+        "quantised_groups_mb": round(size / 1e6, 3),
+        "full_groups_mb_bf16": round(full_weight_bytes / 1e6, 3),
+        **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(quality).items()},
+        "token_accuracy_retention": round(quality.token_accuracy_retention, 6),
+        "plan": resolved,
+    }
     (out / "report.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    block = (f" in runs of {quality.bootstrap_block_prompts} (prompts {quality.prompt_stride_tokens} tokens apart "
-             "overlap)" if quality.bootstrap_block_prompts > 1 else "")
-    bits_heatmap(resolved, groups, out / "bits.png", f"{model_name}: {summary['bits_per_weight']} bits/weight")
-    md = [f"# Quantisation report: {model_name}", "",
-          f"- average bits per weight (scales and zeros included): **{summary['bits_per_weight']}**",
-          f"- quantised groups: {summary['quantised_groups_mb']} MB (the same groups in bf16: "
-          f"{summary['full_groups_mb_bf16']} MB)",
-          f"- evaluation text: {quality.tokens} tokens; mean KL(full || quantised) = {quality.mean_kl:.5f} "
-          f"nats/token (95 % interval {quality.kl_low:.5f}-{quality.kl_high:.5f}, windows resampled)",
-          f"- perplexity: full {quality.perplexity_full:.3f}, quantised {quality.perplexity_quant:.3f}",
-          f"- next-token agreement with the full model: {100 * quality.next_token_agreement:.2f} %",
-          f"- chrF of greedy continuations vs the true text ({quality.prompts} prompts x {quality.new_tokens} "
-          "tokens): "
-          f"full {quality.chrf_full:.2f}, quantised {quality.chrf_quant:.2f}; chrF agreement between the "
-          f"two models' continuations {quality.chrf_agreement:.2f}",
-          f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %** "
-          f"(95 % paired-bootstrap interval over prompts{block} {100 * quality.retention_low:.1f}-"
-          f"{100 * quality.retention_high:.1f} %; uncapped ratio {100 * quality.retention_uncapped:.1f} %)",
-          f"- continuations caught in a loop (>= 25 % of their 4-grams repeated): full "
-          f"{100 * quality.looping_share_full:.1f} %, quantised {100 * quality.looping_share_quant:.1f} %",
-          f"- next-token accuracy on the true text (teacher-forced): full {100 * quality.token_accuracy_full:.2f} %, "
-          f"quantised {100 * quality.token_accuracy_quant:.2f} %; ratio "
-          f"{100 * quality.token_accuracy_retention:.1f} % (95 % interval over windows "
-          f"{100 * quality.token_accuracy_ratio_low:.1f}-{100 * quality.token_accuracy_ratio_high:.1f} %; not the "
-          "benchmark's retention: no greedy compounding)", "",
-          "![bits per group](bits.png)", "", bits_table(resolved, groups), ""]
+    block = (
+        f" in runs of {quality.bootstrap_block_prompts} (prompts {quality.prompt_stride_tokens} tokens apart "
+        "overlap)"
+        if quality.bootstrap_block_prompts > 1
+        else ""
+    )
+    bits_heatmap(
+        resolved, groups, out / "bits.png", f"{model_name}: {summary['bits_per_weight']} bits/weight"
+    )
+    md = [
+        f"# Quantisation report: {model_name}",
+        "",
+        f"- average bits per weight (scales and zeros included): **{summary['bits_per_weight']}**",
+        f"- quantised groups: {summary['quantised_groups_mb']} MB (the same groups in bf16: "
+        f"{summary['full_groups_mb_bf16']} MB)",
+        f"- evaluation text: {quality.tokens} tokens; mean KL(full || quantised) = {quality.mean_kl:.5f} "
+        f"nats/token (95 % interval {quality.kl_low:.5f}-{quality.kl_high:.5f}, windows resampled)",
+        f"- perplexity: full {quality.perplexity_full:.3f}, quantised {quality.perplexity_quant:.3f}",
+        f"- next-token agreement with the full model: {100 * quality.next_token_agreement:.2f} %",
+        f"- chrF of greedy continuations vs the true text ({quality.prompts} prompts x {quality.new_tokens} "
+        "tokens): "
+        f"full {quality.chrf_full:.2f}, quantised {quality.chrf_quant:.2f}; chrF agreement between the "
+        f"two models' continuations {quality.chrf_agreement:.2f}",
+        f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %** "
+        f"(95 % paired-bootstrap interval over prompts{block} {100 * quality.retention_low:.1f}-"
+        f"{100 * quality.retention_high:.1f} %; uncapped ratio {100 * quality.retention_uncapped:.1f} %)",
+        f"- continuations caught in a loop (>= 25 % of their 4-grams repeated): full "
+        f"{100 * quality.looping_share_full:.1f} %, quantised {100 * quality.looping_share_quant:.1f} %",
+        "- next-token accuracy on the true text (teacher-forced): "
+        f"full {100 * quality.token_accuracy_full:.2f} %, "
+        f"quantised {100 * quality.token_accuracy_quant:.2f} %; ratio "
+        f"{100 * quality.token_accuracy_retention:.1f} % (95 % interval over windows "
+        f"{100 * quality.token_accuracy_ratio_low:.1f}-"
+        f"{100 * quality.token_accuracy_ratio_high:.1f} %; not the "
+        "benchmark's retention: no greedy compounding)",
+        "",
+        "![bits per group](bits.png)",
+        "",
+        bits_table(resolved, groups),
+        "",
+    ]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     return out / "report.md"

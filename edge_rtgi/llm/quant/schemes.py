@@ -75,8 +75,10 @@ def parse_scheme(name: str) -> QuantScheme:
     )
 
 
-ALL_SCHEMES = ("int8",) + tuple(f"int4-g{g}" for g in INT4_GROUP_SIZES) + tuple(
-    f"int4sym-g{g}" for g in INT4_GROUP_SIZES
+ALL_SCHEMES = (
+    ("int8",)
+    + tuple(f"int4-g{g}" for g in INT4_GROUP_SIZES)
+    + tuple(f"int4sym-g{g}" for g in INT4_GROUP_SIZES)
 )
 
 
@@ -154,8 +156,9 @@ def _initial_grid(wg: Tensor, scheme: QuantScheme, shrink: float) -> tuple[Tenso
     return scales, (lo + hi - span) / 2 + 8 * scales
 
 
-def _least_squares_grid(wg: Tensor, h: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor,
-                        symmetric: bool) -> tuple[Tensor, Tensor]:
+def _least_squares_grid(
+    wg: Tensor, h: Tensor, codes: Tensor, scales: Tensor, zeros: Tensor, symmetric: bool
+) -> tuple[Tensor, Tensor]:
     """The (scale, zero) minimising sum h (w - c * scale - zero)^2 for fixed codes ``c``."""
     if symmetric:
         denom = (h * codes * codes).sum(-1)
@@ -215,8 +218,10 @@ def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | No
     w = weight.detach().float().cpu()
     n, k = w.shape
     if importance is not None and importance.shape != (k,):
-        raise ConfigError(f"importance has shape {tuple(importance.shape)}, expected ({k},) for a {n}x{k} matrix",
-                          hint="collect it on this model with edge_rtgi.llm.quant.profile.collect_importance")
+        raise ConfigError(
+            f"importance has shape {tuple(importance.shape)}, expected ({k},) for a {n}x{k} matrix",
+            hint="collect it on this model with edge_rtgi.llm.quant.profile.collect_importance",
+        )
     h = None if importance is None else importance.detach().float().cpu()
     if scheme.bits == 8:
         scales, _ = fit_grid(w[:, None, :], None if h is None else h[None, :], scheme)
@@ -225,8 +230,10 @@ def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | No
     if scheme.bits != 4:
         raise ValueError(f"cannot pack scheme {scheme.name}")
     if not scheme.fits(n, k):
-        raise ConfigError(f"{scheme.name} does not fit a {n}x{k} matrix",
-                          hint=f"int4 needs in_features % {scheme.group_size} == 0 and out_features % 16 == 0")
+        raise ConfigError(
+            f"{scheme.name} does not fit a {n}x{k} matrix",
+            hint=f"int4 needs in_features % {scheme.group_size} == 0 and out_features % 16 == 0",
+        )
     g = scheme.group_size
     wg = w.view(n, k // g, g)
     scales, zeros = fit_grid(wg, None if h is None else h.view(k // g, g), scheme)

@@ -72,8 +72,15 @@ class AsrStage(Stage):
         s = getattr(self.ctx, "settings", None)
         vad_cfg = self.config.vad
         if s is not None:
-            changes = {k: v for k, v in (("threshold", s.vad_threshold), ("min_silence_ms", s.vad_min_silence_ms),
-                                         ("speech_pad_ms", s.vad_prefix_padding_ms)) if v is not None}
+            changes = {
+                k: v
+                for k, v in (
+                    ("threshold", s.vad_threshold),
+                    ("min_silence_ms", s.vad_min_silence_ms),
+                    ("speech_pad_ms", s.vad_prefix_padding_ms),
+                )
+                if v is not None
+            }
             vad_cfg = dataclasses.replace(vad_cfg, **changes)
         cfg = dataclasses.replace(self.config, vad=vad_cfg)
         self.transcriber = StreamingTranscriber(self.whisper, cfg, SileroVad(vad_cfg))
@@ -103,7 +110,7 @@ class AsrStage(Stage):
                 frames.append(self.inbox.get_nowait())
             try:
                 await self._batch(loop, frames)
-            except Exception as exc:  # a failed decode loses one step, not the session
+            except Exception as exc:  # noqa: BLE001 - a failed decode loses one step, not the session
                 self.ctx.stage_failed(self, frames[-1], exc)
 
     async def _batch(self, loop: asyncio.AbstractEventLoop, frames: list[Any]) -> None:
@@ -145,16 +152,24 @@ class AsrStage(Stage):
                 self._early_turn = None
                 self._turns[ev.utterance_id] = turn
             elif isinstance(ev, PartialTranscript) and partials:
-                await self.ctx.emit(F.Transcript(self._turn(ev.utterance_id), ev.text, final=False, t_s=ev.t_s))
+                await self.ctx.emit(
+                    F.Transcript(self._turn(ev.utterance_id), ev.text, final=False, t_s=ev.t_s)
+                )
             elif isinstance(ev, SpeechEnded):
                 self._speech_ended[ev.utterance_id] = ev
-                self.ctx.on_speech_stopped(F.SpeechStopped(
-                    self._turn(ev.utterance_id), int(ev.speech_end_audio_s * 1000), t_s=ev.t_s))
+                self.ctx.on_speech_stopped(
+                    F.SpeechStopped(
+                        self._turn(ev.utterance_id), int(ev.speech_end_audio_s * 1000), t_s=ev.t_s
+                    )
+                )
             elif isinstance(ev, FinalTranscript):
                 await self._final(ev)
         for ev in events:  # a VAD turn that held no words still ends with an (empty) final
-            if isinstance(ev, SpeechEnded) and self._speech_ended.pop(ev.utterance_id, None) is not None \
-                    and getattr(self.ctx.settings, "turn_detection", True):
+            if (
+                isinstance(ev, SpeechEnded)
+                and self._speech_ended.pop(ev.utterance_id, None) is not None
+                and getattr(self.ctx.settings, "turn_detection", True)
+            ):
                 turn = self._turns.pop(ev.utterance_id, None) or self.ctx.new_turn_id()
                 await self.ctx.on_final_transcript(F.Transcript(turn, "", final=True, t_s=ev.t_s))
         if committed and self._held:
@@ -164,9 +179,14 @@ class AsrStage(Stage):
         turn = self._turns.pop(ev.utterance_id, None) or self.ctx.new_turn_id()
         self._speech_ended.pop(ev.utterance_id, None)
         final = F.Transcript(
-            turn, ev.text, final=True, language=ev.language, t_s=ev.t_s,
+            turn,
+            ev.text,
+            final=True,
+            language=ev.language,
+            t_s=ev.t_s,
             speech_end_t_s=self.clock.time_of(int(ev.speech_end_audio_s * SAMPLE_RATE_HZ)),
-            endpoint_t_s=self.clock.time_of(int(ev.endpoint_audio_s * SAMPLE_RATE_HZ)))
+            endpoint_t_s=self.clock.time_of(int(ev.endpoint_audio_s * SAMPLE_RATE_HZ)),
+        )
         if getattr(self.ctx.settings, "turn_detection", True):
             await self.ctx.on_final_transcript(final)
         else:  # manual turns: hold VAD-split pieces until the client commits
@@ -206,6 +226,7 @@ class AsrStage(Stage):
         # As in AsrSession: on a slow or shared CPU, back-to-back partial decodes keep this
         # worker busy when speech ends, and the (speculative) final then waits behind a stale
         # partial. Space partials so they take at most 1/factor of real time.
-        tr.partial_interval_samples = int(tr.config.partial_interval_factor * tr.last_partial_decode_s
-                                          * SAMPLE_RATE_HZ)
+        tr.partial_interval_samples = int(
+            tr.config.partial_interval_factor * tr.last_partial_decode_s * SAMPLE_RATE_HZ
+        )
         return events

@@ -30,8 +30,15 @@ def _usage_dict(usage: Any) -> dict | None:
     return d
 
 
-async def stream_engine(stage: Stage, engine: Any, rid: str, prompt: Any, params: SamplingParams,
-                        priority: int = 0, deadline_ms: float | None = None) -> tuple[str, dict | None]:
+async def stream_engine(
+    stage: Stage,
+    engine: Any,
+    rid: str,
+    prompt: Any,
+    params: SamplingParams,
+    priority: int = 0,
+    deadline_ms: float | None = None,
+) -> tuple[str, dict | None]:
     """Run one engine request, forwarding each text delta; returns (full text, usage)."""
     text, usage = "", None
     stream = engine.add_request(prompt, params, request_id=rid, priority=priority, deadline_ms=deadline_ms)
@@ -64,8 +71,10 @@ def trim_history(tokenizer: Any, system: str, turns: list[tuple[str, str]], budg
         msgs = msgs[1:]
         while msgs and msgs[0]["role"] != "user":
             msgs = msgs[1:]
-    raise RequestError("the latest user turn alone does not fit the context window",
-                       hint="speak in shorter turns or raise context_tokens")
+    raise RequestError(
+        "the latest user turn alone does not fit the context window",
+        hint="speak in shorter turns or raise context_tokens",
+    )
 
 
 class AssistantStage(Stage):
@@ -84,15 +93,26 @@ class AssistantStage(Stage):
         cfg = self.config
         max_tokens = req.max_tokens or cfg.max_reply_tokens
         context = min(cfg.context_tokens or self.engine.max_model_len, self.engine.max_model_len)
-        messages = trim_history(self.engine.tokenizer, req.system_prompt or cfg.system_prompt,
-                                [m for m in req.messages if m[0] in ("user", "assistant")],
-                                context - max_tokens)
-        params = SamplingParams(max_tokens=max_tokens,
-                                temperature=cfg.temperature if req.temperature is None else req.temperature,
-                                top_p=cfg.top_p)
-        text, usage = await stream_engine(self, self.engine, req.response_id,
-                                          self.engine.tokenizer.encode_chat(messages), params,
-                                          cfg.priority, cfg.deadline_ms)
+        messages = trim_history(
+            self.engine.tokenizer,
+            req.system_prompt or cfg.system_prompt,
+            [m for m in req.messages if m[0] in ("user", "assistant")],
+            context - max_tokens,
+        )
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=cfg.temperature if req.temperature is None else req.temperature,
+            top_p=cfg.top_p,
+        )
+        text, usage = await stream_engine(
+            self,
+            self.engine,
+            req.response_id,
+            self.engine.tokenizer.encode_chat(messages),
+            params,
+            cfg.priority,
+            cfg.deadline_ms,
+        )
         await self.ctx.forward(self, F.TextDone(req.response_id, text, usage=usage))
 
 
@@ -103,9 +123,13 @@ class TranslateStage(Stage):
         super().__init__(ctx, inbox_frames)
         self.config = config
         self.engine = engine
-        self.apertium = (ApertiumTranslator(config.source_language, config.target_language,
-                                            config.apertium_pair, config.timeout_s)
-                         if config.backend == "apertium" else None)
+        self.apertium = (
+            ApertiumTranslator(
+                config.source_language, config.target_language, config.apertium_pair, config.timeout_s
+            )
+            if config.backend == "apertium"
+            else None
+        )
 
     def cancel(self, response_id: str) -> None:
         if self.engine is not None:
@@ -121,9 +145,15 @@ class TranslateStage(Stage):
                 await self.ctx.forward(self, F.TextDelta(rid, text))
         else:
             tok = self.engine.tokenizer
-            budget = translation_budget_tokens(len(tok.encode(req.source_text)), cfg.budget_ratio,
-                                               cfg.min_budget_tokens)
+            budget = translation_budget_tokens(
+                len(tok.encode(req.source_text)), cfg.budget_ratio, cfg.min_budget_tokens
+            )
             messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
-            text, usage = await stream_engine(self, self.engine, rid, tok.encode_chat(messages),
-                                              SamplingParams(max_tokens=budget, temperature=0.0))
+            text, usage = await stream_engine(
+                self,
+                self.engine,
+                rid,
+                tok.encode_chat(messages),
+                SamplingParams(max_tokens=budget, temperature=0.0),
+            )
         await self.ctx.forward(self, F.TextDone(rid, text, source_text=req.source_text, usage=usage))

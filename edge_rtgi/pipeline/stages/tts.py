@@ -47,8 +47,10 @@ class TtsStage(Stage):
         rid = frame.response_id
         seg = self._segmenters.get(rid)
         if seg is None:
-            seg = self._segmenters[rid] = ClauseSegmenter(self.config.first_clause_min_words,
-                                                          first_break_after_words=self.config.first_break_after_words)
+            seg = self._segmenters[rid] = ClauseSegmenter(
+                self.config.first_clause_min_words,
+                first_break_after_words=self.config.first_break_after_words,
+            )
         if isinstance(frame, F.TextDelta):
             clauses, done = seg.push(frame.delta), False
         else:

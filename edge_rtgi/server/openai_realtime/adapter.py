@@ -40,10 +40,25 @@ from edge_rtgi.server.openai_realtime.session_config import RealtimeSessionConfi
 log = logging.getLogger(__name__)
 
 MIN_COMMIT_MS = 100  # the protocol's minimum for input_audio_buffer.commit
-_RESPONSE_IGNORED = {"conversation", "metadata", "tools", "tool_choice", "prompt", "reasoning",
-                     "parallel_tool_calls", "audio", "instructions", "output_modalities", "max_output_tokens",
-                     # the beta spellings of the same per-response settings
-                     "modalities", "voice", "output_audio_format", "temperature", "max_response_output_tokens"}
+_RESPONSE_IGNORED = {
+    "conversation",
+    "metadata",
+    "tools",
+    "tool_choice",
+    "prompt",
+    "reasoning",
+    "parallel_tool_calls",
+    "audio",
+    "instructions",
+    "output_modalities",
+    "max_output_tokens",
+    # the beta spellings of the same per-response settings
+    "modalities",
+    "voice",
+    "output_audio_format",
+    "temperature",
+    "max_response_output_tokens",
+}
 
 
 def core_settings(config: RealtimeSessionConfig) -> dict:
@@ -61,8 +76,11 @@ def core_settings(config: RealtimeSessionConfig) -> dict:
         "max_reply_tokens": config.max_output_tokens,
     }
     if vad is not None:
-        settings.update(vad_threshold=vad.threshold, vad_min_silence_ms=vad.silence_duration_ms,
-                        vad_prefix_padding_ms=vad.prefix_padding_ms)
+        settings.update(
+            vad_threshold=vad.threshold,
+            vad_min_silence_ms=vad.silence_duration_ms,
+            vad_prefix_padding_ms=vad.prefix_padding_ms,
+        )
     if config.pipeline is not None:
         settings["pipeline"] = config.pipeline
     return settings
@@ -81,8 +99,15 @@ class RealtimeAdapter:
     ``handle_message`` and run ``pump_events`` concurrently until the session closes.
     """
 
-    def __init__(self, session: Any, send: Callable[[dict], Awaitable[None]], *, model: str,
-                 config: RealtimeSessionConfig | None = None, metrics: Any = None):
+    def __init__(
+        self,
+        session: Any,
+        send: Callable[[dict], Awaitable[None]],
+        *,
+        model: str,
+        config: RealtimeSessionConfig | None = None,
+        metrics: Any = None,
+    ):
         self.session = session
         self.metrics = metrics
         self._send = send
@@ -163,7 +188,9 @@ class RealtimeAdapter:
             raise RealtimeProtocolError(
                 "input_audio_buffer_commit_empty",
                 f"buffer too small: expected at least {MIN_COMMIT_MS} ms of audio, but the buffer holds "
-                f"{self._buffered_ms:.0f} ms", None)
+                f"{self._buffered_ms:.0f} ms",
+                None,
+            )
         if self._speech_item is not None:  # a server-VAD turn in progress: commit that one
             item_id = self._speech_item[1]
             self._speech_item = None
@@ -177,8 +204,12 @@ class RealtimeAdapter:
         """``committed`` + ``conversation.item.added`` for a user audio item (transcript to come)."""
         self._item_audio_s[item_id] = self._buffered_ms / 1000.0
         self._buffered_ms = 0.0
-        item = Item(id=item_id, role="user", content=[{"type": "input_audio", "transcript": None}],
-                    status="in_progress")
+        item = Item(
+            id=item_id,
+            role="user",
+            content=[{"type": "input_audio", "transcript": None}],
+            status="in_progress",
+        )
         previous = self.conversation.add(item)
         self._awaiting_transcript.append(item_id)
         await self.emit("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id)
@@ -208,10 +239,16 @@ class RealtimeAdapter:
     async def _on_conversation_item_truncate(self, event: ClientEvent) -> None:
         item_id = require(event.data, "item_id", str)
         old_text = self.conversation.get(item_id).text()
-        item = self.conversation.truncate(item_id, event.data.get("content_index"), event.data.get("audio_end_ms"))
+        item = self.conversation.truncate(
+            item_id, event.data.get("content_index"), event.data.get("audio_end_ms")
+        )
         self._replace_history("assistant", old_text, item.text())
-        await self.emit("conversation.item.truncated", item_id=item_id,
-                        content_index=event.data["content_index"], audio_end_ms=event.data["audio_end_ms"])
+        await self.emit(
+            "conversation.item.truncated",
+            item_id=item_id,
+            content_index=event.data["content_index"],
+            audio_end_ms=event.data["audio_end_ms"],
+        )
 
     async def _on_conversation_item_delete(self, event: ClientEvent) -> None:
         item_id = require(event.data, "item_id", str)
@@ -239,15 +276,22 @@ class RealtimeAdapter:
         params = optional(event.data, "response", dict, default={})
         unknown = sorted(set(params) - _RESPONSE_IGNORED - {"input"})
         if unknown:
-            raise RealtimeProtocolError("unknown_parameter", f"unknown parameter 'response.{unknown[0]}'",
-                                        f"response.{unknown[0]}")
+            raise RealtimeProtocolError(
+                "unknown_parameter", f"unknown parameter 'response.{unknown[0]}'", f"response.{unknown[0]}"
+            )
         if params.get("input"):
-            raise RealtimeProtocolError("invalid_value", "response.input (out-of-band context) is not supported "
-                                        "by edge-rtgi; add items with conversation.item.create", "response.input")
+            raise RealtimeProtocolError(
+                "invalid_value",
+                "response.input (out-of-band context) is not supported "
+                "by edge-rtgi; add items with conversation.item.create",
+                "response.input",
+            )
         if self._active_response() is not None or self._deferred_create is not None:
             raise RealtimeProtocolError(
                 "conversation_already_has_active_response",
-                "a response is already in progress; wait for response.done or send response.cancel", None)
+                "a response is already in progress; wait for response.done or send response.cancel",
+                None,
+            )
         if self._awaiting_transcript:
             self._deferred_create = event  # answered when the committed turn's transcript is final
             return
@@ -257,11 +301,18 @@ class RealtimeAdapter:
         """Ask the core for a response to the latest user item (its text is the translate source)."""
         users = [item for item in self.conversation.items() if item.role == "user" and item.text().strip()]
         if not users:
-            raise RealtimeProtocolError("invalid_request", "there is nothing to respond to yet; append and commit "
-                                        "audio or create a user message item first", None)
+            raise RealtimeProtocolError(
+                "invalid_request",
+                "there is nothing to respond to yet; append and commit "
+                "audio or create a user message item first",
+                None,
+            )
         try:
-            await self.session.create_response(turn_id=timing.turn_id if timing else None,
-                                               source_text=users[-1].text().strip(), timing=timing)
+            await self.session.create_response(
+                turn_id=timing.turn_id if timing else None,
+                source_text=users[-1].text().strip(),
+                timing=timing,
+            )
         except EdgeRtgiError as exc:
             raise RealtimeProtocolError("invalid_request", str(exc)) from None
 
@@ -272,9 +323,11 @@ class RealtimeAdapter:
             return
         active = self._active_response()
         if active is None or (response_id is not None and response_id != active.id):
-            raise RealtimeProtocolError("response_cancel_not_active",
-                                        f"no active response{' ' + repr(response_id) if response_id else ''} "
-                                        "to cancel", "response_id" if response_id else None)
+            raise RealtimeProtocolError(
+                "response_cancel_not_active",
+                f"no active response{' ' + repr(response_id) if response_id else ''} to cancel",
+                "response_id" if response_id else None,
+            )
         await self.session.cancel_response(active.id, reason="client_cancel")
 
     async def _on_output_audio_buffer_clear(self, event: ClientEvent) -> None:
@@ -300,7 +353,7 @@ class RealtimeAdapter:
                 observe(frame)
             await self.on_frame(frame)
 
-    async def on_frame(self, frame: Any) -> None:  # noqa: C901 - one branch per frame type
+    async def on_frame(self, frame: Any) -> None:  # one branch per frame type
         """Write one core event as Realtime server events."""
         if isinstance(frame, F.SessionStarted):
             await self.emit("session.created", session=self._session_wire())
@@ -314,7 +367,9 @@ class RealtimeAdapter:
             item_id = self.ids("item")
             self._speech_item = (frame.turn_id, item_id)
             self._turn_items[frame.turn_id] = item_id
-            await self.emit("input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=item_id)
+            await self.emit(
+                "input_audio_buffer.speech_started", audio_start_ms=frame.audio_ms, item_id=item_id
+            )
         elif isinstance(frame, F.SpeechStopped):
             await self._on_speech_stopped(frame)
         elif isinstance(frame, F.Transcript):
@@ -367,10 +422,14 @@ class RealtimeAdapter:
             await self._commit_item(item_id)
         sent = self._transcribed.get(item_id, "")
         text = frame.text.strip() if frame.final else frame.text
-        delta = text[len(sent):] if text.startswith(sent) else ""
+        delta = text[len(sent) :] if text.startswith(sent) else ""
         if self.config.transcription is not None and delta.strip():
-            await self.emit("conversation.item.input_audio_transcription.delta", item_id=item_id,
-                            content_index=0, delta=delta)
+            await self.emit(
+                "conversation.item.input_audio_transcription.delta",
+                item_id=item_id,
+                content_index=0,
+                delta=delta,
+            )
             self._transcribed[item_id] = sent + delta
         if frame.final:
             await self._complete_user_item(item_id, text, frame)
@@ -390,18 +449,23 @@ class RealtimeAdapter:
         item.content[0]["transcript"] = text
         item.status = "completed"
         if self.config.transcription is not None:
-            await self.emit("conversation.item.input_audio_transcription.completed", item_id=item_id,
-                            content_index=0, transcript=text,
-                            usage={"type": "duration",
-                                   "seconds": round(self._item_audio_s.pop(item_id, 0.0), 3)})
+            await self.emit(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=0,
+                transcript=text,
+                usage={"type": "duration", "seconds": round(self._item_audio_s.pop(item_id, 0.0), 3)},
+            )
         await self.emit("conversation.item.done", previous_item_id=None, item=item.to_wire())
         if self._deferred_create is not None and not self._awaiting_transcript:
             deferred, self._deferred_create = self._deferred_create, None
             try:
                 if not text.strip():
-                    raise RealtimeProtocolError("input_audio_buffer_commit_empty",
-                                                "the committed audio holds no speech, so there is nothing to "
-                                                "respond to", None)
+                    raise RealtimeProtocolError(
+                        "input_audio_buffer_commit_empty",
+                        "the committed audio holds no speech, so there is nothing to respond to",
+                        None,
+                    )
                 await self._create_response(timing)
             except RealtimeProtocolError as exc:  # the answer to that response.create
                 await self.send_error(exc, deferred.event_id)
@@ -409,10 +473,15 @@ class RealtimeAdapter:
     async def _on_response_started(self, frame: F.ResponseStarted) -> None:
         item = Item(id=self.ids("item"), role="assistant", content=[])
         stream = ResponseStream(
-            response_id=frame.response_id, item=item, new_event_id=self.ids,
-            modalities=self.config.output_modalities, output_format=self.config.output_format,
-            voice=self.config.voice, conversation_id=self.conversation_id,
-            max_output_tokens=self.config.max_output_tokens)
+            response_id=frame.response_id,
+            item=item,
+            new_event_id=self.ids,
+            modalities=self.config.output_modalities,
+            output_format=self.config.output_format,
+            voice=self.config.voice,
+            conversation_id=self.conversation_id,
+            max_output_tokens=self.config.max_output_tokens,
+        )
         previous = self.conversation.add(item)
         self.responses[frame.response_id] = stream
         self._forget_old_responses()
@@ -428,12 +497,17 @@ class RealtimeAdapter:
             "interrupted": ("cancelled", "turn_detected"),
             "failed": ("failed", None),
         }[frame.status]
-        if frame.status == "interrupted" and self._interrupt_reasons.get(frame.response_id) == "session_closed":
+        if (
+            frame.status == "interrupted"
+            and self._interrupt_reasons.get(frame.response_id) == "session_closed"
+        ):
             reason = "client_cancelled"
         usage = usage_from_pipeline(frame.usage, frame.stats.completion_tokens or 0)
         events = stream.finish(status, reason=reason, usage=usage, text=frame.text)
         done = events[-1]["response"]
-        done["edge_rtgi"] = {"stats": {k: v for k, v in dataclasses.asdict(frame.stats).items() if v is not None}}
+        done["edge_rtgi"] = {
+            "stats": {k: v for k, v in dataclasses.asdict(frame.stats).items() if v is not None}
+        }
         await self._emit_all(events)
 
     def _forget_old_responses(self, keep: int = 16) -> None:

@@ -66,8 +66,9 @@ def parse_format(value: object, param: str) -> AudioFormat:
                 "unknown_parameter", f"unknown field {unknown[0]!r} in audio format", f"{param}.{unknown[0]}"
             )
     else:
-        raise RealtimeProtocolError("invalid_type", f"{param} must be an object like "
-                                    "{\"type\": \"audio/pcm\", \"rate\": 24000}", param)
+        raise RealtimeProtocolError(
+            "invalid_type", f'{param} must be an object like {{"type": "audio/pcm", "rate": 24000}}', param
+        )
     if name not in SUPPORTED_FORMAT_TYPES:
         raise RealtimeProtocolError(
             "unsupported_audio_format",
@@ -127,7 +128,9 @@ def _alaw_decode_all() -> np.ndarray:
     a = np.arange(256, dtype=np.int32) ^ 0x55
     exponent = (a >> 4) & 0x07
     mantissa = a & 0x0F
-    mag = np.where(exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0))
+    mag = np.where(
+        exponent == 0, (mantissa << 4) + 8, ((mantissa << 4) + 0x108) << np.maximum(exponent - 1, 0)
+    )
     return np.where(a & 0x80, mag, -mag).astype(np.int16)
 
 

@@ -17,7 +17,12 @@ from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import optional, require
 
 _USER_PARTS = {"input_text": "text", "input_audio": "transcript", "text": "text"}
-_ASSISTANT_PARTS = {"output_text": "text", "text": "text", "output_audio": "transcript", "audio": "transcript"}
+_ASSISTANT_PARTS = {
+    "output_text": "text",
+    "text": "text",
+    "output_audio": "transcript",
+    "audio": "transcript",
+}
 
 
 @dataclass
@@ -41,8 +46,14 @@ class Item:
 
     def to_wire(self) -> dict:
         content = [{k: v for k, v in part.items() if k != "audio"} for part in self.content]
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
-                "status": self.status, "content": content}
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": self.role,
+            "status": self.status,
+            "content": content,
+        }
 
 
 def parse_message_item(item: object, new_id: str) -> Item:
@@ -53,16 +64,23 @@ def parse_message_item(item: object, new_id: str) -> Item:
     kind = item.get("type", "message")
     if kind != "message":
         raise RealtimeProtocolError(
-            "invalid_value", f"item type {kind!r} is not supported by edge-rtgi (no tools); only 'message'",
-            "item.type")
+            "invalid_value",
+            f"item type {kind!r} is not supported by edge-rtgi (no tools); only 'message'",
+            "item.type",
+        )
     role = require(item, "role", str, "item.role")
     if role == "system":  # the pipeline's LLM sees one system prompt: the session's instructions
-        raise RealtimeProtocolError("invalid_value", "system message items are not supported by edge-rtgi; "
-                                    "set session.instructions with session.update instead", "item.role")
+        raise RealtimeProtocolError(
+            "invalid_value",
+            "system message items are not supported by edge-rtgi; "
+            "set session.instructions with session.update instead",
+            "item.role",
+        )
     allowed = {"user": _USER_PARTS, "assistant": _ASSISTANT_PARTS}.get(role)
     if allowed is None:
-        raise RealtimeProtocolError("invalid_value", f"item.role must be user or assistant, got {role!r}",
-                                    "item.role")
+        raise RealtimeProtocolError(
+            "invalid_value", f"item.role must be user or assistant, got {role!r}", "item.role"
+        )
     content = require(item, "content", list, "item.content")
     parts = []
     for i, part in enumerate(content):
@@ -72,13 +90,18 @@ def parse_message_item(item: object, new_id: str) -> Item:
         ptype = part.get("type")
         if ptype not in allowed:
             raise RealtimeProtocolError(
-                "invalid_value", f"{p}.type {ptype!r} is not supported for role {role!r}; "
-                f"use one of {sorted(allowed)}", f"{p}.type")
+                "invalid_value",
+                f"{p}.type {ptype!r} is not supported for role {role!r}; use one of {sorted(allowed)}",
+                f"{p}.type",
+            )
         key = allowed[ptype]
         if ptype == "input_audio" and part.get("audio") and not part.get("transcript"):
             raise RealtimeProtocolError(
-                "unsupported_audio_item", "audio inside conversation.item.create is not transcribed; "
-                "stream it with input_audio_buffer.append and commit, or send input_text", f"{p}.audio")
+                "unsupported_audio_item",
+                "audio inside conversation.item.create is not transcribed; "
+                "stream it with input_audio_buffer.append and commit, or send input_text",
+                f"{p}.audio",
+            )
         text = optional(part, key, str, f"{p}.{key}", "")
         parts.append({"type": _ga_part_type(role, ptype), key: text})
     item_id = optional(item, "id", str, "item.id") or new_id
@@ -117,14 +140,17 @@ class Conversation:
     def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
         """Append ``item`` (or insert it after ``previous_item_id``); returns its predecessor's id."""
         if item.id in self._items:
-            raise RealtimeProtocolError("invalid_value", f"an item with id {item.id!r} already exists", "item.id")
+            raise RealtimeProtocolError(
+                "invalid_value", f"an item with id {item.id!r} already exists", "item.id"
+            )
         if previous_item_id is None or previous_item_id == self.last_id():
             prev = self.last_id()
             self._items[item.id] = item
             return prev
         if previous_item_id not in self._items and previous_item_id != "root":
-            raise RealtimeProtocolError("item_not_found", f"previous_item_id {previous_item_id!r} does not exist",
-                                        "previous_item_id")
+            raise RealtimeProtocolError(
+                "item_not_found", f"previous_item_id {previous_item_id!r} does not exist", "previous_item_id"
+            )
         ordered = list(self._items.items())
         at = 0 if previous_item_id == "root" else [k for k, _ in ordered].index(previous_item_id) + 1
         ordered.insert(at, (item.id, item))
@@ -150,17 +176,25 @@ class Conversation:
         """Cut an assistant audio item at ``audio_end_ms``; its transcript keeps the words heard by then."""
         item = self.get(item_id)
         if item.role != "assistant" or not any(p["type"] == "output_audio" for p in item.content):
-            raise RealtimeProtocolError("invalid_value", f"item {item_id!r} is not an assistant audio message; "
-                                        "only those can be truncated", "item_id")
+            raise RealtimeProtocolError(
+                "invalid_value",
+                f"item {item_id!r} is not an assistant audio message; only those can be truncated",
+                "item_id",
+            )
         if not isinstance(content_index, int) or not 0 <= content_index < len(item.content):
-            raise RealtimeProtocolError("invalid_value", f"content_index {content_index!r} is out of range",
-                                        "content_index")
+            raise RealtimeProtocolError(
+                "invalid_value", f"content_index {content_index!r} is out of range", "content_index"
+            )
         if not isinstance(audio_end_ms, int) or isinstance(audio_end_ms, bool) or audio_end_ms < 0:
-            raise RealtimeProtocolError("invalid_value", "audio_end_ms must be a non-negative integer", "audio_end_ms")
+            raise RealtimeProtocolError(
+                "invalid_value", "audio_end_ms must be a non-negative integer", "audio_end_ms"
+            )
         if audio_end_ms > item.audio_ms + 1:
             raise RealtimeProtocolError(
-                "invalid_value", f"audio_end_ms {audio_end_ms} is past the end of the item's audio "
-                f"({item.audio_ms:.0f} ms)", "audio_end_ms")
+                "invalid_value",
+                f"audio_end_ms {audio_end_ms} is past the end of the item's audio ({item.audio_ms:.0f} ms)",
+                "audio_end_ms",
+            )
         part = item.content[content_index]
         if item.audio_ms > 0:
             part["transcript"] = heard_prefix(part.get("transcript") or "", audio_end_ms / item.audio_ms)

@@ -19,8 +19,9 @@ class RealtimeProtocolError(EdgeRtgiError):
     the offending field when there is one.
     """
 
-    def __init__(self, code: str, message: str, param: str | None = None,
-                 error_type: str = "invalid_request_error"):
+    def __init__(
+        self, code: str, message: str, param: str | None = None, error_type: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.code = code
         self.param = param

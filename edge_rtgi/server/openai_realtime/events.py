@@ -106,14 +106,18 @@ def parse_client_event(message: str | bytes) -> ClientEvent:
             message = bytes(message).decode("utf-8")
         except UnicodeDecodeError:
             raise RealtimeProtocolError(
-                "invalid_json", "binary frames are not part of this protocol; send JSON text events "
-                "and put audio in input_audio_buffer.append as base64") from None
+                "invalid_json",
+                "binary frames are not part of this protocol; send JSON text events "
+                "and put audio in input_audio_buffer.append as base64",
+            ) from None
     try:
         data = json.loads(message)
     except (ValueError, RecursionError) as exc:
         raise RealtimeProtocolError("invalid_json", f"malformed JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise RealtimeProtocolError("invalid_json", f"an event must be a JSON object, got {type(data).__name__}")
+        raise RealtimeProtocolError(
+            "invalid_json", f"an event must be a JSON object, got {type(data).__name__}"
+        )
     event_id = data.get("event_id")
     if event_id is not None and not isinstance(event_id, str):
         raise RealtimeProtocolError("invalid_type", "event_id must be a string", "event_id")
@@ -160,7 +164,9 @@ def require(data: dict, key: str, kind: type | tuple[type, ...], param: str | No
     """``data[key]`` checked for presence and type; errors name ``param`` (default ``key``)."""
     param = param or key
     if key not in data or data[key] is None:
-        raise RealtimeProtocolError("missing_required_parameter", f"missing required parameter {param!r}", param)
+        raise RealtimeProtocolError(
+            "missing_required_parameter", f"missing required parameter {param!r}", param
+        )
     value = data[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)

@@ -18,8 +18,12 @@ from edge_rtgi.server.openai_realtime.codecs import AudioFormat, encode_base64
 from edge_rtgi.server.openai_realtime.conversation import Item
 
 # Reasons the protocol knows for a response that did not complete.
-CANCEL_REASONS = {"barge_in": "turn_detected", "client_cancel": "client_cancelled",
-                  "turn_detected": "turn_detected", "client_cancelled": "client_cancelled"}
+CANCEL_REASONS = {
+    "barge_in": "turn_detected",
+    "client_cancel": "client_cancelled",
+    "turn_detected": "turn_detected",
+    "client_cancelled": "client_cancelled",
+}
 
 
 def usage_from_pipeline(usage: dict | None, output_text_tokens: int = 0) -> dict:
@@ -32,8 +36,12 @@ def usage_from_pipeline(usage: dict | None, output_text_tokens: int = 0) -> dict
         "total_tokens": input_tokens + output_tokens,
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
-        "input_token_details": {"text_tokens": input_tokens, "audio_tokens": 0, "cached_tokens": cached,
-                                "image_tokens": 0},
+        "input_token_details": {
+            "text_tokens": input_tokens,
+            "audio_tokens": 0,
+            "cached_tokens": cached,
+            "image_tokens": 0,
+        },
         "output_token_details": {"text_tokens": output_tokens, "audio_tokens": 0},
     }
 
@@ -41,9 +49,18 @@ def usage_from_pipeline(usage: dict | None, output_text_tokens: int = 0) -> dict
 class ResponseStream:
     """Formats the events of one response and tracks its text, audio and status."""
 
-    def __init__(self, *, response_id: str, item: Item, new_event_id: Callable[[str], str],
-                 modalities: tuple[str, ...], output_format: AudioFormat, voice: str | None,
-                 conversation_id: str, max_output_tokens: int | None):
+    def __init__(
+        self,
+        *,
+        response_id: str,
+        item: Item,
+        new_event_id: Callable[[str], str],
+        modalities: tuple[str, ...],
+        output_format: AudioFormat,
+        voice: str | None,
+        conversation_id: str,
+        max_output_tokens: int | None,
+    ):
         self.id = response_id
         self.item = item
         self._eid = new_event_id
@@ -78,8 +95,11 @@ class ResponseStream:
     def to_wire(self, usage: dict | None = None, status_details: dict | None = None) -> dict:
         """The ``response`` object of ``response.created`` / ``response.done``."""
         return {
-            "id": self.id, "object": "realtime.response", "status": self.status,
-            "status_details": status_details, "conversation_id": self.conversation_id,
+            "id": self.id,
+            "object": "realtime.response",
+            "status": self.status,
+            "status_details": status_details,
+            "conversation_id": self.conversation_id,
             "output": [self.item.to_wire()] if self.status != "in_progress" else [],
             "output_modalities": list(self.modalities),
             "max_output_tokens": self.max_output_tokens if self.max_output_tokens is not None else "inf",
@@ -119,7 +139,9 @@ class ResponseStream:
         if len(out) == 0:
             return []
         self.audio_chunks += 1
-        return [self._ev("response.output_audio.delta", **self._where(), delta=encode_base64(out, self.format))]
+        return [
+            self._ev("response.output_audio.delta", **self._where(), delta=encode_base64(out, self.format))
+        ]
 
     def _resample(self, pcm: np.ndarray, sample_rate_hz: int) -> np.ndarray:
         dst = self.format.sample_rate_hz
@@ -139,11 +161,21 @@ class ResponseStream:
             return []
         self.audio_samples += len(tail)
         self.item.audio_ms = 1000.0 * self.audio_samples / self.format.sample_rate_hz
-        return [self._ev("response.output_audio.delta", **self._where(), delta=encode_base64(tail, self.format))]
+        return [
+            self._ev("response.output_audio.delta", **self._where(), delta=encode_base64(tail, self.format))
+        ]
 
-    def finish(self, status: str, *, reason: str | None = None, usage: dict | None = None,
-               text: str | None = None, error: dict | None = None) -> list[dict]:
-        """The closing events, ending with ``response.done`` (status completed/cancelled/failed/incomplete)."""
+    def finish(
+        self,
+        status: str,
+        *,
+        reason: str | None = None,
+        usage: dict | None = None,
+        text: str | None = None,
+        error: dict | None = None,
+    ) -> list[dict]:
+        """The closing events, ending with ``response.done``
+        (status completed/cancelled/failed/incomplete)."""
         self.status = status
         if text is not None and status == "completed" and text.strip() and not self.text.strip():
             self.text_delta(text)  # a pipeline that only reports the whole text at the end

@@ -18,10 +18,22 @@ from edge_rtgi.server.openai_realtime.events import optional
 
 MODALITIES = ("text", "audio")
 # Accepted and echoed back, but they change nothing in a local pipeline.
-IGNORED_FIELDS = frozenset({
-    "tools", "tool_choice", "parallel_tool_calls", "tracing", "prompt", "reasoning", "include",
-    "truncation", "model", "temperature", "client_secret", "input_audio_noise_reduction",
-})
+IGNORED_FIELDS = frozenset(
+    {
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "tracing",
+        "prompt",
+        "reasoning",
+        "include",
+        "truncation",
+        "model",
+        "temperature",
+        "client_secret",
+        "input_audio_noise_reduction",
+    }
+)
 IGNORED_AUDIO_INPUT_FIELDS = frozenset({"noise_reduction"})
 IGNORED_AUDIO_OUTPUT_FIELDS = frozenset({"speed"})
 EXTENSION_KEYS = frozenset({"pipeline"})
@@ -85,7 +97,11 @@ class RealtimeSessionConfig:
                     "turn_detection": self.turn_detection.to_wire() if self.turn_detection else None,
                     "noise_reduction": None,
                 },
-                "output": {"format": self.output_format.to_wire(), "voice": self.voice or "default", "speed": 1.0},
+                "output": {
+                    "format": self.output_format.to_wire(),
+                    "voice": self.voice or "default",
+                    "speed": 1.0,
+                },
             },
             "tools": [],
             "tool_choice": "auto",
@@ -102,32 +118,47 @@ def _parse_turn_detection(value: object, old: ServerVad | None, param: str) -> S
     kind = value.get("type", "server_vad")
     if kind != "server_vad":
         raise RealtimeProtocolError(
-            "invalid_value", f"turn detection {kind!r} is not supported; use 'server_vad' or null "
-            "(manual input_audio_buffer.commit)", f"{param}.type")
+            "invalid_value",
+            f"turn detection {kind!r} is not supported; use 'server_vad' or null "
+            "(manual input_audio_buffer.commit)",
+            f"{param}.type",
+        )
     known = {f.name for f in dataclasses.fields(ServerVad)} | {"type"}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise RealtimeProtocolError("unknown_parameter", f"unknown field {unknown[0]!r} in {param}",
-                                    f"{param}.{unknown[0]}")
+        raise RealtimeProtocolError(
+            "unknown_parameter", f"unknown field {unknown[0]!r} in {param}", f"{param}.{unknown[0]}"
+        )
     base = old or ServerVad()
     threshold = optional(value, "threshold", (int, float), f"{param}.threshold", base.threshold)
     if not 0.0 < float(threshold) < 1.0:
-        raise RealtimeProtocolError("invalid_value", f"{param}.threshold must be between 0 and 1, got {threshold}",
-                                    f"{param}.threshold")
+        raise RealtimeProtocolError(
+            "invalid_value",
+            f"{param}.threshold must be between 0 and 1, got {threshold}",
+            f"{param}.threshold",
+        )
     padding = optional(value, "prefix_padding_ms", int, f"{param}.prefix_padding_ms", base.prefix_padding_ms)
-    silence = optional(value, "silence_duration_ms", int, f"{param}.silence_duration_ms", base.silence_duration_ms)
+    silence = optional(
+        value, "silence_duration_ms", int, f"{param}.silence_duration_ms", base.silence_duration_ms
+    )
     for name, ms, low in (("prefix_padding_ms", padding, 0), ("silence_duration_ms", silence, 50)):
         if not low <= ms <= 10_000:
-            raise RealtimeProtocolError("invalid_value", f"{param}.{name} must be in [{low}, 10000] ms, got {ms}",
-                                        f"{param}.{name}")
+            raise RealtimeProtocolError(
+                "invalid_value", f"{param}.{name} must be in [{low}, 10000] ms, got {ms}", f"{param}.{name}"
+            )
     return ServerVad(
         threshold=float(threshold),
         prefix_padding_ms=padding,
         silence_duration_ms=silence,
-        create_response=optional(value, "create_response", bool, f"{param}.create_response", base.create_response),
-        interrupt_response=optional(value, "interrupt_response", bool, f"{param}.interrupt_response",
-                                    base.interrupt_response),
-        idle_timeout_ms=optional(value, "idle_timeout_ms", int, f"{param}.idle_timeout_ms", base.idle_timeout_ms),
+        create_response=optional(
+            value, "create_response", bool, f"{param}.create_response", base.create_response
+        ),
+        interrupt_response=optional(
+            value, "interrupt_response", bool, f"{param}.interrupt_response", base.interrupt_response
+        ),
+        idle_timeout_ms=optional(
+            value, "idle_timeout_ms", int, f"{param}.idle_timeout_ms", base.idle_timeout_ms
+        ),
     )
 
 
@@ -145,7 +176,9 @@ def _parse_transcription(value: object, param: str) -> InputTranscription | None
 
 def _parse_modalities(value: object, param: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not value or any(m not in MODALITIES for m in value):
-        raise RealtimeProtocolError("invalid_value", f"{param} must be a non-empty list of 'text' and 'audio'", param)
+        raise RealtimeProtocolError(
+            "invalid_value", f"{param} must be a non-empty list of 'text' and 'audio'", param
+        )
     return tuple(dict.fromkeys(value))
 
 
@@ -185,11 +218,17 @@ def _flatten_ga_audio(session: dict) -> dict:
     _check_keys(audio, {"input", "output"}, "session.audio")
     inp = audio.get("input") or {}
     out = audio.get("output") or {}
-    _check_keys(inp, {"format", "transcription", "turn_detection"} | IGNORED_AUDIO_INPUT_FIELDS, "session.audio.input")
+    _check_keys(
+        inp, {"format", "transcription", "turn_detection"} | IGNORED_AUDIO_INPUT_FIELDS, "session.audio.input"
+    )
     _check_keys(out, {"format", "voice"} | IGNORED_AUDIO_OUTPUT_FIELDS, "session.audio.output")
-    for src, key, dst in ((inp, "format", "input_format"), (inp, "transcription", "transcription"),
-                          (inp, "turn_detection", "turn_detection"), (out, "format", "output_format"),
-                          (out, "voice", "voice")):
+    for src, key, dst in (
+        (inp, "format", "input_format"),
+        (inp, "transcription", "transcription"),
+        (inp, "turn_detection", "turn_detection"),
+        (out, "format", "output_format"),
+        (out, "voice", "voice"),
+    ):
         if key in src:
             flat[dst] = (src[key], f"session.audio.{'input' if src is inp else 'output'}.{key}")
     return flat
@@ -204,7 +243,16 @@ _BETA_KEYS = {  # beta flat key -> (our field, param)
     "voice": "voice",
     "max_response_output_tokens": "max_output_tokens",
 }
-_GA_KEYS = {"type", "audio", "instructions", "output_modalities", "max_output_tokens", "edge_rtgi", "id", "object"}
+_GA_KEYS = {
+    "type",
+    "audio",
+    "instructions",
+    "output_modalities",
+    "max_output_tokens",
+    "edge_rtgi",
+    "id",
+    "object",
+}
 
 
 def apply_session_update(config: RealtimeSessionConfig, session: object) -> RealtimeSessionConfig:
@@ -213,8 +261,9 @@ def apply_session_update(config: RealtimeSessionConfig, session: object) -> Real
         raise RealtimeProtocolError("invalid_type", "session must be an object", "session")
     kind = session.get("type", "realtime")
     if kind != "realtime":
-        raise RealtimeProtocolError("invalid_value", f"session type {kind!r} is not supported; use 'realtime'",
-                                    "session.type")
+        raise RealtimeProtocolError(
+            "invalid_value", f"session type {kind!r} is not supported; use 'realtime'", "session.type"
+        )
     _check_keys(session, _GA_KEYS | set(_BETA_KEYS) | IGNORED_FIELDS, "session")
     fields = _flatten_ga_audio(session)
     for beta_key, ours in _BETA_KEYS.items():
@@ -252,8 +301,9 @@ def _parse_extension(value: object) -> dict:
     if value is None:
         return {"pipeline": None}
     if not isinstance(value, dict):
-        raise RealtimeProtocolError("invalid_type", f"{param} must be an object like {{\"pipeline\": "
-                                    "\"translate-en-es\"}", param)
+        raise RealtimeProtocolError(
+            "invalid_type", f'{param} must be an object like {{"pipeline": "translate-en-es"}}', param
+        )
     _check_keys(value, EXTENSION_KEYS, param)
     out = {}
     if "pipeline" in value:
