@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm import cpu_ops
-from edge_rtgi.llm.model import ContiguousKVCache, apply_rope
+from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_engine_quant
+from edge_rtgi.llm.rope import apply_rope
 from edge_rtgi.llm.weights import load_model
 
 FUSED = {

@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 
 from edge_rtgi.bench.peers import LlamaCppPeer, PeerUnavailable
-from edge_rtgi.bench.quality import bootstrap_mean_interval
 from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.generate import generate_stream
@@ -64,6 +63,7 @@ from edge_rtgi.llm.quant.report import compare_quality
 from edge_rtgi.llm.quant.schemes import parse_scheme, quantize_weight
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
+from edge_rtgi.scoring.retention import bootstrap_mean_interval
 
 PROMPT_TOKENS, NEW_TOKENS = 64, 128
 

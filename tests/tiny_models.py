@@ -202,7 +202,8 @@ def write_tiny_gguf(hf_folder: Path, out_path: Path, qtype: str = "F32") -> Path
     from gguf import GGMLQuantizationType, GGUFWriter, quants
     from safetensors.torch import load_file
 
-    from edge_rtgi.llm.model import ModelConfig, rope_inverse_frequencies
+    from edge_rtgi.llm.model import ModelConfig
+    from edge_rtgi.llm.rope import rope_inverse_frequencies
 
     hf_folder, out_path = Path(hf_folder), Path(out_path)
     hf = json.loads((hf_folder / "config.json").read_text())
@@ -246,7 +247,7 @@ def write_tiny_gguf(hf_folder: Path, out_path: Path, qtype: str = "F32") -> Path
         base = 1.0 / (
             cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
         )
-        scaled, _ = rope_inverse_frequencies(cfg)
+        scaled, _ = rope_inverse_frequencies(cfg.rope())
         put("rope_freqs.weight", (base.float() / scaled), quantize=False)
     names = {
         "input_layernorm": "attn_norm",

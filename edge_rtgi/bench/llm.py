@@ -216,8 +216,8 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     import torch
 
     from edge_rtgi.catalog import resolve_model
-    from edge_rtgi.device import resolve_weight_quant
     from edge_rtgi.llm.quant import apply_engine_quant
+    from edge_rtgi.llm.quant.policy import resolve_weight_quant
     from edge_rtgi.llm.weights import load_model
 
     torch.set_num_threads(cfg.num_threads)

@@ -225,7 +225,7 @@ async def run_daemon_workloads(cfg: BenchConfig, url: str) -> dict[str, Any]:
         refs = {i.key: i.reference for i in workload.items}
         chrf_refs = None
         if ok and all(refs[t.prompt_key] for t in ok):
-            from edge_rtgi.bench.quality import chrf
+            from edge_rtgi.scoring.retention import chrf
 
             chrf_refs = chrf([t.text for t in ok], [refs[t.prompt_key] for t in ok])
         results["daemon"]["workloads"].append(

@@ -25,11 +25,12 @@ import torch
 from edge_rtgi.bench.loadgen import LoadSpec, run_load, run_ramp
 from edge_rtgi.bench.metrics import SLO, RunMetrics
 from edge_rtgi.bench.peers import PEER_NAMES
-from edge_rtgi.bench.quality import kl_along_continuations, model_logits_fn, score_outputs
+from edge_rtgi.bench.quality import kl_along_continuations, model_logits_fn
 from edge_rtgi.bench.rtiq import rtiq
 from edge_rtgi.bench.targets import EngineTarget
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.scoring.retention import score_outputs
 
 log = logging.getLogger(__name__)
 

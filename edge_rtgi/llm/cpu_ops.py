@@ -5,7 +5,7 @@ ops per layer (RMSNorm alone is eight ops on CPU), each a few microseconds of di
 hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
 
 - ``rms_norm``: ``F.rms_norm`` (same rounding; the mean of squares is summed in another order);
-- ``rotate_qk``: ``model.apply_rope`` in place (bit-identical in bf16);
+- ``rotate_qk``: ``rope.apply_rope`` in place (bit-identical in bf16);
 - ``silu_mul``: ``F.silu(gate) * up`` (bit-identical in bf16 but for exp's last-ulp rounding);
 - ``decode_attention``: the new keys/values written at their slots, then one query per row over
   the listed key slots (grouped-query heads; an optional mask per key). Same math as SDPA,
@@ -19,7 +19,7 @@ The extension is compiled on first use with the machine's C++ compiler (about 10
 (no compiler, no ninja) or is switched off (``EDGE_RTGI_CPU_KERNELS=0``), every function here
 runs the PyTorch ops it replaces, with one warning. CUDA tensors always take the PyTorch path.
 
-``edge_rtgi.device.prepare_cpu_kernels`` loads it for models placed on the CPU; until then (and
+``prepare(device)`` loads it for models placed on the CPU (``weights.load_model`` calls it); until then (and
 inside ``disabled()``) the fallbacks run.
 """
 
@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from edge_rtgi.llm.rope import apply_rope
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +187,16 @@ def build_info() -> str | None:
     return _ops.build_info() if _ops is not None else None
 
 
+def prepare(device: torch.device) -> bool:
+    """Load (building on first use) the kernels when ``device`` is the CPU.
+
+    True when they will be used; False on CUDA, when switched off (``EDGE_RTGI_CPU_KERNELS=0``),
+    or when they cannot be built, in which case ``load`` has logged why and the model runs on
+    the PyTorch ops it would have replaced.
+    """
+    return device.type == "cpu" and load()
+
+
 def available() -> bool:
     """True when the kernels are loaded and not switched off by ``disabled()``."""
     return _disabled_depth == 0 and _ops is not None
@@ -232,13 +244,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rotate_qk(qk: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """``model.apply_rope`` on ``qk`` [T, H, D]. The fused kernel rotates in place (``qk`` must be
+    """``rope.apply_rope`` on ``qk`` [T, H, D]. The fused kernel rotates in place (``qk`` must be
     a temporary, such as a view of the q/k/v projection's output) and returns it."""
     if _use(qk) and qk.stride(-1) == 1 and cos.dtype == qk.dtype:
         _ops.rotary_.default(qk, cos, signed_sin)
         return qk
-    from edge_rtgi.llm.model import apply_rope
-
     return apply_rope(qk, cos, signed_sin)
 
 

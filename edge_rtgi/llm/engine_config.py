@@ -43,7 +43,7 @@ class EngineConfig:
     kv_dtype: str = "auto"
     num_threads: int | None = None
     # "auto" (on a bf16 CPU: GGUF Q4_1 blocks as int4-g32, other weights int8; see
-    # edge_rtgi.device.resolve_weight_quant and source_aligned_scheme), "none",
+    # edge_rtgi.llm.quant.policy), "none",
     # or a plan YAML, quantised .safetensors or scheme name for edge_rtgi.llm.quant.apply_quant
     quant: str | None = "auto"
     # Longest a step waits while latency-critical work elsewhere in the process runs (a

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from edge_rtgi.device import prepare_cpu_kernels, resolve_device, resolve_dtype
+from edge_rtgi.device import resolve_device, resolve_dtype
 from edge_rtgi.errors import ModelFileError, ModelNotFoundError
-from edge_rtgi.llm.model import ModelConfig, RotaryEmbedding, Transformer
+from edge_rtgi.llm import cpu_ops
+from edge_rtgi.llm.model import ModelConfig, Transformer
+from edge_rtgi.llm.rope import RotaryEmbedding
 from edge_rtgi.llm.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ def load_model(
     state = assemble_state_dict(cfg, fetch, path, torch_dtype)
     model = _build_model(cfg, state, torch_device, torch_dtype, rope_factors)
     model.source_weight_formats = source_formats(cfg, formats)
-    prepare_cpu_kernels(torch_device)
+    cpu_ops.prepare(torch_device)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path)
 
 
@@ -77,7 +79,7 @@ def source_formats(cfg: ModelConfig, formats: Mapping[str, str]) -> dict[str, st
     safetensors dtype such as "BF16"); "mixed" when the fused parts were stored differently.
 
     The engine's ``quant: auto`` uses it to keep 4-bit source blocks in a kernel format that
-    reproduces them (``edge_rtgi.device.source_aligned_scheme``)."""
+    reproduces them (``edge_rtgi.llm.quant.policy.source_aligned_scheme``)."""
     out = {}
     for ours, parts in _slots(cfg).items():
         kinds = {formats.get(hf_name, "unknown") for hf_name, _ in parts}
@@ -430,7 +432,7 @@ def _build_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(cfg).to(device)
+    model.rotary = RotaryEmbedding(cfg.rope()).to(device)
     if rope_factors is not None:
         if rope_factors.numel() != model.rotary.inv_freq.numel():
             raise ModelFileError(

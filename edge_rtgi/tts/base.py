@@ -1,4 +1,4 @@
-"""The TTS engine protocol, its asyncio wrapper, and the voice-name factory."""
+"""The TTS engine protocol and its asyncio wrapper."""
 
 from __future__ import annotations
 
@@ -6,28 +6,11 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from edge_rtgi.errors import EdgeRtgiError
-
-DEFAULT_VOICE = "piper-en_US-joe-medium"
-
-
-class EmptyTextError(EdgeRtgiError):
-    """There is nothing to say."""
-
-
-def check_text(text: str) -> str:
-    """The text itself, or ``EmptyTextError`` if it has nothing speakable."""
-    if not text or not any(ch.isalnum() for ch in text):
-        raise EmptyTextError(
-            "nothing to speak: the text is empty or has no words",
-            hint='give some text, e.g. edge-rtgi speak "Hello there"',
-        )
-    return text
+from edge_rtgi.tts.text import check_text
 
 
 @runtime_checkable
@@ -85,25 +68,3 @@ async def synthesize_async(
     finally:
         stop.set()
         await asyncio.shield(future)
-
-
-def make_tts(voice: str | Path = DEFAULT_VOICE) -> TtsEngine:
-    """Build an engine from a voice name.
-
-    - ``espeak`` or ``espeak:LANG`` (e.g. ``espeak:es``): the espeak-ng program;
-    - a path to a Piper ``.onnx`` file or a folder holding one;
-    - a catalogue name (e.g. ``piper-en_US-joe-medium``), pulled when missing.
-    """
-    name = str(voice)
-    if name == "espeak" or name.startswith("espeak:"):
-        from edge_rtgi.tts.espeak import EspeakEngine
-
-        return EspeakEngine(name.partition(":")[2] or "en-us")
-    from edge_rtgi.tts.piper import PiperVoice
-
-    path = Path(name).expanduser()
-    if path.exists() or path.suffix == ".onnx" or "/" in name:
-        return PiperVoice(path)
-    from edge_rtgi.catalog import resolve_model
-
-    return PiperVoice(resolve_model(name, role="tts"))

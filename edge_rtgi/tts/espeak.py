@@ -25,6 +25,7 @@ import numpy as np
 
 from edge_rtgi.errors import ConfigError, EdgeRtgiError
 from edge_rtgi.tts.segmenter import is_abbreviation, split_sentences
+from edge_rtgi.tts.text import check_text
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,5 @@ class EspeakEngine:
 
     def synthesize_stream(self, text: str) -> Iterator[np.ndarray]:
         """Yield int16 PCM chunks at ``sample_rate_hz``; see ``TtsEngine``."""
-        from edge_rtgi.tts.base import check_text
-
         for sentence in split_sentences(check_text(text)):
             yield from self._sentence_pcm(sentence)

@@ -21,6 +21,7 @@ import numpy as np
 from edge_rtgi.errors import ModelFileError
 from edge_rtgi.tts.espeak import EspeakPhonemizer
 from edge_rtgi.tts.segmenter import split_sentences
+from edge_rtgi.tts.text import check_text
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +162,6 @@ class PiperVoice:
 
     def synthesize_stream(self, text: str) -> Iterator[np.ndarray]:
         """Yield one int16 chunk per sentence of ``text``; see ``TtsEngine``."""
-        from edge_rtgi.tts.base import check_text
-
         for sentence in split_sentences(check_text(text)):
             phonemes = self._phonemizer.phonemize(sentence, self.config.espeak_voice)
             if phonemes.strip():

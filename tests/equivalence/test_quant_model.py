@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_rtgi.bench.quality import retention_interval
 from edge_rtgi.errors import ConfigError, ModelFileError
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_quant, load_quantized_checkpoint, save_quantized_checkpoint
@@ -27,6 +26,7 @@ from edge_rtgi.llm.quant.report import (
     window_logits,
 )
 from edge_rtgi.llm.weights import load_model
+from edge_rtgi.scoring.retention import retention_interval
 from tests.tiny_models import make_tiny_hf_model
 
 

@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
-from edge_rtgi.bench.quality import chrf, kl_along_continuations, kl_rows, model_logits_fn, score_outputs
+from edge_rtgi.bench.quality import kl_along_continuations, kl_rows, model_logits_fn
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
+from edge_rtgi.scoring.retention import chrf, score_outputs
 from tests.tiny_models import make_tiny_hf_model
 
 

@@ -6,7 +6,8 @@ import torch
 
 import edge_rtgi.llm.runner as runner_module
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
-from edge_rtgi.llm.model import ModelConfig, Transformer, apply_rope, causal_window_mask, sdpa
+from edge_rtgi.llm.model import ModelConfig, Transformer, causal_window_mask, sdpa
+from edge_rtgi.llm.rope import apply_rope
 from edge_rtgi.llm.runner import ModelRunner
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import ScheduledRequest, SchedulerOutput

@@ -79,14 +79,15 @@ def test_weight_quant_policy(monkeypatch):
     import torch
 
     from edge_rtgi import device as dev
+    from edge_rtgi.llm.quant import policy
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(dev, "cpu_has_bf16", lambda: True)
-    assert dev.resolve_weight_quant("auto", cpu, torch.bfloat16) == "int8"
-    assert dev.resolve_weight_quant("auto", cpu, torch.float32) is None  # int8 kernel is slow with fp32 x
-    assert dev.resolve_weight_quant("auto", cuda, torch.bfloat16) is None
-    assert dev.resolve_weight_quant("none", cpu, torch.bfloat16) is None
-    assert dev.resolve_weight_quant(None, cpu, torch.bfloat16) is None
-    assert dev.resolve_weight_quant("int4-g64", cpu, torch.float32) == "int4-g64"
+    assert policy.resolve_weight_quant("auto", cpu, torch.bfloat16) == "int8"
+    assert policy.resolve_weight_quant("auto", cpu, torch.float32) is None  # int8 kernel is slow with fp32 x
+    assert policy.resolve_weight_quant("auto", cuda, torch.bfloat16) is None
+    assert policy.resolve_weight_quant("none", cpu, torch.bfloat16) is None
+    assert policy.resolve_weight_quant(None, cpu, torch.bfloat16) is None
+    assert policy.resolve_weight_quant("int4-g64", cpu, torch.float32) == "int4-g64"
     monkeypatch.setattr(dev, "cpu_has_bf16", lambda: False)  # bf16 requested on a CPU that emulates it
-    assert dev.resolve_weight_quant("auto", cpu, torch.bfloat16) is None
+    assert policy.resolve_weight_quant("auto", cpu, torch.bfloat16) is None

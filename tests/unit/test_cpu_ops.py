@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from edge_rtgi.llm import cpu_ops
-from edge_rtgi.llm.model import apply_rope, causal_window_mask, sdpa
+from edge_rtgi.llm.model import causal_window_mask, sdpa
+from edge_rtgi.llm.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.load(), reason=f"fused CPU kernels not built: {cpu_ops.failure()}"

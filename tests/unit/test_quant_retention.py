@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from edge_rtgi.bench.quality import (
+from edge_rtgi.llm.quant.report import looping_share
+from edge_rtgi.scoring.retention import (
     bootstrap_mean_interval,
     chrf,
     chrf_from_statistics,
@@ -14,7 +15,6 @@ from edge_rtgi.bench.quality import (
     retention_interval,
     score_outputs,
 )
-from edge_rtgi.llm.quant.report import looping_share
 
 WORDS = (
     "the train leaves at nine from platform three and the next one comes an hour later "

@@ -22,11 +22,12 @@ from edge_rtgi.llm.quant.plan import (
     model_groups,
     uniform_plan,
 )
+from edge_rtgi.llm.quant.policy import AUTO_QUANT_KERNEL_MAX_ROWS, resolve_weight_quant, source_aligned_scheme
 from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weight
 
 
 def apply_engine_quant(model: nn.Module, setting: str | None, tokenizer=None) -> str | None:
-    """The engine's ``quant`` setting: "auto" and "none" resolved by ``edge_rtgi.device``,
+    """The engine's ``quant`` setting: "auto" and "none" resolved by ``policy.resolve_weight_quant``,
     anything else passed to ``apply_quant``. Returns what was applied, in words (None: full
     precision).
 
@@ -36,8 +37,6 @@ def apply_engine_quant(model: nn.Module, setting: str | None, tokenizer=None) ->
     quantised weights only, fitted to the calibration text's activations when ``tokenizer`` is
     given (see ``apply_quant``).
     """
-    from edge_rtgi.device import AUTO_QUANT_KERNEL_MAX_ROWS, resolve_weight_quant
-
     spec = resolve_weight_quant(setting, model.device, model.dtype)
     if setting != "auto" or spec is None:
         apply_quant(model, spec, tokenizer)
@@ -53,10 +52,8 @@ def apply_engine_quant(model: nn.Module, setting: str | None, tokenizer=None) ->
 
 def source_aligned_plan(model: nn.Module, default: str) -> QuantPlan:
     """``default`` for every group, except groups whose weights the model file stored in a
-    format that a kernel scheme reproduces (``edge_rtgi.device.source_aligned_scheme``, from
+    format that a kernel scheme reproduces (``policy.source_aligned_scheme``, from
     ``model.source_weight_formats``): those keep their precision in that scheme."""
-    from edge_rtgi.device import source_aligned_scheme
-
     formats = getattr(model, "source_weight_formats", {}) or {}
     schemes = {}
     for group in model_groups(model):

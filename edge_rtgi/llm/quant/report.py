@@ -6,7 +6,7 @@ written for the project; never used for profiling):
 - mean KL(full || quantised) of next-token distributions, teacher-forced over the whole text,
   and both perplexities, with a bootstrap interval of the KL over 256-token windows;
 - next-token agreement: how often the two models' top-1 predictions coincide;
-- quality retention, the benchmark's definition (``edge_rtgi.bench.quality.score_outputs``):
+- quality retention, the benchmark's definition (``edge_rtgi.scoring.retention.score_outputs``):
   optimised score / full score, capped at 1, where the score is the corpus chrF of greedy
   continuations of evenly spaced prompts against the text's true continuation, with a paired
   bootstrap interval over prompts (``retention_interval``). The chrF agreement between the two
@@ -26,15 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from edge_rtgi.bench.quality import (
+from edge_rtgi.llm.model import ContiguousKVCache
+from edge_rtgi.llm.quant.plan import GROUP_KINDS, WeightGroup, plan_nbytes
+from edge_rtgi.llm.quant.schemes import parse_scheme
+from edge_rtgi.scoring.retention import (
     bootstrap_mean_interval,
     retention_interval,
     retention_ratio,
     score_outputs,
 )
-from edge_rtgi.llm.model import ContiguousKVCache
-from edge_rtgi.llm.quant.plan import GROUP_KINDS, WeightGroup, plan_nbytes
-from edge_rtgi.llm.quant.schemes import parse_scheme
 
 
 @torch.no_grad()

@@ -1,0 +1,50 @@
+"""The engine's ``quant: auto`` policy: which weight scheme a device and dtype get.
+
+- A CPU running bf16 activations gets weight-only int8, because a batch-1 decode step reads
+  every weight once and ``_weight_int8pack_mm`` with bf16 activations beats fp32 and bf16
+  ``F.linear`` there; fp32 activations make the int8/int4 kernels slower than fp32 itself, and
+  on CUDA the int4 path is opt-in, so everything else stays in full precision.
+- The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
+  dequantised bf16 copy for inputs of more than ``AUTO_QUANT_KERNEL_MAX_ROWS`` rows (prefill
+  chunks, wide decode batches); see ``keep_dense_copy`` in ``kernels.py``.
+- Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
+  (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
+  at 5 bits per weight instead of 8, fewer bytes to read per token.
+
+The measurements behind each rule are in docs/quantization.md and docs/engine.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edge_rtgi import device as devices
+
+# Inputs of more rows than this run on the dense copy: the int8 kernel loses to bf16 F.linear
+# somewhere between 4 and 16 rows on the shapes measured (docs/engine.md).
+AUTO_QUANT_KERNEL_MAX_ROWS = 8
+
+# GGUF Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, so asymmetric int4 with
+# group 32 (min/max scaling) recovers the same codes; only d and m are rounded from fp16 to bf16.
+# Q4_0 and the K-quants do not map onto one kernel group exactly.
+SOURCE_ALIGNED_SCHEMES = {"Q4_1": "int4-g32"}
+
+
+def source_aligned_scheme(source_format: str | None) -> str | None:
+    """The kernel scheme that re-encodes weights stored as ``source_format`` in the model file
+    (a GGUF type name), or None when there is none and ``auto`` should use its default."""
+    return SOURCE_ALIGNED_SCHEMES.get(source_format or "")
+
+
+def resolve_weight_quant(name: str | None, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Map a config ``quant`` value to an ``edge_rtgi.llm.quant.apply_quant`` spec, or None.
+
+    "auto" picks int8 weights where they are the faster decode path (CPU with bf16
+    activations) and full precision elsewhere; "none" (or None) keeps full precision; any
+    other value (a scheme name, a plan YAML, a quantised checkpoint) is passed through.
+    """
+    if name in (None, "", "none"):
+        return None
+    if name == "auto":
+        return "int8" if device.type == "cpu" and dtype == torch.bfloat16 and devices.cpu_has_bf16() else None
+    return name
