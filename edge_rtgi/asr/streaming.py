@@ -54,6 +54,28 @@ _MIN_DECODE_SAMPLES = SAMPLE_RATE_HZ // 10
 _BACKLOG_S = 30.0
 
 
+@dataclass(frozen=True)
+class _SpeculativeFinal:
+    """A decode of ``[start, silence_start_index + pad)`` made during trailing silence; it is reused
+    as the final when the endpoint confirms that same silence with the same committed words."""
+
+    silence_start_index: int
+    num_committed_words: int
+    hypothesis: Hypothesis
+
+    def matches(self, end_index: int, num_committed_words: int) -> bool:
+        return self.silence_start_index == end_index and self.num_committed_words == num_committed_words
+
+
+@dataclass(frozen=True)
+class _SplitFinal:
+    """Long speech cut at its quietest gap: the final's words, the decode they came from, its cost."""
+
+    words: list[str]
+    hypothesis: Hypothesis
+    decode_ms: float
+
+
 @dataclass
 class _Utterance:
     id: int
@@ -65,11 +87,8 @@ class _Utterance:
     end_index: int | None = None  # first silent sample after the speech
     endpoint_index: int | None = None
     reason: str = "silence"
-    # A decode of [start, silence_start + pad) made during trailing silence, reused as the
-    # final if the endpoint confirms that same silence: (silence_start, n_committed, hypothesis).
-    speculative: tuple[int, int, Hypothesis] | None = None
-    # Set when long speech was cut: the final's words, the decode they came from, its time (ms).
-    split: tuple[list[str], Hypothesis, float] | None = None
+    speculative: _SpeculativeFinal | None = None
+    split: _SplitFinal | None = None  # set when long speech was cut
     partial_key: tuple[str, str] = field(default=("", ""))
 
 
@@ -173,7 +192,7 @@ class StreamingTranscriber:
                 silence_start = max(silence_start, utt.start_index)
                 # Speech may be over: no partial decode now (it would delay the final); once the
                 # pad has arrived, decode the likely final while the endpoint timer runs.
-                fresh = utt.speculative is None or utt.speculative[0] != silence_start
+                fresh = utt.speculative is None or utt.speculative.silence_start_index != silence_start
                 if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
                     self._speculate(utt, silence_start)
             elif now - utt.last_decode_end >= max(self._min_chunk, self.partial_interval_samples):
@@ -223,7 +242,7 @@ class StreamingTranscriber:
             split = choose_split(utt.agreement.committed, hyp, utt.start_index, end, self.vad.quietest_frame)
             if split.boundary is None:
                 log.warning("no word times to split long speech at; cutting at the end of the decoded audio")
-            utt.split = (split.words, hyp, (time.perf_counter() - t0) * 1000.0)
+            utt.split = _SplitFinal(split.words, hyp, (time.perf_counter() - t0) * 1000.0)
             next_start = split.cut_index
             self._end_active(next_start, "max_length")
         self._events.extend(self._finalize(self._ended.pop()))
@@ -270,7 +289,7 @@ class StreamingTranscriber:
     def _speculate(self, utt: _Utterance, silence_start: int) -> None:
         end = silence_start + self._end_pad
         hyp = self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
-        utt.speculative = (silence_start, len(utt.agreement.committed), hyp)
+        utt.speculative = _SpeculativeFinal(silence_start, len(utt.agreement.committed), hyp)
         utt.last_decode_end = end
         tail = utt.agreement.final_words(split_words(hyp.text))[len(utt.agreement.committed) :]
         self._emit_partial(utt, " ".join(tail), end)
@@ -279,7 +298,7 @@ class StreamingTranscriber:
         if utt.split is not None:
             # Cut off long speech: the words were chosen with the cut; no pad after it, that
             # audio belongs to the next utterance.
-            words, hyp, decode_ms = utt.split
+            words, hyp, decode_ms = utt.split.words, utt.split.hypothesis, utt.split.decode_ms
             end = utt.end_index
         else:
             end = min(utt.end_index + self._end_pad, self._ring.total_written)
@@ -294,12 +313,13 @@ class StreamingTranscriber:
                 ]
             spec = utt.speculative
             t0 = time.perf_counter()
-            reused = spec is not None and spec[0] == utt.end_index and spec[1] == len(utt.agreement.committed)
-            hyp = (
-                spec[2]
-                if reused
-                else self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size)
-            )
+            if spec is not None and spec.matches(utt.end_index, len(utt.agreement.committed)):
+                hyp, reused = spec.hypothesis, True
+            else:
+                hyp, reused = (
+                    self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size),
+                    False,
+                )
             words, final_hyp = self._final_words(utt, hyp, end)
             decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
             hyp = final_hyp

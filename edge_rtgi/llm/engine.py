@@ -22,20 +22,26 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, RequestError
+from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
+from edge_rtgi.llm.model import Transformer
 from edge_rtgi.llm.request import Request, RequestDelta, RequestStatus, Usage
 from edge_rtgi.llm.runner import ModelRunner
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerConfig
+from edge_rtgi.llm.tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.weights import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +56,32 @@ class _Stream:
     sink: DeltaSink
     arrival_s: float
     request: Request | None = None
-    detok: Any = None
-    stops: Any = None
+    detok: IncrementalDetokenizer | None = None
+    stops: StopStringMatcher | None = None
     stop_hit: bool = False
     token_times_ms: list[float] = field(default_factory=list)
+
+
+# Commands from callers' threads to the engine thread, applied in the order they were sent.
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: Request
+    stream: _Stream
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Nothing to do: wakes an idle loop so that it notices shutdown."""
+
+
+_Command = _Add | _Abort | _Wake
 
 
 class LLMEngine:
@@ -61,8 +89,8 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        tokenizer: Any = None,
+        model: Transformer,
+        tokenizer: ChatTokenizer | None = None,
         config: EngineConfig | None = None,
         *,
         start: bool = True,
@@ -103,7 +131,7 @@ class LLMEngine:
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
         self._streams: dict[str, _Stream] = {}
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         self._stop = threading.Event()
@@ -127,7 +155,9 @@ class LLMEngine:
         return cls.from_loaded(loaded, config)
 
     @classmethod
-    def from_loaded(cls, loaded: Any, config: EngineConfig | None = None, *, start: bool = True) -> LLMEngine:
+    def from_loaded(
+        cls, loaded: LoadedModel, config: EngineConfig | None = None, *, start: bool = True
+    ) -> LLMEngine:
         """Build on a ``LoadedModel`` (model + tokenizer) from ``weights.load_model``."""
         return cls(loaded.model, loaded.tokenizer, config, start=start)
 
@@ -144,7 +174,7 @@ class LLMEngine:
         """Abort everything and stop the thread; later requests get an error delta."""
         self._closed = True
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(_Wake())
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -220,7 +250,7 @@ class LLMEngine:
         except EdgeRtgiError as exc:
             sink(RequestDelta(rid, "", (), "error", error=str(exc)))
             return rid
-        self._commands.put(("add", req, stream))
+        self._commands.put(_Add(req, stream))
         return rid
 
     def _params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
@@ -261,8 +291,6 @@ class LLMEngine:
     ) -> _Stream:
         stream = _Stream(sink, arrival)
         if self.tokenizer is not None:
-            from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
-
             stream.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
             stream.stops = StopStringMatcher(params.stop) if params.stop else None
         elif params.stop:
@@ -301,7 +329,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks (thread-safe; no-op if already done)."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def stream(
         self, prompt: Prompt, params: SamplingParams | Mapping[str, Any] | None = None, *, priority: int = 0
@@ -362,19 +390,21 @@ class LLMEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, cmd: tuple) -> None:
+    def _handle(self, command: _Command) -> None:
         """Apply one command, in the order commands were sent (an abort never overtakes its add)."""
-        if cmd[0] == "add":
-            req, stream = cmd[1], cmd[2]
-            try:
-                self.scheduler.add_request(req)
-            except EdgeRtgiError as exc:
-                stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
-                return
-            stream.request = req
-            self._streams[req.request_id] = stream
-        elif cmd[0] == "abort" and cmd[1] in self.scheduler.requests:
-            self._emit(self.scheduler.finish_request(cmd[1], RequestStatus.FINISHED_ABORTED))
+        match command:
+            case _Add(request=req, stream=stream):
+                try:
+                    self.scheduler.add_request(req)
+                except EdgeRtgiError as exc:
+                    stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
+                    return
+                stream.request = req
+                self._streams[req.request_id] = stream
+            case _Abort(request_id=rid) if rid in self.scheduler.requests:
+                self._emit(self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED))
+            case _Abort() | _Wake():
+                pass
 
     def step(self) -> bool:
         """One iteration: take commands, schedule, run, deliver. False when there was no work."""

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
@@ -49,6 +49,20 @@ _SPLIT_BY_PRE = {
 }
 # SmolLM's vocabulary was trained with every digit on its own (llama.cpp's "smollm" pre-type).
 _DIGIT_PRES = {"smollm", "starcoder", "refact"}
+
+
+class ChatTokenizer(Protocol):
+    """What the engine and the benchmark need of a tokenizer (``Tokenizer`` is the one we ship)."""
+
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
 
 @dataclass
