@@ -1,12 +1,10 @@
 """Latency-critical work first, on the few CPU cores that the whole voice pipeline shares.
 
 On an edge CPU, whisper, the LLM engine and Piper all run in one process on the same two to
-eight cores, each with its own thread pool. When two of them run at once, both slow down:
-on the 2-core development machine a Piper first clause took 112 ms alone and 205 ms while
-the engine decoded another reply (median of 8 clauses, 2 rounds). But not all work is
-equally urgent. The synthesis of a reply's *first* clause is on the voice-to-voice critical
-path; the engine's next tokens are not, once a clause is ready: it decodes about ten times
-faster than speech is spoken.
+eight cores, each with its own thread pool. When two of them run at once, both slow down. But
+not all work is equally urgent. The synthesis of a reply's *first* clause is on the
+voice-to-voice critical path; the engine's next tokens are not, once a clause is ready: it
+decodes several times faster than speech is spoken. (Measurements: docs/daemon.md.)
 
 ``CpuPriority`` lets critical work say so (``with FOREGROUND.foreground(): ...``) and lets
 background loops (the engine's step loop) wait, with a bound, until no critical work is
@@ -14,10 +12,9 @@ running (``FOREGROUND.wait_for_idle(max_wait_s)``). It is a counter and a condit
 variable: entering and leaving never block, so the event loop may use them directly.
 
 ``freeze_heap`` keeps the other stall off the critical path: Python's full garbage
-collections. Loading whisper, the LLM, its tokenizer and Piper leaves ~560k tracked objects,
-and a full collection walks them all: the ones during start-up took up to 247 ms, with no
-Python thread (engine step loop, event loop) running. After ``gc.freeze()`` a full collection
-walks only what was allocated since (a few hundred objects, 0 ms, in a 6-turn voice run).
+collections. Loading whisper, the LLM, its tokenizer and Piper leaves hundreds of thousands of
+tracked objects, and a full collection walks them all with every Python thread stopped. After
+``gc.freeze()`` a full collection walks only what was allocated since.
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """The typed messages that flow between pipeline stages and out of a session.
 
-Three families:
+Two families:
 
 - **Data frames** travel through the bounded queues between stages, in order:
-  ``AudioIn`` (client PCM), ``Transcript`` (ASR output), ``TextDelta`` / ``TextDone``
-  (reply or translation text), ``AudioOut`` (synthesised PCM).
-- **Control frames** skip the queues (pipecat's rule: an interruption must not wait behind
-  the audio it cancels): ``Interrupt`` cancels one response in every stage at once.
+  ``AudioIn`` (client PCM), ``Transcript`` (ASR output), ``ResponseRequest``, ``TextDelta`` /
+  ``TextDone`` (reply or translation text), ``AudioOut`` (synthesised PCM).
 - **Session events** are what a protocol adapter turns into wire messages: speech
   start/stop, transcripts, response lifecycle, audio, latency stats and errors.
+
+Control does not travel as frames (pipecat's rule: an interruption must not wait behind the
+audio it cancels): barge-in and cancellation call ``Session.interrupt``, which cancels the
+response in every stage at once and drops its queued frames.
 
 Every frame that belongs to a response carries its ``response_id`` so that a cancelled
 response's leftovers can be dropped wherever they are queued. Times are ``time.monotonic()``
@@ -59,17 +61,32 @@ class ClearAudio:
 
 
 @dataclass(frozen=True)
+class ChatTurn:
+    """One finished turn of the conversation the assistant sees.
+
+    ``entry_id`` names the turn in the session's history (``Session.revise``); ``turn_id`` is
+    the user turn it records, ``response_id`` the response that spoke it (assistant turns).
+    """
+
+    entry_id: int
+    role: Literal["user", "assistant"]
+    text: str
+    turn_id: int | None = None
+    response_id: str | None = None
+
+
+@dataclass(frozen=True)
 class ResponseRequest:
     """Ask the response stage (assistant or translator) for one response.
 
-    ``messages`` is the conversation so far (role, text) for an assistant; a translator
-    uses ``source_text``. The ``*_t_s`` times carry the turn's history for latency stats.
+    ``messages`` is the conversation so far for an assistant; a translator uses ``source_text``.
+    The ``*_t_s`` times carry the turn's history for latency stats.
     """
 
     response_id: str
     turn_id: int
     source_text: str
-    messages: tuple[tuple[str, str], ...] = ()
+    messages: tuple[ChatTurn, ...] = ()
     system_prompt: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -88,15 +105,6 @@ class Transcript:
     # Set on finals: when the user stopped speaking and when VAD declared it.
     speech_end_t_s: float | None = None
     endpoint_t_s: float | None = None
-
-
-@dataclass(frozen=True)
-class UserText:
-    """A typed user turn; it skips ASR and goes straight to the response stage."""
-
-    turn_id: int
-    text: str
-    t_s: float = field(default_factory=now_s)
 
 
 @dataclass(frozen=True)
@@ -141,18 +149,6 @@ class AudioDone:
     t_s: float = field(default_factory=now_s)
 
 
-# --------------------------------------------------------------------------- control frames
-
-
-@dataclass(frozen=True)
-class Interrupt:
-    """Cancel one response everywhere: engine request, TTS, queued text and audio."""
-
-    response_id: str
-    reason: Literal["barge_in", "client_cancel", "session_closed", "error"]
-    t_s: float = field(default_factory=now_s)
-
-
 # --------------------------------------------------------------------------- session events
 
 
@@ -174,7 +170,11 @@ class SessionUpdated:
 
 @dataclass(frozen=True)
 class SpeechStarted:
-    """VAD heard the user start speaking; ``audio_ms`` is the position in the input stream."""
+    """VAD heard the user start speaking; ``audio_ms`` is the position in the input stream.
+
+    The one speech-start event: the streaming transcriber emits it with its utterance id as
+    ``turn_id``, and the ASR stage hands the session a copy carrying the session's turn id.
+    """
 
     turn_id: int
     audio_ms: int
@@ -252,8 +252,29 @@ class ErrorEvent:
     t_s: float = field(default_factory=now_s)
 
 
+@dataclass(frozen=True)
+class Pong:
+    """The answer to a client's ping, queued behind the events sent before it."""
+
+    id: str | int | None = None
+    t_s: float = field(default_factory=now_s)
+
+
+DataFrame = (
+    AudioIn
+    | CommitAudio
+    | ClearAudio
+    | ResponseRequest
+    | Transcript
+    | TextDelta
+    | TextDone
+    | AudioOut
+    | AudioDone
+)
+
 SessionEvent = (
-    SessionStarted
+    Pong
+    | SessionStarted
     | SessionUpdated
     | SpeechStarted
     | SpeechStopped

@@ -4,7 +4,9 @@ Two clocks: ``*_audio_s`` fields are positions in the input stream (seconds of a
 the transcriber started), and ``t_s`` is ``time.monotonic()`` when the event was made, so
 wall-clock latencies can be measured by whoever feeds audio in real time.
 
-Per utterance the order is: ``SpeechStarted``, zero or more ``PartialTranscript``,
+Per utterance the order is: ``SpeechStarted`` (the one speech-start event of the whole
+project, from ``edge_rtgi.frames``: its ``turn_id`` is the utterance id here, and the session's
+turn id once the ASR stage has mapped it), zero or more ``PartialTranscript``,
 ``SpeechEnded``, then ``FinalTranscript`` (absent when nothing was recognised, e.g. a
 cough or a suppressed hallucination).
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+
+from edge_rtgi.frames import SpeechStarted
 
 
 def _now() -> float:
@@ -26,15 +30,6 @@ class TranscriptSegment:
     text: str
     start_audio_s: float
     end_audio_s: float
-
-
-@dataclass(frozen=True)
-class SpeechStarted:
-    """VAD detected speech starting at ``start_audio_s``."""
-
-    utterance_id: int
-    start_audio_s: float
-    t_s: float = field(default_factory=_now)
 
 
 @dataclass(frozen=True)

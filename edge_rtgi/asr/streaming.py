@@ -162,7 +162,7 @@ class StreamingTranscriber:
             self._next_id, start, speech_start, agreement, last_decode_end=start, language=language
         )
         self._next_id += 1
-        self._events.append(SpeechStarted(self._active.id, speech_start / SAMPLE_RATE_HZ))
+        self._events.append(SpeechStarted(self._active.id, round(1000 * speech_start / SAMPLE_RATE_HZ)))
 
     def _end_active(self, end_index: int, reason: str) -> None:
         utt, self._active = self._active, None

@@ -51,10 +51,8 @@ ENV_SWITCH = "EDGE_RTGI_CPU_KERNELS"  # "0" / "off": never build or use the kern
 ENV_MARCH = "EDGE_RTGI_KERNEL_MARCH"
 
 
-# Above this many keys per query, SDPA's flash kernel (tiled GEMMs, AMX on this CPU) beats the
-# fused loop, which has no GEMM: measured per layer call, bf16, 9 query / 3 KV heads, D 64,
-# 2 threads: 100 keys 15-25 us vs 30-80, 1,000 keys 120-170 us vs 95-150 (SDPA alone, without
-# the cache writes and reshapes around it; ranges over runs on a shared machine).
+# Above this many keys per query, SDPA's flash kernel (tiled GEMMs) beats the fused loop, which
+# has no GEMM; the crossover measurement is in docs/cpu_kernels.md.
 DECODE_ATTENTION_MAX_KEYS = 384
 
 
@@ -128,7 +126,7 @@ def load() -> bool:
             )
             log.warning(
                 "fused CPU kernels unavailable (%s); decoding uses the plain PyTorch ops, "
-                "about 1.9x slower per token on SmolLM2. They need a C++ compiler and ninja: "
+                "slower per token (docs/cpu_kernels.md). They need a C++ compiler and ninja: "
                 "apt-get install g++ ninja-build (scripts/setup.sh installs both).",
                 _failure,
             )

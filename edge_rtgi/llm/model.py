@@ -230,8 +230,8 @@ def causal_window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tens
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """Grouped-query attention. q: [Tq, Hq, D], k/v: [Tk, Hkv, D], mask: [Tq, Tk] -> [Tq, Hq, D]."""
-    # 4-D inputs let PyTorch pick its fused CPU flash kernel (3-D ones fall back to the unfused
-    # math path, about 4x slower per decode step); enable_gqa shares each KV head across its
+    # 4-D inputs let PyTorch pick its fused CPU flash kernel (3-D ones fall back to the slower
+    # unfused math path); enable_gqa shares each KV head across its
     # query group without copying the cache prefix Hq/Hkv times.
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
@@ -284,7 +284,7 @@ class ContiguousKVCache:
         return cpu_ops.DecodeSlots(self._layer_k, self._layer_v, self._new_slots, self._key_slots, None)
 
     def truncate(self, length: int) -> None:
-        """Forget tokens after ``length`` (used by speculative decoding and stop handling)."""
+        """Forget tokens after ``length`` (scripts/bench_cpu_kernels.py rewinds a cache to replay a step)."""
         self.length = min(self.length, length)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -149,10 +149,6 @@ class Scheduler:
         keys = [_serve_key(r) for r in self.waiting]
         self.waiting.insert(bisect.bisect_right(keys, _serve_key(request)), request)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

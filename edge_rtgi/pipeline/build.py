@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.pipeline.config import (
@@ -13,8 +13,12 @@ from edge_rtgi.pipeline.config import (
 )
 from edge_rtgi.pipeline.stage import Stage
 
+if TYPE_CHECKING:
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.pipeline.session import Session
 
-async def build_stages(session: Any, pipeline: PipelineConfig, resources: Any) -> list[Stage]:
+
+async def build_stages(session: Session, pipeline: PipelineConfig, resources: Resources) -> list[Stage]:
     """Instantiate the stages; models come from ``resources`` (loaded once per daemon)."""
     from edge_rtgi.pipeline.stages.asr import AsrStage
     from edge_rtgi.pipeline.stages.text import AssistantStage, TranslateStage

@@ -44,6 +44,7 @@ class AssistantStageConfig:
     top_p: float = 1.0
     context_tokens: int | None = None  # None: the model's own context length
     priority: int = 0
+    # Reserved for SLO-aware scheduling: carried to the engine's request, not yet read by it.
     deadline_ms: int | None = None
 
     def __post_init__(self) -> None:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+
+from edge_rtgi.frames import SessionEvent
 
 
 class Outbox:
@@ -19,12 +20,12 @@ class Outbox:
 
     def __init__(self, max_data_events: int = 256):
         self.max_data_events = max_data_events
-        self._data: deque = deque()
-        self._control: deque = deque()
+        self._data: deque[SessionEvent] = deque()
+        self._control: deque[SessionEvent] = deque()
         self._changed = asyncio.Condition()
         self._closed = False
 
-    async def put(self, event: Any) -> None:
+    async def put(self, event: SessionEvent) -> None:
         """Queue a data event, waiting while the queue is full."""
         async with self._changed:
             await self._changed.wait_for(lambda: self._closed or len(self._data) < self.max_data_events)
@@ -33,7 +34,7 @@ class Outbox:
             self._data.append(event)
             self._changed.notify_all()
 
-    def put_control(self, event: Any) -> None:
+    def put_control(self, event: SessionEvent) -> None:
         """Queue a control event without waiting (it jumps ahead of all data)."""
         self._control.append(event)
         asyncio.ensure_future(self._notify())
@@ -51,7 +52,7 @@ class Outbox:
             asyncio.ensure_future(self._notify())
         return dropped
 
-    async def get(self) -> Any:
+    async def get(self) -> SessionEvent | None:
         """The next event, control first; None once closed and empty."""
         async with self._changed:
             await self._changed.wait_for(lambda: self._control or self._data or self._closed)

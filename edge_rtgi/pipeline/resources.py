@@ -12,7 +12,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.cpu_priority import freeze_heap
@@ -24,6 +25,12 @@ from edge_rtgi.pipeline.config import (
     TranslateStageConfig,
     TtsStageConfig,
 )
+
+if TYPE_CHECKING:
+    from edge_rtgi.asr.whisper import WhisperAsr
+    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.server.metrics import Metrics
+    from edge_rtgi.tts.base import TtsEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +45,15 @@ class Resources:
 
     def __init__(self, engine_config: EngineConfig | None = None):
         self.engine_config = engine_config or EngineConfig()
-        self._engines: dict[str, Any] = {}
-        self._whispers: dict[AsrConfig, Any] = {}
-        self._voices: dict[str, Any] = {}
+        self._engines: dict[str, LLMEngine] = {}
+        self._whispers: dict[AsrConfig, WhisperAsr] = {}
+        self._voices: dict[str, TtsEngine] = {}
         self._lock = threading.Lock()
-        self._warmed: set[tuple] = set()
+        self._warmed: set[tuple[str, object]] = set()
 
     # ------------------------------------------------------------------ loaders (blocking)
 
-    def llm(self, model: str) -> Any:
+    def llm(self, model: str) -> LLMEngine:
         """The shared ``LLMEngine`` for ``model`` (a catalogue name or path)."""
         with self._lock:
             if model not in self._engines:
@@ -56,7 +63,7 @@ class Resources:
                 self._engines[model] = LLMEngine.from_config(self.engine_config.with_(model=model))
             return self._engines[model]
 
-    def whisper(self, cfg: AsrConfig) -> Any:
+    def whisper(self, cfg: AsrConfig) -> WhisperAsr:
         """The shared ``WhisperAsr`` for this model and decoding setup."""
         key = _whisper_key(cfg)
         with self._lock:
@@ -67,7 +74,7 @@ class Resources:
                 self._whispers[key] = WhisperAsr(key, num_workers=2)
             return self._whispers[key]
 
-    def voice(self, name: str) -> Any:
+    def voice(self, name: str) -> TtsEngine:
         """The shared TTS voice: a catalogue Piper voice or ``espeak:<language>``."""
         with self._lock:
             if name not in self._voices:
@@ -97,7 +104,9 @@ class Resources:
                 await asyncio.to_thread(self._warm, ("tts", stage.voice), self.voice, stage.voice)
         freeze_heap()  # no full-GC pauses of the loaded models during turns (cpu_priority)
 
-    def _warm(self, key: tuple, load: Any, arg: Any, prompt: Any = "Hello") -> None:
+    def _warm(
+        self, key: tuple[str, object], load: Callable[[Any], Any], arg: Any, prompt: Any = "Hello"
+    ) -> None:
         """Load, then run one tiny input through the model: first runs of onnxruntime,
         CTranslate2 and torch pay one-off costs (allocation, kernel selection) that would
         otherwise land on the first user's first turn."""
@@ -106,7 +115,9 @@ class Resources:
         finally:
             release_cpu_workers()  # this loader thread is done with torch (edge_rtgi.device)
 
-    def _load_and_run_once(self, key: tuple, load: Any, arg: Any, prompt: Any) -> None:
+    def _load_and_run_once(
+        self, key: tuple[str, object], load: Callable[[Any], Any], arg: Any, prompt: Any
+    ) -> None:
         model = load(arg)
         with self._lock:
             if key in self._warmed:
@@ -127,10 +138,10 @@ class Resources:
             for _ in model.synthesize_stream("Hello there."):
                 pass
 
-    def engines(self) -> dict[str, Any]:
+    def engines(self) -> dict[str, LLMEngine]:
         return dict(self._engines)
 
-    def collect_metrics(self, metrics: Any) -> None:
+    def collect_metrics(self, metrics: Metrics) -> None:
         """Copy engine statistics into the daemon's /metrics registry."""
         for name, engine in self.engines().items():
             s = engine.stats()

@@ -20,8 +20,9 @@ import dataclasses
 import itertools
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, Tran
 from edge_rtgi.pipeline.outbox import Outbox
 from edge_rtgi.pipeline.responses import ResponseState
 from edge_rtgi.pipeline.stage import Stage
+
+if TYPE_CHECKING:
+    from edge_rtgi.pipeline.resources import Resources
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +80,15 @@ class SessionSettings:
 
 
 @dataclass(frozen=True)
+class TextTurn:
+    """What ``add_user_text`` did: the turn, its history entry, and the response it started."""
+
+    turn_id: int
+    entry_id: int
+    response_id: str | None
+
+
+@dataclass(frozen=True)
 class SessionLimits:
     """Bounds on per-session memory."""
 
@@ -92,7 +105,7 @@ class Session:
     def __init__(
         self,
         pipelines: dict[str, PipelineConfig],
-        resources: Any,
+        resources: Resources,
         settings: SessionSettings,
         limits: SessionLimits,
         session_id: str | None = None,
@@ -105,7 +118,8 @@ class Session:
         self.pipeline = self._pick_pipeline(settings.pipeline)
         self.epoch_s = F.now_s()
         self.outbox = Outbox(limits.outbox_events)
-        self.conversation: list[tuple[str, str]] = []  # (role, text) of finished turns
+        self._history: list[F.ChatTurn] = []  # finished turns, oldest first
+        self._entry_ids = itertools.count(1)
         self.responses: dict[str, ResponseState] = {}
         self._cancelled: set[str] = set()
         self._turn_ids = itertools.count(1)
@@ -118,7 +132,7 @@ class Session:
     async def open(
         cls,
         pipelines: dict[str, PipelineConfig],
-        resources: Any,
+        resources: Resources,
         settings: SessionSettings | None = None,
         limits: SessionLimits | None = None,
         session_id: str | None = None,
@@ -210,6 +224,47 @@ class Session:
         """Milliseconds since the session started (the wire clock)."""
         return int(round((t_s - self.epoch_s) * 1000))
 
+    # ------------------------------------------------------------------ history
+
+    @property
+    def history(self) -> tuple[F.ChatTurn, ...]:
+        """The finished turns the assistant sees, oldest first."""
+        return tuple(self._history)
+
+    def remember(
+        self,
+        role: Literal["user", "assistant"],
+        text: str,
+        *,
+        turn_id: int | None = None,
+        response_id: str | None = None,
+    ) -> int:
+        """Append a finished turn to the history; returns its entry id (for ``revise``)."""
+        entry_id = next(self._entry_ids)
+        self._history.append(F.ChatTurn(entry_id, role, text, turn_id, response_id))
+        return entry_id
+
+    def revise(self, entry_id: int, text: str | None) -> bool:
+        """Replace a remembered turn's text, or forget the turn (``text`` None or empty).
+        False when no such entry is remembered."""
+        for i, turn in enumerate(self._history):
+            if turn.entry_id == entry_id:
+                if text:
+                    self._history[i] = dataclasses.replace(turn, text=text)
+                else:
+                    del self._history[i]
+                return True
+        return False
+
+    def find_entry(self, *, turn_id: int | None = None, response_id: str | None = None) -> int | None:
+        """The entry id of the history turn recording user turn ``turn_id`` or response ``response_id``."""
+        for turn in reversed(self._history):
+            if (turn_id is not None and turn.turn_id == turn_id and turn.role == "user") or (
+                response_id is not None and turn.response_id == response_id
+            ):
+                return turn.entry_id
+        return None
+
     # ------------------------------------------------------------------ inputs
 
     async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None:
@@ -226,17 +281,23 @@ class Session:
         """Discard the audio of the turn in progress."""
         await self._asr.inbox.put(F.ClearAudio())
 
-    async def add_user_text(self, text: str, respond: bool = True) -> str | None:
-        """A typed user turn; returns the response id when a response was started."""
+    async def add_user_text(self, text: str, respond: bool = True, echo: bool = True) -> TextTurn:
+        """A typed user turn, remembered in the history; starts a response when ``respond``.
+
+        ``echo`` sends it back as a final ``Transcript`` (the native protocol shows typed and
+        spoken turns alike); the Realtime adapter has its own item for it and passes False.
+        """
         text = text.strip()
         if not text:
             raise RequestError("text input is empty", hint="send some text")
         turn_id = next(self._turn_ids)
-        await self.outbox.put(F.Transcript(turn_id=turn_id, text=text, final=True))
-        self.conversation.append(("user", text))
+        if echo:
+            await self.outbox.put(F.Transcript(turn_id=turn_id, text=text, final=True))
+        entry_id = self.remember("user", text, turn_id=turn_id)
+        response_id = None
         if respond and self.pipeline.text_stage is not None:
-            return await self.create_response(turn_id=turn_id, source_text=text)
-        return None
+            response_id = await self.create_response(turn_id=turn_id, source_text=text)
+        return TextTurn(turn_id, entry_id, response_id)
 
     async def create_response(
         self, turn_id: int | None = None, source_text: str | None = None, timing: F.Transcript | None = None
@@ -249,7 +310,7 @@ class Session:
                 hint="use a pipeline such as voice-assistant or translate-en-es",
             )
         if source_text is None:
-            users = [t for r, t in self.conversation if r == "user"]
+            users = [turn.text for turn in self._history if turn.role == "user"]
             if not users:
                 raise RequestError("nothing to respond to yet", hint="send audio or text first")
             source_text = users[-1]
@@ -265,7 +326,7 @@ class Session:
                 response_id=rid,
                 turn_id=st.turn_id,
                 source_text=source_text,
-                messages=tuple(self.conversation),
+                messages=tuple(self._history),
                 system_prompt=s.system_prompt,
                 max_tokens=s.max_reply_tokens,
                 temperature=s.temperature,
@@ -311,7 +372,7 @@ class Session:
         if not st.done:
             st.done = True
             if st.kind == "reply" and st.text and not st.text_done:
-                self.conversation.append(("assistant", st.text))
+                self.remember("assistant", st.text, response_id=response_id)
             status = "cancelled" if reason == "client_cancel" else "interrupted"
             self.outbox.put_control(F.ResponseDone(response_id, status, st.text, st.stats(), st.usage))
         st.playback_cut_t_s = now
@@ -325,7 +386,7 @@ class Session:
 
     # ------------------------------------------------------------------ outputs
 
-    async def next_event(self) -> Any:
+    async def next_event(self) -> F.SessionEvent | None:
         """The next event for the client, control events first; None after ``close``."""
         while True:
             event = await self.outbox.get()
@@ -344,7 +405,7 @@ class Session:
                 event = dataclasses.replace(event, stats=st.stats(), usage=st.usage)
             return event
 
-    async def events(self):
+    async def events(self) -> AsyncIterator[F.SessionEvent]:
         """Async iterator over ``next_event()`` until the session closes."""
         while (event := await self.next_event()) is not None:
             yield event
@@ -354,10 +415,10 @@ class Session:
     def is_cancelled(self, response_id: str) -> bool:
         return response_id in self._cancelled
 
-    async def emit(self, event: Any) -> None:
+    async def emit(self, event: F.SessionEvent) -> None:
         await self.outbox.put(event)
 
-    async def forward(self, stage: Stage, frame: Any) -> None:
+    async def forward(self, stage: Stage, frame: F.DataFrame) -> None:
         """Route ``frame`` from ``stage`` to the next stage, or finish it at the session."""
         rid = getattr(frame, "response_id", None)
         if rid is not None and rid in self._cancelled:
@@ -372,7 +433,7 @@ class Session:
             if isinstance(frame, F.TextDone) and st is not None:
                 st.usage = frame.usage
                 if st.kind == "reply":
-                    self.conversation.append(("assistant", frame.text))
+                    self.remember("assistant", frame.text, response_id=rid)
             if nxt is not None and self.settings.audio_output:
                 await nxt.inbox.put(frame)
             elif isinstance(frame, F.TextDone):
@@ -395,7 +456,7 @@ class Session:
         if st is not None:
             st.marks.setdefault(mark, t_s)
 
-    def stage_failed(self, stage: Stage, frame: Any, exc: BaseException) -> None:
+    def stage_failed(self, stage: Stage, frame: object, exc: BaseException) -> None:
         rid = getattr(frame, "response_id", None)
         if isinstance(exc, EdgeRtgiError):
             err = F.ErrorEvent("stage_failed", f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
@@ -434,7 +495,7 @@ class Session:
         if not event.text.strip():
             return
         if isinstance(self.pipeline.text_stage, AssistantStageConfig):
-            self.conversation.append(("user", event.text))
+            self.remember("user", event.text, turn_id=event.turn_id)
         if self.settings.auto_response and self.pipeline.text_stage is not None:
             await self.create_response(turn_id=event.turn_id, source_text=event.text, timing=event)
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import Protocol
+
+from edge_rtgi import frames as F
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +29,16 @@ class StageContext(Protocol):
 
     def is_cancelled(self, response_id: str) -> bool: ...
 
-    async def emit(self, event: Any) -> None:
+    async def emit(self, event: F.SessionEvent) -> None:
         """Send an event towards the client, in order with other data events."""
 
-    async def forward(self, stage: Stage, frame: Any) -> None:
+    async def forward(self, stage: Stage, frame: F.DataFrame) -> None:
         """Hand a frame to the stage after ``stage`` (or to the client if it is last)."""
 
     def note(self, response_id: str, mark: str, t_s: float) -> None:
         """Record a latency mark for a response (``first_clause``...)."""
 
-    def stage_failed(self, stage: Stage, frame: Any, exc: BaseException) -> None:
+    def stage_failed(self, stage: Stage, frame: object, exc: BaseException) -> None:
         """Report a failure on one frame; the stage keeps running."""
 
 
@@ -47,15 +49,17 @@ class Stage:
 
     def __init__(self, ctx: StageContext, inbox_frames: int = 64):
         self.ctx = ctx
-        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_frames)
-        self._current: tuple[str | None, asyncio.Task] | None = None
-        self._worker: asyncio.Task | None = None
+        self.inbox: asyncio.Queue[F.DataFrame] = asyncio.Queue(maxsize=inbox_frames)
+        self._current: tuple[str | None, asyncio.Task[None]] | None = None
+        self._cancel_requested: asyncio.Task[None] | None = None  # the task cancel() cut short
+        self._closing = False
+        self._worker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Prepare per-session state (models are loaded by ``Resources``), start the worker."""
         self._worker = asyncio.create_task(self._run(), name=f"stage-{self.name}")
 
-    async def handle(self, frame: Any) -> None:
+    async def handle(self, frame: F.DataFrame) -> None:
         """Process one data frame from the inbox.
 
         Not abstract on purpose: a stage that consumes its input another way (the ASR stage reads
@@ -66,10 +70,12 @@ class Stage:
     def cancel(self, response_id: str) -> None:
         """Stop work on ``response_id`` now. Subclasses also abort external work, then call super."""
         if self._current and self._current[0] == response_id:
+            self._cancel_requested = self._current[1]
             self._current[1].cancel()
 
     async def close(self) -> None:
         """Stop the worker; in-flight work is cancelled."""
+        self._closing = True
         if self._current:
             self._current[1].cancel()
         if self._worker:
@@ -81,7 +87,7 @@ class Stage:
             frame = await self.inbox.get()
             await self._handle_one(frame)
 
-    async def _handle_one(self, frame: Any) -> None:
+    async def _handle_one(self, frame: F.DataFrame) -> None:
         rid = getattr(frame, "response_id", None)
         if rid is not None and self.ctx.is_cancelled(rid):
             return  # a cancelled response's leftovers are dropped here
@@ -90,7 +96,8 @@ class Stage:
         try:
             await task
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
+            # Told apart by what asked for it (Task.cancelling() would need Python 3.11).
+            if self._closing or self._cancel_requested is not task:
                 task.cancel()
                 raise  # the stage itself is closing
             # otherwise only this response was cancelled: carry on with the next frame
@@ -99,3 +106,4 @@ class Stage:
             self.ctx.stage_failed(self, frame, exc)
         finally:
             self._current = None
+            self._cancel_requested = None

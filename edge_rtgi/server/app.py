@@ -21,7 +21,6 @@ import importlib
 import json
 import logging
 from http import HTTPStatus
-from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection, serve
@@ -29,6 +28,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from edge_rtgi.pipeline.config import PipelineConfig
+from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.pipeline.session import Session, SessionLimits, SessionSettings
 from edge_rtgi.server.config import DaemonConfig
 from edge_rtgi.server.metrics import Metrics, daemon_metrics
@@ -58,7 +58,7 @@ def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; ch
 class Daemon:
     """Serves sessions over WebSocket until ``drain()``. Start with ``await daemon.start()``."""
 
-    def __init__(self, config: DaemonConfig, pipelines: dict[str, PipelineConfig], resources: Any):
+    def __init__(self, config: DaemonConfig, pipelines: dict[str, PipelineConfig], resources: Resources):
         if config.default_pipeline not in pipelines:
             from edge_rtgi.errors import ConfigError
 
@@ -76,8 +76,7 @@ class Daemon:
         self.draining = False
         self._token: str | None = None
         self._server = None
-        if hasattr(resources, "collect_metrics"):
-            self.metrics.add_collector(resources.collect_metrics)
+        self.metrics.add_collector(resources.collect_metrics)
 
     # ------------------------------------------------------------------ lifecycle
 

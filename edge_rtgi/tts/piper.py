@@ -106,9 +106,7 @@ class PiperVoice:
         opts.intra_op_num_threads = intra_op_threads
         opts.inter_op_num_threads = 1
         # Synthesis shares the cores with the LLM decoding the rest of the reply (and with ASR):
-        # threads that spin between kernels burn CPU the others need. On the 2-core machine,
-        # with the engine decoding alongside, a clause synthesised 1.1-1.3x faster without
-        # spinning (6 runs each, interleaved, 10-55 characters).
+        # threads that spin between kernels burn CPU the others need (measured: docs/daemon.md).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3
         try:

@@ -31,7 +31,8 @@ async def test_full_outbox_pushes_back_until_read():
     await box.put(F.TextDelta("r", "a"))
     await box.put(F.TextDelta("r", "b"))
     blocked = asyncio.create_task(box.put(F.TextDelta("r", "c")))
-    await asyncio.sleep(0.05)
+    for _ in range(20):  # let the producer run as far as it can
+        await asyncio.sleep(0)
     assert not blocked.done(), "a full outbox must make the producer wait"
     assert (await box.get()).delta == "a"
     await asyncio.wait_for(blocked, 1)
@@ -91,12 +92,19 @@ class _SlowStage(Stage):
         super().__init__(ctx, inbox_frames=4)
         self.finished: list[str] = []
         self.release = asyncio.Event()
+        self.started: list[str] = []
+        self.first_started = asyncio.Event()
+        self.last_finished = asyncio.Event()
 
     async def handle(self, frame):
+        self.started.append(frame.delta)
+        self.first_started.set()
         if frame.delta == "boom":
             raise RuntimeError("bad frame")
         await self.release.wait()
         self.finished.append(frame.delta)
+        if frame.delta == "c":
+            self.last_finished.set()
 
 
 async def test_stage_cancels_one_response_and_keeps_going():
@@ -107,12 +115,24 @@ async def test_stage_cancels_one_response_and_keeps_going():
     await stage.inbox.put(F.TextDelta("r1", "b"))
     await stage.inbox.put(F.TextDelta("r2", "boom"))
     await stage.inbox.put(F.TextDelta("r3", "c"))
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(stage.first_started.wait(), 5)
+    assert stage.started == ["a"]
     ctx.cancelled.add("r1")
     stage.cancel("r1")  # cancels "a" in flight; "b" is skipped when dequeued
-    await asyncio.sleep(0.05)
     stage.release.set()
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(stage.last_finished.wait(), 5)
+    assert stage.started == ["a", "boom", "c"]
     assert stage.finished == ["c"]
     assert len(ctx.failures) == 1 and ctx.failures[0][0].delta == "boom"
     await stage.close()
+
+
+async def test_stage_closes_even_right_after_a_response_cancel():
+    # Both cancellations land on the same await; the close must win (no Task.cancelling() on 3.10).
+    stage = _SlowStage(_Ctx())
+    await stage.start()
+    await stage.inbox.put(F.TextDelta("r1", "a"))
+    await asyncio.wait_for(stage.first_started.wait(), 5)
+    stage.cancel("r1")
+    await asyncio.wait_for(stage.close(), 5)
+    assert stage._worker is not None and stage._worker.done()

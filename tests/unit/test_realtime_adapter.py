@@ -15,6 +15,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from edge_rtgi import frames as F
+from edge_rtgi.pipeline.session import TextTurn
 from edge_rtgi.server.openai_realtime.adapter import RealtimeAdapter, core_settings
 from edge_rtgi.server.openai_realtime.codecs import ulaw_encode
 from edge_rtgi.server.openai_realtime.session_config import RealtimeSessionConfig
@@ -30,7 +31,8 @@ class ScriptedCore:
     def __init__(self) -> None:
         self.session_id = "sess_test"
         self.calls: list[tuple] = []
-        self.conversation: list[tuple[str, str]] = []
+        self.history: dict[int, tuple[str, str]] = {}  # entry id -> (role, text), as the core keeps it
+        self.entries_by_response: dict[str, int] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.update_error: Exception | None = None
 
@@ -43,10 +45,31 @@ class ScriptedCore:
     async def clear_audio(self):
         self.calls.append(("clear_audio",))
 
-    async def add_user_text(self, text, respond=True):
+    async def add_user_text(self, text, respond=True, echo=True):
         self.calls.append(("add_user_text", text, respond))
-        self.conversation.append(("user", text))
-        self.queue.put_nowait(F.Transcript(turn_id=99, text=text, final=True))
+        entry = self.remember("user", text, turn_id=99)
+        if echo:
+            self.queue.put_nowait(F.Transcript(turn_id=99, text=text, final=True))
+        return TextTurn(99, entry, None)
+
+    def remember(self, role, text, *, turn_id=None, response_id=None):
+        entry = len(self.history) + 1
+        self.history[entry] = (role, text)
+        if response_id is not None:
+            self.entries_by_response[response_id] = entry
+        return entry
+
+    def revise(self, entry_id, text):
+        if entry_id not in self.history:
+            return False
+        if text:
+            self.history[entry_id] = (self.history[entry_id][0], text)
+        else:
+            del self.history[entry_id]
+        return True
+
+    def find_entry(self, *, turn_id=None, response_id=None):
+        return self.entries_by_response.get(response_id)
 
     async def create_response(self, turn_id=None, source_text=None, timing=None):
         self.calls.append(("create_response", source_text))
@@ -407,9 +430,24 @@ async def test_user_text_item(h):
         }
     )
     assert h.core.named("add_user_text") == [("add_user_text", "Hello there", False)]
-    assert h.types() == ["conversation.item.added", "conversation.item.done"]  # the echo is swallowed
+    assert h.types() == ["conversation.item.added", "conversation.item.done"]  # the core sends no echo
     await h.client({"type": "response.create"})
     assert h.core.named("create_response")
+
+
+async def test_spoken_words_equal_to_a_typed_item_are_not_taken_for_its_echo(h):
+    # Typed turns are told apart by the core (no echo), not by comparing texts: the same words
+    # spoken afterwards are a turn of their own.
+    await h.client(
+        {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Yes"}]},
+        }
+    )
+    h.take()
+    await h.core_emits(F.SpeechStarted(5, 0), F.SpeechStopped(5, 400), F.Transcript(5, "Yes", final=True))
+    done = [e for e in h.sent if e["type"] == "conversation.item.done"]
+    assert done and done[-1]["item"]["content"][0]["transcript"] == "Yes"
 
 
 @pytest.mark.parametrize(
@@ -524,13 +562,13 @@ async def test_truncate_keeps_heard_text(h):
         F.ResponseDone("r1", "completed", "First clause. Second clause.", F.TurnStats()),
     )
     item_id = h.sent[-1]["response"]["output"][0]["id"]
-    h.core.conversation.append(("assistant", "First clause. Second clause."))
+    h.core.remember("assistant", "First clause. Second clause.", response_id="r1")  # as the core does
     h.take()
     await h.client(
         {"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0, "audio_end_ms": 1000}
     )  # half the audio: about half the characters
     assert h.types() == ["conversation.item.truncated"]
-    assert h.core.conversation[-1] == ("assistant", "First clause.")
+    assert list(h.core.history.values())[-1] == ("assistant", "First clause.")
     await h.client({"type": "conversation.item.retrieve", "item_id": item_id})
     assert h.sent[-1]["item"]["content"][0]["transcript"] == "First clause."
 

@@ -157,9 +157,6 @@ class KVCacheManager:
         """The request's block table as ids, ``-1`` where a block was released."""
         return [-1 if b is None else b.block_id for b in self._tables.get(request_id, ())]
 
-    def num_request_blocks(self, request_id: str) -> int:
-        return sum(1 for b in self._tables.get(request_id, ()) if b is not None)
-
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

@@ -26,7 +26,7 @@ import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.asr.config import AsrConfig
-from edge_rtgi.asr.events import FinalTranscript, PartialTranscript, SpeechEnded, SpeechStarted
+from edge_rtgi.asr.events import FinalTranscript, PartialTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.audio.pcm import Resampler
@@ -147,10 +147,10 @@ class AsrStage(Stage):
     async def _handle_events(self, events: list[Any], committed: bool) -> None:
         partials = getattr(self.ctx.settings, "partials", None) is not False
         for ev in events:
-            if isinstance(ev, SpeechStarted):
+            if isinstance(ev, F.SpeechStarted):  # the transcriber's: turn_id is its utterance id
                 turn = self._early_turn if self._early_turn is not None else self.ctx.new_turn_id()
                 self._early_turn = None
-                self._turns[ev.utterance_id] = turn
+                self._turns[ev.turn_id] = turn
             elif isinstance(ev, PartialTranscript) and partials:
                 await self.ctx.emit(
                     F.Transcript(self._turn(ev.utterance_id), ev.text, final=False, t_s=ev.t_s)

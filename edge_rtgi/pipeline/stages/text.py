@@ -8,6 +8,7 @@ its KV blocks) and stops the stream.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from edge_rtgi import frames as F
@@ -58,12 +59,14 @@ async def stream_engine(
     return text.rstrip(), usage
 
 
-def trim_history(tokenizer: Any, system: str, turns: list[tuple[str, str]], budget_tokens: int) -> list[dict]:
+def trim_history(
+    tokenizer: Any, system: str, turns: Sequence[F.ChatTurn], budget_tokens: int
+) -> list[dict[str, str]]:
     """Chat messages that fit ``budget_tokens``: the system prompt always, then as many of the
     latest turns as fit. Dropping whole old turns keeps the system prompt a stable prefix, so
     the prefix cache keeps serving it."""
     system_msg = [{"role": "system", "content": system}]
-    msgs = [{"role": r, "content": t} for r, t in turns]
+    msgs = [{"role": turn.role, "content": turn.text} for turn in turns]
     while msgs:
         if len(tokenizer.encode_chat(system_msg + msgs)) <= budget_tokens:
             return system_msg + msgs
@@ -96,7 +99,7 @@ class AssistantStage(Stage):
         messages = trim_history(
             self.engine.tokenizer,
             req.system_prompt or cfg.system_prompt,
-            [m for m in req.messages if m[0] in ("user", "assistant")],
+            req.messages,
             context - max_tokens,
         )
         params = SamplingParams(

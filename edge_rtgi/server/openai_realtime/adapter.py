@@ -18,11 +18,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal, Protocol
+
+import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.errors import EdgeRtgiError
+from edge_rtgi.pipeline.session import TextTurn
+from edge_rtgi.server.metrics import Metrics
 from edge_rtgi.server.openai_realtime.codecs import bytes_to_pcm, decode_base64
 from edge_rtgi.server.openai_realtime.conversation import Conversation, Item, parse_message_item
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
@@ -59,6 +63,41 @@ _RESPONSE_IGNORED = {
     "temperature",
     "max_response_output_tokens",
 }
+
+
+class RealtimeCore(Protocol):
+    """What the adapter asks of the session core (``edge_rtgi.pipeline.session.Session``)."""
+
+    session_id: str
+
+    async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None: ...
+    async def commit_audio(self) -> None: ...
+    async def clear_audio(self) -> None: ...
+    async def add_user_text(self, text: str, respond: bool = True, echo: bool = True) -> TextTurn: ...
+    async def create_response(
+        self, turn_id: int | None = None, source_text: str | None = None, timing: F.Transcript | None = None
+    ) -> str: ...
+    async def cancel_response(
+        self, response_id: str | None = None, reason: str = "client_cancel"
+    ) -> bool: ...
+    async def update(self, changes: dict[str, Any]) -> None: ...
+    def remember(
+        self,
+        role: Literal["user", "assistant"],
+        text: str,
+        *,
+        turn_id: int | None = None,
+        response_id: str | None = None,
+    ) -> int: ...
+    def revise(self, entry_id: int, text: str | None) -> bool: ...
+    def find_entry(self, *, turn_id: int | None = None, response_id: str | None = None) -> int | None: ...
+    def events(self) -> AsyncIterator[F.SessionEvent]: ...
+
+
+class EventObserver(Protocol):
+    """Counts the session's events into the daemon's metrics."""
+
+    def __call__(self, event: F.SessionEvent) -> None: ...
 
 
 def core_settings(config: RealtimeSessionConfig) -> dict:
@@ -101,12 +140,12 @@ class RealtimeAdapter:
 
     def __init__(
         self,
-        session: Any,
+        session: RealtimeCore,
         send: Callable[[dict], Awaitable[None]],
         *,
         model: str,
         config: RealtimeSessionConfig | None = None,
-        metrics: Any = None,
+        metrics: Metrics | None = None,
     ):
         self.session = session
         self.metrics = metrics
@@ -121,7 +160,6 @@ class RealtimeAdapter:
         self._speech_item: tuple[int, str] | None = None  # server VAD: the turn being spoken
         self._awaiting_transcript: deque[str] = deque()  # committed items without a final transcript
         self._manual_commits: deque[str] = deque()  # items of client commits the core has not confirmed
-        self._typed_echoes: deque[str] = deque()  # texts of conversation.item.create still to come back
         self._transcribed: dict[str, str] = {}  # item id -> transcript text sent as deltas
         self._deferred_create: ClientEvent | None = None
         self._buffered_ms = 0.0
@@ -228,21 +266,19 @@ class RealtimeAdapter:
         if not text:
             raise RealtimeProtocolError("invalid_value", "the item has no text", "item.content")
         previous = self.conversation.add(item, previous_id)
-        if item.role == "user":
-            self._typed_echoes.append(text)
-            await self.session.add_user_text(text, respond=False)
+        if item.role == "user":  # the core remembers it without echoing it as a transcript
+            item.history_id = (await self.session.add_user_text(text, respond=False, echo=False)).entry_id
         else:  # earlier assistant turns go straight into the pipeline's history
-            self.session.conversation.append((item.role, text))
+            item.history_id = self.session.remember("assistant", text)
         await self.emit("conversation.item.added", previous_item_id=previous, item=item.to_wire())
         await self.emit("conversation.item.done", previous_item_id=previous, item=item.to_wire())
 
     async def _on_conversation_item_truncate(self, event: ClientEvent) -> None:
         item_id = require(event.data, "item_id", str)
-        old_text = self.conversation.get(item_id).text()
         item = self.conversation.truncate(
             item_id, event.data.get("content_index"), event.data.get("audio_end_ms")
         )
-        self._replace_history("assistant", old_text, item.text())
+        self._revise_history(item, item.text())
         await self.emit(
             "conversation.item.truncated",
             item_id=item_id,
@@ -254,23 +290,20 @@ class RealtimeAdapter:
         item_id = require(event.data, "item_id", str)
         item = self.conversation.get(item_id)
         self.conversation.delete(item_id)
-        self._replace_history(item.role, item.text(), None)
+        self._revise_history(item, None)
         await self.emit("conversation.item.deleted", item_id=item_id)
 
     async def _on_conversation_item_retrieve(self, event: ClientEvent) -> None:
         item_id = require(event.data, "item_id", str)
         await self.emit("conversation.item.retrieved", item=self.conversation.snapshot(item_id))
 
-    def _replace_history(self, role: str, old_text: str, new_text: str | None) -> None:
-        """Keep the pipeline's (role, text) history in line with an edited or deleted item."""
-        history = self.session.conversation
-        for i in range(len(history) - 1, -1, -1):
-            if history[i] == (role, old_text):
-                if new_text:
-                    history[i] = (role, new_text)
-                else:
-                    del history[i]
-                return
+    def _revise_history(self, item: Item, text: str | None) -> None:
+        """Keep the core's history in line with an edited (``text``) or deleted (None) item."""
+        entry = item.history_id
+        if entry is None and (item.turn_id is not None or item.response_id is not None):
+            entry = self.session.find_entry(turn_id=item.turn_id, response_id=item.response_id)
+        if entry is not None:
+            self.session.revise(entry, text)
 
     async def _on_response_create(self, event: ClientEvent) -> None:
         params = optional(event.data, "response", dict, default={})
@@ -346,14 +379,14 @@ class RealtimeAdapter:
 
     # ================================================================== core -> client
 
-    async def pump_events(self, observe: Callable[[Any], None] | None = None) -> None:
+    async def pump_events(self, observe: EventObserver | None = None) -> None:
         """Translate the session's events until it closes; ``observe`` sees each one first (metrics)."""
         async for frame in self.session.events():
             if observe is not None:
                 observe(frame)
             await self.on_frame(frame)
 
-    async def on_frame(self, frame: Any) -> None:  # one branch per frame type
+    async def on_frame(self, frame: F.SessionEvent) -> None:  # one branch per frame type
         """Write one core event as Realtime server events."""
         if isinstance(frame, F.SessionStarted):
             await self.emit("session.created", session=self._session_wire())
@@ -411,9 +444,6 @@ class RealtimeAdapter:
         return None
 
     async def _on_transcript(self, frame: F.Transcript) -> None:
-        if frame.final and self._typed_echoes and frame.text.strip() == self._typed_echoes[0]:
-            self._typed_echoes.popleft()  # our own conversation.item.create coming back
-            return
         item_id = self._item_for_transcript(frame)
         if item_id is None:
             if not frame.final or not frame.text.strip():
@@ -448,6 +478,7 @@ class RealtimeAdapter:
         item = self.conversation.get(item_id)
         item.content[0]["transcript"] = text
         item.status = "completed"
+        item.turn_id = timing.turn_id if timing is not None else None
         if self.config.transcription is not None:
             await self.emit(
                 "conversation.item.input_audio_transcription.completed",
@@ -471,7 +502,7 @@ class RealtimeAdapter:
                 await self.send_error(exc, deferred.event_id)
 
     async def _on_response_started(self, frame: F.ResponseStarted) -> None:
-        item = Item(id=self.ids("item"), role="assistant", content=[])
+        item = Item(id=self.ids("item"), role="assistant", content=[], response_id=frame.response_id)
         stream = ResponseStream(
             response_id=frame.response_id,
             item=item,

@@ -3,26 +3,30 @@
 The daemon (``edge_rtgi.server.app``) has already admitted the handshake: Origin
 allow-list, ``Authorization: Bearer`` token (the official clients send their ``api_key``
 there), session limit, message size limit. This opens a core session through the daemon,
-so it shares the models, limits and metrics of every other session, and runs two tasks:
-the reader feeds client events to the adapter, the writer pumps the session's events out.
+so it shares the models, limits and metrics of every other session, and runs it on the shared
+connection loop (``edge_rtgi.server.connection``): client events go to the adapter, and the
+session's events are pumped out through it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.exceptions import ConnectionClosed
+from websockets.asyncio.server import ServerConnection
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import SessionSettings
+from edge_rtgi.server.connection import count_event, run_connection
 from edge_rtgi.server.openai_realtime.adapter import RealtimeAdapter, core_settings
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import IdMaker, error_event
 from edge_rtgi.server.openai_realtime.session_config import RealtimeSessionConfig
+
+if TYPE_CHECKING:
+    from edge_rtgi.server.app import Daemon
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,21 @@ def initial_config(path: str, pipelines: dict[str, Any]) -> tuple[RealtimeSessio
     return RealtimeSessionConfig(pipeline=pipeline), model
 
 
-async def serve_connection(daemon: Any, ws: Any) -> None:
+class RealtimeConnection:
+    """The Realtime protocol's side of ``run_connection``."""
+
+    def __init__(self, daemon: Daemon, adapter: RealtimeAdapter):
+        self.daemon, self.adapter = daemon, adapter
+
+    async def on_message(self, message: str | bytes) -> None:
+        await self.adapter.handle_message(message)
+
+    async def pump(self) -> None:
+        metrics = self.daemon.metrics
+        await self.adapter.pump_events(observe=lambda event: count_event(metrics, event))
+
+
+async def serve_connection(daemon: Daemon, ws: ServerConnection) -> None:
     """Run one Realtime connection until the client leaves or the daemon drains."""
     config, model = initial_config(ws.request.path, daemon.pipelines)
 
@@ -59,21 +77,4 @@ async def serve_connection(daemon: Any, ws: Any) -> None:
         return
     adapter = RealtimeAdapter(session, send, model=model, config=config, metrics=daemon.metrics)
     await adapter.on_frame(await session.next_event())  # session.created before any reply
-    writer = asyncio.create_task(_pump(daemon, adapter), name=f"realtime-writer-{session.session_id}")
-    try:
-        async for message in ws:
-            await adapter.handle_message(message)
-            if writer.done():
-                break  # the client stopped reading
-    except ConnectionClosed:
-        pass
-    finally:
-        await daemon.close_session(session)  # aborts engine requests, frees KV blocks
-        writer.cancel()
-        await asyncio.gather(writer, return_exceptions=True)
-
-
-async def _pump(daemon: Any, adapter: RealtimeAdapter) -> None:
-    from edge_rtgi.server.native import _count  # the daemon's per-event metrics, shared with native
-
-    await adapter.pump_events(observe=lambda frame: _count(daemon, frame))
+    await run_connection(daemon, ws, session, RealtimeConnection(daemon, adapter), session.session_id)

@@ -34,6 +34,11 @@ class Item:
     content: list[dict]
     status: str = "completed"
     audio_ms: float = 0.0  # assistant audio only: total audio sent
+    # Where the session core keeps this message in its history: a turn of its own (``history_id``),
+    # the user turn it transcribes (``turn_id``), or the response that spoke it (``response_id``).
+    history_id: int | None = None
+    turn_id: int | None = None
+    response_id: str | None = None
 
     def text(self) -> str:
         """The plain text of the message (text parts and audio transcripts)."""
