@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -123,7 +123,7 @@ class TextDone:
     response_id: str
     text: str
     source_text: str | None = None
-    usage: dict | None = None
+    usage: dict[str, Any] | None = None  # the engine's token counts, as JSON-ready numbers
     t_s: float = field(default_factory=now_s)
 
 
@@ -156,7 +156,7 @@ class AudioDone:
 class SessionStarted:
     session_id: str
     pipeline: str
-    config: dict
+    config: dict[str, Any]  # the effective settings, JSON-ready
     input_sample_rate_hz: int
     output_sample_rate_hz: int | None
     t_s: float = field(default_factory=now_s)
@@ -164,7 +164,7 @@ class SessionStarted:
 
 @dataclass(frozen=True)
 class SessionUpdated:
-    config: dict
+    config: dict[str, Any]  # the effective settings, JSON-ready
     t_s: float = field(default_factory=now_s)
 
 
@@ -235,7 +235,7 @@ class ResponseDone:
     status: ResponseStatus
     text: str
     stats: TurnStats
-    usage: dict | None = None
+    usage: dict[str, Any] | None = None  # the engine's token counts, as JSON-ready numbers
     t_s: float = field(default_factory=now_s)
 
 

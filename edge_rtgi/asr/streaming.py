@@ -166,6 +166,8 @@ class StreamingTranscriber:
 
     def _end_active(self, end_index: int, reason: str) -> None:
         utt, self._active = self._active, None
+        if utt is None:
+            return
         end_index = max(end_index, utt.start_index)  # silence can predate a forced split
         utt.end_index, utt.endpoint_index, utt.reason = end_index, self._ring.total_written, reason
         self._ended.append(utt)
@@ -178,8 +180,8 @@ class StreamingTranscriber:
 
     def process_iter(self) -> list[AsrEvent]:
         """Decode what is due and return the events since the last call. Blocking."""
-        for utt in self._ended:
-            self._events.extend(self._finalize(utt))
+        for ended in self._ended:
+            self._events.extend(self._finalize(ended))
         self._ended.clear()
         if self.split_due:
             self._split_long_utterance()
@@ -221,6 +223,8 @@ class StreamingTranscriber:
         and this utterance's final is exactly the words before it (``edge_rtgi.asr.split``).
         """
         utt = self._active
+        if utt is None:
+            return
         now = self._ring.total_written
         silence_start = self.vad.silence_start_index
         next_start: int | None = None
@@ -295,25 +299,25 @@ class StreamingTranscriber:
         self._emit_partial(utt, " ".join(tail), end)
 
     def _finalize(self, utt: _Utterance) -> list[AsrEvent]:
+        if utt.end_index is None or utt.endpoint_index is None:  # _end_active sets both
+            raise RuntimeError(f"utterance {utt.id} is finalised before it ended")
+        end_index, endpoint_index = utt.end_index, utt.endpoint_index
         if utt.split is not None:
             # Cut off long speech: the words were chosen with the cut; no pad after it, that
             # audio belongs to the next utterance.
             words, hyp, decode_ms = utt.split.words, utt.split.hypothesis, utt.split.decode_ms
-            end = utt.end_index
+            end = end_index
         else:
-            end = min(utt.end_index + self._end_pad, self._ring.total_written)
+            end = min(end_index + self._end_pad, self._ring.total_written)
             if end - utt.start_index < _MIN_DECODE_SAMPLES:  # nothing left to hear (e.g. after a split)
                 return [
                     SpeechEnded(
-                        utt.id,
-                        utt.end_index / SAMPLE_RATE_HZ,
-                        utt.endpoint_index / SAMPLE_RATE_HZ,
-                        utt.reason,
+                        utt.id, end_index / SAMPLE_RATE_HZ, endpoint_index / SAMPLE_RATE_HZ, utt.reason
                     )
                 ]
             spec = utt.speculative
             t0 = time.perf_counter()
-            if spec is not None and spec.matches(utt.end_index, len(utt.agreement.committed)):
+            if spec is not None and spec.matches(end_index, len(utt.agreement.committed)):
                 hyp, reused = spec.hypothesis, True
             else:
                 hyp, reused = (
@@ -324,8 +328,8 @@ class StreamingTranscriber:
             decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
             hyp = final_hyp
         text = " ".join(words)
-        start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, utt.end_index / SAMPLE_RATE_HZ
-        endpoint_s, end_s = utt.endpoint_index / SAMPLE_RATE_HZ, end / SAMPLE_RATE_HZ
+        start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, end_index / SAMPLE_RATE_HZ
+        endpoint_s, end_s = endpoint_index / SAMPLE_RATE_HZ, end / SAMPLE_RATE_HZ
         events: list[AsrEvent] = [SpeechEnded(utt.id, speech_end_s, endpoint_s, utt.reason)]
         if not text or (not utt.agreement.committed and self._is_hallucination(text, hyp)):
             if text:

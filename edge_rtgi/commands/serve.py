@@ -21,11 +21,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edge_rtgi.errors import AudioError, ConfigError
+
+if TYPE_CHECKING:
+    from edge_rtgi.server.client import Transport
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +180,7 @@ def _pcm16(samples: np.ndarray) -> np.ndarray:
     return np.clip(np.round(samples * 32767.0), -32768, 32767).astype(np.int16)
 
 
-async def _open_transport(args: argparse.Namespace, pipeline: str) -> Any:
+async def _open_transport(args: argparse.Namespace, pipeline: str) -> Transport:
     from edge_rtgi.server.client import InProcessTransport, WebSocketTransport
 
     if args.connect:
@@ -210,9 +213,9 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
     speaker = None
     output = LiveOutput(mode=mode)
     try:
-        async for head, _ in transport.messages():  # session.created tells the output rate
-            if head["type"] == "session.created":
-                output.sample_rate_hz = head["audio"]["output_sample_rate_hz"]
+        async for message in transport.messages():  # session.created tells the output rate
+            if message.head["type"] == "session.created":
+                output.sample_rate_hz = message.head["audio"]["output_sample_rate_hz"]
                 break
         if getattr(args, "no_barge_in", False):
             await transport.send({"type": "session.update", "session": {"barge_in": False}})

@@ -22,7 +22,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -259,8 +259,9 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             params.validate()
             return params
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
         try:
-            return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
+            return SamplingParams(**fields)
         except TypeError as exc:
             raise RequestError(f"bad sampling parameters: {exc}") from None
 
@@ -270,15 +271,18 @@ class LLMEngine:
                 raise RequestError("this engine has no tokenizer; send token ids")
             # Raw text gets the model's own special tokens (e.g. BOS), like the CLI and HF's generate.
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        prompt = list(prompt)
-        if prompt and isinstance(prompt[0], Mapping):
+        messages = [m for m in prompt if isinstance(m, Mapping)]
+        if messages:
             if self.tokenizer is None:
                 raise RequestError("this engine has no tokenizer; send token ids")
-            return list(self.tokenizer.encode_chat(prompt))
+            if len(messages) != len(prompt):
+                raise RequestError("a chat prompt must hold only messages ({'role': ..., 'content': ...})")
+            return list(self.tokenizer.encode_chat(messages))
         vocab = self.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        ids = [t for t in prompt if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab]
+        if len(ids) != len(prompt):
             raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return prompt
+        return ids
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         ids = set(params.stop_token_ids)
@@ -360,11 +364,11 @@ class LLMEngine:
         self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None
     ) -> list[GenerationResult]:
         """Synchronous convenience: run prompts to completion (batched) and return the results."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, Mapping))):
-            prompts = [prompts]
-        results = [GenerationResult() for _ in prompts]
+        one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], (int, Mapping)))
+        batch = [cast(Prompt, prompts)] if one else cast(list[Prompt], list(prompts))
+        results = [GenerationResult() for _ in batch]
         done: queue.SimpleQueue = queue.SimpleQueue()
-        for res, prompt in zip(results, prompts, strict=True):
+        for res, prompt in zip(results, batch, strict=True):
 
             def sink(delta: RequestDelta, res: GenerationResult = res) -> None:
                 res.add(delta)
@@ -372,7 +376,7 @@ class LLMEngine:
                     done.put(True)
 
             self.submit(prompt, params, sink)
-        for _ in prompts:
+        for _ in batch:
             if self.running_in_thread:
                 done.get()
             else:
@@ -415,7 +419,11 @@ class LLMEngine:
         output = self.scheduler.schedule()
         if output.is_empty:
             return False
-        params = {s.request_id: self.scheduler.requests[s.request_id].params for s in output.scheduled}
+        # submit() builds every request with a SamplingParams; the scheduler sees only RequestParams
+        params = {
+            s.request_id: cast(SamplingParams, self.scheduler.requests[s.request_id].params)
+            for s in output.scheduled
+        }
         t1 = time.perf_counter()
         try:
             result = self.runner.execute(output, params)
@@ -470,6 +478,8 @@ class LLMEngine:
     @staticmethod
     def _flush(stream: _Stream) -> tuple[str, bool]:
         """Text held back by the detokenizer and the stop matcher at the end, and whether a stop hit."""
+        if stream.detok is None:
+            return "", False
         tail = stream.detok.flush()
         if stream.stops is None:
             return tail, False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,7 +62,8 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
-    def with_(self, **changes: object) -> EngineConfig:
+    def with_(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` applied (validated again by ``__post_init__``)."""
         return replace(self, **changes)
 
     def resolve_num_blocks(self, model_config: ModelConfig, dtype: torch.dtype) -> int:

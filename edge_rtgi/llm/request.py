@@ -1,8 +1,8 @@
 """A generation request as the scheduler and KV manager see it.
 
 This module imports no torch: the scheduler and its tests run without a model. The
-``params`` field holds a ``SamplingParams`` (from ``sampling.py``); only its plain fields
-(``max_tokens``, ``ignore_eos``, ``stop_token_ids``) are read here.
+``params`` field holds a ``SamplingParams`` (from ``sampling.py``); only the plain fields of
+``RequestParams`` are read here.
 
 The one number that drives scheduling is ``num_computed_tokens``: how many of
 ``all_token_ids`` have their keys and values in the KV cache. Each step closes some of the
@@ -14,10 +14,20 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
-if TYPE_CHECKING:  # pragma: no cover - typing only; keeps this module torch-free
-    from edge_rtgi.llm.sampling import SamplingParams
+
+class RequestParams(Protocol):
+    """The fields of ``sampling.SamplingParams`` that scheduling reads (it stays torch-free)."""
+
+    @property
+    def max_tokens(self) -> int: ...
+
+    @property
+    def ignore_eos(self) -> bool: ...
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]: ...
 
 
 class RequestStatus(enum.Enum):
@@ -56,7 +66,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams | Any
+    params: RequestParams
     priority: int = 0
     deadline_ms: float | None = None
     eos_token_ids: frozenset[int] = frozenset()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.pipeline.config import (
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from edge_rtgi.pipeline.session import Session
 
 
-async def build_stages(session: Session, pipeline: PipelineConfig, resources: Resources) -> list[Stage]:
+async def build_stages(session: Session, pipeline: PipelineConfig, resources: Resources) -> list[Stage[Any]]:
     """Instantiate the stages; models come from ``resources`` (loaded once per daemon)."""
     from edge_rtgi.pipeline.stages.asr import AsrStage
     from edge_rtgi.pipeline.stages.text import AssistantStage, TranslateStage
@@ -26,14 +26,15 @@ async def build_stages(session: Session, pipeline: PipelineConfig, resources: Re
 
     await resources.prepare(pipeline)
     queue = session.limits.stage_queue_frames
-    stages: list[Stage] = []
+    stages: list[Stage[Any]] = []
     for cfg in pipeline.stages:
         if isinstance(cfg, AsrConfig):
             stages.append(AsrStage(session, cfg, resources.whisper(cfg), queue))
         elif isinstance(cfg, AssistantStageConfig):
             stages.append(AssistantStage(session, cfg, resources.llm(cfg.model), queue))
         elif isinstance(cfg, TranslateStageConfig):
-            engine = resources.llm(cfg.model) if cfg.backend == "llm" else None
+            # the config refuses backend: llm without a model
+            engine = resources.llm(cfg.model) if cfg.backend == "llm" and cfg.model else None
             stages.append(TranslateStage(session, cfg, engine, queue))
         elif isinstance(cfg, TtsStageConfig):
             stages.append(TtsStage(session, cfg, resources.voice(cfg.voice), queue))

@@ -149,7 +149,7 @@ def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig
         body = {}
     if not isinstance(body, dict):
         raise ConfigError(f"{where(item, kind)}: stage {kind!r} must be a mapping of settings")
-    stage = from_dict(STAGE_KINDS[kind], body, f"stage {kind!r}")
+    stage: StageConfig = from_dict(STAGE_KINDS[kind], body, f"stage {kind!r}")
     _check_models(stage, body)
     return stage
 

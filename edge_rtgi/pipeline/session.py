@@ -22,7 +22,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -123,7 +123,7 @@ class Session:
         self.responses: dict[str, ResponseState] = {}
         self._cancelled: set[str] = set()
         self._turn_ids = itertools.count(1)
-        self._stages: list[Stage] = []
+        self._stages: list[Stage[Any]] = []
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -180,6 +180,10 @@ class Session:
         self.outbox.close()
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def pipeline_name(self) -> str:
+        return self.pipeline.name
 
     @property
     def input_sample_rate_hz(self) -> int:
@@ -315,7 +319,7 @@ class Session:
                 raise RequestError("nothing to respond to yet", hint="send audio or text first")
             source_text = users[-1]
         rid = f"resp_{next(_ids)}_{uuid.uuid4().hex[:6]}"
-        kind = "translation" if isinstance(text_stage, TranslateStageConfig) else "reply"
+        kind: F.ResponseKind = "translation" if isinstance(text_stage, TranslateStageConfig) else "reply"
         st = ResponseState(rid, turn_id or 0, kind, source_text, timing=timing)
         self.responses[rid] = st
         self._forget_old_responses()
@@ -373,7 +377,7 @@ class Session:
             st.done = True
             if st.kind == "reply" and st.text and not st.text_done:
                 self.remember("assistant", st.text, response_id=response_id)
-            status = "cancelled" if reason == "client_cancel" else "interrupted"
+            status: F.ResponseStatus = "cancelled" if reason == "client_cancel" else "interrupted"
             self.outbox.put_control(F.ResponseDone(response_id, status, st.text, st.stats(), st.usage))
         st.playback_cut_t_s = now
         return True
@@ -418,7 +422,7 @@ class Session:
     async def emit(self, event: F.SessionEvent) -> None:
         await self.outbox.put(event)
 
-    async def forward(self, stage: Stage, frame: F.DataFrame) -> None:
+    async def forward(self, stage: Stage[Any], frame: F.DataFrame) -> None:
         """Route ``frame`` from ``stage`` to the next stage, or finish it at the session."""
         rid = getattr(frame, "response_id", None)
         if rid is not None and rid in self._cancelled:
@@ -433,16 +437,16 @@ class Session:
             if isinstance(frame, F.TextDone) and st is not None:
                 st.usage = frame.usage
                 if st.kind == "reply":
-                    self.remember("assistant", frame.text, response_id=rid)
+                    self.remember("assistant", frame.text, response_id=frame.response_id)
             if nxt is not None and self.settings.audio_output:
                 await nxt.inbox.put(frame)
             elif isinstance(frame, F.TextDone):
-                await self._finish(rid)
+                await self._finish(frame.response_id)
         elif isinstance(frame, F.AudioOut):
             await self.outbox.put(frame)
         elif isinstance(frame, F.AudioDone):
             await self.outbox.put(frame)
-            await self._finish(rid)
+            await self._finish(frame.response_id)
 
     async def _finish(self, response_id: str) -> None:
         st = self.responses.get(response_id)
@@ -456,7 +460,7 @@ class Session:
         if st is not None:
             st.marks.setdefault(mark, t_s)
 
-    def stage_failed(self, stage: Stage, frame: object, exc: BaseException) -> None:
+    def stage_failed(self, stage: Stage[Any], frame: object, exc: BaseException) -> None:
         rid = getattr(frame, "response_id", None)
         if isinstance(exc, EdgeRtgiError):
             err = F.ErrorEvent("stage_failed", f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
@@ -500,5 +504,5 @@ class Session:
             await self.create_response(turn_id=event.turn_id, source_text=event.text, timing=event)
 
     @property
-    def _asr(self) -> Stage:
+    def _asr(self) -> Stage[Any]:
         return self._stages[0]

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from edge_rtgi import frames as F
+
+if TYPE_CHECKING:
+    from edge_rtgi.pipeline.session import SessionSettings
 
 log = logging.getLogger(__name__)
 
@@ -27,29 +30,51 @@ log = logging.getLogger(__name__)
 class StageContext(Protocol):
     """What a stage may ask of its session."""
 
+    @property
+    def settings(self) -> SessionSettings:
+        """The session's current settings (``session.update`` changes them)."""
+
     def is_cancelled(self, response_id: str) -> bool: ...
 
     async def emit(self, event: F.SessionEvent) -> None:
         """Send an event towards the client, in order with other data events."""
 
-    async def forward(self, stage: Stage, frame: F.DataFrame) -> None:
+    async def forward(self, stage: Stage[Any], frame: F.DataFrame) -> None:
         """Hand a frame to the stage after ``stage`` (or to the client if it is last)."""
 
     def note(self, response_id: str, mark: str, t_s: float) -> None:
         """Record a latency mark for a response (``first_clause``...)."""
 
-    def stage_failed(self, stage: Stage, frame: object, exc: BaseException) -> None:
+    def stage_failed(self, stage: Stage[Any], frame: object, exc: BaseException) -> None:
         """Report a failure on one frame; the stage keeps running."""
 
 
-class Stage:
-    """Base class: subclasses implement ``handle(frame)`` and may override ``cancel``."""
+class AsrContext(StageContext, Protocol):
+    """What the ASR stage also asks: turn ids, and the control path for speech events."""
+
+    def new_turn_id(self) -> int: ...
+
+    def on_speech_started(self, event: F.SpeechStarted) -> None: ...
+
+    def on_speech_stopped(self, event: F.SpeechStopped) -> None: ...
+
+    async def on_final_transcript(self, event: F.Transcript) -> None: ...
+
+
+FrameT = TypeVar("FrameT")
+
+
+class Stage(Generic[FrameT]):
+    """Base class: subclasses implement ``handle(frame)`` and may override ``cancel``.
+
+    ``FrameT`` is the kind of data frame the stage's inbox holds.
+    """
 
     name = "stage"
 
     def __init__(self, ctx: StageContext, inbox_frames: int = 64):
         self.ctx = ctx
-        self.inbox: asyncio.Queue[F.DataFrame] = asyncio.Queue(maxsize=inbox_frames)
+        self.inbox: asyncio.Queue[FrameT] = asyncio.Queue(maxsize=inbox_frames)
         self._current: tuple[str | None, asyncio.Task[None]] | None = None
         self._cancel_requested: asyncio.Task[None] | None = None  # the task cancel() cut short
         self._closing = False
@@ -59,7 +84,7 @@ class Stage:
         """Prepare per-session state (models are loaded by ``Resources``), start the worker."""
         self._worker = asyncio.create_task(self._run(), name=f"stage-{self.name}")
 
-    async def handle(self, frame: F.DataFrame) -> None:
+    async def handle(self, frame: FrameT) -> None:
         """Process one data frame from the inbox.
 
         Not abstract on purpose: a stage that consumes its input another way (the ASR stage reads
@@ -87,7 +112,7 @@ class Stage:
             frame = await self.inbox.get()
             await self._handle_one(frame)
 
-    async def _handle_one(self, frame: F.DataFrame) -> None:
+    async def _handle_one(self, frame: FrameT) -> None:
         rid = getattr(frame, "response_id", None)
         if rid is not None and self.ctx.is_cancelled(rid):
             return  # a cancelled response's leftovers are dropped here

@@ -21,9 +21,9 @@ import importlib
 import json
 import logging
 from http import HTTPStatus
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
-from websockets.asyncio.server import ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
@@ -31,6 +31,7 @@ from edge_rtgi.pipeline.config import PipelineConfig
 from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.pipeline.session import Session, SessionLimits, SessionSettings
 from edge_rtgi.server.config import DaemonConfig
+from edge_rtgi.server.connection import query_param, request_path
 from edge_rtgi.server.metrics import Metrics, daemon_metrics
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class Daemon:
         self.connections: set[ServerConnection] = set()
         self.draining = False
         self._token: str | None = None
-        self._server = None
+        self._server: Server | None = None
         self.metrics.add_collector(resources.collect_metrics)
 
     # ------------------------------------------------------------------ lifecycle
@@ -100,7 +101,10 @@ class Daemon:
 
     @property
     def port(self) -> int:
-        return self._server.sockets[0].getsockname()[1]
+        """The port actually bound (the configured one, or the OS's pick for port 0)."""
+        if self._server is None:
+            raise RuntimeError("the daemon is not listening yet: await start() first")
+        return int(next(iter(self._server.sockets)).getsockname()[1])
 
     async def drain(self, timeout_s: float | None = None) -> None:
         """Stop accepting, let responses in flight finish (up to the timeout), then close all."""
@@ -157,7 +161,7 @@ class Daemon:
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         if given is None:
-            given = (parse_qs(urlsplit(request.path).query).get("token") or [None])[0]
+            given = query_param(request.path, "token")
         return given is not None and hmac.compare_digest(given.encode(), self._token.encode())
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
@@ -202,7 +206,7 @@ class Daemon:
     async def _handle(self, ws: ServerConnection) -> None:
         self.connections.add(ws)
         try:
-            path = urlsplit(ws.request.path).path
+            path = urlsplit(request_path(ws)).path
             if path in REALTIME_PATHS:
                 module = importlib.import_module("edge_rtgi.server.openai_realtime")
                 serve_connection = getattr(module, "serve_connection", None)

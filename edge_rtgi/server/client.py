@@ -17,20 +17,39 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.server import protocol as P
 
-Message = tuple[dict, bytes | None]
+if TYPE_CHECKING:
+    from edge_rtgi.pipeline.session import Session
+
+
+@dataclass(frozen=True)
+class WireMessage:
+    """One server event as the native protocol sends it: the JSON header and, for
+    ``response.audio``, the PCM payload that follows it."""
+
+    head: dict[str, Any]
+    payload: bytes | None = None
+
+
+class Transport(Protocol):
+    """A native-protocol connection: to a daemon (``WebSocketTransport``) or a local session."""
+
+    async def send_audio(self, pcm: np.ndarray) -> None: ...
+    async def send(self, event: dict[str, Any]) -> None: ...
+    def messages(self) -> AsyncIterator[WireMessage]: ...
+    async def close(self) -> None: ...
 
 
 class InProcessTransport:
     """Drives a local ``Session``; events are encoded to the wire form and decoded back."""
 
-    def __init__(self, session: Any):
+    def __init__(self, session: Session):
         self.session = session
 
     async def send_audio(self, pcm: np.ndarray) -> None:
@@ -47,10 +66,11 @@ class InProcessTransport:
         else:
             raise ValueError(f"in-process transport does not send {kind}")
 
-    async def messages(self) -> AsyncIterator[Message]:
+    async def messages(self) -> AsyncIterator[WireMessage]:
         async for event in self.session.events():
             wire = P.encode_server(event, self.session.ms)
-            yield json.loads(wire[0]), (wire[1] if len(wire) > 1 else None)
+            payload = wire[1] if len(wire) > 1 else None
+            yield WireMessage(json.loads(wire[0]), payload if isinstance(payload, bytes) else None)
 
     async def close(self) -> None:
         await self.session.close()
@@ -86,14 +106,14 @@ class WebSocketTransport:
     async def send(self, event: dict) -> None:
         await self.ws.send(json.dumps(event))
 
-    async def messages(self) -> AsyncIterator[Message]:
+    async def messages(self) -> AsyncIterator[WireMessage]:
         from websockets.exceptions import ConnectionClosed
 
         try:
             async for msg in self.ws:
                 head = json.loads(msg)
                 payload = await self.ws.recv() if head.get("type") == "response.audio" else None
-                yield head, payload
+                yield WireMessage(head, payload if isinstance(payload, bytes) else None)
         except ConnectionClosed:
             return
 
@@ -169,7 +189,7 @@ class LiveOutput:
 
 
 async def run_live(
-    transport: Any,
+    transport: Transport,
     source: AsyncIterator[np.ndarray],
     output: LiveOutput,
     trailing_silence_s: float = 0.6,
@@ -181,8 +201,9 @@ async def run_live(
     committed = asyncio.Event()
 
     async def reader() -> None:
-        async for head, payload in transport.messages():
-            output.handle(head, payload)
+        async for message in transport.messages():
+            head = message.head
+            output.handle(head, message.payload)
             if head["type"] == "input_audio.committed":
                 committed.set()
             if committed.is_set() and not output.open_responses:

@@ -12,12 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+from urllib.parse import parse_qs, urlsplit
 
+from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from edge_rtgi import frames as F
 from edge_rtgi.server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from edge_rtgi.pipeline.session import Session
+    from edge_rtgi.server.app import Daemon
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +38,10 @@ class ProtocolConnection(Protocol):
         """Send the session's events to the client until the session closes."""
 
 
-class SessionCloser(Protocol):
-    async def close_session(self, session: object) -> None: ...
-
-
 async def run_connection(
-    daemon: SessionCloser,
+    daemon: Daemon,
     messages: AsyncIterable[str | bytes],
-    session: object,
+    session: Session,
     protocol: ProtocolConnection,
     name: str,
 ) -> None:
@@ -59,6 +61,19 @@ async def run_connection(
         if not writer.cancelled() and (exc := writer.exception()) is not None:
             if not isinstance(exc, ConnectionClosed):
                 log.error("writer for %s failed: %r", name, exc)
+
+
+def query_param(path: str, name: str) -> str | None:
+    """The first value of ``name`` in the query string of ``path`` (None when absent)."""
+    values = parse_qs(urlsplit(path).query).get(name)
+    return values[0] if values else None
+
+
+def request_path(ws: ServerConnection) -> str:
+    """The path (with query) the client asked for in its handshake."""
+    if ws.request is None:  # only before the handshake, and handlers run after it
+        raise RuntimeError("the WebSocket handshake has not happened yet")
+    return ws.request.path
 
 
 def count_event(metrics: Metrics, event: object) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 
@@ -18,7 +17,7 @@ from edge_rtgi import frames as F
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import Session, SessionSettings
 from edge_rtgi.server import protocol as P
-from edge_rtgi.server.connection import count_event, run_connection
+from edge_rtgi.server.connection import count_event, query_param, request_path, run_connection
 from edge_rtgi.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -29,9 +28,7 @@ log = logging.getLogger(__name__)
 
 def _initial_settings(path: str) -> SessionSettings:
     """``?pipeline=NAME`` on the URL picks the pipeline before the first message."""
-    query = parse_qs(urlsplit(path).query)
-    pipeline = (query.get("pipeline") or [None])[0]
-    return SessionSettings(pipeline=pipeline)
+    return SessionSettings(pipeline=query_param(path, "pipeline"))
 
 
 class NativeConnection:
@@ -50,11 +47,6 @@ class NativeConnection:
         session = self.session
         async for event in session.events():
             count_event(self.daemon.metrics, event)
-            if isinstance(event, F.Pong):
-                await self.ws.send(
-                    P.json.dumps({"type": "pong", "id": event.id, "t_ms": session.ms(event.t_s)})
-                )
-                continue
             for message in P.encode_server(event, session.ms):
                 await self.ws.send(message)
 
@@ -82,7 +74,7 @@ async def _dispatch(session: Session, event: P.ClientEvent, metrics: Metrics) ->
 async def serve_native(daemon: Daemon, ws: ServerConnection) -> None:
     """Run one native-protocol connection until the client leaves or the daemon drains."""
     try:
-        session = await daemon.open_session(_initial_settings(ws.request.path))
+        session = await daemon.open_session(_initial_settings(request_path(ws)))
     except EdgeRtgiError as exc:
         await ws.send(P.encode_server(P.error_event(exc), lambda t: 0)[0])
         await ws.close(1008, "cannot open session")

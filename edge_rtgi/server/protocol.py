@@ -15,6 +15,7 @@ server answers with an ``error`` event.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,10 +110,16 @@ def decode_client(message: str | bytes) -> ClientEvent:
         return AudioChunk(np.frombuffer(data, dtype="<i2").astype(np.int16, copy=False))
     try:
         obj = json.loads(message)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except json.JSONDecodeError as exc:
         raise ProtocolError(
             "invalid_json",
             f"message is not valid JSON: {exc.msg} at char {exc.pos}",
+            hint="text frames must be JSON objects with a 'type'",
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(
+            "invalid_json",
+            f"message is not valid UTF-8: {exc.reason} at byte {exc.start}",
             hint="text frames must be JSON objects with a 'type'",
         ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
@@ -167,13 +174,14 @@ def _stats(stats: F.TurnStats) -> dict:
     return {k: v for k, v in vars(stats).items() if v is not None}
 
 
-def encode_server(event: Any, ms) -> list[str | bytes]:
+def encode_server(event: F.SessionEvent, ms: Callable[[float], int]) -> list[str | bytes]:
     """A typed session event -> the WebSocket messages for it (JSON, then PCM for audio).
 
     ``ms(t_s)`` converts a monotonic time to milliseconds since the session started.
     """
     e = event
     t = {"t_ms": ms(e.t_s)}
+    body: dict[str, Any]
     if isinstance(e, F.AudioOut):
         pcm = e.pcm.astype("<i2").tobytes()
         head = {
@@ -199,6 +207,8 @@ def encode_server(event: Any, ms) -> list[str | bytes]:
                 "output_sample_rate_hz": e.output_sample_rate_hz,
             },
         }
+    elif isinstance(e, F.Pong):
+        body = {"type": "pong", "id": e.id}
     elif isinstance(e, F.SessionUpdated):
         body = {"type": "session.updated", "session": e.config}
     elif isinstance(e, F.SpeechStarted):

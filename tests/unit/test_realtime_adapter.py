@@ -30,6 +30,7 @@ SERVER_EVENT = TypeAdapter(openai_types.RealtimeServerEvent)
 class ScriptedCore:
     def __init__(self) -> None:
         self.session_id = "sess_test"
+        self.pipeline_name = "voice-assistant"
         self.calls: list[tuple] = []
         self.history: dict[int, tuple[str, str]] = {}  # entry id -> (role, text), as the core keeps it
         self.entries_by_response: dict[str, int] = {}

@@ -122,6 +122,8 @@ class PagedAttentionBackend:
                     )
                 )  # [1, Hq, 1, D]
             return torch.cat(outs, dim=0).squeeze(2)
+        if md.decode_slots is None:  # the runner sets one of the two for every decode step
+            raise RuntimeError("a decode step without key slots")
         keys, values = self.storage.gather(layer, md.decode_slots)  # [B, S, Hkv, D]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),

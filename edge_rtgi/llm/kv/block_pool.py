@@ -143,7 +143,7 @@ class BlockPool:
                 self._free.move_to_end(block.block_id, last=False)
 
     def _evict(self, block: KVBlock) -> None:
-        if self._cached.get(block.block_hash) is block:
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1

@@ -145,9 +145,12 @@ class KVCacheManager:
         first_needed = request.num_computed_tokens - window_tokens + 1
         first_block = cdiv(sink_tokens, self.block_size)
         last_block = first_needed // self.block_size  # exclusive: blocks below are fully outside
-        released = [table[i] for i in range(first_block, min(last_block, len(table))) if table[i] is not None]
+        released: list[KVBlock] = []
         for i in range(first_block, min(last_block, len(table))):
-            table[i] = None
+            block = table[i]
+            if block is not None:
+                released.append(block)
+                table[i] = None
         self.pool.free(released)
         return len(released)
 

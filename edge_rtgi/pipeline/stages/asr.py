@@ -29,8 +29,9 @@ from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.asr.events import FinalTranscript, PartialTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
 from edge_rtgi.asr.vad import SileroVad
+from edge_rtgi.asr.whisper import WhisperAsr
 from edge_rtgi.audio.pcm import Resampler
-from edge_rtgi.pipeline.stage import Stage
+from edge_rtgi.pipeline.stage import AsrContext, Stage
 
 
 class _ArrivalClock:
@@ -51,11 +52,15 @@ class _ArrivalClock:
         return self._times[min(i, len(self._times) - 1)]
 
 
-class AsrStage(Stage):
+AsrInput = F.AudioIn | F.CommitAudio | F.ClearAudio
+
+
+class AsrStage(Stage[AsrInput]):
     name = "asr"
 
-    def __init__(self, ctx: Any, config: AsrConfig, whisper: Any, inbox_frames: int):
+    def __init__(self, ctx: AsrContext, config: AsrConfig, whisper: WhisperAsr, inbox_frames: int):
         super().__init__(ctx, inbox_frames)
+        self.ctx: AsrContext = ctx
         self.config = config
         self.whisper = whisper
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="asr")
@@ -69,19 +74,15 @@ class AsrStage(Stage):
         self._new_transcriber()
 
     def _new_transcriber(self) -> None:
-        s = getattr(self.ctx, "settings", None)
-        vad_cfg = self.config.vad
-        if s is not None:
-            changes = {
-                k: v
-                for k, v in (
-                    ("threshold", s.vad_threshold),
-                    ("min_silence_ms", s.vad_min_silence_ms),
-                    ("speech_pad_ms", s.vad_prefix_padding_ms),
-                )
-                if v is not None
-            }
-            vad_cfg = dataclasses.replace(vad_cfg, **changes)
+        s, vad_cfg = self.ctx.settings, self.config.vad
+        vad_cfg = dataclasses.replace(
+            vad_cfg,
+            threshold=vad_cfg.threshold if s.vad_threshold is None else s.vad_threshold,
+            min_silence_ms=vad_cfg.min_silence_ms if s.vad_min_silence_ms is None else s.vad_min_silence_ms,
+            speech_pad_ms=vad_cfg.speech_pad_ms
+            if s.vad_prefix_padding_ms is None
+            else s.vad_prefix_padding_ms,
+        )
         cfg = dataclasses.replace(self.config, vad=vad_cfg)
         self.transcriber = StreamingTranscriber(self.whisper, cfg, SileroVad(vad_cfg))
         self.clock = _ArrivalClock()
@@ -145,7 +146,7 @@ class AsrStage(Stage):
         self.ctx.on_speech_started(F.SpeechStarted(self._early_turn, audio_ms, t_s=t_s))
 
     async def _handle_events(self, events: list[Any], committed: bool) -> None:
-        partials = getattr(self.ctx.settings, "partials", None) is not False
+        partials = self.ctx.settings.partials is not False
         for ev in events:
             if isinstance(ev, F.SpeechStarted):  # the transcriber's: turn_id is its utterance id
                 turn = self._early_turn if self._early_turn is not None else self.ctx.new_turn_id()
@@ -168,15 +169,15 @@ class AsrStage(Stage):
             if (
                 isinstance(ev, SpeechEnded)
                 and self._speech_ended.pop(ev.utterance_id, None) is not None
-                and getattr(self.ctx.settings, "turn_detection", True)
+                and self.ctx.settings.turn_detection
             ):
-                turn = self._turns.pop(ev.utterance_id, None) or self.ctx.new_turn_id()
+                turn = self._pop_turn(ev.utterance_id)
                 await self.ctx.on_final_transcript(F.Transcript(turn, "", final=True, t_s=ev.t_s))
         if committed and self._held:
             await self._release_held()
 
     async def _final(self, ev: FinalTranscript) -> None:
-        turn = self._turns.pop(ev.utterance_id, None) or self.ctx.new_turn_id()
+        turn = self._pop_turn(ev.utterance_id)
         self._speech_ended.pop(ev.utterance_id, None)
         final = F.Transcript(
             turn,
@@ -187,17 +188,24 @@ class AsrStage(Stage):
             speech_end_t_s=self.clock.time_of(int(ev.speech_end_audio_s * SAMPLE_RATE_HZ)),
             endpoint_t_s=self.clock.time_of(int(ev.endpoint_audio_s * SAMPLE_RATE_HZ)),
         )
-        if getattr(self.ctx.settings, "turn_detection", True):
+        if self.ctx.settings.turn_detection:
             await self.ctx.on_final_transcript(final)
         else:  # manual turns: hold VAD-split pieces until the client commits
             self._held.append(ev.text)
             self._held_timing = final
 
     async def _release_held(self) -> None:
+        if self._held_timing is None:  # _final sets both together
+            raise RuntimeError("held ASR finals without their timing")
         text = " ".join(self._held)
         timing = dataclasses.replace(self._held_timing, text=text, t_s=F.now_s())
         self._held.clear()
         await self.ctx.on_final_transcript(timing)
+
+    def _pop_turn(self, utterance_id: int) -> int:
+        """The session turn of a finished utterance (a new one if it was never announced)."""
+        turn = self._turns.pop(utterance_id, None)
+        return turn if turn is not None else self.ctx.new_turn_id()
 
     def _turn(self, utterance_id: int) -> int:
         if utterance_id not in self._turns:
@@ -207,7 +215,9 @@ class AsrStage(Stage):
     # ------------------------------------------------------------------ worker thread side
 
     def _step(self, chunks: list[tuple[np.ndarray, float]], commit: bool) -> list[Any]:
-        tr = self.transcriber
+        tr, loop = self.transcriber, self._loop
+        if loop is None:
+            raise RuntimeError("the ASR stage steps only after start()")
         events: list[Any] = []
         for samples, arrival_t_s in chunks:
             tr.insert_audio(samples)
@@ -215,7 +225,7 @@ class AsrStage(Stage):
             self.clock.add(total, arrival_t_s)
             if tr.vad.in_speech and not self._in_speech:
                 audio_ms = int(tr.audio_s * 1000)
-                self._loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s())
+                loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s())
             self._in_speech = tr.vad.in_speech
             if tr.split_due:  # after a stall: cut long speech before the ring forgets where it began
                 events.extend(tr.process_iter())

@@ -12,10 +12,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from edge_rtgi import frames as F
-from edge_rtgi.errors import RequestError
+from edge_rtgi.errors import ConfigError, RequestError
+from edge_rtgi.llm.engine import LLMEngine, Prompt
+from edge_rtgi.llm.request import Usage
 from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.tokenizer import ChatTokenizer
 from edge_rtgi.pipeline.config import AssistantStageConfig, TranslateStageConfig
-from edge_rtgi.pipeline.stage import Stage
+from edge_rtgi.pipeline.stage import Stage, StageContext
 from edge_rtgi.pipeline.translate import (
     ApertiumTranslator,
     translation_budget_tokens,
@@ -23,7 +26,7 @@ from edge_rtgi.pipeline.translate import (
 )
 
 
-def _usage_dict(usage: Any) -> dict | None:
+def _usage_dict(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     d = {k: v for k, v in dataclasses.asdict(usage).items() if k != "token_times_ms"}
@@ -32,14 +35,14 @@ def _usage_dict(usage: Any) -> dict | None:
 
 
 async def stream_engine(
-    stage: Stage,
-    engine: Any,
+    stage: Stage[Any],
+    engine: LLMEngine,
     rid: str,
-    prompt: Any,
+    prompt: Prompt,
     params: SamplingParams,
     priority: int = 0,
     deadline_ms: float | None = None,
-) -> tuple[str, dict | None]:
+) -> tuple[str, dict[str, Any] | None]:
     """Run one engine request, forwarding each text delta; returns (full text, usage)."""
     text, usage = "", None
     stream = engine.add_request(prompt, params, request_id=rid, priority=priority, deadline_ms=deadline_ms)
@@ -80,13 +83,18 @@ def trim_history(
     )
 
 
-class AssistantStage(Stage):
+class AssistantStage(Stage[F.ResponseRequest]):
     name = "assistant"
 
-    def __init__(self, ctx: Any, config: AssistantStageConfig, engine: Any, inbox_frames: int):
+    def __init__(self, ctx: StageContext, config: AssistantStageConfig, engine: LLMEngine, inbox_frames: int):
         super().__init__(ctx, inbox_frames)
+        if engine.tokenizer is None:
+            raise ConfigError(
+                f"the assistant's model {config.model!r} has no tokenizer to build chat prompts with"
+            )
         self.config = config
         self.engine = engine
+        self.tokenizer: ChatTokenizer = engine.tokenizer
 
     def cancel(self, response_id: str) -> None:
         self.engine.abort(response_id)
@@ -97,7 +105,7 @@ class AssistantStage(Stage):
         max_tokens = req.max_tokens or cfg.max_reply_tokens
         context = min(cfg.context_tokens or self.engine.max_model_len, self.engine.max_model_len)
         messages = trim_history(
-            self.engine.tokenizer,
+            self.tokenizer,
             req.system_prompt or cfg.system_prompt,
             req.messages,
             context - max_tokens,
@@ -111,7 +119,7 @@ class AssistantStage(Stage):
             self,
             self.engine,
             req.response_id,
-            self.engine.tokenizer.encode_chat(messages),
+            self.tokenizer.encode_chat(messages),
             params,
             cfg.priority,
             cfg.deadline_ms,
@@ -119,10 +127,12 @@ class AssistantStage(Stage):
         await self.ctx.forward(self, F.TextDone(req.response_id, text, usage=usage))
 
 
-class TranslateStage(Stage):
+class TranslateStage(Stage[F.ResponseRequest]):
     name = "translate"
 
-    def __init__(self, ctx: Any, config: TranslateStageConfig, engine: Any | None, inbox_frames: int):
+    def __init__(
+        self, ctx: StageContext, config: TranslateStageConfig, engine: LLMEngine | None, inbox_frames: int
+    ):
         super().__init__(ctx, inbox_frames)
         self.config = config
         self.engine = engine
@@ -147,6 +157,8 @@ class TranslateStage(Stage):
             if text:
                 await self.ctx.forward(self, F.TextDelta(rid, text))
         else:
+            if self.engine is None or self.engine.tokenizer is None:
+                raise RequestError("the llm translation backend has no engine with a tokenizer")
             tok = self.engine.tokenizer
             budget = translation_budget_tokens(
                 len(tok.encode(req.source_text)), cfg.budget_ratio, cfg.min_budget_tokens

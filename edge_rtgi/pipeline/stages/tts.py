@@ -5,14 +5,13 @@ still generating the rest. Synthesis runs on a worker thread (``synthesize_async
 cancelling a response stops it after the sentence in progress and drops the rest.
 
 A response's first clause is synthesised as foreground work (``edge_rtgi.cpu_priority``):
-the engine holds its decode steps until that audio exists, instead of taking half the CPU
-from it (Piper's first clause: 112 ms alone, 205 ms next to a decoding engine on 2 cores).
+the engine holds its decode steps until that audio exists, instead of taking CPU from it
+(measured: docs/daemon.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import numpy as np
 
@@ -21,14 +20,14 @@ from edge_rtgi.audio.pcm import Resampler
 from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.config import TtsStageConfig
-from edge_rtgi.pipeline.stage import Stage
-from edge_rtgi.tts import ClauseSegmenter, check_text, synthesize_async
+from edge_rtgi.pipeline.stage import Stage, StageContext
+from edge_rtgi.tts import ClauseSegmenter, TtsEngine, check_text, synthesize_async
 
 
-class TtsStage(Stage):
+class TtsStage(Stage[F.TextDelta | F.TextDone]):
     name = "tts"
 
-    def __init__(self, ctx: Any, config: TtsStageConfig, voice: Any, inbox_frames: int):
+    def __init__(self, ctx: StageContext, config: TtsStageConfig, voice: TtsEngine, inbox_frames: int):
         super().__init__(ctx, inbox_frames)
         self.config = config
         self.voice = voice
@@ -73,7 +72,7 @@ class TtsStage(Stage):
         except EdgeRtgiError:
             return  # punctuation or markup only: nothing to say
         self.ctx.note(rid, "first_clause", F.now_s())
-        out_rate = getattr(self.ctx.settings, "output_sample_rate_hz", None) or self.voice_rate_hz
+        out_rate = self.ctx.settings.output_sample_rate_hz or self.voice_rate_hz
         with contextlib.ExitStack() as critical:
             if rid not in self._first_spoken:
                 self._first_spoken.add(rid)

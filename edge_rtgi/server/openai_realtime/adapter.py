@@ -70,6 +70,9 @@ class RealtimeCore(Protocol):
 
     session_id: str
 
+    @property
+    def pipeline_name(self) -> str: ...
+
     async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None: ...
     async def commit_audio(self) -> None: ...
     async def clear_audio(self) -> None: ...
@@ -100,10 +103,10 @@ class EventObserver(Protocol):
     def __call__(self, event: F.SessionEvent) -> None: ...
 
 
-def core_settings(config: RealtimeSessionConfig) -> dict:
+def core_settings(config: RealtimeSessionConfig) -> dict[str, Any]:
     """``SessionSettings`` fields of the session core for a Realtime session config."""
     vad = config.turn_detection
-    settings = {
+    settings: dict[str, Any] = {
         "input_sample_rate_hz": config.input_format.sample_rate_hz,
         "output_sample_rate_hz": config.output_format.sample_rate_hz,
         "turn_detection": vad is not None,
@@ -180,10 +183,9 @@ class RealtimeAdapter:
 
     def _session_wire(self) -> dict:
         config = self.config
-        pipeline = getattr(self.session, "pipeline", None)
-        if config.pipeline is None and hasattr(pipeline, "name"):
-            config = dataclasses.replace(config, pipeline=pipeline.name)  # show what is running
-        return config.to_wire(getattr(self.session, "session_id", "sess"), self.model)
+        if config.pipeline is None:  # show what is running
+            config = dataclasses.replace(config, pipeline=self.session.pipeline_name)
+        return config.to_wire(self.session.session_id, self.model)
 
     # ================================================================== client -> core
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import logging
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
 
 from websockets.asyncio.server import ServerConnection
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import SessionSettings
-from edge_rtgi.server.connection import count_event, run_connection
+from edge_rtgi.server.connection import count_event, query_param, request_path, run_connection
 from edge_rtgi.server.openai_realtime.adapter import RealtimeAdapter, core_settings
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import IdMaker, error_event
@@ -39,9 +38,8 @@ def initial_config(path: str, pipelines: dict[str, Any]) -> tuple[RealtimeSessio
     ``?model=`` is echoed back as the session's model; when it (or ``?pipeline=``, our
     extension) names one of the daemon's pipelines, that pipeline is used from the start.
     """
-    query = parse_qs(urlsplit(path).query)
-    model = (query.get("model") or [DEFAULT_MODEL])[0]
-    pipeline = (query.get("pipeline") or [None])[0]
+    model = query_param(path, "model") or DEFAULT_MODEL
+    pipeline = query_param(path, "pipeline")
     if pipeline is None and model in pipelines:
         pipeline = model
     return RealtimeSessionConfig(pipeline=pipeline), model
@@ -63,7 +61,7 @@ class RealtimeConnection:
 
 async def serve_connection(daemon: Daemon, ws: ServerConnection) -> None:
     """Run one Realtime connection until the client leaves or the daemon drains."""
-    config, model = initial_config(ws.request.path, daemon.pipelines)
+    config, model = initial_config(request_path(ws), daemon.pipelines)
 
     async def send(event: dict) -> None:
         await ws.send(json.dumps(event, separators=(",", ":")))
@@ -76,5 +74,7 @@ async def serve_connection(daemon: Daemon, ws: ServerConnection) -> None:
         await ws.close(1008, "cannot open session")
         return
     adapter = RealtimeAdapter(session, send, model=model, config=config, metrics=daemon.metrics)
-    await adapter.on_frame(await session.next_event())  # session.created before any reply
+    created = await session.next_event()
+    if created is not None:  # session.created before any reply
+        await adapter.on_frame(created)
     await run_connection(daemon, ws, session, RealtimeConnection(daemon, adapter), session.session_id)

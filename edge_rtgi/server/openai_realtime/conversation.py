@@ -168,8 +168,7 @@ class Conversation:
         return self._items[item_id]
 
     def delete(self, item_id: object) -> None:
-        self.get(item_id)
-        del self._items[item_id]
+        del self._items[self.get(item_id).id]
 
     def items(self) -> list[Item]:
         return list(self._items.values())

@@ -10,6 +10,7 @@ text deltas and audio chunks. TTS audio arrives at the voice's rate and is resam
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -193,7 +194,7 @@ class ResponseStream:
             self._ev("response.output_item.done", response_id=self.id, output_index=0, item=item),
             self._ev("conversation.item.done", item=item),
         ]
-        details = None
+        details: dict[str, Any] | None = None
         if status != "completed":
             details = {"type": status, "reason": CANCEL_REASONS.get(reason or "", reason)}
             if error:
