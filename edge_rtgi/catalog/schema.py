@@ -170,8 +170,8 @@ class SourceSpec:
 
     def size_bytes(self) -> int | None:
         """Total pinned size, or None when a file's size is unknown."""
-        sizes = [f.size_bytes for f in self.files]
-        return None if any(s is None for s in sizes) else sum(sizes)  # type: ignore[arg-type]
+        sizes = [f.size_bytes for f in self.files if f.size_bytes is not None]
+        return sum(sizes) if len(sizes) == len(self.files) else None
 
 
 @dataclass(frozen=True)
