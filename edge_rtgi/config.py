@@ -96,7 +96,7 @@ def _coerce(value: Any, tp: Any, name: str, loc: str) -> Any:
     tp = _strip_optional(tp)
     if value is None:
         return None
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, value, name)
     origin = typing.get_origin(tp)
     if origin in (tuple, list):
@@ -124,6 +124,8 @@ def from_dict(cls: type[T], data: Any, context: str | None = None) -> T:
     Nested dataclass fields are built recursively; ``tuple[X, ...]`` fields accept lists.
     """
     ctx = context or cls.__name__
+    if not dataclasses.is_dataclass(cls):  # a caller's bug, not a config error
+        raise TypeError(f"from_dict needs a dataclass type, got {cls!r}")
     if data is None:
         data = {}
     if not isinstance(data, dict):

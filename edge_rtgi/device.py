@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ def cpu_has_bf16() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _openmp_pause() -> object | None:
+def _openmp_pause() -> Callable[[int], int] | None:
     """``omp_pause_resource_all`` of the OpenMP runtime torch ships with, or None."""
     lib_dir = Path(torch.__file__).parent / "lib"
     for pattern in ("libgomp*.so*", "libiomp5*.so*", "libomp*.so*"):

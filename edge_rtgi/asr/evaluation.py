@@ -78,7 +78,7 @@ def stability_problems(events: Sequence[AsrEvent]) -> list[str]:
     on both sides of the cut).
     """
     problems = []
-    by_utt: dict[int, list[AsrEvent]] = {}
+    by_utt: dict[int, list[PartialTranscript | FinalTranscript]] = {}
     for e in events:
         if isinstance(e, (PartialTranscript, FinalTranscript)):
             by_utt.setdefault(e.utterance_id, []).append(e)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
@@ -106,7 +106,7 @@ class MicrophoneSource:
             raise AudioError(f"cannot open microphone {info['name']!r}: {exc}") from None
         return stream, resampler
 
-    async def __aiter__(self) -> AsyncIterator[np.ndarray]:
+    async def __aiter__(self) -> AsyncGenerator[np.ndarray, None]:
         sd = _sounddevice()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[np.ndarray] = asyncio.Queue(maxsize=self.max_queued_chunks)

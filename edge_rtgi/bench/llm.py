@@ -22,9 +22,13 @@ import logging
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.bench.metrics import median
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.engine import GenerationResult
+    from edge_rtgi.llm.request import Usage
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +66,15 @@ def _prompt(tokenizer: Any, num_tokens: int, salt: str = "") -> list[int]:
     return ids[:num_tokens]
 
 
+def _usage(result: GenerationResult) -> Usage:
+    """The usage of a request the engine finished (RuntimeError where it reports none: it failed)."""
+    if result.usage is None:
+        raise RuntimeError(
+            f"the engine finished a request without usage: {result.error or result.finish_reason}"
+        )
+    return result.usage
+
+
 class _Ours:
     """The engine (and the plain path) on our loaded model."""
 
@@ -76,7 +89,7 @@ class _Ours:
         from edge_rtgi.llm.sampling import SamplingParams
 
         before = self.engine.stats()
-        usage = self.engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0].usage
+        usage = _usage(self.engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0])
         after = self.engine.stats()
         steps = after.num_steps - before.num_steps
         self.step_breakdown_ms = {  # mean per step of this run (prefill step included)
@@ -99,7 +112,9 @@ class _Ours:
     def ttft_ms(self, prompt: list[int]) -> tuple[float, int]:
         from edge_rtgi.llm.sampling import SamplingParams
 
-        usage = self.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0].usage
+        usage = _usage(self.engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0])
+        if usage.ttft_ms is None:
+            raise RuntimeError("the engine finished a one-token request without a first token")
         return usage.ttft_ms, usage.cached_tokens
 
     def throughput(self, prompts: list[list[int]], n: int) -> float:
@@ -257,8 +272,10 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     hf = _HF(Path(source), cfg.model) if cfg.hf else None
     log.info("measuring the engine%s, interleaved run by run", " and HF transformers fp32" if hf else "")
 
-    def pair(ours_fn: Any, hf_fn: Any | None, warmup: bool = True, **more: Any) -> dict[str, dict[str, Any]]:
-        fns = {"ours": ours_fn, **({"hf": hf_fn} if hf and hf_fn else {}), **more}
+    def pair(
+        ours_fn: Any, hf_fn: Any | None, warmup: bool = True, more: dict[str, Any] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        fns = {"ours": ours_fn, **({"hf": hf_fn} if hf and hf_fn else {}), **(more or {})}
         return _measure_interleaved(fns, cfg.runs, warmup)
 
     full_decode = (
@@ -267,7 +284,7 @@ def run_llm_bench(cfg: LLMBenchConfig) -> dict[str, Any]:
     decode = pair(
         lambda: ours.decode_rate(decode_prompt, cfg.decode_tokens),
         hf and (lambda: hf.decode_rate(decode_prompt, cfg.decode_tokens)),
-        **full_decode,
+        more=full_decode,
     )
     if ours_full:
         ours_full.engine.shutdown()

@@ -63,7 +63,9 @@ async def batch1(
     """Warm up once (8 tokens), then ``runs`` cold timed runs of ``request``."""
     reset()
     await timed_stream(target, replace(request, max_tokens=8))
-    ttft_ms, decode_tok_s, ids = [], [], []
+    ttft_ms: list[float] = []
+    decode_tok_s: list[float] = []
+    ids: list[int] = []
     for _ in range(runs):
         reset()
         ids, sent, times = await timed_stream(target, request)
@@ -118,7 +120,7 @@ async def _measure(
     reference: list[int] | None,
 ) -> dict:
     log.info("peers: measuring %s", label)
-    entry = {"name": label, "kind": kind}
+    entry: dict[str, Any] = {"name": label, "kind": kind}  # a JSON record of the report
     entry["batch1"] = await batch1(target, decode_req, cfg.decode_runs, reset, reference)
     reset()
     entry["load"] = await under_load(target, load_reqs, cfg.load_requests)

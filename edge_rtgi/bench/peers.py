@@ -23,10 +23,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.errors import EdgeRtgiError
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,14 @@ Pieces = Iterator[tuple[tuple[int, ...], str]]
 
 class PeerUnavailable(EdgeRtgiError):
     """A peer cannot run here (package missing, conversion impossible); the benchmark skips it."""
+
+
+def _decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """An HF tokenizer's text for one flat list of ids (``decode`` is typed for batches too)."""
+    text = tokenizer.decode(ids)
+    if not isinstance(text, str):  # a flat id list always decodes to one string
+        raise TypeError(f"tokenizer.decode gave a {type(text).__name__}, not a str")
+    return text
 
 
 def peer_cache_dir(model_name: str) -> Path:
@@ -57,7 +68,8 @@ def ensure_hf_folder(gguf_path: Path, model_name: str) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
     # The weights are already dequantised to fp32; only the "gguf" marker blocks saving.
-    model.hf_quantizer = None
+    # transformers sets hf_quantizer dynamically; PreTrainedModel does not declare it
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = folder.with_name("hf.partial")
@@ -97,8 +109,9 @@ class HFPeer:
         torch.set_num_threads(num_threads)
         self.device = resolve_device("auto")
         kwargs = {"attn_implementation": attn} if attn else {}
-        self.model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=getattr(torch, dtype), **kwargs)
-        self.model = self.model.to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=getattr(torch, dtype), **kwargs)
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose stub type does not bind self
+        self.model: GenerationMixin | None = model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(hf_folder)
         self.name = f"HF transformers {'fp32' if dtype == 'float32' else 'bf16'}{' ' + attn if attn else ''}"
 
@@ -127,6 +140,9 @@ class HFPeer:
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool)
 
+        model = self.model
+        if model is None:
+            raise RuntimeError(f"{self.name} is closed")
         ids = torch.tensor([list(request.prompt_token_ids)], device=self.device)
         kwargs: dict[str, Any] = dict(
             max_new_tokens=request.max_tokens,
@@ -143,7 +159,7 @@ class HFPeer:
         def run() -> None:
             try:
                 with torch.inference_mode():
-                    self.model.generate(ids, **kwargs)
+                    model.generate(ids, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                 errors.append(exc)
                 out.put(done)
@@ -152,7 +168,7 @@ class HFPeer:
         thread.start()
         try:
             while (item := out.get()) is not done:
-                yield item, self.tokenizer.decode(list(item))
+                yield item, _decode_text(self.tokenizer, list(item))
         finally:
             cancel.set()
             thread.join()
@@ -188,7 +204,7 @@ class CT2Peer:
         for step in self.generator.generate_tokens(tokens, **kwargs):
             if cancel.is_set():
                 return
-            yield (int(step.token_id),), self.tokenizer.decode([step.token_id])
+            yield (int(step.token_id),), _decode_text(self.tokenizer, [step.token_id])
 
     def close(self) -> None:
         self.generator = None
@@ -312,7 +328,8 @@ def build_peer(name: str, gguf_path: Path, model_name: str, num_threads: int) ->
 
 def timed_pieces(pieces: Pieces) -> tuple[list[int], list[float]]:
     """Run a piece iterator to the end; token ids and each token's arrival (perf_counter s)."""
-    ids, times = [], []
+    ids: list[int] = []
+    times: list[float] = []
     for piece_ids, _ in pieces:
         now = time.perf_counter()
         ids.extend(piece_ids)

@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from edge_rtgi.scoring.retention import KLResult
 
+if TYPE_CHECKING:
+    from edge_rtgi.llm.model import Transformer
+
 # token ids -> fp32 logits [len(ids), vocab]; row i predicts token i + 1
 LogitsFn = Callable[[Sequence[int]], Tensor]
 
 
-def model_logits_fn(model: torch.nn.Module) -> LogitsFn:
+def model_logits_fn(model: Transformer) -> LogitsFn:
     """All-position logits of one of our ``Transformer`` models over a fresh contiguous cache."""
     from edge_rtgi.llm.model import ContiguousKVCache
 

@@ -115,8 +115,8 @@ def plot_ramp(results: dict, path: Path) -> bool:
 
 
 def plot_ablations(results: dict, path: Path) -> bool:
-    abl = results.get("ablations")
-    rows = [r for r in (abl or {}).get("rows", []) if "metrics" in r]
+    abl = results.get("ablations") or {}
+    rows = [r for r in abl.get("rows", []) if "metrics" in r]
     if not rows:
         return False
     plt = _plt()

@@ -224,10 +224,11 @@ async def run_daemon_workloads(cfg: BenchConfig, url: str) -> dict[str, Any]:
         ok = [t for t in result.traces if t.ok]
         refs = {i.key: i.reference for i in workload.items}
         chrf_refs = None
-        if ok and all(refs[t.prompt_key] for t in ok):
+        ok_refs = [ref for t in ok if (ref := refs[t.prompt_key])]
+        if ok and len(ok_refs) == len(ok):  # every answered item has a reference
             from edge_rtgi.scoring.retention import chrf
 
-            chrf_refs = chrf([t.text for t in ok], [refs[t.prompt_key] for t in ok])
+            chrf_refs = chrf([t.text for t in ok], ok_refs)
         results["daemon"]["workloads"].append(
             {
                 "name": name,

@@ -82,18 +82,14 @@ class Workload:
     ) -> Workload:
         """A copy with a different load size, rate, budget, time bound or seed."""
         load = self.load
-        changes = {
-            k: v
-            for k, v in (
-                ("num_requests", num_requests),
-                ("rate_rps", rate_rps),
-                ("max_duration_s", max_duration_s),
-                ("seed", seed),
+        if any(v is not None for v in (num_requests, rate_rps, max_duration_s, seed)):
+            load = replace(
+                load,
+                num_requests=load.num_requests if num_requests is None else num_requests,
+                rate_rps=load.rate_rps if rate_rps is None else rate_rps,
+                max_duration_s=load.max_duration_s if max_duration_s is None else max_duration_s,
+                seed=load.seed if seed is None else seed,
             )
-            if v is not None
-        }
-        if changes:
-            load = replace(load, **changes)
         return replace(self, load=load, max_tokens=max_tokens or self.max_tokens)
 
 
@@ -115,7 +111,7 @@ class PreparedRequest:
 
 
 def _data_text(name: str) -> str:
-    return resources.files("edge_rtgi.bench").joinpath("data", name).read_text(encoding="utf-8")
+    return resources.files("edge_rtgi.bench").joinpath("data").joinpath(name).read_text(encoding="utf-8")
 
 
 def system_prompt() -> str:
@@ -125,7 +121,9 @@ def system_prompt() -> str:
 
 def code_prefixes() -> list[str]:
     """Python prefixes from ``code_prefixes.txt`` (blocks separated by ``# ===`` lines)."""
-    blocks, current, started = [], [], False
+    blocks: list[str] = []
+    current: list[str] = []
+    started = False
     for line in _data_text("code_prefixes.txt").splitlines():
         if line.strip() == "# ===":
             if started and current:

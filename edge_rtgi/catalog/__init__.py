@@ -263,6 +263,14 @@ def _fetch(source: SourceSpec, staged: Path, scratch: Path, progress: bool) -> t
     return hashes, f"hub {source.repo}@{commit}"
 
 
+@dataclass(frozen=True)
+class _SourceFailure:
+    """Why one of a model's sources could not be pulled."""
+
+    source: str  # SourceSpec.describe()
+    error: EdgeRtgiError
+
+
 def pull(
     name: str,
     force: bool = False,
@@ -289,22 +297,21 @@ def pull(
         with model_lock(root, entry.name):
             if not force and (found := installed_path(entry.name, cache_dir=root, catalog=catalog)):
                 return found
-            failures: list[EdgeRtgiError] = []
+            failures: list[_SourceFailure] = []
             for spec in sources:
                 try:
                     return _pull_source(entry, spec, root, progress)
                 except EdgeRtgiError as exc:
                     log.info("%s: %s failed: %s", entry.name, spec.describe(), exc)
-                    exc.source = spec.describe()
-                    failures.append(exc)
+                    failures.append(_SourceFailure(spec.describe(), exc))
     except OSError as exc:  # an unwritable or full cache is the user's to fix, not a crash
         raise ModelFileError(
             f"cannot write model {entry.name} into the cache {root}: {exc}",
             hint="free some space, or point EDGE_RTGI_MODEL_DIR / --cache-dir elsewhere",
         ) from None
-    if len(failures) == 1 and isinstance(failures[0], PinMismatchError):
-        raise failures[0]
-    summary = " | ".join(f"{e.source}: {e}" for e in failures)
+    if len(failures) == 1 and isinstance(failures[0].error, PinMismatchError):
+        raise failures[0].error
+    summary = " | ".join(f"{f.source}: {f.error}" for f in failures)
     raise DownloadError(
         f"could not pull {entry.name}: {summary}", hint=_alternatives(entry, sources, catalog)
     )

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Protocol
 
 from edge_rtgi.errors import ModelFileError
 
@@ -55,7 +55,25 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def copy_hashing(src: BinaryIO, dst: BinaryIO, progress=None) -> tuple[str, int]:
+class ByteReader(Protocol):
+    """A binary stream to read from (a file, a zip member)."""
+
+    def read(self, size: int, /) -> bytes: ...
+
+
+class ByteWriter(Protocol):
+    """A binary stream to write to (a file, or anything that passes the bytes on)."""
+
+    def write(self, data: bytes, /) -> object: ...
+
+
+class Progress(Protocol):
+    """A progress bar (tqdm's ``update``)."""
+
+    def update(self, n: int, /) -> object: ...
+
+
+def copy_hashing(src: ByteReader, dst: ByteWriter, progress: Progress | None = None) -> tuple[str, int]:
     """Copy a stream, returning (sha256 hex, size in bytes); ``progress.update(n)`` per chunk."""
     h = hashlib.sha256()
     size = 0

@@ -107,10 +107,15 @@ def _remote_metadata(source: SourceSpec, endpoint: str) -> tuple[str, dict]:
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint)
-    with _hub_errors(source, endpoint, f"hub request for {source.repo}@{source.revision}"):
-        commit = api.model_info(source.repo, revision=source.revision, timeout=HUB_API_TIMEOUT_S).sha
+    repo = source.required_repo()
+    doing = f"hub request for {repo}@{source.revision}"
+    with _hub_errors(source, endpoint, doing):
+        commit = api.model_info(repo, revision=source.revision, timeout=HUB_API_TIMEOUT_S).sha
+    if commit is None:
+        raise DownloadError(f"{doing}: the hub gave no commit")
+    with _hub_errors(source, endpoint, doing):
         members = [f.member or f.name for f in source.files]
-        infos = {p.path: p for p in api.get_paths_info(source.repo, members, revision=commit)}
+        infos = {p.path: p for p in api.get_paths_info(repo, members, revision=commit)}
     return commit, infos
 
 
@@ -133,7 +138,7 @@ def fetch_hub(
             with _hub_errors(source, endpoint, f"downloading {source.repo}/{member}"):
                 local = Path(
                     hf_hub_download(
-                        source.repo,
+                        source.required_repo(),
                         member,
                         revision=commit,
                         local_dir=tmp,

@@ -18,11 +18,18 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO
 
 from tqdm import tqdm
 
-from edge_rtgi.catalog.cache import PinMismatchError, check_pin, copy_hashing, sha256_file, tree_digest
+from edge_rtgi.catalog.cache import (
+    ByteWriter,
+    PinMismatchError,
+    check_pin,
+    copy_hashing,
+    sha256_file,
+    tree_digest,
+)
 from edge_rtgi.catalog.schema import FileSpec, PackageRef, SourceSpec
 from edge_rtgi.errors import DownloadError, ModelFileError
 
@@ -65,11 +72,11 @@ def pip_download(pkg: PackageRef, dest: Path, progress: bool) -> Path:
     return wheels[0]
 
 
-def _bar(total: int | None, label: str, progress: bool):
+def _bar(total: int | None, label: str, progress: bool) -> tqdm:
     return tqdm(total=total, unit="B", unit_scale=True, desc=label, disable=not progress, leave=False)
 
 
-def _member(zf: zipfile.ZipFile, member: str, wheel: Path):
+def _member(zf: zipfile.ZipFile, member: str, wheel: Path) -> IO[bytes]:
     try:
         return zf.open(member)
     except KeyError:
@@ -80,7 +87,7 @@ def _extract_file(zf: zipfile.ZipFile, wheel: Path, spec: FileSpec, folder: Path
     target = folder / spec.name
     target.parent.mkdir(parents=True, exist_ok=True)
     with (
-        _member(zf, spec.member, wheel) as src,
+        _member(zf, spec.required_member(), wheel) as src,
         open(target, "wb") as dst,
         _bar(spec.size_bytes, spec.name, progress) as bar,
     ):
@@ -90,7 +97,7 @@ def _extract_file(zf: zipfile.ZipFile, wheel: Path, spec: FileSpec, folder: Path
 
 
 def _extract_tree(zf: zipfile.ZipFile, wheel: Path, spec: FileSpec, folder: Path) -> dict[str, str]:
-    prefix = spec.member.rstrip("/") + "/"
+    prefix = spec.required_member().rstrip("/") + "/"
     members = [m for m in zf.namelist() if m.startswith(prefix) and not m.endswith("/")]
     if not members:
         raise ModelFileError(f"{wheel.name} has no folder {prefix!r}")
@@ -113,7 +120,7 @@ def _extract_tree(zf: zipfile.ZipFile, wheel: Path, spec: FileSpec, folder: Path
 class _HashingWriter:
     """Writes through to a file while hashing the whole assembled file (each part is hashed too)."""
 
-    def __init__(self, dst: BinaryIO, whole) -> None:
+    def __init__(self, dst: ByteWriter, whole: hashlib._Hash) -> None:
         self.dst, self.whole = dst, whole
 
     def write(self, chunk: bytes) -> None:
@@ -167,19 +174,20 @@ def fetch_pypi(source: SourceSpec, folder: Path, scratch: Path, progress: bool) 
 
 def fetch_python_package(source: SourceSpec, folder: Path) -> dict[str, str]:
     """Copy pinned files shipped inside an installed Python package (e.g. faster-whisper's VAD)."""
-    spec = importlib.util.find_spec(source.package)
+    package = source.required_package()
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise DownloadError(
-            f"Python package {source.package!r} is not installed",
-            hint=f"pip install {source.package.replace('_', '-')}",
+            f"Python package {package!r} is not installed",
+            hint=f"pip install {package.replace('_', '-')}",
         )
     root = Path(list(spec.submodule_search_locations)[0])
     hashes: dict[str, str] = {}
     for f in source.files:
-        src = root / f.member
+        src = root / f.required_member()
         if not src.is_file():
             raise ModelFileError(
-                f"{source.package} has no file {f.member} (looked in {root})",
+                f"{package} has no file {f.member} (looked in {root})",
                 hint="a different version of the package is installed; see docs/models.md",
             )
         target = folder / f.name

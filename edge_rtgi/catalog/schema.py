@@ -83,6 +83,12 @@ class FileSpec:
         if self.tree and (self.parts or not self.member):
             raise ValueError(f"file {self.name}: a tree needs a member folder and no parts")
 
+    def required_member(self) -> str:
+        """``member``, for the files whose source checks require one (ValueError where it is missing)."""
+        if self.member is None:
+            raise ValueError(f"file {self.name} has no member")
+        return self.member
+
 
 @dataclass(frozen=True)
 class SourceSpec:
@@ -138,6 +144,18 @@ class SourceSpec:
             if not f.member or f.sha256 is None:
                 raise ValueError(f"python-package file {f.name}: needs member and sha256")
 
+    def required_repo(self) -> str:
+        """A hub source's ``repo`` (ValueError where it is missing: ``_check_hub`` requires it)."""
+        if self.repo is None:
+            raise ValueError(f"{self.kind} source has no repo")
+        return self.repo
+
+    def required_package(self) -> str:
+        """A python-package source's ``package`` (ValueError where it is missing)."""
+        if self.package is None:
+            raise ValueError(f"{self.kind} source has no package")
+        return self.package
+
     def pinned(self) -> bool:
         """True when every file carries a sha256 pin in the catalogue."""
         return all(f.sha256 for f in self.files)
@@ -152,8 +170,8 @@ class SourceSpec:
 
     def size_bytes(self) -> int | None:
         """Total pinned size, or None when a file's size is unknown."""
-        sizes = [f.size_bytes for f in self.files]
-        return None if any(s is None for s in sizes) else sum(sizes)  # type: ignore[arg-type]
+        sizes = [f.size_bytes for f in self.files if f.size_bytes is not None]
+        return sum(sizes) if len(sizes) == len(self.files) else None
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,12 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edge_rtgi.bench.suite import BenchConfig
 
 SUBCOMMANDS = {
     "workloads": (
@@ -117,29 +121,33 @@ def add_bench_subcommand(name: str, **kwargs) -> argparse.ArgumentParser:
     return _BENCH_SUBPARSERS.add_parser(name, **kwargs)
 
 
-QUICK = dict(
-    num_requests=3,
-    max_duration_s=30.0,
-    quality_prompts=2,
-    ramp_rates_rps=(2.0, 8.0),
-    ramp_requests=3,
-    ablations=("prefix_caching=false", "max_num_seqs=1"),
-    decode_new_tokens=16,
-    decode_runs=1,
-    load_requests=3,
-    load_max_tokens=8,
-)
+def quick_config(cfg: BenchConfig) -> BenchConfig:
+    """``--quick``: ``cfg`` with every count and bound small (a run of a few minutes)."""
+    return replace(
+        cfg,
+        num_requests=3,
+        max_duration_s=30.0,
+        quality_prompts=2,
+        ramp_rates_rps=(2.0, 8.0),
+        ramp_requests=3,
+        ablations=("prefix_caching=false", "max_num_seqs=1"),
+        decode_new_tokens=16,
+        decode_runs=1,
+        load_requests=3,
+        load_max_tokens=8,
+    )
 
 
-def build_config(args: argparse.Namespace):
+def build_config(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig from --config, --quick and the flags (flags win)."""
     from edge_rtgi.bench.suite import BenchConfig
     from edge_rtgi.config import load_config
 
     cfg = load_config(BenchConfig, args.config) if args.config else BenchConfig()
     if args.quick:
-        cfg = replace(cfg, **QUICK)
-    changes = {
+        cfg = quick_config(cfg)
+    # The flags given on the command line (argparse values, untyped: its parser sets their types).
+    changes: dict[str, Any] = {
         k: v
         for k, v in (
             ("model", args.model),
@@ -157,7 +165,7 @@ def build_config(args: argparse.Namespace):
         if v is not None
     }
     opt = cfg.optimisations
-    opt_changes = {
+    opt_changes: dict[str, Any] = {
         k: v
         for k, v in (
             ("dtype", args.dtype),

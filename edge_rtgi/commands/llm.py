@@ -11,9 +11,13 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from edge_rtgi.errors import EdgeRtgiError, RequestError
 from edge_rtgi.llm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.tokenizer import Tokenizer
 
 FALLBACK_MODEL = "smollm2-135m-instruct"
 
@@ -22,7 +26,7 @@ FALLBACK_MODEL = "smollm2-135m-instruct"
 class Backend:
     """Where tokens come from: ``stream(prompt_ids, params)`` yields GenerationDelta-like objects."""
 
-    tokenizer: object
+    tokenizer: Tokenizer
     context_tokens: int
     stream: Callable[[Sequence[int], SamplingParams], Iterator]
 
@@ -58,7 +62,10 @@ def open_backend(
                 raise RequestError(delta.error)
             yield delta
 
-    return Backend(tokenizer=loaded.tokenizer, context_tokens=engine.max_model_len, stream=stream)
+    context_tokens = engine.max_model_len
+    if not isinstance(context_tokens, int):  # the engine derives it from the model's int config
+        raise TypeError(f"engine.max_model_len is a {type(context_tokens).__name__}, not an int")
+    return Backend(tokenizer=loaded.tokenizer, context_tokens=context_tokens, stream=stream)
 
 
 def default_model_name() -> str:

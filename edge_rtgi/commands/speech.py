@@ -163,6 +163,7 @@ def _transcribe(args: argparse.Namespace) -> int:
     if args.chunk_ms <= 0:
         raise EdgeRtgiError(f"--chunk-ms must be positive, got {args.chunk_ms}")
     config = _asr_config(args)
+    source: WavSource | MicrophoneSource
     if args.file:
         # Tail silence lets the VAD endpoint fire after the last word, as with a live speaker.
         tail_ms = config.vad.min_silence_ms + config.vad.speech_pad_ms + 300

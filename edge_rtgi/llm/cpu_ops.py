@@ -33,14 +33,18 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from edge_rtgi.llm.rope import apply_rope
+
+if TYPE_CHECKING:
+    from torch._ops import _OpNamespace
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,7 @@ def target_arch() -> str:
 
 
 _lock = threading.Lock()
-_ops = None  # torch.ops.edge_rtgi once loaded
+_ops: _OpNamespace | None = None  # torch.ops.edge_rtgi once loaded
 _failure: str | None = None
 _disabled_depth = 0  # disabled() blocks currently open, in any thread
 
@@ -134,7 +138,7 @@ def load() -> bool:
     return True
 
 
-def _build():
+def _build() -> _OpNamespace:
     from torch.utils.cpp_extension import load as load_extension
 
     directory = build_dir()
@@ -236,24 +240,27 @@ def _use(x: Tensor) -> bool:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``F.rms_norm`` over the last dimension."""
-    if _use(x) and weight.dtype == x.dtype:
-        return _ops.rms_norm.default(x, weight, eps)
+    ops = _ops  # _use checks it too; the local narrows it for the type checker
+    if ops is not None and _use(x) and weight.dtype == x.dtype:
+        return ops.rms_norm.default(x, weight, eps)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rotate_qk(qk: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """``rope.apply_rope`` on ``qk`` [T, H, D]. The fused kernel rotates in place (``qk`` must be
     a temporary, such as a view of the q/k/v projection's output) and returns it."""
-    if _use(qk) and qk.stride(-1) == 1 and cos.dtype == qk.dtype:
-        _ops.rotary_.default(qk, cos, signed_sin)
+    ops = _ops
+    if ops is not None and _use(qk) and qk.stride(-1) == 1 and cos.dtype == qk.dtype:
+        ops.rotary_.default(qk, cos, signed_sin)
         return qk
     return apply_rope(qk, cos, signed_sin)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """SwiGLU's ``F.silu(gate) * up`` for ``gate_up`` = [..., gate | up]."""
-    if _use(gate_up):
-        return _ops.silu_mul.default(gate_up)
+    ops = _ops
+    if ops is not None and _use(gate_up):
+        return ops.silu_mul.default(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -287,6 +294,8 @@ def decode_attention(
     Only call it where ``decode_attention_usable`` said yes; there is no PyTorch fallback here
     because the callers already have one (their SDPA path).
     """
+    if _ops is None:
+        raise RuntimeError("decode_attention called without the fused CPU kernels loaded")
     return _ops.decode_attention.default(
         q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale
     )
@@ -318,6 +327,12 @@ class _LayerPlan:
     # (setattr, load_state_dict(assign=True), functional_call, model.to) can leave it stale.
     bindings: tuple[tuple[dict, str, object], ...]
     modules: tuple[torch.nn.Module, ...]  # hooks or a patched forward on any of these: Python layers
+    # Derived from bindings and modules in __post_init__ (for _plan_valid).
+    _containers: list[dict] = field(init=False, repr=False, compare=False)
+    _keys: list[str] = field(init=False, repr=False, compare=False)
+    _values: list[object] = field(init=False, repr=False, compare=False)
+    _hook_dicts: list[dict] = field(init=False, repr=False, compare=False)
+    _instance_dicts: list[dict] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The same checks laid out for map() over C-level callables (~4x faster than a loop).
@@ -437,7 +452,10 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
     if x.shape[0] > plan.max_rows or len(slots.k_stores) != len(plan.meta) // 8:
         return None
     cfg = model.config
-    return _ops.decode_layers.default(
+    ops = _ops
+    if ops is None:  # _use(x) said the kernels are loaded
+        raise RuntimeError("fused CPU kernels unloaded during a decode step")
+    return ops.decode_layers.default(
         x,
         cos,
         signed_sin,

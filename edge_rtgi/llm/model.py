@@ -13,7 +13,7 @@ groups the quantiser assigns bits to. ``weights.py`` maps HF names onto this lay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from torch import Tensor, nn
 
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.rope import RopeSpec, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.quant.kernels import TiedQuantEmbedding
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -72,10 +75,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         window = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
         # transformers 5 writes `rope_parameters` (theta inside); older files `rope_scaling` + `rope_theta`.
-        rope_scaling = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        rope_theta = float(rope_scaling.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-        if rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
+        scaling = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope_theta = float(scaling.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        default_rope = scaling.get("rope_type", scaling.get("type")) in (None, "default")
+        rope_scaling = None if default_rope else scaling
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -176,12 +179,14 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # A quantised tied head replaces the table with a view of itself (quant.plan.install_packed).
+        self.embed_tokens: nn.Embedding | TiedQuantEmbedding = embed
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = embed.weight
         self.rotary = RotaryEmbedding(cfg.rope())
         # Parameter name -> storage format in the file it was loaded from (weights.load_model).
         self.source_weight_formats: dict[str, str] = {}

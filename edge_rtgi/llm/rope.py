@@ -67,6 +67,8 @@ def rope_inverse_frequencies(spec: RopeSpec) -> tuple[Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """cos and sin tables for a batch of positions (one module per RoPE base a model uses)."""
 
+    inv_freq: Tensor  # [D/2] fp32 buffer (register_buffer: not seen by the type checker)
+
     def __init__(self, spec: RopeSpec):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inverse_frequencies(spec)

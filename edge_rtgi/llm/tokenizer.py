@@ -193,12 +193,13 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokeni
         raise ModelFileError(f"cannot parse {path}: {exc}", hint="re-download the model") from None
     config_path = folder / "tokenizer_config.json"
     tok_config = _read_json(config_path) if config_path.is_file() else {}
-    special = {k: _token_content(v) for k, v in tok_config.items() if k.endswith("_token")}
-    special = {k: v for k, v in special.items() if v is not None}
+    contents = {k: _token_content(v) for k, v in tok_config.items() if k.endswith("_token")}
+    special = {k: v for k, v in contents.items() if v is not None}
     bos, eos = special.get("bos_token"), special.get("eos_token")
     eos_ids = list(eos_token_ids)
-    if eos is not None and backend.token_to_id(eos) is not None:
-        eos_ids.append(backend.token_to_id(eos))
+    eos_id = backend.token_to_id(eos) if eos is not None else None
+    if eos_id is not None:
+        eos_ids.append(eos_id)
     return Tokenizer(
         backend=backend,
         bos_token=bos,
@@ -282,7 +283,7 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
-    vocab = {}
+    vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
     backend = BackendTokenizer(

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from edge_rtgi.device import resolve_device, resolve_dtype
 from edge_rtgi.errors import ModelFileError, ModelNotFoundError
@@ -431,7 +431,10 @@ def _build_model(
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+        embed = model.embed_tokens
+        if not isinstance(embed, nn.Embedding):  # a bug: a model just built has a float table
+            raise RuntimeError(f"embed_tokens is a {type(embed).__name__}, not an nn.Embedding")
+        model.lm_head.weight = embed.weight
     model.rotary = RotaryEmbedding(cfg.rope()).to(device)
     if rope_factors is not None:
         if rope_factors.numel() != model.rotary.inv_freq.numel():

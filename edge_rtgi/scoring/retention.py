@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,8 @@ def score_outputs(
 ) -> QualityResult:
     """Quality retention of paired outputs (same prompts, same order)."""
     agreement = chrf(optimised_texts, full_texts)
-    refs = list(references or [])
-    if refs and all(r is not None for r in refs):
+    refs = [r for r in references or [] if r is not None]
+    if refs and len(refs) == len(references or []):
         ref_full = chrf(full_texts, refs)
         ref_opt = chrf(optimised_texts, refs)
         if ref_full > 0:
@@ -130,7 +135,7 @@ def chrf_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> lis
     return CHRF()._extract_corpus_statistics(list(hypotheses), [list(references)])
 
 
-def chrf_from_statistics(rows: Sequence[Sequence[int]]) -> float:
+def chrf_from_statistics(rows: Sequence[Sequence[int]] | npt.NDArray[np.int64]) -> float:
     """Corpus chrF (0..100) from summed ``chrf_statistics`` rows; equals ``chrf`` on the same pairs."""
     from sacrebleu.metrics import CHRF
 
@@ -187,8 +192,8 @@ def retention_interval(
 
     if block_prompts < 1:
         raise ValueError(f"block_prompts must be >= 1, got {block_prompts}")
-    refs = list(references or [])
-    with_refs = bool(refs) and all(r is not None for r in refs)
+    refs = [r for r in references or [] if r is not None]
+    with_refs = bool(refs) and len(refs) == len(references or [])
     if with_refs:
         full_rows = chrf_statistics(full_texts, refs)
         if chrf_from_statistics(full_rows) <= 0:
@@ -249,7 +254,7 @@ def _ratio(optimised_score: float, full_score: float) -> float:
 
 def bootstrap_mean_interval(
     unit_sums: Sequence[float],
-    unit_counts: Sequence[int],
+    unit_counts: Sequence[float],
     resamples: int = 2000,
     level: float = 0.95,
     seed: int = 0,
@@ -258,7 +263,8 @@ def bootstrap_mean_interval(
 
     Resampling windows rather than tokens keeps the strong correlation between neighbouring
     tokens inside each draw, so the interval is not falsely narrow. Works for differences too
-    (pass per-window sums of ``kl_a - kl_b`` for a paired comparison).
+    (pass per-window sums of ``kl_a - kl_b`` for a paired comparison), and for ratios of sums
+    (``unit_counts`` need not be token counts).
     """
     import numpy as np
 

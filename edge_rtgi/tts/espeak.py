@@ -149,12 +149,13 @@ class EspeakEngine:
     sample_rate_hz = 22050
 
     def __init__(self, voice: str = "en-us", speed_wpm: int = 165):
-        self.program = shutil.which("espeak-ng")
-        if self.program is None:
+        program = shutil.which("espeak-ng")
+        if program is None:
             raise EspeakError(
                 "the espeak-ng program is not installed",
                 hint="apt-get install espeak-ng (scripts/setup.sh does)",
             )
+        self.program = program
         self.voice, self.speed_wpm = voice, speed_wpm
         probe = subprocess.run([self.program, "-v", voice, "-q", "x"], capture_output=True, text=True)
         if probe.returncode != 0 or "not found" in (probe.stderr or "").lower():
@@ -165,14 +166,17 @@ class EspeakEngine:
     def _sentence_pcm(self, sentence: str, block_samples: int = 4096) -> Iterator[np.ndarray]:
         cmd = [self.program, "--stdout", "-v", self.voice, "-s", str(self.speed_wpm), "--", sentence]
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
-            header = proc.stdout.read(44)
+            stdout = proc.stdout
+            if stdout is None:  # stdout=PIPE always gives a pipe
+                raise EspeakError("espeak-ng was started without an output pipe")
+            header = stdout.read(44)
             if len(header) < 44 or header[:4] != b"RIFF":
                 raise EspeakError(f"espeak-ng produced no audio for {sentence[:40]!r}")
             rate = int.from_bytes(header[24:28], "little")
             if rate != self.sample_rate_hz:
                 self.sample_rate_hz = rate
             while True:
-                data = proc.stdout.read(block_samples * 2)
+                data = stdout.read(block_samples * 2)
                 if not data:
                     break
                 yield np.frombuffer(data[: len(data) // 2 * 2], dtype="<i2").astype(np.int16)

@@ -158,7 +158,7 @@ class ClauseSegmenter:
     def push(self, text_delta: str) -> list[str]:
         """Add text; return the chunks that are now complete (possibly none)."""
         self._buf += text_delta
-        out = []
+        out: list[str] = []
         while True:
             cut = self._find_cut()
             if cut is None:
@@ -189,18 +189,19 @@ class ClauseSegmenter:
 
     def _find_cut(self) -> int | None:
         cut = self._mark_cut()
-        if self._emitted == 0 and self.first_break_after_words is not None:
+        min_words = self.first_break_after_words
+        if self._emitted == 0 and min_words is not None:
             # Only a break word that comes before the mark cut matters; each cut depends only on
             # the text up to the whitespace after it, so delta sizes never change the result.
             for match in _BREAK.finditer(self._buf, 0, len(self._buf) if cut is None else cut):
-                if self._is_break(self._buf[: match.start()], match.group(1)):
+                if self._is_break(self._buf[: match.start()], match.group(1), min_words):
                     return match.start()
         return cut
 
-    def _is_break(self, head: str, word: str) -> bool:
-        """May the first chunk be ``head``, with ``word`` starting the next one?"""
+    def _is_break(self, head: str, word: str, min_words: int) -> bool:
+        """May the first chunk be ``head`` (``min_words`` words at least), ``word`` starting the next?"""
         words = head.split()
-        if len(words) < self.first_break_after_words or _inside_quote(head):
+        if len(words) < min_words or _inside_quote(head):
             return False
         if word in COPULAS:
             subject = re.split(r"[,;:]\s", head)[-1].split()

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from edge_rtgi.llm.quant.checkpoint import load_quantized_checkpoint, save_quantized_checkpoint
 from edge_rtgi.llm.quant.plan import (
@@ -25,8 +24,11 @@ from edge_rtgi.llm.quant.plan import (
 from edge_rtgi.llm.quant.policy import AUTO_QUANT_KERNEL_MAX_ROWS, resolve_weight_quant, source_aligned_scheme
 from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weight
 
+if TYPE_CHECKING:
+    from edge_rtgi.llm.model import Transformer
 
-def apply_engine_quant(model: nn.Module, setting: str | None, tokenizer=None) -> str | None:
+
+def apply_engine_quant(model: Transformer, setting: str | None, tokenizer=None) -> str | None:
     """The engine's ``quant`` setting: "auto" and "none" resolved by ``policy.resolve_weight_quant``,
     anything else passed to ``apply_quant``. Returns what was applied, in words (None: full
     precision).
@@ -50,7 +52,7 @@ def apply_engine_quant(model: nn.Module, setting: str | None, tokenizer=None) ->
     return " + ".join(f"{scheme} x{n}" for scheme, n in counts.most_common())
 
 
-def source_aligned_plan(model: nn.Module, default: str) -> QuantPlan:
+def source_aligned_plan(model: Transformer, default: str) -> QuantPlan:
     """``default`` for every group, except groups whose weights the model file stored in a
     format that a kernel scheme reproduces (``policy.source_aligned_scheme``, from
     ``model.source_weight_formats``): those keep their precision in that scheme."""
@@ -66,7 +68,7 @@ def source_aligned_plan(model: nn.Module, default: str) -> QuantPlan:
     )
 
 
-def apply_quant(model: nn.Module, spec: str | Path | None, tokenizer=None) -> dict[str, str] | None:
+def apply_quant(model: Transformer, spec: str | Path | None, tokenizer=None) -> dict[str, str] | None:
     """The one hook for ``quant:`` in configs: a ``.safetensors`` quantised checkpoint, a plan
     YAML path, or a scheme name applied to every group (``int8``, ``int4-g64``). None: no-op.
 

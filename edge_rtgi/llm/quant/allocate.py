@@ -40,16 +40,16 @@ class Budget:
 
     @classmethod
     def from_args(cls, groups: list[WeightGroup], target_bits: float | None, max_mb: float | None) -> Budget:
-        if (target_bits is None) == (max_mb is None):
-            raise ConfigError("give exactly one budget: --target-bits B or --max-mb N")
-        if target_bits is not None:
+        if target_bits is not None and max_mb is None:
             if target_bits <= 0:
                 raise ConfigError(f"--target-bits must be positive, got {target_bits}")
             numel = sum(g.numel for g in groups)
             return cls(int(target_bits * numel / 8), f"{target_bits} bits per weight")
-        if max_mb <= 0:
-            raise ConfigError(f"--max-mb must be positive, got {max_mb}")
-        return cls(int(max_mb * 1e6), f"{max_mb} MB")
+        if max_mb is not None and target_bits is None:
+            if max_mb <= 0:
+                raise ConfigError(f"--max-mb must be positive, got {max_mb}")
+            return cls(int(max_mb * 1e6), f"{max_mb} MB")
+        raise ConfigError("give exactly one budget: --target-bits B or --max-mb N")
 
 
 def _candidates(group: WeightGroup, table: SensitivityTable, schemes: tuple[str, ...] | None) -> list:

@@ -12,26 +12,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from edge_rtgi.errors import ModelFileError
 from edge_rtgi.llm.quant.plan import (
     QuantPlan,
     check_plan_inputs,
+    float_linear,
     install_packed,
     model_groups,
     warn_if_slow_activations,
 )
 from edge_rtgi.llm.quant.schemes import PackedWeight, parse_scheme, quantiser_name, quantize_weight
 
+if TYPE_CHECKING:
+    from edge_rtgi.llm.model import Transformer
+
 CHECKPOINT_FORMAT = "edge-rtgi-quant/1"
 
 
-def _fingerprint(model: nn.Module) -> dict:
+def _fingerprint(model: Transformer) -> dict:
     cfg = model.config
     return {
         "arch": cfg.arch,
@@ -44,7 +48,7 @@ def _fingerprint(model: nn.Module) -> dict:
 
 
 def save_quantized_checkpoint(
-    model: nn.Module, plan: QuantPlan, path: str | Path, importance: dict[str, torch.Tensor] | None = None
+    model: Transformer, plan: QuantPlan, path: str | Path, importance: dict[str, torch.Tensor] | None = None
 ) -> dict[str, str]:
     """Quantise the float ``model``'s groups per ``plan`` and write them to ``path`` (.safetensors).
 
@@ -60,9 +64,8 @@ def save_quantized_checkpoint(
         scheme = parse_scheme(resolved[group.name])
         if scheme.bits == 16:
             continue
-        module = model.get_submodule(group.module_path)
         packed = quantize_weight(
-            module.weight, scheme, None if importance is None else importance[group.name]
+            float_linear(model, group).weight, scheme, None if importance is None else importance[group.name]
         )
         tensors[f"{group.name}.qweight"] = packed.qweight
         tensors[f"{group.name}.scales"] = packed.scales
@@ -98,7 +101,7 @@ def read_checkpoint_plan(path: str | Path) -> tuple[QuantPlan, dict, dict]:
 
 
 def _check_matches(
-    path: str | Path, model: nn.Module, plan: QuantPlan, fingerprint: dict, shapes: dict
+    path: str | Path, model: Transformer, plan: QuantPlan, fingerprint: dict, shapes: dict
 ) -> None:
     groups = {g.name: g for g in model_groups(model)}
     problems = []
@@ -122,7 +125,7 @@ def _check_matches(
         )
 
 
-def load_quantized_checkpoint(path: str | Path, base_model: nn.Module) -> dict[str, str]:
+def load_quantized_checkpoint(path: str | Path, base_model: Transformer) -> dict[str, str]:
     """Install the packed groups of checkpoint ``path`` into the float ``base_model`` in place.
 
     Returns the resolved plan. Raises ``ModelFileError`` naming each mismatch.

@@ -34,6 +34,8 @@ class QuantLinear(nn.Module, abc.ABC):
 
     scheme_name: str
     max_kernel_rows: int = 0  # inputs with more rows use dense_weight, when there is one
+    # Buffers (register_buffer), declared for the type checker.
+    dense_weight: Tensor | None
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -74,6 +76,10 @@ class QuantLinear(nn.Module, abc.ABC):
     def _matmul(self, x2: Tensor) -> Tensor:
         """``x2 @ W^T`` for a 2-D input, on the subclass's kernel."""
 
+    @abc.abstractmethod
+    def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Dequantised rows ``ids`` of the [N, K] weight matrix, in ``dtype``."""
+
     def dequantized_weight(self, dtype: torch.dtype) -> Tensor:
         """The full [N, K] weight matrix as the kernel sees it (via each subclass's ``gather_rows``)."""
         return self.gather_rows(torch.arange(self.out_features, device=self._activation_device()), dtype)
@@ -99,6 +105,9 @@ class QuantLinear(nn.Module, abc.ABC):
 
 class Int8Linear(QuantLinear):
     """int8 per-output-channel weights; y = x @ (q * scale)^T, computed inside the kernel."""
+
+    qweight: Tensor
+    scales: Tensor
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__(packed, bias, dtype, device)
@@ -148,12 +157,16 @@ def _cuda_int8_kernel_available() -> bool:
 class Int4Linear(QuantLinear):
     """Group-wise int4 weights with a scale and zero per group: w = (code - 8) * scale + zero."""
 
+    qweight: Tensor
+    scales_and_zeros: Tensor
+    row_codes: Tensor  # CUDA only
+
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__(packed, bias, dtype, device)
-        self.group_size = packed.scheme.group_size
+        self.group_size = packed.scheme.group
         codes = packed.codes()  # int32 [N, K]
         # Kernel layout: [K/G, N, 2] (scale, zero) pairs.
-        sz = torch.stack((packed.scales, packed.zeros), dim=-1).transpose(0, 1).contiguous()
+        sz = torch.stack((packed.scales, packed.int4_zeros()), dim=-1).transpose(0, 1).contiguous()
         self.on_cuda = device.type == "cuda"
         if self.on_cuda:
             if dtype != torch.bfloat16:
@@ -235,7 +248,12 @@ class TiedQuantEmbedding(nn.Module):
         flat = ids.reshape(-1)
         head = self.head[0]
         # Rows come out in the head's activation dtype, which follows model.to(dtype).
-        dtype = head.scales.dtype if isinstance(head, Int8Linear) else head.scales_and_zeros.dtype
+        if isinstance(head, Int8Linear):
+            dtype = head.scales.dtype
+        elif isinstance(head, Int4Linear):
+            dtype = head.scales_and_zeros.dtype
+        else:
+            raise TypeError(f"no tied embedding for a {type(head).__name__} head")
         return head.gather_rows(flat, dtype).view(*ids.shape, self.embedding_dim)
 
 
@@ -245,5 +263,8 @@ def keep_dense_copies(model: nn.Module, max_kernel_rows: int) -> int:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.keep_dense_copy(max_kernel_rows)
-            extra += module.dense_weight.numel() * module.dense_weight.element_size()
+            dense = module.dense_weight
+            if dense is None:  # keep_dense_copy has just set it
+                raise RuntimeError(f"{type(module).__name__}.keep_dense_copy left no dense copy")
+            extra += dense.numel() * dense.element_size()
     return extra

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import yaml
@@ -25,8 +26,16 @@ from torch import nn
 
 from edge_rtgi.device import cpu_has_bf16
 from edge_rtgi.errors import ConfigError
-from edge_rtgi.llm.quant.kernels import TiedQuantEmbedding, cpu_int4_layout_ok, make_quant_linear
+from edge_rtgi.llm.quant.kernels import (
+    QuantLinear,
+    TiedQuantEmbedding,
+    cpu_int4_layout_ok,
+    make_quant_linear,
+)
 from edge_rtgi.llm.quant.schemes import PackedWeight, QuantScheme, parse_scheme, quantize_weight
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.model import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +72,15 @@ class WeightGroup:
         return True
 
 
-def model_groups(model: nn.Module) -> list[WeightGroup]:
+def model_groups(model: Transformer) -> list[WeightGroup]:
     """The quantisable groups of a ``Transformer``, in forward order."""
     cfg = model.config
     groups = []
     for i in range(cfg.num_layers):
         for kind, path in _KIND_PATHS.items():
             mod = model.get_submodule(f"layers.{i}.{path}")
+            if not isinstance(mod, (nn.Linear, QuantLinear)):
+                raise TypeError(f"layers.{i}.{path} is a {type(mod).__name__}, not a linear layer")
             groups.append(
                 WeightGroup(f"layers.{i}.{kind}", f"layers.{i}.{path}", mod.out_features, mod.in_features)
             )
@@ -172,7 +183,7 @@ def plan_bits_per_weight(schemes: dict[str, str], groups: list[WeightGroup]) -> 
     return 8.0 * plan_nbytes(schemes, groups) / sum(g.numel for g in groups)
 
 
-def warn_if_slow_activations(model: nn.Module) -> None:
+def warn_if_slow_activations(model: Transformer) -> None:
     """The weight-only kernels are slower than fp32 F.linear when fed fp32 activations on CPU."""
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return
@@ -188,9 +199,18 @@ def warn_if_slow_activations(model: nn.Module) -> None:
         )
 
 
-def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -> None:
+def float_linear(model: Transformer, group: WeightGroup) -> nn.Linear:
+    """The float linear layer of ``group`` (TypeError where it is not one, e.g. quantised already:
+    ``check_plan_inputs`` refuses such plans before any work)."""
+    module = model.get_submodule(group.module_path)
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"{group.module_path} is a {type(module).__name__}, not a float nn.Linear")
+    return module
+
+
+def install_packed(model: Transformer, group: WeightGroup, packed: PackedWeight) -> None:
     """Swap one float linear for its kernel-backed quantised layer (frees the float weight)."""
-    old = model.get_submodule(group.module_path)
+    old = float_linear(model, group)
     new = make_quant_linear(packed, old.bias, model.dtype, model.device)
     parent_path, _, attr = group.module_path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
@@ -200,7 +220,7 @@ def install_packed(model: nn.Module, group: WeightGroup, packed: PackedWeight) -
 
 
 def check_plan_inputs(
-    model: nn.Module, groups: list[WeightGroup], resolved: dict[str, str], importance: dict | None = None
+    model: Transformer, groups: list[WeightGroup], resolved: dict[str, str], importance: dict | None = None
 ) -> None:
     """Refuse, before any work, groups to quantise that are not float linears any more, or that
     ``importance`` (when given) does not cover."""
@@ -220,7 +240,7 @@ def check_plan_inputs(
 
 
 def apply_quant_plan(
-    model: nn.Module,
+    model: Transformer,
     plan: QuantPlan | str | Path,
     dtype: torch.dtype | None = None,
     importance: dict[str, torch.Tensor] | None = None,
@@ -242,7 +262,7 @@ def apply_quant_plan(
     for group in groups:
         scheme = parse_scheme(resolved[group.name])
         if scheme.bits < 16:
-            weight = model.get_submodule(group.module_path).weight
+            weight = float_linear(model, group).weight
             weights = None if importance is None else importance[group.name]
             install_packed(model, group, quantize_weight(weight, scheme, weights))
     if dtype is not None:
@@ -261,9 +281,7 @@ def uniform_plan(groups: list[WeightGroup], scheme_name: str) -> QuantPlan:
         if scheme.bits == 4 and not g.allowed(scheme):
             prefix = "int4sym" if scheme.symmetric else "int4"
             fitting = [
-                s
-                for s in (128, 64, 32)
-                if s < scheme.group_size and g.allowed(parse_scheme(f"{prefix}-g{s}"))
+                s for s in (128, 64, 32) if s < scheme.group and g.allowed(parse_scheme(f"{prefix}-g{s}"))
             ]
             name = f"{prefix}-g{fitting[0]}" if fitting else "int8"
             fallbacks[g.name] = name

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
 
 from edge_rtgi.errors import ConfigError
-from edge_rtgi.llm.model import ContiguousKVCache
-from edge_rtgi.llm.quant.plan import WeightGroup, model_groups
+from edge_rtgi.llm.model import ContiguousKVCache, Transformer
+from edge_rtgi.llm.quant.plan import WeightGroup, float_linear, model_groups
 from edge_rtgi.llm.quant.schemes import parse_scheme, quantiser_name, quantize_weight
 
 SENSITIVITY_FORMAT = "edge-rtgi-quant-sensitivity/1"
@@ -75,7 +75,7 @@ class Calibration:
         return sum(len(w) for w in self.windows)
 
 
-def _run_layers(model: nn.Module, x: Tensor, start: int, cache: ContiguousKVCache) -> Tensor:
+def _run_layers(model: Transformer, x: Tensor, start: int, cache: ContiguousKVCache) -> Tensor:
     positions = torch.arange(x.shape[0])
     cos, sin = model.rotary(positions, x.dtype)
     cache.length = 0
@@ -86,7 +86,7 @@ def _run_layers(model: nn.Module, x: Tensor, start: int, cache: ContiguousKVCach
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, windows: list[Tensor]) -> Calibration:
+def calibrate(model: Transformer, windows: list[Tensor]) -> Calibration:
     """One full forward per window, keeping each layer's input and the reference log-probs."""
     cfg = model.config
     cache = ContiguousKVCache(cfg, max(len(w) for w in windows), model.dtype, model.device)
@@ -110,7 +110,7 @@ def calibrate(model: nn.Module, windows: list[Tensor]) -> Calibration:
 
 @torch.no_grad()
 def collect_importance(
-    model: nn.Module, tokenizer, text: str | None = None, window_tokens: int = 256, max_windows: int = 16
+    model: Transformer, tokenizer, text: str | None = None, window_tokens: int = 256, max_windows: int = 16
 ) -> dict[str, Tensor]:
     """Mean squared input activation per input channel of every quantisable group ([in_features]
     fp32 each, keyed by group name): the "importance matrix" that ``quantize_weight`` fits grids to.
@@ -159,7 +159,7 @@ def mean_kl(ref_logprobs: Tensor, logits: Tensor) -> float:
 
 @torch.no_grad()
 def group_kl(
-    model: nn.Module,
+    model: Transformer,
     calib: Calibration,
     group: WeightGroup,
     layer_index: int | None,
@@ -224,7 +224,7 @@ class SensitivityTable:
 
 @torch.no_grad()
 def profile_sensitivity(
-    model: nn.Module,
+    model: Transformer,
     tokenizer,
     schemes: tuple[str, ...] = DEFAULT_SCHEMES,
     window_tokens: int = 256,
@@ -251,7 +251,7 @@ def profile_sensitivity(
     bar = tqdm(trials, desc="sensitivity", unit="trial", disable=not progress)
     for group, scheme in bar:
         bar.set_postfix_str(f"{group.name} {scheme.name}")
-        module = model.get_submodule(group.module_path)
+        module = float_linear(model, group)
         original = module.weight.data
         weights = None if importance is None else importance[group.name]
         module.weight.data = (

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from edge_rtgi.llm.model import ContiguousKVCache
+from edge_rtgi.llm.model import ContiguousKVCache, Transformer
 from edge_rtgi.llm.quant.plan import GROUP_KINDS, WeightGroup, plan_nbytes
 from edge_rtgi.llm.quant.schemes import parse_scheme
 from edge_rtgi.scoring.retention import (
@@ -38,7 +38,7 @@ from edge_rtgi.scoring.retention import (
 
 
 @torch.no_grad()
-def window_logits(model: nn.Module, ids: Tensor) -> Tensor:
+def window_logits(model: Transformer, ids: Tensor) -> Tensor:
     """Logits [T, vocab] (fp32) for one window of token ids, from a fresh contiguous cache."""
     cache = ContiguousKVCache(model.config, len(ids), model.dtype, model.device)
     cache.begin(len(ids))
@@ -48,7 +48,7 @@ def window_logits(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def greedy_continuation(model: nn.Module, prompt: Tensor, new_tokens: int) -> list[int]:
+def greedy_continuation(model: Transformer, prompt: Tensor, new_tokens: int) -> list[int]:
     """Greedy decode of ``new_tokens`` after ``prompt`` (contiguous cache, batch 1)."""
     cache = ContiguousKVCache(model.config, len(prompt) + new_tokens, model.dtype, model.device)
     ids, positions = prompt.to(model.device), torch.arange(len(prompt), device=model.device)
@@ -115,7 +115,7 @@ class BatchKVCache:
 
 
 @torch.no_grad()
-def greedy_continuations(model: nn.Module, prompts: Tensor, new_tokens: int) -> list[list[int]]:
+def greedy_continuations(model: Transformer, prompts: Tensor, new_tokens: int) -> list[list[int]]:
     """Greedy decode of ``new_tokens`` after each row of ``prompts`` [B, P], all rows as one batch."""
     B, P = prompts.shape
     cache = BatchKVCache(model.config, B, P + new_tokens, model.dtype, model.device)
@@ -174,9 +174,25 @@ class QualityResult:
         return retention_ratio(self.token_accuracy_quant, self.token_accuracy_full)
 
 
-def _teacher_forced(full: nn.Module, quant: nn.Module, ids: Tensor, window_tokens: int, cache: dict) -> dict:
+@dataclass
+class _WindowSums:
+    """Per window of the text, summed over its positions: KL(full || quant), each model's NLL of the
+    true next token, top-1 agreement between the models and each model's top-1 hits; and its tokens."""
+
+    kl: list[float] = field(default_factory=list)
+    nll_f: list[float] = field(default_factory=list)
+    nll_q: list[float] = field(default_factory=list)
+    agree: list[float] = field(default_factory=list)
+    hit_f: list[float] = field(default_factory=list)
+    hit_q: list[float] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+
+
+def _teacher_forced(
+    full: Transformer, quant: Transformer, ids: Tensor, window_tokens: int, cache: dict
+) -> _WindowSums:
     """KL, NLLs and top-1 agreement over non-overlapping windows of ``ids``, summed per window."""
-    out = {"kl": [], "nll_f": [], "nll_q": [], "agree": [], "hit_f": [], "hit_q": [], "count": []}
+    out = _WindowSums()
     for start in range(0, len(ids) - 1, window_tokens):
         window = ids[start : start + window_tokens + 1]
         if len(window) < 2:
@@ -186,20 +202,20 @@ def _teacher_forced(full: nn.Module, quant: nn.Module, ids: Tensor, window_token
         lf, lq = cache[("logits", start)], window_logits(quant, window[:-1])
         logp, logq = F.log_softmax(lf, -1), F.log_softmax(lq, -1)
         target = window[1:].to(lf.device)
-        out["kl"].append(float((logp.exp() * (logp - logq)).sum()))
-        out["nll_f"].append(-float(logp.gather(1, target[:, None]).sum()))
-        out["nll_q"].append(-float(logq.gather(1, target[:, None]).sum()))
-        out["agree"].append(float((lf.argmax(-1) == lq.argmax(-1)).sum()))
-        out["hit_f"].append(float((lf.argmax(-1) == target).sum()))
-        out["hit_q"].append(float((lq.argmax(-1) == target).sum()))
-        out["count"].append(len(target))
+        out.kl.append(float((logp.exp() * (logp - logq)).sum()))
+        out.nll_f.append(-float(logp.gather(1, target[:, None]).sum()))
+        out.nll_q.append(-float(logq.gather(1, target[:, None]).sum()))
+        out.agree.append(float((lf.argmax(-1) == lq.argmax(-1)).sum()))
+        out.hit_f.append(float((lf.argmax(-1) == target).sum()))
+        out.hit_q.append(float((lq.argmax(-1) == target).sum()))
+        out.count.append(len(target))
     return out
 
 
 @torch.no_grad()
 def compare_quality(
-    full: nn.Module,
-    quant: nn.Module,
+    full: Transformer,
+    quant: Transformer,
     tokenizer,
     text: str | None = None,
     window_tokens: int = 256,
@@ -228,7 +244,7 @@ def compare_quality(
     text = calibration_text("eval") if text is None else text
     ids = torch.tensor(list(getattr(tokenizer.encode(text), "ids", tokenizer.encode(text))))
     tf = _teacher_forced(full, quant, ids, window_tokens, cache)
-    count = sum(tf["count"])
+    count = sum(tf.count)
     if max_prompts < 1:
         raise ValueError(f"max_prompts must be >= 1, got {max_prompts}")
     span = prompt_tokens + new_tokens
@@ -250,12 +266,14 @@ def compare_quality(
     texts_f, texts_q = [tokenizer.decode(c) for c in ids_f], [tokenizer.decode(c) for c in ids_q]
     scored = score_outputs("quant-eval", texts_q, texts_f, references=truths)
     interval = retention_interval(texts_q, texts_f, truths, resamples=resamples, block_prompts=block_prompts)
-    kl_low, kl_high = bootstrap_mean_interval(tf["kl"], tf["count"], resamples=resamples)
+    kl_low, kl_high = bootstrap_mean_interval(tf.kl, tf.count, resamples=resamples)
+    if scored.chrf_ref_full is None or scored.chrf_ref_optimised is None:  # truths has no None
+        raise RuntimeError("score_outputs gave no chrF against the true continuations")
     return QualityResult(
-        sum(tf["kl"]) / count,
-        math.exp(sum(tf["nll_f"]) / count),
-        math.exp(sum(tf["nll_q"]) / count),
-        sum(tf["agree"]) / count,
+        sum(tf.kl) / count,
+        math.exp(sum(tf.nll_f) / count),
+        math.exp(sum(tf.nll_q) / count),
+        sum(tf.agree) / count,
         scored.chrf_ref_full,
         scored.chrf_ref_optimised,
         scored.chrf_agreement,
@@ -269,11 +287,11 @@ def compare_quality(
         interval.low,
         interval.high,
         interval.std,
-        [round(v, 6) for v in tf["kl"]],
-        tf["count"],
-        sum(tf["hit_f"]) / count,
-        sum(tf["hit_q"]) / count,
-        *bootstrap_mean_interval(tf["hit_q"], tf["hit_f"], resamples=resamples),
+        [round(v, 6) for v in tf.kl],
+        tf.count,
+        sum(tf.hit_f) / count,
+        sum(tf.hit_q) / count,
+        *bootstrap_mean_interval(tf.hit_q, tf.hit_f, resamples=resamples),
         stride,
         block_prompts,
         looping_share(ids_f),

@@ -38,10 +38,17 @@ class QuantScheme:
     group_size: int | None = None
     symmetric: bool = True
 
+    @property
+    def group(self) -> int:
+        """The group size of an int4 scheme (ValueError for a scheme without groups)."""
+        if self.group_size is None:
+            raise ValueError(f"quantisation scheme {self.name} has no group size")
+        return self.group_size
+
     def fits(self, out_features: int, in_features: int) -> bool:
         """Whether the kernels accept this shape (int4: K % group == 0 and N % 16 == 0)."""
         if self.bits == 4:
-            return in_features % self.group_size == 0 and out_features % 16 == 0
+            return in_features % self.group == 0 and out_features % 16 == 0
         return True
 
     def nbytes(self, out_features: int, in_features: int) -> int:
@@ -51,7 +58,7 @@ class QuantScheme:
             return 2 * n * k
         if self.bits == 8:
             return n * k + n * SCALE_BITS // 8
-        return n * k // 2 + 2 * (k // self.group_size) * n * SCALE_BITS // 8
+        return n * k // 2 + 2 * (k // self.group) * n * SCALE_BITS // 8
 
     def bits_per_weight(self, out_features: int, in_features: int) -> float:
         return 8.0 * self.nbytes(out_features, in_features) / (out_features * in_features)
@@ -104,13 +111,21 @@ class PackedWeight:
         high = (self.qweight >> 4).to(torch.int32)
         return torch.stack((low, high), dim=-1).reshape(self.out_features, self.in_features)
 
+    def int4_zeros(self) -> Tensor:
+        """``zeros``, which every int4 weight has (ValueError where it is missing)."""
+        if self.zeros is None:
+            raise ValueError(
+                f"{self.scheme.name} weight [{self.out_features}, {self.in_features}] has no zeros"
+            )
+        return self.zeros
+
     def dequantize(self) -> Tensor:
         """The float32 matrix the kernels compute with (for reference and for profiling)."""
         if self.scheme.bits == 8:
             return self.qweight.float() * self.scales.float()[:, None]
-        g = self.scheme.group_size
+        g = self.scheme.group
         codes = self.codes().float().view(self.out_features, -1, g)
-        w = (codes - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
+        w = (codes - 8) * self.scales.float()[..., None] + self.int4_zeros().float()[..., None]
         return w.reshape(self.out_features, self.in_features)
 
 
@@ -234,7 +249,7 @@ def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | No
             f"{scheme.name} does not fit a {n}x{k} matrix",
             hint=f"int4 needs in_features % {scheme.group_size} == 0 and out_features % 16 == 0",
         )
-    g = scheme.group_size
+    g = scheme.group
     wg = w.view(n, k // g, g)
     scales, zeros = fit_grid(wg, None if h is None else h.view(k // g, g), scheme)
     codes = (_codes(wg, scales, zeros, -8, 7) + 8).to(torch.uint8).view(n, k // 2, 2)
