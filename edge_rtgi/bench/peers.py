@@ -20,7 +20,6 @@ import os
 import queue
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -324,14 +323,3 @@ def build_peer(name: str, gguf_path: Path, model_name: str, num_threads: int) ->
     except ImportError as exc:
         raise PeerUnavailable("ctranslate2 is not installed", hint="it comes with faster-whisper") from exc
     return CT2Peer(ensure_ct2_folder(hf, model_name), hf, num_threads)
-
-
-def timed_pieces(pieces: Pieces) -> tuple[list[int], list[float]]:
-    """Run a piece iterator to the end; token ids and each token's arrival (perf_counter s)."""
-    ids: list[int] = []
-    times: list[float] = []
-    for piece_ids, _ in pieces:
-        now = time.perf_counter()
-        ids.extend(piece_ids)
-        times.extend([now] * len(piece_ids))
-    return ids, times

@@ -20,8 +20,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from edge_rtgi.bench.loadgen import LoadSpec, run_load, run_ramp
 from edge_rtgi.bench.metrics import SLO, RunMetrics
 from edge_rtgi.bench.peers import PEER_NAMES
@@ -356,10 +354,6 @@ async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
         "load": asdict(workload.load),
         "rows": rows,
     }
-
-
-def set_threads(num_threads: int) -> None:
-    torch.set_num_threads(num_threads)
 
 
 __all__ = [
