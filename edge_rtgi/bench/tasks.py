@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edge_rtgi.bench.workloads import (
     TRANSLATION_SYSTEM,
     VOICE_SUFFIX,
@@ -194,13 +196,13 @@ def _parse_line(name: str, line: str) -> TaskItem:
     if name == "voice":
         return VoiceItem(**values)
     if name == "dialogue":
-        item = DialogueItem(**values)
-        _check_dialogue(item)
-        return item
+        dialogue = DialogueItem(**values)
+        _check_dialogue(dialogue)
+        return dialogue
     if name == "code":
-        item = CodeItem(**values)
-        _check_code(item)
-        return item
+        code = CodeItem(**values)
+        _check_code(code)
+        return code
     return TranslationItem(**values)
 
 
@@ -499,10 +501,9 @@ def exact_match(a: str, b: str) -> bool:
 # --- Translation metrics ----------------------------------------------------------------------
 
 
-def _reference_streams(
-    hypotheses: Sequence[str], references: Sequence[Sequence[str]]
-) -> list[list[str | None]]:
-    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count)."""
+def _reference_streams(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> Any:
+    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count;
+    sacrebleu accepts None there, its type hints do not say so)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
     if any(len(refs) == 0 for refs in references):
@@ -525,7 +526,7 @@ def chrf_item_statistics(
     return [tuple(int(v) for v in row) for row in rows]
 
 
-def chrf_from_item_statistics(rows: Sequence[Sequence[int]]) -> float:
+def chrf_from_item_statistics(rows: Sequence[Sequence[int]] | np.ndarray) -> float:
     """Corpus chrF (0..100) from per-item statistics rows (summed)."""
     from sacrebleu.metrics import CHRF
 
