@@ -194,13 +194,13 @@ def _parse_line(name: str, line: str) -> TaskItem:
     if name == "voice":
         return VoiceItem(**values)
     if name == "dialogue":
-        item = DialogueItem(**values)
-        _check_dialogue(item)
-        return item
+        dialogue = DialogueItem(**values)
+        _check_dialogue(dialogue)
+        return dialogue
     if name == "code":
-        item = CodeItem(**values)
-        _check_code(item)
-        return item
+        code = CodeItem(**values)
+        _check_code(code)
+        return code
     return TranslationItem(**values)
 
 
@@ -499,10 +499,11 @@ def exact_match(a: str, b: str) -> bool:
 # --- Translation metrics ----------------------------------------------------------------------
 
 
-def _reference_streams(
-    hypotheses: Sequence[str], references: Sequence[Sequence[str]]
-) -> list[list[str | None]]:
-    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count)."""
+def _reference_streams(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> Any:
+    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count).
+
+    sacrebleu skips None references; its type hints do not say so, hence ``Any``.
+    """
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
     if any(len(refs) == 0 for refs in references):
@@ -735,6 +736,5 @@ def paired_chrf_ratio_interval(
     for b in range(resamples):
         f = chrf_from_item_statistics([full_sums[b]])
         ratios[b] = 1.0 if f <= 0 else chrf_from_item_statistics([opt_sums[b]]) / f
-    return _interval(
-        len(opt), chrf_from_item_statistics(opt), chrf_from_item_statistics(ref), ratios, level, resamples
-    )
+    opt_score, full_score = chrf_from_item_statistics(optimised), chrf_from_item_statistics(full)
+    return _interval(len(opt), opt_score, full_score, ratios, level, resamples)
