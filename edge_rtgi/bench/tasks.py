@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from edge_rtgi.bench.workloads import (
     TRANSLATION_SYSTEM,
     VOICE_SUFFIX,
@@ -502,8 +500,10 @@ def exact_match(a: str, b: str) -> bool:
 
 
 def _reference_streams(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> Any:
-    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count;
-    sacrebleu accepts None there, its type hints do not say so)."""
+    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count).
+
+    sacrebleu skips None references; its type hints do not say so, hence ``Any``.
+    """
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
     if any(len(refs) == 0 for refs in references):
@@ -526,7 +526,7 @@ def chrf_item_statistics(
     return [tuple(int(v) for v in row) for row in rows]
 
 
-def chrf_from_item_statistics(rows: Sequence[Sequence[int]] | np.ndarray) -> float:
+def chrf_from_item_statistics(rows: Sequence[Sequence[int]]) -> float:
     """Corpus chrF (0..100) from per-item statistics rows (summed)."""
     from sacrebleu.metrics import CHRF
 
@@ -736,6 +736,5 @@ def paired_chrf_ratio_interval(
     for b in range(resamples):
         f = chrf_from_item_statistics([full_sums[b]])
         ratios[b] = 1.0 if f <= 0 else chrf_from_item_statistics([opt_sums[b]]) / f
-    return _interval(
-        len(opt), chrf_from_item_statistics(opt), chrf_from_item_statistics(ref), ratios, level, resamples
-    )
+    opt_score, full_score = chrf_from_item_statistics(optimised), chrf_from_item_statistics(full)
+    return _interval(len(opt), opt_score, full_score, ratios, level, resamples)

@@ -37,6 +37,7 @@ from edge_rtgi.bench.tasks import (
 )
 from edge_rtgi.bench.workloads import TRANSLATION_SYSTEM, VOICE_SUFFIX, get_workload, system_prompt
 from edge_rtgi.errors import ConfigError
+from tests.scripts import load_script
 
 # --- Answer normalisation and containment -----------------------------------------------------
 
@@ -443,29 +444,15 @@ def test_missing_file_empty_file_and_unknown_set_are_refused(tmp_path):
 # --- Scripts ----------------------------------------------------------------------------------
 
 
-def _script(name: str, monkeypatch):
-    """``scripts/<name>.py`` as a module, registered in sys.modules (its dataclasses need that)."""
-    import importlib.util
-    import sys
-
-    from tests.scripts import ROOT
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_shipped_dialogues_are_what_the_generator_makes(tmp_path, monkeypatch):
-    make = _script("make_dialogue_tasks", monkeypatch)
+def test_shipped_dialogues_are_what_the_generator_makes(tmp_path):
+    make = load_script("make_dialogue_tasks")
     out = tmp_path / "dialogue.jsonl"
     assert make.main(["--out", str(out)]) == 0
     assert out.read_text(encoding="utf-8") == tasks.task_set_path("dialogue").read_text(encoding="utf-8")
 
 
-def test_calibration_summaries(monkeypatch):
-    calibrate = _script("calibrate_tasks", monkeypatch)
+def test_calibration_summaries():
+    calibrate = load_script("calibrate_tasks")
     assert calibrate.parse_sets("voice, code") == ["voice", "code"]
     with pytest.raises(Exception, match="unknown task set"):
         calibrate.parse_sets("voice,poetry")
