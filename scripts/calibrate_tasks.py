@@ -33,12 +33,11 @@ from edge_rtgi.bench.tasks import (
     TaskSet,
     TranslationItem,
     TranslationScore,
-    bleu_score,
-    chrf_from_item_statistics,
     load_task_set,
     prepare_task_item,
     score_item,
 )
+from edge_rtgi.scoring.text import bleu_score, chrf_from_statistics
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ def summarise(task_set: TaskSet, scores: Sequence[ItemScore], outputs: Sequence[
             (f"code: n={n} exact={100 * exact / n:.1f} % ({exact}/{n}) edit_similarity={edit:.3f}",),
         )
     stats = [s.chrf_statistics for s in scores if isinstance(s, TranslationScore)]
-    chrf = chrf_from_item_statistics(stats)
+    chrf = chrf_from_statistics(stats)
     refs = [item.references for item in task_set.items[:n] if isinstance(item, TranslationItem)]
     bleu = bleu_score([o.strip() for o in outputs], refs)
     return SetSummary(name, n, chrf, (f"translation: n={n} chrF={chrf:.1f} BLEU={bleu:.1f}",))

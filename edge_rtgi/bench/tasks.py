@@ -14,16 +14,15 @@ docs/task-sets.md:
 
 Prompts are built as ``bench/workloads.py`` builds them (same system prompts, same output budget
 rule for translation), so a task item reaches the engine exactly as a workload item would.
-A retention figure (optimised / full, capped at 1) comes with a paired bootstrap interval over
-items: ``paired_ratio_interval`` for per-item scores, ``paired_chrf_ratio_interval`` for chrF.
+The scorers themselves are in ``edge_rtgi.scoring.text``, and retention with its paired bootstrap
+interval over items in ``edge_rtgi.scoring.retention`` (``paired_ratio_interval`` for per-item
+scores, ``paired_chrf_ratio_interval`` for chrF).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from edge_rtgi.bench.workloads import (
     translation_budget_tokens,
 )
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.scoring.text import chrf_statistics, contains_answer, edit_similarity, exact_match, first_line
 
 TASK_SET_NAMES = ("voice", "dialogue", "code", "translation")
 DIALOGUE_DISTANCES = (1, 4, 12, 30)  # exchanges between the fact and the question
@@ -372,182 +372,6 @@ def source_text(item: TaskItem) -> str:
     return item.source
 
 
-# --- Answer matching (voice, dialogue) --------------------------------------------------------
-
-_ONES = {
-    w: i
-    for i, w in enumerate(
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
-        "sixteen seventeen eighteen nineteen".split()
-    )
-}
-_TENS = {
-    w: 10 * i for i, w in enumerate("twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)
-}
-
-
-def _number_words_to_digits(tokens: Sequence[str]) -> list[str]:
-    """Spelled numbers 0-999 ("twenty four", "two hundred and six", "a hundred") as digits."""
-    out: list[str] = []
-    i = 0
-
-    def tens_ones(j: int) -> tuple[int, int] | None:  # (value, tokens used) of "forty two", "seven"...
-        if j < len(tokens) and tokens[j] in _TENS:
-            value = _TENS[tokens[j]]
-            if j + 1 < len(tokens) and tokens[j + 1] in _ONES and 0 < _ONES[tokens[j + 1]] < 10:
-                return value + _ONES[tokens[j + 1]], 2
-            return value, 1
-        if j < len(tokens) and tokens[j] in _ONES:
-            return _ONES[tokens[j]], 1
-        return None
-
-    while i < len(tokens):
-        head = tens_ones(i)
-        hundreds = None
-        if (
-            head is not None
-            and head[0] in range(1, 10)
-            and i + head[1] < len(tokens)
-            and tokens[i + head[1]] == "hundred"
-        ):
-            hundreds, used = head[0] * 100, head[1] + 1
-        elif tokens[i] == "hundred":
-            hundreds, used = 100, 1
-        if hundreds is not None:
-            j = i + used
-            j_and = j + 1 if j < len(tokens) and tokens[j] == "and" else j
-            rest = tens_ones(j_and)
-            if rest is not None and 0 < rest[0] < 100:
-                hundreds, j = hundreds + rest[0], j_and + rest[1]
-            out.append(str(hundreds))
-            i = j
-        elif head is not None:
-            out.append(str(head[0]))
-            i += head[1]
-        else:
-            out.append(tokens[i])
-            i += 1
-    return out
-
-
-def normalise_answer(text: str) -> str:
-    """Lower case, accents and punctuation removed, whitespace collapsed, number words as digits.
-
-    "Twenty-Four!" -> "24", "Café, s'il vous plaît" -> "cafe sil vous plait", "1,000" -> "1000",
-    "4:30pm" -> "4 30 pm", "B17" -> "b 17", "3.5" and "three point five" -> "3 point 5".
-    """
-    text = unicodedata.normalize("NFKD", text)
-    text = "".join(ch for ch in text if not unicodedata.combining(ch)).lower()
-    text = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text)  # thousands separators
-    text = re.sub(r"(?<=\d)\.(?=\d)", " point ", text)  # decimal points
-    text = re.sub(r"['\u2019\u2018`]", "", text)  # apostrophes join: "don't" -> "dont"
-    text = re.sub(r"[\W_]+", " ", text)
-    text = re.sub(r"(?<=\d)(?=[^\W\d])|(?<=[^\W\d])(?=\d)", " ", text)  # "5pm" -> "5 pm", "b17" -> "b 17"
-    return " ".join(_number_words_to_digits(text.split()))
-
-
-def contains_answer(reply: str, answers: Sequence[str]) -> bool:
-    """Whether any accepted answer occurs in ``reply``, normalised, on word boundaries."""
-    haystack = f" {normalise_answer(reply)} "
-    for answer in answers:
-        needle = normalise_answer(answer)
-        if needle and f" {needle} " in haystack:
-            return True
-    return False
-
-
-# --- Code matching ----------------------------------------------------------------------------
-
-
-def first_line(text: str) -> str:
-    """The first line of ``text`` holding anything but whitespace, with trailing whitespace
-    stripped and indentation kept; "" if there is none."""
-    for line in text.splitlines():
-        if line.strip():
-            return line.rstrip()
-    return ""
-
-
-def levenshtein(a: str, b: str) -> int:
-    """Edit distance (insertions, deletions, substitutions of one character each)."""
-    if len(a) < len(b):
-        a, b = b, a
-    previous = list(range(len(b) + 1))
-    for i, ca in enumerate(a, start=1):
-        current = [i]
-        for j, cb in enumerate(b, start=1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
-        previous = current
-    return previous[-1]
-
-
-def edit_similarity(a: str, b: str) -> float:
-    """1 - Levenshtein(a, b) / max(len(a), len(b)) on the lines with trailing whitespace stripped.
-
-    1 for identical lines (two empty lines included), 0 when nothing can be kept.
-    """
-    a, b = a.rstrip(), b.rstrip()
-    longest = max(len(a), len(b))
-    return 1.0 if longest == 0 else 1.0 - levenshtein(a, b) / longest
-
-
-def exact_match(a: str, b: str) -> bool:
-    """Whether two lines are equal once trailing whitespace is stripped (indentation counts)."""
-    return a.rstrip() == b.rstrip()
-
-
-# --- Translation metrics ----------------------------------------------------------------------
-
-
-def _reference_streams(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> Any:
-    """Per-item reference lists -> sacrebleu's reference streams, padded with None (variable count).
-
-    sacrebleu skips None references; its type hints do not say so, hence ``Any``.
-    """
-    if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} reference lists")
-    if any(len(refs) == 0 for refs in references):
-        raise ValueError("every hypothesis needs at least one reference")
-    width = max((len(refs) for refs in references), default=1)
-    return [[refs[k] if k < len(refs) else None for refs in references] for k in range(width)]
-
-
-def chrf_item_statistics(
-    hypotheses: Sequence[str], references: Sequence[Sequence[str]]
-) -> list[tuple[int, ...]]:
-    """Per-item chrF sufficient statistics (sacrebleu's, best reference per item).
-
-    Corpus chrF is a function of the sum of these rows, so it can be recomputed for any
-    resample of the items (``chrf_from_item_statistics``).
-    """
-    from sacrebleu.metrics import CHRF
-
-    rows = CHRF()._extract_corpus_statistics(list(hypotheses), _reference_streams(hypotheses, references))
-    return [tuple(int(v) for v in row) for row in rows]
-
-
-def chrf_from_item_statistics(rows: Sequence[Sequence[int]]) -> float:
-    """Corpus chrF (0..100) from per-item statistics rows (summed)."""
-    from sacrebleu.metrics import CHRF
-
-    total = [sum(col) for col in zip(*rows, strict=True)]
-    return float(CHRF()._compute_score_from_stats(total).score)
-
-
-def chrf_score(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Corpus chrF (sacrebleu defaults: character 6-grams, beta 2) against per-item reference lists."""
-    import sacrebleu
-
-    return float(sacrebleu.corpus_chrf(list(hypotheses), _reference_streams(hypotheses, references)).score)
-
-
-def bleu_score(hypotheses: Sequence[str], references: Sequence[Sequence[str]]) -> float:
-    """Corpus BLEU (sacrebleu defaults, 13a tokenisation) against per-item reference lists."""
-    import sacrebleu
-
-    return float(sacrebleu.corpus_bleu(list(hypotheses), _reference_streams(hypotheses, references)).score)
-
-
 # --- Per-item scores --------------------------------------------------------------------------
 
 
@@ -609,7 +433,7 @@ def score_code(item: CodeItem, completion: str) -> CodeScore:
 
 def score_translation(item: TranslationItem, hypothesis: str) -> TranslationScore:
     """Per-item chrF statistics of one translation against the item's references."""
-    (row,) = chrf_item_statistics([hypothesis.strip()], [item.references])
+    (row,) = chrf_statistics([hypothesis.strip()], [item.references])
     return TranslationScore(item.id, row, hypothesis)
 
 
@@ -628,113 +452,3 @@ def score_item(item: TaskItem, output: str) -> ItemScore:
 
 
 # --- Retention with a paired bootstrap over items ---------------------------------------------
-
-
-@dataclass(frozen=True)
-class RatioInterval:
-    """Retention = optimised score / full score on the same items, capped at 1, with a paired
-    bootstrap percentile interval (capped like the point value).
-
-    ``optimised_score`` and ``full_score`` are means of per-item scores (or corpus chrF);
-    ``uncapped`` is the ratio without the cap; ``low``/``high`` bound the central ``level`` share
-    of the resampled ratios.
-    """
-
-    n: int
-    optimised_score: float
-    full_score: float
-    ratio: float
-    uncapped: float
-    low: float
-    high: float
-    level: float
-    resamples: int
-
-
-def _resample_counts(n: int, resamples: int, seed: int) -> Any:
-    import numpy as np
-
-    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-    return np.stack([np.bincount(d, minlength=n) for d in draws]).astype(np.float64)  # [resamples, n]
-
-
-def _check_bootstrap(n_opt: int, n_full: int, resamples: int, level: float) -> None:
-    if n_opt != n_full:
-        raise ValueError(f"paired scores need as many optimised ({n_opt}) as full ({n_full}) items")
-    if n_opt == 0:
-        raise ValueError("no items to score")
-    if resamples < 1:
-        raise ValueError(f"resamples must be >= 1, got {resamples}")
-    if not 0.0 < level < 1.0:
-        raise ValueError(f"level must be in (0, 1), got {level}")
-
-
-def _interval(
-    n: int, opt_score: float, full_score: float, ratios: Any, level: float, resamples: int
-) -> RatioInterval:
-    import numpy as np
-
-    point = 1.0 if full_score <= 0 else opt_score / full_score
-    tail = 100 * (1 - level) / 2
-    low, high = (float(v) for v in np.percentile(ratios, [tail, 100 - tail]))
-    return RatioInterval(
-        n=n,
-        optimised_score=opt_score,
-        full_score=full_score,
-        ratio=min(1.0, point),
-        uncapped=point,
-        low=min(1.0, low),
-        high=min(1.0, high),
-        level=level,
-        resamples=resamples,
-    )
-
-
-def paired_ratio_interval(
-    optimised: Sequence[float],
-    full: Sequence[float],
-    resamples: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> RatioInterval:
-    """Retention min(1, mean(optimised) / mean(full)) of per-item scores, paired bootstrap interval.
-
-    Each resample draws items with replacement and scores both configurations on the *same*
-    draw. A resample (or the whole set) where the full model scores 0 counts as ratio 1, as
-    ``quality.retention_ratio`` does. Identical scores give exactly 1 with interval [1, 1].
-    """
-    import numpy as np
-
-    _check_bootstrap(len(optimised), len(full), resamples, level)
-    opt, ref = np.asarray(optimised, dtype=np.float64), np.asarray(full, dtype=np.float64)
-    n = len(opt)
-    counts = _resample_counts(n, resamples, seed)
-    opt_sums, full_sums = counts @ opt, counts @ ref
-    ratios = np.where(full_sums > 0, opt_sums / np.where(full_sums > 0, full_sums, 1.0), 1.0)
-    return _interval(n, float(opt.sum() / n), float(ref.sum() / n), ratios, level, resamples)
-
-
-def paired_chrf_ratio_interval(
-    optimised: Sequence[Sequence[int]],
-    full: Sequence[Sequence[int]],
-    resamples: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> RatioInterval:
-    """Retention of corpus chrF from per-item statistics rows (``TranslationScore.chrf_statistics``).
-
-    Each resample sums the rows of the same drawn items for both configurations and scores the
-    sums; the scores reported are corpus chrF (0..100).
-    """
-    import numpy as np
-
-    _check_bootstrap(len(optimised), len(full), resamples, level)
-    opt, ref = np.asarray(optimised, dtype=np.int64), np.asarray(full, dtype=np.int64)
-    counts = _resample_counts(len(opt), resamples, seed).astype(np.int64)
-    opt_sums, full_sums = counts @ opt, counts @ ref
-    ratios = np.empty(resamples)
-    for b in range(resamples):
-        f = chrf_from_item_statistics([full_sums[b]])
-        ratios[b] = 1.0 if f <= 0 else chrf_from_item_statistics([opt_sums[b]]) / f
-    opt_score, full_score = chrf_from_item_statistics(optimised), chrf_from_item_statistics(full)
-    return _interval(len(opt), opt_score, full_score, ratios, level, resamples)

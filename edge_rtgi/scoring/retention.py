@@ -7,18 +7,18 @@ report), so each of them scores the same way. Definitions: docs/benchmarks.md.
 - ``score_outputs`` / ``retention_ratio``: quality retention of paired outputs against the full
   model's;
 - ``retention_interval``: that retention with a paired (optionally block) bootstrap over prompts;
-- ``bootstrap_mean_interval``: a per-token mean's interval, resampling whole windows.
+- ``bootstrap_mean_interval``: a per-token mean's interval, resampling whole windows;
+- ``paired_ratio_interval`` / ``paired_chrf_ratio_interval``: task retention (optimised score /
+  full score over the same graded items) with a paired bootstrap over items.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    import numpy as np
-    import numpy.typing as npt
+from edge_rtgi.scoring.text import chrf_from_statistics, chrf_statistics
 
 
 @dataclass(frozen=True)
@@ -123,26 +123,6 @@ def score_outputs(
 # --- How sure is a retention number? Paired bootstrap over prompts -----------------------------
 
 
-def chrf_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> list[list[int]]:
-    """Per-pair chrF sufficient statistics (sacrebleu's n-gram match counts).
-
-    Corpus chrF is a function of the *sum* of these rows, so a resampled corpus can be
-    scored by summing rows instead of re-running the tokenizer: that is what makes a
-    bootstrap over prompts cheap.
-    """
-    from sacrebleu.metrics import CHRF
-
-    return CHRF()._extract_corpus_statistics(list(hypotheses), [list(references)])
-
-
-def chrf_from_statistics(rows: Sequence[Sequence[int]] | npt.NDArray[np.int64]) -> float:
-    """Corpus chrF (0..100) from summed ``chrf_statistics`` rows; equals ``chrf`` on the same pairs."""
-    from sacrebleu.metrics import CHRF
-
-    total = [sum(col) for col in zip(*rows, strict=True)]
-    return float(CHRF()._compute_score_from_stats(total).score)
-
-
 @dataclass(frozen=True)
 class RetentionInterval:
     """Quality retention with a paired-bootstrap percentile interval over prompts.
@@ -195,11 +175,11 @@ def retention_interval(
     refs = [r for r in references or [] if r is not None]
     with_refs = bool(refs) and len(refs) == len(references or [])
     if with_refs:
-        full_rows = chrf_statistics(full_texts, refs)
+        full_rows = chrf_statistics(full_texts, [[r] for r in refs])
         if chrf_from_statistics(full_rows) <= 0:
             with_refs = False
     if with_refs:
-        opt_rows = chrf_statistics(optimised_texts, refs)
+        opt_rows = chrf_statistics(optimised_texts, [[r] for r in refs])
         basis = "chrF vs references, optimised / full"
     else:  # the agreement basis: chrF(opt, full) / chrF(full, full) = agreement / 100
         # (blocks are formed after empty pairs are dropped, so a block may join non-neighbours)
@@ -208,8 +188,8 @@ def retention_interval(
             for i, (o, f) in enumerate(zip(optimised_texts, full_texts, strict=True))
             if o.strip() or f.strip()
         ]
-        opt_rows = chrf_statistics([optimised_texts[i] for i in keep], [full_texts[i] for i in keep])
-        full_rows = chrf_statistics([full_texts[i] for i in keep], [full_texts[i] for i in keep])
+        opt_rows = chrf_statistics([optimised_texts[i] for i in keep], [[full_texts[i]] for i in keep])
+        full_rows = chrf_statistics([full_texts[i] for i in keep], [[full_texts[i]] for i in keep])
         basis = "chrF agreement with the full model / 100"
     opt, full = np.asarray(opt_rows, dtype=np.int64), np.asarray(full_rows, dtype=np.int64)
     n = len(opt)
@@ -274,3 +254,116 @@ def bootstrap_mean_interval(
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(low), float(high)
+
+
+# --- Task retention: per-item scores resampled in pairs ---------------------------------------
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """Retention = optimised score / full score on the same items, capped at 1, with a paired
+    bootstrap percentile interval (capped like the point value).
+
+    ``optimised_score`` and ``full_score`` are means of per-item scores (or corpus chrF);
+    ``uncapped`` is the ratio without the cap; ``low``/``high`` bound the central ``level`` share
+    of the resampled ratios.
+    """
+
+    n: int
+    optimised_score: float
+    full_score: float
+    ratio: float
+    uncapped: float
+    low: float
+    high: float
+    level: float
+    resamples: int
+
+
+def _resample_counts(n: int, resamples: int, seed: int) -> Any:
+    import numpy as np
+
+    draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    return np.stack([np.bincount(d, minlength=n) for d in draws]).astype(np.float64)  # [resamples, n]
+
+
+def _check_bootstrap(n_opt: int, n_full: int, resamples: int, level: float) -> None:
+    if n_opt != n_full:
+        raise ValueError(f"paired scores need as many optimised ({n_opt}) as full ({n_full}) items")
+    if n_opt == 0:
+        raise ValueError("no items to score")
+    if resamples < 1:
+        raise ValueError(f"resamples must be >= 1, got {resamples}")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+
+
+def _interval(
+    n: int, opt_score: float, full_score: float, ratios: Any, level: float, resamples: int
+) -> RatioInterval:
+    import numpy as np
+
+    point = 1.0 if full_score <= 0 else opt_score / full_score
+    tail = 100 * (1 - level) / 2
+    low, high = (float(v) for v in np.percentile(ratios, [tail, 100 - tail]))
+    return RatioInterval(
+        n=n,
+        optimised_score=opt_score,
+        full_score=full_score,
+        ratio=min(1.0, point),
+        uncapped=point,
+        low=min(1.0, low),
+        high=min(1.0, high),
+        level=level,
+        resamples=resamples,
+    )
+
+
+def paired_ratio_interval(
+    optimised: Sequence[float],
+    full: Sequence[float],
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> RatioInterval:
+    """Retention min(1, mean(optimised) / mean(full)) of per-item scores, paired bootstrap interval.
+
+    Each resample draws items with replacement and scores both configurations on the *same*
+    draw. A resample (or the whole set) where the full model scores 0 counts as ratio 1, as
+    ``quality.retention_ratio`` does. Identical scores give exactly 1 with interval [1, 1].
+    """
+    import numpy as np
+
+    _check_bootstrap(len(optimised), len(full), resamples, level)
+    opt, ref = np.asarray(optimised, dtype=np.float64), np.asarray(full, dtype=np.float64)
+    n = len(opt)
+    counts = _resample_counts(n, resamples, seed)
+    opt_sums, full_sums = counts @ opt, counts @ ref
+    ratios = np.where(full_sums > 0, opt_sums / np.where(full_sums > 0, full_sums, 1.0), 1.0)
+    return _interval(n, float(opt.sum() / n), float(ref.sum() / n), ratios, level, resamples)
+
+
+def paired_chrf_ratio_interval(
+    optimised: Sequence[Sequence[int]],
+    full: Sequence[Sequence[int]],
+    resamples: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> RatioInterval:
+    """Retention of corpus chrF from per-item statistics rows (``TranslationScore.chrf_statistics``).
+
+    Each resample sums the rows of the same drawn items for both configurations and scores the
+    sums; the scores reported are corpus chrF (0..100).
+    """
+    import numpy as np
+
+    _check_bootstrap(len(optimised), len(full), resamples, level)
+    opt, ref = np.asarray(optimised, dtype=np.int64), np.asarray(full, dtype=np.int64)
+    counts = _resample_counts(len(opt), resamples, seed).astype(np.int64)
+    opt_sums, full_sums = counts @ opt, counts @ ref
+    ratios = np.empty(resamples)
+    for b in range(resamples):
+        f = chrf_from_statistics([full_sums[b]])
+        ratios[b] = 1.0 if f <= 0 else chrf_from_statistics([opt_sums[b]]) / f
+    opt_score, full_score = chrf_from_statistics(optimised), chrf_from_statistics(full)
+    return _interval(len(opt), opt_score, full_score, ratios, level, resamples)

@@ -16,20 +16,8 @@ from edge_rtgi.bench.tasks import (
     Message,
     TranslationItem,
     VoiceItem,
-    bleu_score,
     build_prompt,
-    chrf_from_item_statistics,
-    chrf_item_statistics,
-    chrf_score,
-    contains_answer,
-    edit_similarity,
-    exact_match,
-    first_line,
-    levenshtein,
     load_task_set,
-    normalise_answer,
-    paired_chrf_ratio_interval,
-    paired_ratio_interval,
     score_code,
     score_dialogue,
     score_translation,
@@ -37,6 +25,19 @@ from edge_rtgi.bench.tasks import (
 )
 from edge_rtgi.bench.workloads import TRANSLATION_SYSTEM, VOICE_SUFFIX, get_workload, system_prompt
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.scoring.retention import paired_chrf_ratio_interval, paired_ratio_interval
+from edge_rtgi.scoring.text import (
+    bleu_score,
+    chrf_from_statistics,
+    chrf_score,
+    chrf_statistics,
+    contains_answer,
+    edit_similarity,
+    exact_match,
+    first_line,
+    levenshtein,
+    normalise_answer,
+)
 from tests.scripts import load_script
 
 # --- Answer normalisation and containment -----------------------------------------------------
@@ -149,7 +150,7 @@ REFS = [["El gato está sobre la mesa."], ["Buenos días, ¿cómo estás?"], ["N
 def test_chrf_equals_sacrebleu_corpus_chrf():
     expected = sacrebleu.corpus_chrf(HYPS, [[r[0] for r in REFS]]).score
     assert chrf_score(HYPS, REFS) == pytest.approx(expected, abs=1e-9)
-    assert chrf_from_item_statistics(chrf_item_statistics(HYPS, REFS)) == pytest.approx(expected, abs=1e-9)
+    assert chrf_from_statistics(chrf_statistics(HYPS, REFS)) == pytest.approx(expected, abs=1e-9)
 
 
 def test_chrf_with_a_variable_number_of_references():
@@ -161,7 +162,7 @@ def test_chrf_with_a_variable_number_of_references():
     streams = [[r[0] for r in refs], ["El gato está en la mesa.", None, None]]
     expected = sacrebleu.corpus_chrf(HYPS, streams).score
     assert chrf_score(HYPS, refs) == pytest.approx(expected, abs=1e-9)
-    assert chrf_from_item_statistics(chrf_item_statistics(HYPS, refs)) == pytest.approx(expected, abs=1e-9)
+    assert chrf_from_statistics(chrf_statistics(HYPS, refs)) == pytest.approx(expected, abs=1e-9)
     assert chrf_score(HYPS, refs) > chrf_score(HYPS, REFS)  # a matching second reference helps
 
 
@@ -174,7 +175,7 @@ def test_bleu_equals_sacrebleu_corpus_bleu():
 def test_per_item_translation_statistics_sum_to_corpus_chrf():
     items = [TranslationItem(f"t{i}", "x", tuple(r)) for i, r in enumerate(REFS)]
     rows = [score_translation(item, hyp).chrf_statistics for item, hyp in zip(items, HYPS, strict=True)]
-    assert chrf_from_item_statistics(rows) == pytest.approx(chrf_score(HYPS, REFS), abs=1e-9)
+    assert chrf_from_statistics(rows) == pytest.approx(chrf_score(HYPS, REFS), abs=1e-9)
 
 
 def test_metrics_refuse_mismatched_lengths_and_missing_references():

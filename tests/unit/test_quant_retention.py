@@ -7,14 +7,8 @@ import random
 import pytest
 
 from edge_rtgi.llm.quant.report import looping_share
-from edge_rtgi.scoring.retention import (
-    bootstrap_mean_interval,
-    chrf,
-    chrf_from_statistics,
-    chrf_statistics,
-    retention_interval,
-    score_outputs,
-)
+from edge_rtgi.scoring.retention import bootstrap_mean_interval, chrf, retention_interval, score_outputs
+from edge_rtgi.scoring.text import chrf_from_statistics, chrf_statistics
 
 WORDS = (
     "the train leaves at nine from platform three and the next one comes an hour later "
@@ -38,7 +32,8 @@ def rng():
 
 def test_summed_statistics_give_corpus_chrf(rng):
     hyps, refs = _sentences(rng, 12), _sentences(rng, 12)
-    assert chrf_from_statistics(chrf_statistics(hyps, refs)) == pytest.approx(chrf(hyps, refs), abs=1e-9)
+    rows = chrf_statistics(hyps, [[r] for r in refs])
+    assert chrf_from_statistics(rows) == pytest.approx(chrf(hyps, refs), abs=1e-9)
 
 
 @pytest.mark.parametrize("with_refs", [True, False])
