@@ -26,9 +26,10 @@ from edge_rtgi.bench.peers import PEER_NAMES
 from edge_rtgi.bench.quality import kl_along_continuations, model_logits_fn
 from edge_rtgi.bench.rtiq import rtiq
 from edge_rtgi.bench.targets import EngineTarget
+from edge_rtgi.bench.task_eval import FullOutputCache, run_full_model, run_on_engine, task_retention
+from edge_rtgi.bench.tasks import load_task_set
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
 from edge_rtgi.errors import ConfigError
-from edge_rtgi.scoring.retention import score_outputs
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,9 @@ class BenchConfig:
     num_requests: int | None = None  # per workload; None: the workload's default
     max_duration_s: float | None = None
     rate_scale: float = 1.0  # multiplies every workload's offered rate
-    quality_prompts: int = 12  # distinct prompts per workload compared with the full model
+    # Quality: every graded item of each workload's task set (None), or this many spread over it
+    task_items: int | None = None
+    kl_prompts: int = 12  # workload prompts whose KL from the full model is reported (a diagnostic)
     ramp_workload: str = "voice"
     ramp_rates_rps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     ramp_requests: int = 16
@@ -230,18 +233,24 @@ async def _full_outputs(models: Models, requests: list[PreparedRequest]) -> dict
 async def measure_quality(
     models: Models,
     optimised: Any,
+    engine: Any,
     workload: Workload,
     requests: list[PreparedRequest],
-    traces: list,
-    max_prompts: int,
+    cfg: BenchConfig,
 ) -> dict:
-    """Quality retention of the traces' outputs (from ``optimised``) against the full model."""
-    by_key = {r.key: r for r in requests}
-    keys = list(dict.fromkeys(t.prompt_key for t in traces if t.ok))[:max_prompts]
-    full = await _full_outputs(models, [by_key[k] for k in keys])
-    compared = [t for t in traces if t.ok and t.prompt_key in full]
+    """Task retention of ``engine`` (running ``optimised``) on the workload's graded task set,
+    against the full model (``bench.task_eval``), with KL on the workload's prompts beside it."""
+    task_set = load_task_set(workload.name)
+    full_outputs = await asyncio.to_thread(
+        run_full_model, models.full, task_set, cfg.task_items, FullOutputCache.default()
+    )
+    opt_outputs = await asyncio.to_thread(run_on_engine, engine, task_set, cfg.task_items)
+    task = task_retention(task_set, opt_outputs, full_outputs, seed=cfg.seed)
     kl = None
     if optimised is not models.full:
+        keys = list(dict.fromkeys(r.key for r in requests))[: cfg.kl_prompts]
+        by_key = {r.key: r for r in requests}
+        full = await _full_outputs(models, [by_key[k] for k in keys])
         sequences = [(list(by_key[k].prompt_token_ids), full[k][0]) for k in keys]
         kl = await asyncio.to_thread(
             kl_along_continuations,
@@ -249,19 +258,25 @@ async def measure_quality(
             model_logits_fn(optimised.model),
             sequences,
         )
-    refs = [by_key[t.prompt_key].reference for t in compared] if workload.items[0].reference else None
-    result = score_outputs(
-        workload.name, [t.text for t in compared], [full[t.prompt_key][1] for t in compared], refs, kl
-    )
-    out = asdict(result)
-    out["kl_note"] = (
-        None if kl is not None else "same fp32 weights as the full model: KL is 0 by construction"
-    )
-    first = {t.prompt_key: t.text for t in reversed(compared)}
-    out["examples"] = [
-        {"key": k, "full": full[k][1][:200], "optimised": first.get(k, "")[:200]} for k in keys[:3]
-    ]
-    return out
+    iv = task.interval
+    return {
+        "workload": workload.name,
+        "basis": f"task retention: {task.metric}, optimised / full on the same {iv.n} graded items",
+        "retention": iv.ratio,
+        "retention_low": iv.low,
+        "retention_high": iv.high,
+        "num_items": iv.n,
+        "task": task.as_dict(),
+        "fidelity_chrf": task.fidelity_chrf,
+        "kl": asdict(kl) if kl is not None else None,
+        "kl_note": None if kl is not None else "same fp32 weights as the full model: KL is 0 by construction",
+        "examples": [
+            {"id": i, "full": f[:200], "optimised": o[:200]}
+            for i, f, o in list(
+                zip(full_outputs.item_ids, full_outputs.texts, opt_outputs.texts, strict=True)
+            )[:3]
+        ],
+    }
 
 
 async def run_workload(models: Models, engine: Any, workload: Workload, cfg: BenchConfig) -> dict:
@@ -270,9 +285,7 @@ async def run_workload(models: Models, engine: Any, workload: Workload, cfg: Ben
     engine.reset_prefix_cache()
     result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
     metrics = result.metrics(workload.slo)
-    quality = await measure_quality(
-        models, models.optimised, workload, requests, result.traces, cfg.quality_prompts
-    )
+    quality = await measure_quality(models, models.optimised, engine, workload, requests, cfg)
     index = rtiq(workload.name, quality["retention"], metrics)
     return {
         "name": workload.name,
@@ -329,12 +342,10 @@ async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
         try:
             result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
             stats = engine.stats()
+            quality = await measure_quality(models, loaded, engine, workload, requests, cfg)
         finally:
             engine.shutdown()
         metrics = result.metrics(workload.slo)
-        quality = await measure_quality(
-            models, loaded, workload, requests, result.traces, cfg.quality_prompts
-        )
         rows.append(
             {
                 "label": spec,

@@ -449,6 +449,3 @@ def score_item(item: TaskItem, output: str) -> ItemScore:
     if isinstance(item, CodeItem):
         return score_code(item, output)
     return score_translation(item, output)
-
-
-# --- Retention with a paired bootstrap over items ---------------------------------------------

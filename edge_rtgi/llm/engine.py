@@ -361,21 +361,32 @@ class LLMEngine:
                     self._drain_commands()
 
     def generate(
-        self, prompts: Sequence[Prompt] | Prompt, params: SamplingParams | None = None
+        self,
+        prompts: Sequence[Prompt] | Prompt,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
-        """Synchronous convenience: run prompts to completion (batched) and return the results."""
+        """Synchronous convenience: run prompts to completion (batched) and return the results.
+
+        ``params`` is one ``SamplingParams`` for every prompt, or one per prompt.
+        """
         one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], (int, Mapping)))
         batch = [cast(Prompt, prompts)] if one else cast(list[Prompt], list(prompts))
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt: list[SamplingParams | None] = [params] * len(batch)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(batch):
+                raise RequestError(f"{len(batch)} prompts but {len(per_prompt)} sampling parameter sets")
         results = [GenerationResult() for _ in batch]
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        for res, prompt in zip(results, batch, strict=True):
+        done: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        for res, prompt, prompt_params in zip(results, batch, per_prompt, strict=True):
 
             def sink(delta: RequestDelta, res: GenerationResult = res) -> None:
                 res.add(delta)
                 if delta.finished:
                     done.put(True)
 
-            self.submit(prompt, params, sink)
+            self.submit(prompt, prompt_params, sink)
         for _ in batch:
             if self.running_in_thread:
                 done.get()

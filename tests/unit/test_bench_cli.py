@@ -109,7 +109,11 @@ def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**__import__("os").environ, "PYTHON": sys.executable},
+        env={
+            **__import__("os").environ,
+            "PYTHON": sys.executable,
+            "EDGE_RTGI_BENCH_CACHE": str(tmp_path / "cache"),
+        },
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -17,14 +17,16 @@ def tiny_folder(tmp_path_factory):
     )
 
 
-async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path):
+async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_RTGI_BENCH_CACHE", str(tmp_path / "full-outputs"))
     cfg = BenchConfig(
         model=str(tiny_folder),
         optimisations=Optimisations(dtype="fp32", quant=None),
         num_requests=3,
         max_duration_s=30.0,
         rate_scale=10.0,
-        quality_prompts=2,
+        task_items=4,
+        kl_prompts=2,
         ramp_rates_rps=(5.0, 50.0),
         ramp_requests=3,
         ablations=("prefix_caching=false", "max_num_seqs=1", "dtype=bf16"),
@@ -33,8 +35,11 @@ async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path)
     assert [w["name"] for w in results["workloads"]] == ["dialogue", "code", "translation", "voice"]
     for w in results["workloads"]:
         assert w["metrics"]["num_requests"] == 3 and w["metrics"]["num_ok"] == 3, w["errors"]
-        # fp32 engine against the fp32 full model: same weights, same numerics on greedy paths
-        assert w["quality"]["kl"] is None and w["quality"]["chrf_agreement"] == pytest.approx(100.0)
+        # fp32 engine against the fp32 full model: the same computation, so retention is exactly 1
+        q = w["quality"]
+        assert q["kl"] is None and q["fidelity_chrf"] == pytest.approx(100.0)
+        assert q["retention"] == 1.0 and (q["retention_low"], q["retention_high"]) == (1.0, 1.0)
+        assert q["num_items"] == 4 and q["task"]["task_set"] == w["name"]
         assert w["rtiq"]["value"] == pytest.approx(w["rtiq"]["slo_attainment"] * w["quality"]["retention"])
         assert w["metrics"]["kv_blocks_total"] > 0 and w["metrics"]["peak_rss_mb"] > 0
     rows = {r["label"]: r for r in results["ablations"]["rows"]}
