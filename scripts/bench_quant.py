@@ -12,11 +12,15 @@ Everything is measured in one run against baselines from the same run (medians o
   engines interleaved run by run so that load from other jobs hits them alike;
 - memory: resident bytes of every model's weights (parameters + buffers);
 - quality: uniform plans, mixed plans of exactly the uniform plans' sizes, and a budget sweep of
-  mixed plans, on the evaluation text (``compare_quality``: KL, perplexity, top-1 agreement and
-  the benchmark's quality retention, each with a bootstrap interval), plus two ablations that
-  split int8's loss between the tied head and the layers. The operating point is the smallest
-  mixed plan meeting --target-retention (``choose_operating_point``: by the retention interval,
-  then its point estimate, then not significantly below, then by the token-accuracy interval).
+  mixed plans (4.5, 5.25 and 6.0 bits by default), judged by task retention: each model served by
+  the engine on the four graded task sets (``bench.task_eval``: optimised / full task score on the
+  same items, paired bootstrap interval), with KL, perplexity, top-1 agreement and continuation chrF
+  (fidelity) on the evaluation text beside it (``compare_quality``), plus two ablations that split
+  int8's loss between the tied head and the layers. The operating point is the smallest mixed plan
+  whose task retention meets --target-retention on every workload (``choose_operating_point``: by
+  every interval, then every point estimate, then not significantly below, then by the
+  token-accuracy interval). The Spearman correlation of mean task retention with KL across the
+  quantised models is reported as a check on the yardstick.
 
     python scripts/bench_quant.py --sensitivity sens.yaml --out bench_out/quant
     python scripts/bench_quant.py --sensitivity sens.yaml --skip kernels decode   # quality only
@@ -44,12 +48,16 @@ import torch
 import torch.nn.functional as F
 
 from edge_rtgi.bench.peers import LlamaCppPeer, PeerUnavailable
+from edge_rtgi.bench.task_eval import FullOutputCache, evaluate
+from edge_rtgi.bench.tasks import TASK_SET_NAMES
 from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.llm import cpu_ops
+from edge_rtgi.llm.engine import LLMEngine
+from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.generate import generate_stream
 from edge_rtgi.llm.quant import source_aligned_plan
 from edge_rtgi.llm.quant.allocate import Budget, allocate
-from edge_rtgi.llm.quant.kernels import make_quant_linear
+from edge_rtgi.llm.quant.kernels import keep_dense_copies, make_quant_linear
 from edge_rtgi.llm.quant.plan import (
     QuantPlan,
     apply_quant_plan,
@@ -58,6 +66,7 @@ from edge_rtgi.llm.quant.plan import (
     plan_nbytes,
     uniform_plan,
 )
+from edge_rtgi.llm.quant.policy import AUTO_QUANT_KERNEL_MAX_ROWS
 from edge_rtgi.llm.quant.profile import SensitivityTable, calibration_text, collect_importance
 from edge_rtgi.llm.quant.report import compare_quality
 from edge_rtgi.llm.quant.schemes import parse_scheme, quantize_weight
@@ -194,7 +203,8 @@ MINMAX_SUFFIX = " [min-max grids]"
 
 def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
     """``plan`` applied to a copy of ``full``; the engine's auto plan as the engine applies it (min..max
-    grids, which reproduce the file's Q4_1 blocks), every other plan with ``importance``."""
+    grids, which reproduce the file's Q4_1 blocks, and dense bf16 copies for many-row inputs such as
+    prefill chunks), every other plan with ``importance``."""
     model = copy.deepcopy(full)
     apply_quant_plan(
         model,
@@ -202,7 +212,27 @@ def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
         dtype=torch.bfloat16,
         importance=None if label.endswith(MINMAX_SUFFIX) or label == ENGINE_AUTO else importance,
     )
+    if label == ENGINE_AUTO:
+        keep_dense_copies(model, AUTO_QUANT_KERNEL_MAX_ROWS)
     return model
+
+
+def task_pass(model, full, args) -> dict:
+    """Task retention of ``model`` served by the engine, on every graded task set (bench/task_eval)."""
+    engine = LLMEngine(model, full.tokenizer, EngineConfig(quant="none", num_threads=args.quality_threads))
+    try:
+        results = evaluate(engine, full, args.task_sets, args.task_items, FullOutputCache.default())
+    finally:
+        engine.shutdown()
+    tasks = {name: r.as_dict() for name, r in results.items()}
+    retentions = [r.retention for r in results.values()]
+    return {
+        "tasks": tasks,
+        "task_retention_min": min(retentions),
+        "task_retention_mean": sum(retentions) / len(retentions),
+        "task_retention_low_min": min(r.interval.low for r in results.values()),
+        "task_retention_high_min": min(r.interval.high for r in results.values()),
+    }
 
 
 # Every candidate except the asymmetric g32 scheme, which re-encodes this Q4_1 file almost
@@ -278,34 +308,42 @@ def sensitivity_blind(table: SensitivityTable) -> SensitivityTable:
 
 
 def choose_operating_point(rows: dict[str, dict], target: float) -> dict:
-    """Smallest mixed plans (by bytes of the quantised groups) meeting ``target`` three ways:
-    the whole 95 % retention interval at or above it, the point estimate at or above it, and the
-    interval reaching it (not significantly below); and, as a second view, by the teacher-forced
-    next-token accuracy ratio. Blind ablation plans are not candidates."""
+    """Smallest mixed plans (by bytes of the quantised groups) whose task retention meets ``target``
+    on every workload three ways: every workload's 95 % interval at or above it, every point
+    estimate at or above it, and every interval reaching it (not significantly below); and, as a
+    second view, by the teacher-forced next-token accuracy ratio. Blind ablation plans are not
+    candidates."""
     mixed = sorted(
-        (r["groups_mb"], label)
-        for label, r in rows.items()
-        if label.startswith("mixed") and "quality_retention" in r
+        (r["groups_mb"], label) for label, r in rows.items() if label.startswith("mixed") and "tasks" in r
     )
 
-    def first(key: str) -> str | None:
-        return next((label for _, label in mixed if rows[label].get(key, -1) >= target), None)
+    def first(key: str, source: str = "task") -> str | None:
+        for _, label in mixed:
+            row = rows[label]
+            value = (
+                row.get(key, -1)
+                if source == "row"
+                else min(t["interval"][key] for t in row["tasks"].values())
+            )
+            if value >= target:
+                return label
+        return None
 
     point = {
         "target_retention": target,
-        "by_interval": first("retention_low"),
-        "by_point_estimate": first("quality_retention"),
-        "not_significantly_below": first("retention_high"),
+        "by_interval": first("low"),
+        "by_point_estimate": first("ratio"),
+        "not_significantly_below": first("high"),
         # the teacher-forced view (not the benchmark's definition), reported beside it
-        "token_accuracy_by_interval": first("token_accuracy_ratio_low"),
-        "token_accuracy_by_point_estimate": first("token_accuracy_retention"),
+        "token_accuracy_by_interval": first("token_accuracy_ratio_low", "row"),
+        "token_accuracy_by_point_estimate": first("token_accuracy_retention", "row"),
     }
     point["chosen"], point["chosen_by"] = chosen_operating_point(point)
     return point
 
 
-# The criteria in the order the operating point is chosen by: the benchmark's retention first,
-# strictest first; the teacher-forced token accuracy only when no mixed plan meets the benchmark's.
+# The criteria in the order the operating point is chosen by: task retention on every workload,
+# strictest first; the teacher-forced token accuracy only when no mixed plan meets it.
 OPERATING_POINT_CRITERIA = (
     "by_interval",
     "by_point_estimate",
@@ -317,6 +355,61 @@ OPERATING_POINT_CRITERIA = (
 def chosen_operating_point(point: dict) -> tuple[str | None, str | None]:
     """(plan label, criterion) of the first criterion in OPERATING_POINT_CRITERIA that a plan meets."""
     return next(((point[c], c) for c in OPERATING_POINT_CRITERIA if point.get(c)), (None, None))
+
+
+def task_comparison(rows: dict[str, dict], mixed: str, uniform: str) -> dict:
+    """Per-workload task retention of a mixed plan and the uniform plan of the same size."""
+    per = {
+        name: {
+            "mixed": rows[mixed]["tasks"][name]["interval"]["ratio"],
+            "uniform": rows[uniform]["tasks"][name]["interval"]["ratio"],
+        }
+        for name in rows[mixed]["tasks"]
+        if name in rows[uniform].get("tasks", {})
+    }
+    wins = sum(1 for v in per.values() if v["mixed"] > v["uniform"])
+    ties = sum(1 for v in per.values() if v["mixed"] == v["uniform"])
+    return {
+        "mixed": mixed,
+        "uniform": uniform,
+        "per_workload": per,
+        "mixed_better": wins,
+        "ties": ties,
+        "mean_mixed": rows[mixed]["task_retention_mean"],
+        "mean_uniform": rows[uniform]["task_retention_mean"],
+    }
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):  # ties share their mean rank
+            ranks[order[k]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (Pearson on ranks, ties averaged)."""
+    rx, ry = _ranks(x), _ranks(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else math.nan
+
+
+def spearman_task_vs_kl(rows: dict[str, dict]) -> dict:
+    """Across the quantised models with task results: mean task retention against mean KL."""
+    labels = [label for label, r in rows.items() if "tasks" in r and label != "bf16"]
+    if len(labels) < 3:
+        return {"models": len(labels), "rho": None}
+    rho = spearman([rows[k]["task_retention_mean"] for k in labels], [rows[k]["mean_kl"] for k in labels])
+    return {"models": len(labels), "rho": round(rho, 3), "labels": labels}
 
 
 def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
@@ -366,6 +459,8 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
             full_cache=full_cache,
         )
         row.update(vars(measured), token_accuracy_retention=measured.token_accuracy_retention)
+        if args.task_sets and label not in HEAD_ABLATIONS and not label.endswith(MINMAX_SUFFIX):
+            row.update(task_pass(model, full, args))
         row["seconds"] = round(time.perf_counter() - start, 1)
         loads.append(load_average())
         rows[label] = row
@@ -373,7 +468,11 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
         print(
             label,
             json.dumps(
-                {k: v for k, v in row.items() if k not in ("plan", "window_kl_sums", "window_tokens")}
+                {
+                    k: v
+                    for k, v in row.items()
+                    if k not in ("plan", "window_kl_sums", "window_tokens", "tasks")
+                }
             ),
             flush=True,
         )
@@ -391,6 +490,8 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
         if m in rows and u in rows
     ]
     result["paired_kl"] = [paired_kl(rows, m, u) for m, u in pairs]
+    result["task_vs_uniform"] = [task_comparison(rows, m, u) for m, u in pairs if "tasks" in rows[m]]
+    result["spearman_task_retention_vs_kl"] = spearman_task_vs_kl(rows)
     (out / "quality.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(
         "operating point", json.dumps(result["operating_point"]), json.dumps(result["paired_kl"]), flush=True
@@ -456,33 +557,36 @@ def render_markdown(out: Path) -> str:
     q, d = quality["models"], decode["models"]
     full_ppl = next((r["perplexity_full"] for r in q.values()), math.nan)
     chosen, chosen_by = chosen_operating_point(quality.get("operating_point") or {})
-    lines = [
-        "| model | bits/weight (incl. scales) | resident weights MB | mean KL [95 % CI] "
-        f"| PPL (full {full_ppl:.2f}) "
-        "| top-1 agreement | retention [95 % CI] | token-accuracy ratio [95 % CI] "
-        "| decode tok/s | vs fp32 | vs llama.cpp |",
-        "|---" * 11 + "|",
-    ]
+    task_names = [n for n in TASK_SET_NAMES if any(n in (r.get("tasks") or {}) for r in q.values())]
+    header = ["model", "bits/weight (incl. scales)", "resident weights MB"]
+    header += [f"task retention {n} [95 % CI]" for n in task_names]
+    header += ["mean KL [95 % CI]", f"PPL (full {full_ppl:.2f})", "top-1 agreement"]
+    header += ["continuation chrF retention (fidelity)", "token-accuracy ratio [95 % CI]"]
+    header += ["decode tok/s", "vs fp32", "vs llama.cpp"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     labels = ["fp32 (full)"] + sorted(q, key=lambda k: (-q[k].get("bits_per_weight", 16), k))
     labels += [k for k in d if k not in labels]
     for label in labels:
         r, t = q.get(label, {}), d.get(label, {})
         name = f"**{label}** (operating point, {chosen_by.replace('_', ' ')})" if label == chosen else label
-        bits = (
-            "32"
-            if label == "fp32 (full)"
-            else "16"
-            if label == "bf16"
-            else (
-                f"{r['bits_per_weight']:.2f}"
-                if "bits_per_weight" in r
-                else "5.0 (Q4_1)"
-                if "llama" in label
-                else "-"
-            )
-        )
+        if label == "fp32 (full)":
+            bits = "32"
+        elif label == "bf16":
+            bits = "16"
+        elif "bits_per_weight" in r:
+            bits = f"{r['bits_per_weight']:.2f}"
+        else:
+            bits = "5.0 (Q4_1)" if "llama" in label else "-"
         mb = r.get("resident_weights_mb") or t.get("resident_weights_mb") or "-"
         cells = [name, bits, f"{mb}"]
+        tasks = r.get("tasks") or {}
+        for n in task_names:
+            iv = (tasks.get(n) or {}).get("interval")
+            cells.append(
+                f"{100 * iv['ratio']:.1f} % [{100 * iv['low']:.1f}, {100 * iv['high']:.1f}]"
+                if iv
+                else ("100 %" if label == "fp32 (full)" else "-")
+            )
         if r:
             cells += [
                 f"{r['mean_kl']:.4f} [{r['kl_low']:.4f}, {r['kl_high']:.4f}]",
@@ -531,7 +635,7 @@ def main(argv=None) -> int:
         "--bits",
         type=float,
         nargs="*",
-        default=[5.25, 5.5, 6.0, 6.5, 7.0],
+        default=[4.5, 5.25, 6.0],
         help="budget sweep of mixed plans (all candidates but the aligned int4-g32)",
     )
     ap.add_argument(
@@ -558,9 +662,19 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--prompts",
         type=int,
-        default=448,
-        help="evaluation prompts for the chrF retention (448: one every 16 tokens of the evaluation "
-        "text, overlapping; the interval resamples runs of 14 prompts, two prompt + continuation spans)",
+        default=64,
+        help="evaluation prompts of the continuation chrF, a fidelity diagnostic beside task retention "
+        "(448: one every 16 tokens of the evaluation text, overlapping; the interval then resamples runs "
+        "of 14 prompts)",
+    )
+    ap.add_argument(
+        "--task-sets",
+        type=lambda v: tuple(x for x in v.split(",") if x),
+        default=TASK_SET_NAMES,
+        help="graded task sets whose retention judges each plan (comma-separated; '' for none)",
+    )
+    ap.add_argument(
+        "--task-items", type=int, default=None, help="items per task set, spread over it (default: all)"
     )
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)

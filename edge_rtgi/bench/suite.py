@@ -26,7 +26,13 @@ from edge_rtgi.bench.peers import PEER_NAMES
 from edge_rtgi.bench.quality import kl_along_continuations, model_logits_fn
 from edge_rtgi.bench.rtiq import rtiq
 from edge_rtgi.bench.targets import EngineTarget
-from edge_rtgi.bench.task_eval import FullOutputCache, run_full_model, run_on_engine, task_retention
+from edge_rtgi.bench.task_eval import (
+    FullOutputCache,
+    run_full_model,
+    run_on_engine,
+    shared_context_tokens,
+    task_retention,
+)
 from edge_rtgi.bench.tasks import load_task_set
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
 from edge_rtgi.errors import ConfigError
@@ -241,10 +247,11 @@ async def measure_quality(
     """Task retention of ``engine`` (running ``optimised``) on the workload's graded task set,
     against the full model (``bench.task_eval``), with KL on the workload's prompts beside it."""
     task_set = load_task_set(workload.name)
+    context = shared_context_tokens(engine, models.full)
     full_outputs = await asyncio.to_thread(
-        run_full_model, models.full, task_set, cfg.task_items, FullOutputCache.default()
+        run_full_model, models.full, task_set, cfg.task_items, FullOutputCache.default(), context
     )
-    opt_outputs = await asyncio.to_thread(run_on_engine, engine, task_set, cfg.task_items)
+    opt_outputs = await asyncio.to_thread(run_on_engine, engine, task_set, cfg.task_items, context)
     task = task_retention(task_set, opt_outputs, full_outputs, seed=cfg.seed)
     kl = None
     if optimised is not models.full:

@@ -84,12 +84,24 @@ def select_items(task_set: TaskSet, limit: int | None = None) -> tuple[TaskItem,
     return tuple(items[(i * len(items)) // limit] for i in range(limit))
 
 
-def prepare_items(items: Sequence[TaskItem], tokenizer: ChatTokenizer) -> list[PreparedRequest]:
-    """Tokenise the items as the engine receives them (workload prompts, task budgets)."""
-    return [prepare_task_item(item, tokenizer) for item in items]
+def prepare_items(
+    items: Sequence[TaskItem], tokenizer: ChatTokenizer, context_tokens: int | None = None
+) -> list[PreparedRequest]:
+    """Tokenise the items as the engine receives them (workload prompts, task budgets).
+
+    With ``context_tokens``, items whose prompt and budget do not fit that window are left out
+    (a small model's short context); both sides of a comparison pass the same window, so they
+    score the same items.
+    """
+    requests = [prepare_task_item(item, tokenizer) for item in items]
+    if context_tokens is None:
+        return requests
+    return [r for r in requests if len(r.prompt_token_ids) + r.max_tokens <= context_tokens]
 
 
-def run_on_engine(engine: LLMEngine, task_set: TaskSet, limit: int | None = None) -> TaskOutputs:
+def run_on_engine(
+    engine: LLMEngine, task_set: TaskSet, limit: int | None = None, context_tokens: int | None = None
+) -> TaskOutputs:
     """Greedy outputs of ``engine`` (as configured: quantised, windowed, speculative...) on the
     items, all submitted at once so the engine batches them as it would under load."""
     from edge_rtgi.llm.sampling import SamplingParams
@@ -97,7 +109,7 @@ def run_on_engine(engine: LLMEngine, task_set: TaskSet, limit: int | None = None
     if engine.tokenizer is None:
         raise ValueError("task sets need an engine with a tokenizer")
     items = select_items(task_set, limit)
-    requests = prepare_items(items, engine.tokenizer)
+    requests = prepare_items(items, engine.tokenizer, context_tokens)
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0) for r in requests]
     results = engine.generate([list(r.prompt_token_ids) for r in requests], params)
     failed = [
@@ -180,6 +192,7 @@ def run_full_model(
     task_set: TaskSet,
     limit: int | None = None,
     cache: FullOutputCache | None = None,
+    context_tokens: int | None = None,
 ) -> TaskOutputs:
     """The full model's greedy outputs (fp32, plain path) on the items, cached per item."""
     import torch
@@ -190,7 +203,7 @@ def run_full_model(
     if full.model.dtype != torch.float32:
         raise ValueError(f"the full model runs in fp32, got {full.model.dtype}")
     items = select_items(task_set, limit)
-    requests = prepare_items(items, full.tokenizer)
+    requests = prepare_items(items, full.tokenizer, context_tokens)
     entries = cache.load(full.source, task_set.name) if cache is not None else {}
     texts, counts, fresh = [], [], 0
     for req in requests:
@@ -254,6 +267,10 @@ def task_retention(
     """Score both output sets on the same items and compare them (paired bootstrap over items)."""
     if optimised.item_ids != full.item_ids:
         raise ValueError(f"{task_set.name}: the two runs scored different items")
+    if not full.item_ids:
+        raise ValueError(
+            f"{task_set.name}: no graded item fits the context window, so there is nothing to score"
+        )
     by_id = {item.id: item for item in task_set.items}
     items = [by_id[i] for i in full.item_ids]
     opt_scores = [score_item(item, text) for item, text in zip(items, optimised.texts, strict=True)]
@@ -336,9 +353,20 @@ def evaluate(
     cache: FullOutputCache | None = None,
 ) -> dict[str, TaskRetention]:
     """Task retention of ``engine`` on each named task set (the full model's outputs cached)."""
+    context = shared_context_tokens(engine, full)
     out = {}
     for name in names:
         task_set = load_task_set(name)
-        full_outputs = run_full_model(full, task_set, limit, cache)
-        out[name] = task_retention(task_set, run_on_engine(engine, task_set, limit), full_outputs)
+        full_outputs = run_full_model(full, task_set, limit, cache, context)
+        if not full_outputs.item_ids:  # a small model's context: say so rather than invent a figure
+            log.warning(
+                "no %s item fits a %d-token context window: its retention is not measured", name, context
+            )
+            continue
+        out[name] = task_retention(task_set, run_on_engine(engine, task_set, limit, context), full_outputs)
     return out
+
+
+def shared_context_tokens(engine: LLMEngine, full: LoadedModel) -> int:
+    """The window both sides can serve: items that do not fit it are scored by neither."""
+    return min(engine.max_model_len, full.model.config.max_position_embeddings)

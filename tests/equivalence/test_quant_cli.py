@@ -21,7 +21,8 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_hf_model("llama", tmp_path_factory.mktemp("cli"), seed=7)
 
 
-def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
+def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EDGE_RTGI_BENCH_CACHE", str(tmp_path / "full-outputs"))
     sens, plan, ckpt, report = (tmp_path / n for n in ("sens.yaml", "plan.yaml", "m.q.safetensors", "rep"))
     rc = main(
         [
@@ -49,6 +50,8 @@ def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
             str(report),
             "--eval-prompts",
             "200",
+            "--task-items",
+            "2",
         ]
     )  # more than fit side by side: overlapping, resampled in runs
     assert rc == 0
@@ -63,7 +66,13 @@ def test_profile_allocate_save_report(tiny_dir, tmp_path, capsys):
     assert 0 <= summary["token_accuracy_quant"] <= 1 and 0 < summary["token_accuracy_retention"] <= 1
     assert (report / "bits.png").stat().st_size > 1000
     assert summary["prompts"] == 200 and summary["bootstrap_block_prompts"] > 1
-    assert "quality retention" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "Task retention" in out and "continuation chrF ratio (fidelity" in out
+    tasks = {t["workload"]: t for t in summary["task_retention"]}
+    assert (
+        set(tasks) <= {"voice", "dialogue", "code", "translation"} and "code" in tasks
+    )  # what fits 256 tokens
+    assert all(t["items"] == 2 and 0 <= t["retention"] <= 1 for t in tasks.values())
     # The checkpoint and the plan give the same model.
     from_ckpt, from_plan = copy.deepcopy(loaded.model), copy.deepcopy(loaded.model)
     load_quantized_checkpoint(ckpt, from_ckpt)
@@ -137,3 +146,17 @@ def test_eval_prompts_must_be_positive(tiny_dir, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert rc == 2 and "--eval-prompts must be at least 1" in err and len(err.strip().splitlines()) == 1
+    rc = main(
+        [
+            "quantize",
+            str(tiny_dir),
+            "--uniform",
+            "int8",
+            "--report",
+            str(tmp_path / "r"),
+            "--task-items",
+            "-1",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "--task-items must be at least 0" in err and len(err.strip().splitlines()) == 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -357,6 +358,21 @@ def bits_heatmap(resolved: dict[str, str], groups: list[WeightGroup], path: str 
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class TaskRetentionLine:
+    """One workload's task retention for the report (measured by ``edge_rtgi.bench.task_eval``,
+    which the command that writes the report runs: this module stays below the benchmark)."""
+
+    workload: str
+    metric: str
+    items: int
+    full_score: float
+    quantised_score: float
+    retention: float
+    low: float
+    high: float
+
+
 def write_report(
     out_dir: str | Path,
     resolved: dict[str, str],
@@ -364,8 +380,13 @@ def write_report(
     quality: QualityResult,
     model_name: str,
     full_weight_bytes: int,
+    tasks: Sequence[TaskRetentionLine] = (),
 ) -> Path:
-    """Write report.md, report.json and bits.png into ``out_dir``; returns the markdown path."""
+    """Write report.md, report.json and bits.png into ``out_dir``; returns the markdown path.
+
+    ``tasks``: the quantised model's task retention per workload, the quality figure that accepts
+    or refuses a plan; everything else in the report is a diagnostic beside it.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     numel = sum(g.numel for g in groups)
@@ -378,6 +399,7 @@ def write_report(
         **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(quality).items()},
         "token_accuracy_retention": round(quality.token_accuracy_retention, 6),
         "plan": resolved,
+        "task_retention": [asdict(t) for t in tasks],
     }
     (out / "report.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     block = (
@@ -403,7 +425,7 @@ def write_report(
         "tokens): "
         f"full {quality.chrf_full:.2f}, quantised {quality.chrf_quant:.2f}; chrF agreement between the "
         f"two models' continuations {quality.chrf_agreement:.2f}",
-        f"- quality retention (chrF ratio, capped at 1): **{100 * quality.quality_retention:.1f} %** "
+        f"- continuation chrF ratio (fidelity, capped at 1): {100 * quality.quality_retention:.1f} % "
         f"(95 % paired-bootstrap interval over prompts{block} {100 * quality.retention_low:.1f}-"
         f"{100 * quality.retention_high:.1f} %; uncapped ratio {100 * quality.retention_uncapped:.1f} %)",
         f"- continuations caught in a loop (>= 25 % of their 4-grams repeated): full "
@@ -416,6 +438,7 @@ def write_report(
         f"{100 * quality.token_accuracy_ratio_high:.1f} %; not the "
         "benchmark's retention: no greedy compounding)",
         "",
+        *_task_lines(tasks),
         "![bits per group](bits.png)",
         "",
         bits_table(resolved, groups),
@@ -423,3 +446,24 @@ def write_report(
     ]
     (out / "report.md").write_text("\n".join(md), encoding="utf-8")
     return out / "report.md"
+
+
+def _task_lines(tasks: Sequence[TaskRetentionLine]) -> list[str]:
+    if not tasks:
+        return ["(task retention not measured: run without --task-items 0)", ""]
+    rows = [
+        f"| {t.workload} | {t.metric} | {t.items} | {t.full_score:.3f} | {t.quantised_score:.3f} "
+        f"| **{100 * t.retention:.1f} %** [{100 * t.low:.1f}, {100 * t.high:.1f}] |"
+        for t in tasks
+    ]
+    worst = min(tasks, key=lambda t: t.retention)
+    return [
+        "## Task retention (quality: quantised task score / full model's, same graded items)",
+        "",
+        "| workload | task score | items | full | quantised | retention [95 % CI] |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"Lowest: {worst.workload} at {100 * worst.retention:.1f} %. Intervals: paired bootstrap over items.",
+        "",
+    ]
