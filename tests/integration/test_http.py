@@ -1,0 +1,226 @@
+"""The daemon's HTTP face with real models: the official ``openai`` client against the chat API,
+the browser client in Debian's headless Chromium with a fake microphone, and the Prometheus
+histograms after a voice turn.
+
+One daemon for the module (whisper tiny.en + SmolLM2-135M + Piper, the voice-assistant
+pipeline prepared, as ``edge-rtgi serve`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from edge_rtgi.catalog import resolve_model
+from tests.integration import cdp
+from tests.integration.native_client import NativeClient, http_get, speak_16k, steady_voice, wer
+
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France?"
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+PROMPT = "The three primary colors are"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def piper():
+    from edge_rtgi.tts.piper import PiperVoice
+
+    return steady_voice(PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1))
+
+
+class CliAnswer:
+    """``edge-rtgi ARGS`` started in its own process (its own engine, as a user runs it) at once,
+    so that it loads its model while the daemon loads; ``text()`` waits for its stdout."""
+
+    def __init__(self, *args: str, stdin: str | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_rtgi.cli", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        self.stdin = stdin or ""
+
+    def text(self) -> str:
+        out, err = self.proc.communicate(self.stdin, timeout=600)
+        assert self.proc.returncode == 0, err
+        return out.removesuffix("\n")
+
+
+@pytest.fixture(scope="module")
+def cli_answers():
+    answers = {
+        "generate": CliAnswer("generate", "--max-tokens", str(MAX_TOKENS), PROMPT),
+        "chat": CliAnswer("chat", "--max-tokens", str(MAX_TOKENS), "--system", SYSTEM, stdin=QUESTION + "\n"),
+    }
+    yield answers
+    for answer in answers.values():
+        if answer.proc.poll() is None:
+            answer.proc.kill()
+            answer.proc.communicate()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon(cli_answers):  # the CLI oracles start first and load beside the daemon
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+
+    pipelines = load_pipelines([builtin_pipelines_dir()])
+    d = Daemon(DaemonConfig(server=ServerConfig(port=0)), pipelines, Resources())
+    await d.resources.prepare(pipelines["voice-assistant"])
+    await d.start()
+    yield d
+    await d.drain(timeout_s=1.0)
+    d.resources.close()
+
+
+def client_for(daemon):
+    return openai.AsyncOpenAI(api_key="local", base_url=f"http://127.0.0.1:{daemon.port}/v1", max_retries=0)
+
+
+def fresh_cache(daemon) -> None:
+    # With `quant: auto` a prefill of a few rows runs on the int kernels and a longer one on the
+    # bf16 copy, so a prefix-cache hit may change greedy output; the CLI starts with no cache.
+    daemon.resources.llm(MODEL).reset_prefix_cache()
+
+
+async def test_official_openai_client_matches_the_cli(daemon, cli_answers):
+    generated, chatted = await asyncio.gather(
+        asyncio.to_thread(cli_answers["generate"].text), asyncio.to_thread(cli_answers["chat"].text)
+    )
+    assert generated and chatted
+    client = client_for(daemon)
+    models = await client.models.list()
+    assert MODEL in [m.id for m in models.data]
+
+    fresh_cache(daemon)
+    completion = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert completion.choices[0].text == generated
+    assert completion.usage.completion_tokens <= MAX_TOKENS and completion.usage.prompt_tokens > 0
+
+    fresh_cache(daemon)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert chat.choices[0].message.content == chatted
+    assert chat.choices[0].message.role == "assistant"
+    usage = chat.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    fresh_cache(daemon)
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, finish, streamed_usage = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            streamed_usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == chatted
+    assert len([p for p in pieces if p]) >= 2, "the reply must stream as several deltas"
+    assert finish in ("stop", "length") and streamed_usage.completion_tokens == usage.completion_tokens
+
+
+async def test_metrics_parse_and_histograms_move_after_a_voice_turn(daemon, piper):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts(text: str) -> dict[str, float]:
+        out = {}
+        for family in text_string_to_metric_families(text):  # raises on anything malformed
+            for sample in family.samples:
+                if sample.name.endswith("_count"):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+        return out
+
+    _, before = await http_get(daemon.port, "/metrics")
+    c = await NativeClient.open(daemon.port)
+    try:
+        await c.wait_type("session.created")
+        await c.stream(speak_16k(piper, QUESTION), speed=2.0)
+        done = await c.wait_type("response.done")
+        assert done["status"] == "completed"
+    finally:
+        await c.close()
+    status, after = await http_get(daemon.port, "/metrics")
+    assert status == 200
+    moved = {k: counts(after).get(k, 0.0) - counts(before).get(k, 0.0) for k in counts(after)}
+    for name in (
+        "edge_rtgi_voice_to_voice_ms_count",
+        "edge_rtgi_asr_final_ms_count",
+        "edge_rtgi_tts_first_audio_ms_count",
+        "edge_rtgi_llm_ttft_ms_count",
+    ):
+        assert moved.get(name) == 1, (name, moved)
+    assert moved["edge_rtgi_llm_itl_ms_count"] >= 1
+    families = {f.name: f for f in text_string_to_metric_families(after)}
+    assert families["edge_rtgi_voice_to_voice_ms"].type == "histogram"
+    buckets = [s for s in families["edge_rtgi_voice_to_voice_ms"].samples if s.name.endswith("_bucket")]
+    assert len(buckets) > 5 and buckets[-1].labels["le"] == "+Inf"
+    kv = [s for s in families["edge_rtgi_engine_kv_blocks_total"].samples if s.labels["model"] == MODEL]
+    assert kv and kv[0].value > 0
+
+
+@pytest.mark.skipif(not cdp.environment_ok(), reason="no Chromium (apt-get install chromium)")
+async def test_browser_client_in_headless_chromium(daemon, piper, tmp_path, record_property):
+    from edge_rtgi.audio.wav import write_wav
+
+    wav = tmp_path / "question.wav"
+    write_wav(str(wav), speak_16k(piper, QUESTION, lead_s=0.5, tail_s=12.0), 16000)
+    browser = await cdp.Browser.launch(tmp_path / "profile", wav)
+    try:
+        await browser.goto(f"http://127.0.0.1:{daemon.port}/")
+        await browser.wait_for("!!document.querySelector('#pipeline option[value=\"voice-assistant\"]')", 10)
+        await browser.eval("document.querySelector('#pipeline').value = 'voice-assistant'")
+        await browser.eval("document.querySelector('#start').click()", user_gesture=True)
+        await browser.wait_for("document.querySelector('#status').dataset.state === 'live'", 30)
+        heard = await browser.wait_for(
+            "document.querySelector('#turns .turn .heard .text')?.textContent", timeout_s=120
+        )
+        assert wer(QUESTION, heard) <= 1 / 6, heard
+        await browser.wait_for("document.querySelector('#turns .turn')?.dataset.status === 'completed'", 120)
+        reply = await browser.eval("document.querySelector('#turns .turn .reply .text').textContent")
+        assert "paris" in reply.lower(), reply
+        parts = await browser.eval("document.querySelector('#turns .turn .parts').textContent")
+        assert "voice-to-voice" in parts and "ASR final" in parts, parts
+        # the reply's audio went through the page's AudioContext to the end of its buffers
+        played_ms = await browser.wait_for(
+            "Number(document.querySelector('#played').dataset.ms) > 500 && "
+            "Number(document.querySelector('#played').dataset.ms)",
+            timeout_s=60,
+        )
+        record_property("browser_played_ms", played_ms)
+        shot = await browser.screenshot(tmp_path / "browser-client.png")
+        if os.environ.get("EDGE_RTGI_BROWSER_SCREENSHOT"):  # refresh docs/browser-client.png
+            shutil.copy(shot, os.environ["EDGE_RTGI_BROWSER_SCREENSHOT"])
+        assert shot.stat().st_size > 10_000
+    finally:
+        console = browser.console
+        await browser.close()
+    assert not [line for line in console if line.startswith("exception")], console
