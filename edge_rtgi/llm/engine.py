@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DeltaSink = Callable[[RequestDelta], None]
 # (finish_reason, usage) of every finished request, called on the engine thread (metrics)
-FinishListener = Callable[[str, "Usage | None"], None]
+FinishListener = Callable[[str, Usage | None], None]
 
 
 @dataclass

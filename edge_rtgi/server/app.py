@@ -120,10 +120,10 @@ class Daemon:
     @property
     def port(self) -> int:
         """The port actually bound (the configured one, or the OS's pick for port 0)."""
-        server = self._site._server if self._site is not None else None
-        if server is None or not server.sockets:  # type: ignore[attr-defined]
-            raise RuntimeError("the daemon is not listening yet: await start() first")
-        return int(server.sockets[0].getsockname()[1])  # type: ignore[attr-defined]
+        addresses = self._runner.addresses if self._runner is not None else []
+        if not addresses:
+            raise RuntimeError("the daemon is not listening: await start() first")
+        return int(addresses[0][1])
 
     def _busy(self) -> bool:
         return self.http_in_flight > 0 or any(
@@ -134,8 +134,9 @@ class Daemon:
         """Stop accepting, let responses in flight finish (up to the timeout), then close all."""
         self.draining = True
         timeout_s = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
-        if self._site is not None and self._site._server is not None:
-            self._site._server.close()  # no new connections; the open ones go on
+        if self._site is not None:
+            await self._site.stop()  # no new connections; the open ones go on
+            self._site = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline and self._busy():
@@ -146,7 +147,7 @@ class Daemon:
             await s.close()
         if self._runner is not None:
             await self._runner.cleanup()
-            self._runner = self._site = None
+            self._runner = None
         self.metrics.up.set(0)
 
     # ------------------------------------------------------------------ sessions

@@ -42,6 +42,7 @@ class ClientSocket:
         self.ws = ws
         self.path = path
         self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(READ_AHEAD_MESSAGES)
+        self._ended = False  # the reader has stopped; what is still queued is the rest
         self._reader = asyncio.create_task(self._read(), name="ws-reader")
 
     async def _read(self) -> None:
@@ -53,11 +54,16 @@ class ClientSocket:
                 else:  # closed, closing, or an error (aiohttp has closed it: 1009 for an oversized one)
                     break
         finally:
-            await self._inbox.put(None)
+            self._ended = True
+            if not self._inbox.full():  # wakes a consumer waiting on an empty inbox
+                self._inbox.put_nowait(None)
 
     async def messages(self) -> AsyncIterator[str | bytes]:
         """The client's text (str) and binary (bytes) messages until it leaves."""
-        while (message := await self._inbox.get()) is not None:
+        while not (self._ended and self._inbox.empty()):
+            message = await self._inbox.get()
+            if message is None:
+                return
             yield message
 
     async def send(self, message: str | bytes) -> None:

@@ -110,8 +110,9 @@ class TextApi:
 
     # ------------------------------------------------------------------ one request
 
-    def _count(self, route: str, status: HTTPStatus) -> None:
-        self.daemon.metrics.http_requests.labels(route=route, status=str(status.value)).inc()
+    def _count(self, route: str, status: HTTPStatus | str) -> None:
+        label = str(status.value) if isinstance(status, HTTPStatus) else status
+        self.daemon.metrics.http_requests.labels(route=route, status=label).inc()
 
     def _refused(self, refusal: Refusal, route: str) -> web.Response:
         self._count(route, refusal.status)
@@ -148,6 +149,9 @@ class TextApi:
         except ApiError as exc:
             self._count(route, exc.status)
             return _json(exc.body(), exc.status)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self._count(route, "disconnected")  # the client left; its engine request is aborted
+            raise
         finally:
             self.daemon.http_in_flight -= 1
 
