@@ -131,12 +131,10 @@ class Daemon:
         )
 
     async def drain(self, timeout_s: float | None = None) -> None:
-        """Stop accepting, let responses in flight finish (up to the timeout), then close all."""
+        """Refuse new work (503, and /healthz says "draining"), let responses and API requests in
+        flight finish (up to the timeout), close every session with 1001, stop listening."""
         self.draining = True
         timeout_s = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
-        if self._site is not None:
-            await self._site.stop()  # no new connections; the open ones go on
-            self._site = None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while loop.time() < deadline and self._busy():
@@ -146,8 +144,8 @@ class Daemon:
         for s in list(self.sessions):
             await s.close()
         if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+            await self._runner.cleanup()  # stops listening, then ends what is left
+            self._runner = self._site = None
         self.metrics.up.set(0)
 
     # ------------------------------------------------------------------ sessions

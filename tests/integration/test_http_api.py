@@ -35,13 +35,13 @@ def tiny(tmp_path_factory):
     return str(make_tiny_hf_model("llama", tmp_path_factory.mktemp("http"), seed=3))
 
 
-def tiny_daemon(tiny, **server) -> Daemon:
+def tiny_daemon(tiny, resources: Resources | None = None, **server) -> Daemon:
     pipe = parse_pipeline(
         f"name: tiny-chat\nstages:\n  - asr: {{}}\n  - assistant:\n      model: {tiny}\n", "t.yaml"
     )
     engine = EngineConfig(device="cpu", dtype="fp32", quant="none", kv_cache_memory_mb=16)
     cfg = DaemonConfig(server=ServerConfig(port=0, **server), default_pipeline="tiny-chat", engine=engine)
-    return Daemon(cfg, {"tiny-chat": pipe}, Resources(engine))
+    return Daemon(cfg, {"tiny-chat": pipe}, resources or Resources(engine))
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -214,8 +214,8 @@ async def test_page_and_its_files_are_served_with_nothing_from_elsewhere(daemon)
 
 
 @pytest.mark.slow  # opens a session, so whisper tiny.en loads
-async def test_token_rules_and_browser_tickets(tiny):
-    d = tiny_daemon(tiny, token=TOKEN)
+async def test_token_rules_and_browser_tickets(tiny, daemon):
+    d = tiny_daemon(tiny, daemon.resources, token=TOKEN)  # the module daemon's models, shared
     await d.start()
     try:
         port = d.port
@@ -241,4 +241,44 @@ async def test_token_rules_and_browser_tickets(tiny):
         assert refused.value.response.status_code == 401
     finally:
         await d.drain(timeout_s=0.5)
-        d.resources.close()
+
+
+async def test_drain_answers_503_and_lets_a_request_in_flight_finish(tiny, daemon):
+    d = tiny_daemon(tiny, daemon.resources)
+    await d.start()
+    port = d.port
+    body = json.dumps({"model": tiny, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    writer.write(head + body[:10])  # admitted, and still sending its body when the drain starts
+    await writer.drain()
+    for _ in range(200):
+        if d.http_in_flight:
+            break
+        await asyncio.sleep(0.02)
+    assert d.http_in_flight == 1
+    drain = asyncio.create_task(d.drain(timeout_s=60))
+    try:
+        status, health = await http_get(port, "/healthz")
+        assert status == 503 and json.loads(health)["status"] == "draining"
+        status, answer = await post(port, "/v1/chat/completions", {"model": tiny, "messages": []})
+        assert status == 503 and "shutting down" in answer["error"]["message"]
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(f"ws://127.0.0.1:{port}/v1/native"):
+                pass
+        assert refused.value.response.status_code == 503
+        assert not drain.done(), "the drain waits for the request in flight"
+        writer.write(body[10:])
+        await writer.drain()
+        response = await asyncio.wait_for(reader.read(), 60)
+        assert response.startswith(b"HTTP/1.1 200") and b'"text_completion"' in response
+        await asyncio.wait_for(drain, 30)
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", port)
+    finally:
+        writer.close()
+        if not drain.done():
+            await drain
