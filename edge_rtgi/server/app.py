@@ -115,6 +115,7 @@ class Daemon:
             app.router.add_get(path, lambda r: self._websocket(r, _serve_realtime))
         openai_api.add_routes(app.router, self)
         browser.add_routes(app.router)
+        app.on_response_prepare.append(_server_header)
         return app
 
     @property
@@ -288,6 +289,11 @@ class Daemon:
             self.connections.discard(sock)
             await sock.finish()
         return ws
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # as the websockets server said; aiohttp's default names the Python and aiohttp versions
+    response.headers["Server"] = "edge-rtgi"
 
 
 async def _serve_native(daemon: Daemon, ws: ClientSocket) -> None:

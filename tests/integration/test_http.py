@@ -8,12 +8,8 @@ pipeline prepared, as ``edge-rtgi serve`` does).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -25,7 +21,6 @@ from tests.integration.native_client import NativeClient, http_get, speak_16k, s
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
@@ -40,43 +35,8 @@ def piper():
     return steady_voice(PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1))
 
 
-class CliAnswer:
-    """``edge-rtgi ARGS`` started in its own process (its own engine, as a user runs it) at once,
-    so that it loads its model while the daemon loads; ``text()`` waits for its stdout."""
-
-    def __init__(self, *args: str, stdin: str | None = None):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edge_rtgi.cli", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-        self.stdin = stdin or ""
-
-    def text(self) -> str:
-        out, err = self.proc.communicate(self.stdin, timeout=600)
-        assert self.proc.returncode == 0, err
-        return out.removesuffix("\n")
-
-
-@pytest.fixture(scope="module")
-def cli_answers():
-    answers = {
-        "generate": CliAnswer("generate", "--max-tokens", str(MAX_TOKENS), PROMPT),
-        "chat": CliAnswer("chat", "--max-tokens", str(MAX_TOKENS), "--system", SYSTEM, stdin=QUESTION + "\n"),
-    }
-    yield answers
-    for answer in answers.values():
-        if answer.proc.poll() is None:
-            answer.proc.kill()
-            answer.proc.communicate()
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def daemon(cli_answers):  # the CLI oracles start first and load beside the daemon
+async def daemon():
     from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
     from edge_rtgi.pipeline.resources import Resources
     from edge_rtgi.server.app import Daemon
@@ -95,57 +55,26 @@ def client_for(daemon):
     return openai.AsyncOpenAI(api_key="local", base_url=f"http://127.0.0.1:{daemon.port}/v1", max_retries=0)
 
 
-def fresh_cache(daemon) -> None:
-    # With `quant: auto` a prefill of a few rows runs on the int kernels and a longer one on the
-    # bf16 copy, so a prefix-cache hit may change greedy output; the CLI starts with no cache.
-    daemon.resources.llm(MODEL).reset_prefix_cache()
-
-
-async def test_official_openai_client_matches_the_cli(daemon, cli_answers):
-    generated, chatted = await asyncio.gather(
-        asyncio.to_thread(cli_answers["generate"].text), asyncio.to_thread(cli_answers["chat"].text)
-    )
-    assert generated and chatted
+async def test_official_openai_client_on_the_real_model(daemon):
+    # Greedy output against `edge-rtgi generate` / `chat` is checked on a tiny model in
+    # test_http_api.py (the same code path; two more SmolLM2 processes cost the suite ~1 min).
     client = client_for(daemon)
-    models = await client.models.list()
-    assert MODEL in [m.id for m in models.data]
-
-    fresh_cache(daemon)
+    assert MODEL in [m.id for m in (await client.models.list()).data]
     completion = await client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
     )
-    assert completion.choices[0].text == generated
-    assert completion.usage.completion_tokens <= MAX_TOKENS and completion.usage.prompt_tokens > 0
-
-    fresh_cache(daemon)
+    assert completion.choices[0].text.strip() and completion.usage.completion_tokens <= MAX_TOKENS
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
     chat = await client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0
     )
-    assert chat.choices[0].message.content == chatted
-    assert chat.choices[0].message.role == "assistant"
-    usage = chat.usage
-    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-
-    fresh_cache(daemon)
+    answer = chat.choices[0].message.content
+    assert "paris" in answer.lower(), answer
     stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=messages,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
-    pieces, finish, streamed_usage = [], None, None
-    async for chunk in stream:
-        if chunk.usage is not None:
-            streamed_usage = chunk.usage
-        for choice in chunk.choices:
-            pieces.append(choice.delta.content or "")
-            finish = choice.finish_reason or finish
-    assert "".join(pieces) == chatted
-    assert len([p for p in pieces if p]) >= 2, "the reply must stream as several deltas"
-    assert finish in ("stop", "length") and streamed_usage.completion_tokens == usage.completion_tokens
+    pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+    assert "".join(pieces) == answer and len([p for p in pieces if p]) >= 2
 
 
 async def test_metrics_parse_and_histograms_move_after_a_voice_turn(daemon, piper):

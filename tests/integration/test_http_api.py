@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -16,7 +20,6 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.pipeline.config import parse_pipeline
 from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.server.app import Daemon
@@ -26,13 +29,64 @@ from tests.tiny_models import make_tiny_hf_model
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "an-http-test-token-of-good-length"
 PROMPT = "The quick brown fox"
+SYSTEM = "Be brief."
+USER = "Hello! How are you today?"
+MAX_TOKENS = 12
+
+
+class CliAnswer:
+    """``edge-rtgi ARGS`` started at once in its own process (its own engine and empty prefix
+    cache, as a user runs it), so it loads while the tests run; ``text()`` waits for its stdout."""
+
+    def __init__(self, *args: str, stdin: str = ""):
+        self.stdin = stdin.encode()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edge_rtgi.cli", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+
+    def text(self) -> str:
+        out, err = self.proc.communicate(self.stdin, timeout=600)
+        assert self.proc.returncode == 0, err.decode()
+        return out.decode().removesuffix("\n")  # bytes: no newline translation of the model's text
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return str(make_tiny_hf_model("llama", tmp_path_factory.mktemp("http"), seed=3))
+
+
+@pytest.fixture(scope="module")
+def cli_answers(tiny):
+    # the daemon's engine settings (tiny_daemon), on the command line
+    flags = [
+        "--model",
+        tiny,
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--quant",
+        "none",
+        "--max-tokens",
+        str(MAX_TOKENS),
+    ]
+    answers = {
+        "generate": CliAnswer("generate", *flags, PROMPT),
+        "chat": CliAnswer("chat", *flags, "--system", SYSTEM, stdin=USER + "\n"),
+    }
+    yield answers
+    for answer in answers.values():
+        if answer.proc.poll() is None:
+            answer.proc.kill()
+            answer.proc.communicate()
 
 
 def tiny_daemon(tiny, resources: Resources | None = None, **server) -> Daemon:
@@ -45,7 +99,7 @@ def tiny_daemon(tiny, resources: Resources | None = None, **server) -> Daemon:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def daemon(tiny):
+async def daemon(tiny, cli_answers):  # the CLI processes start first and load meanwhile
     d = tiny_daemon(tiny)
     await d.start()
     yield d
@@ -75,39 +129,45 @@ async def post(port: int, path: str, body: bytes | dict, headers: dict | None = 
     return await asyncio.to_thread(call)
 
 
-async def test_official_client_streams_the_same_text_it_answers_whole(daemon, tiny):
+async def test_official_client_greedy_output_equals_the_cli(daemon, tiny, cli_answers):
     c = client(daemon)
-    assert [m.id for m in (await c.models.list()).data] == [tiny]
-    whole = await c.completions.create(model=tiny, prompt=PROMPT, max_tokens=12, temperature=0)
-    text = whole.choices[0].text
-    assert whole.object == "text_completion" and text
-    assert (
-        whole.usage.completion_tokens <= 12
-        and whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-    )
-    stream = await c.completions.create(model=tiny, prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
-    pieces = [chunk.choices[0].text async for chunk in stream]
-    assert "".join(pieces) == text and len([p for p in pieces if p]) >= 2
-
     engine = daemon.resources.llm(tiny)
-    ids = engine.tokenizer.encode(PROMPT, add_special_tokens=True)
-    direct = await asyncio.to_thread(engine.generate, [ids], SamplingParams(max_tokens=12))
-    assert direct[0].text == text, "the API adds nothing to the engine's own greedy output"
+    assert [m.id for m in (await c.models.list()).data] == [tiny]
+    generated, chatted = await asyncio.gather(
+        asyncio.to_thread(cli_answers["generate"].text), asyncio.to_thread(cli_answers["chat"].text)
+    )
+    assert generated and chatted
 
-    messages = [{"role": "user", "content": "Hello! How are you today?"}]
-    chat = await c.chat.completions.create(model=tiny, messages=messages, max_tokens=10, temperature=0)
+    engine.reset_prefix_cache()  # as the CLI's fresh engine: no earlier request's blocks
+    whole = await c.completions.create(model=tiny, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert whole.object == "text_completion" and whole.choices[0].text == generated
+    u = whole.usage
+    assert u.completion_tokens <= MAX_TOKENS and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    engine.reset_prefix_cache()
+    stream = await c.completions.create(
+        model=tiny, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    pieces = [chunk.choices[0].text async for chunk in stream]
+    assert "".join(pieces) == generated and len([p for p in pieces if p]) >= 2
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    engine.reset_prefix_cache()
+    chat = await c.chat.completions.create(
+        model=tiny, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert chat.choices[0].message.content == chatted and chat.choices[0].message.role == "assistant"
+    engine.reset_prefix_cache()
     stream = await c.chat.completions.create(
         model=tiny,
         messages=messages,
-        max_tokens=10,
+        max_tokens=MAX_TOKENS,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    assert streamed == chat.choices[0].message.content
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chatted
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == chat.choices[0].finish_reason
 
@@ -235,6 +295,7 @@ async def test_token_rules_and_browser_tickets(tiny, daemon):
         url = f"ws://127.0.0.1:{port}/v1/native?ticket={answer['ticket']}"
         async with connect(url, origin=f"http://127.0.0.1:{port}") as ws:  # as the page connects
             assert json.loads(await ws.recv())["type"] == "session.created"
+            assert ws.response.headers["Server"] == "edge-rtgi"
         with pytest.raises(InvalidStatus) as refused:
             async with connect(url):  # the same ticket again
                 pass
@@ -282,3 +343,12 @@ async def test_drain_answers_503_and_lets_a_request_in_flight_finish(tiny, daemo
         writer.close()
         if not drain.done():
             await drain
+
+
+async def test_responses_name_the_server_without_versions(daemon):
+    def head(path: str) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}{path}", timeout=10) as resp:
+            return resp.headers["Server"]
+
+    assert await asyncio.to_thread(head, "/healthz") == "edge-rtgi"
+    assert await asyncio.to_thread(head, "/") == "edge-rtgi"
