@@ -13,7 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -23,7 +30,7 @@ if TYPE_CHECKING:
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.request import Usage
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # the text format generate_latest writes, as the library names it
 
 # Buckets in ms, each spanning the idle figure to several times it under load.
 TTFT_BUCKETS_MS = (10, 25, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000)
