@@ -37,7 +37,7 @@ class Browser:
         self.console: list[str] = []
 
     @classmethod
-    async def launch(cls, profile_dir: Path, mic_wav: Path, size: tuple[int, int] = (1000, 560)) -> Browser:
+    async def launch(cls, profile_dir: Path, mic_wav: Path, size: tuple[int, int] = (1000, 700)) -> Browser:
         exe = find_chromium()
         if exe is None:
             raise RuntimeError("no Chromium found (apt-get install chromium)")

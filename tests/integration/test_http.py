@@ -25,6 +25,7 @@ MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 PROMPT = "The three primary colors are"
+LONG_REQUEST = "Tell me a long story about a dragon."
 MAX_TOKENS = 24
 
 
@@ -118,10 +119,20 @@ async def test_metrics_parse_and_histograms_move_after_a_voice_turn(daemon, pipe
 
 @pytest.mark.skipif(not cdp.environment_ok(), reason="no Chromium (apt-get install chromium)")
 async def test_browser_client_in_headless_chromium(daemon, piper, tmp_path, record_property):
+    """The fake microphone asks a question, waits for the spoken answer, asks for a long story
+    and talks over it: captions, reply, latency parts, played audio, then the barge-in."""
+    import numpy as np
+
     from edge_rtgi.audio.wav import write_wav
 
-    wav = tmp_path / "question.wav"
-    write_wav(str(wav), speak_16k(piper, QUESTION, lead_s=0.5, tail_s=12.0), 16000)
+    speech = [
+        speak_16k(piper, QUESTION, lead_s=0.5, tail_s=7.0),  # room for the reply to play out
+        speak_16k(piper, LONG_REQUEST, lead_s=0.0, tail_s=3.5),  # its reply is still playing...
+        speak_16k(piper, "Stop please.", lead_s=0.0, tail_s=2.0),  # ...when this barges in
+    ]
+    wav = tmp_path / "microphone.wav"
+    write_wav(str(wav), np.concatenate(speech), 16000)
+    first = "document.querySelector('#turns .turn:last-child')"  # turns are listed newest first
     browser = await cdp.Browser.launch(tmp_path / "profile", wav)
     try:
         await browser.goto(f"http://127.0.0.1:{daemon.port}/")
@@ -129,14 +140,12 @@ async def test_browser_client_in_headless_chromium(daemon, piper, tmp_path, reco
         await browser.eval("document.querySelector('#pipeline').value = 'voice-assistant'")
         await browser.eval("document.querySelector('#start').click()", user_gesture=True)
         await browser.wait_for("document.querySelector('#status').dataset.state === 'live'", 30)
-        heard = await browser.wait_for(
-            "document.querySelector('#turns .turn .heard .text')?.textContent", timeout_s=120
-        )
+        heard = await browser.wait_for(f"{first}?.querySelector('.heard .text').textContent", timeout_s=120)
         assert wer(QUESTION, heard) <= 1 / 6, heard
-        await browser.wait_for("document.querySelector('#turns .turn')?.dataset.status === 'completed'", 120)
-        reply = await browser.eval("document.querySelector('#turns .turn .reply .text').textContent")
+        await browser.wait_for(f"{first}.dataset.status === 'completed'", 120)
+        reply = await browser.eval(f"{first}.querySelector('.reply .text').textContent")
         assert "paris" in reply.lower(), reply
-        parts = await browser.eval("document.querySelector('#turns .turn .parts').textContent")
+        parts = await browser.eval(f"{first}.querySelector('.parts').textContent")
         assert "voice-to-voice" in parts and "ASR final" in parts, parts
         # the reply's audio went through the page's AudioContext to the end of its buffers
         played_ms = await browser.wait_for(
@@ -145,6 +154,13 @@ async def test_browser_client_in_headless_chromium(daemon, piper, tmp_path, reco
             timeout_s=60,
         )
         record_property("browser_played_ms", played_ms)
+        await browser.wait_for("Number(document.querySelector('#barge-in').dataset.count) >= 1", 120)
+        statuses = await browser.wait_for(
+            "(s => s.includes('interrupted') && s)"
+            "([...document.querySelectorAll('#turns .turn')].map(t => t.dataset.status))",
+            60,
+        )
+        assert statuses[-1] == "completed" and statuses[-2] == "interrupted", statuses
         shot = await browser.screenshot(tmp_path / "browser-client.png")
         if os.environ.get("EDGE_RTGI_BROWSER_SCREENSHOT"):  # refresh docs/browser-client.png
             shutil.copy(shot, os.environ["EDGE_RTGI_BROWSER_SCREENSHOT"])
