@@ -41,7 +41,6 @@ __all__ = ["Daemon", "origin_allowed"]
 
 log = logging.getLogger(__name__)
 
-NATIVE_PATHS = ("/", "/v1/native")
 REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
 # keepalive pings from the server; a client that answers none within half of it is dropped
 HEARTBEAT_S = 30.0
@@ -109,8 +108,7 @@ class Daemon:
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/tickets", self._ticket)
-        for path in NATIVE_PATHS[1:]:
-            app.router.add_get(path, lambda r: self._websocket(r, _serve_native))
+        app.router.add_get("/v1/native", lambda r: self._websocket(r, _serve_native))  # and "/": _root
         for path in REALTIME_PATHS:
             app.router.add_get(path, lambda r: self._websocket(r, _serve_realtime))
         openai_api.add_routes(app.router, self)

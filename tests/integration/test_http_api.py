@@ -300,6 +300,9 @@ async def test_token_rules_and_browser_tickets(tiny, daemon):
             async with connect(url):  # the same ticket again
                 pass
         assert refused.value.response.status_code == 401
+        _, answer = await post(port, "/v1/tickets", b"", bearer)
+        async with connect(f"ws://127.0.0.1:{port}/?ticket={answer['ticket']}") as ws:  # "/" upgrades too
+            assert json.loads(await ws.recv())["type"] == "session.created"
     finally:
         await d.drain(timeout_s=0.5)
 
