@@ -6,7 +6,9 @@ reader, the protocol codec, the session's control lane, its writer and the codec
 runs. Two figures per round, on one fresh connection each:
 
 - round trips per second: one ``ping`` in flight at a time (latency-bound);
-- pipelined pongs per second: ``--window`` pings in flight (throughput-bound).
+- pipelined pongs per second: ``--window`` pings in flight (throughput-bound);
+- the daemon process's CPU time per message (user + system, from /proc), over both phases: on a
+  shared machine the wall-clock rates swing with other jobs, its CPU cost much less.
 
 With ``--against PATH`` a second daemon runs from another checkout (for example the commit
 before a change, from ``git worktree add /tmp/base <commit>``), and rounds alternate between the
@@ -35,9 +37,16 @@ from websockets.asyncio.client import connect  # noqa: E402
 from tests.integration.daemon_process import DaemonProcess  # noqa: E402
 
 
-async def one_round(port: int, round_trips: int, pipelined: int, window: int) -> dict[str, float]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_round(port: int, pid: int, round_trips: int, pipelined: int, window: int) -> dict[str, float]:
     async with connect(f"ws://127.0.0.1:{port}/v1/native", max_size=1 << 22) as ws:
         assert json.loads(await ws.recv())["type"] == "session.created"
+        cpu0 = cpu_s(pid)
         t0 = time.perf_counter()
         for i in range(round_trips):
             await ws.send(json.dumps({"type": "ping", "id": i}))
@@ -60,7 +69,12 @@ async def one_round(port: int, round_trips: int, pipelined: int, window: int) ->
             await ws.send(json.dumps({"type": "ping", "id": i}))
         await task
         pipe_s = time.perf_counter() - t1
-    return {"round_trips_per_s": round_trips / rt_s, "pipelined_per_s": pipelined / pipe_s}
+        cpu = cpu_s(pid) - cpu0
+    return {
+        "round_trips_per_s": round_trips / rt_s,
+        "pipelined_per_s": pipelined / pipe_s,
+        "server_cpu_us_per_message": 1e6 * cpu / (round_trips + pipelined),
+    }
 
 
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -84,12 +98,13 @@ async def main() -> int:
         for d in daemons:
             await asyncio.to_thread(d.wait_ready)
         for d in daemons:  # warm-up round each, not counted
-            await one_round(d.port, 200, 500, args.window)
+            await one_round(d.port, d.proc.pid, 200, 500, args.window)
         rows: dict[str, list[dict[str, float]]] = {d.label: [] for d in daemons}
         for r in range(args.rounds):
             order = daemons if r % 2 == 0 else daemons[::-1]  # ABBA: neither always goes first
             for d in order:
-                rows[d.label].append(await one_round(d.port, args.round_trips, args.pipelined, args.window))
+                row = await one_round(d.port, d.proc.pid, args.round_trips, args.pipelined, args.window)
+                rows[d.label].append(row)
                 loads.append(os.getloadavg()[0])
     finally:
         for d in daemons:
@@ -97,10 +112,10 @@ async def main() -> int:
     med = {label: summary(r) for label, r in rows.items()}
     print(f"bench_ws: {args.rounds} rounds per daemon, load average {min(loads):.1f}-{max(loads):.1f}")
     for label, m in med.items():
-        rt, pipe = m["round_trips_per_s"], m["pipelined_per_s"]
-        print(f"  {label:5s}  round trips {rt:8.0f}/s   pipelined {pipe:8.0f}/s")
+        rt, pipe, cpu = m["round_trips_per_s"], m["pipelined_per_s"], m["server_cpu_us_per_message"]
+        print(f"  {label:5s}  round trips {rt:8.0f}/s  pipelined {pipe:8.0f}/s  server CPU {cpu:6.1f} us/msg")
     if "other" in med:
-        for k in ("round_trips_per_s", "pipelined_per_s"):
+        for k in ("round_trips_per_s", "pipelined_per_s", "server_cpu_us_per_message"):
             ratios = [a[k] / b[k] for a, b in zip(rows["this"], rows["other"], strict=True)]
             print(
                 f"  {k}: this / other = {med['this'][k] / med['other'][k]:.3f} (medians); "
