@@ -21,6 +21,13 @@ medians, p95 and the ratio streaming / baseline.
 ``--report`` writes a Markdown section (table of medians and p95 with the number of
 utterances, the load average sampled during the run, the commit) for docs/daemon.md.
 ``--no-baseline`` skips the non-streaming cascade (quicker while iterating).
+
+``--against PATH`` compares two checkouts instead, in one sitting: this one and PATH (for
+example the commit before a change, from ``git worktree add``) each run ``edge-rtgi serve`` as
+a child process on the same models, and every utterance is played to both, the order
+alternating from one utterance to the next. It prints each daemon's medians and the median of
+the per-utterance ratios this / other, which the turn-to-turn swings of a loaded machine
+disturb far less than two separate runs.
 """
 
 from __future__ import annotations
@@ -181,7 +188,10 @@ async def main() -> int:
         default=None,
         help="the LLM engine's torch threads (engine: num_threads); default: all cores",
     )
+    ap.add_argument("--against", metavar="PATH", help="another checkout: A/B in one sitting (see above)")
     args = ap.parse_args()
+    if args.against:
+        return await compare(args)
     questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
     questions = [questions[i % len(questions)] for i in range(args.utterances)]
     load_start = os.getloadavg()[0]
@@ -224,6 +234,72 @@ async def main() -> int:
     if args.report:
         Path(args.report).write_text(markdown_report(summary))
         print(f"wrote {args.report}")
+    return 0
+
+
+def load_questions(count: int) -> list[str]:
+    questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
+    return [questions[i % len(questions)] for i in range(count)]
+
+
+async def compare(args: argparse.Namespace) -> int:
+    """This checkout against ``args.against``: each utterance to both daemons, alternating order."""
+    from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.tts.piper import PiperVoice
+    from tests.integration.daemon_process import DaemonProcess
+
+    questions = load_questions(args.utterances)
+    daemons = [
+        DaemonProcess(ROOT, ["voice-assistant"], "voice-assistant", "this"),
+        DaemonProcess(Path(args.against), ["voice-assistant"], "voice-assistant", "other"),
+    ]
+    rows: dict[str, list[dict]] = {"this": [], "other": []}
+    loads = [os.getloadavg()[0]]
+    try:
+        voice = PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"))
+        spoken = [speak(voice, q) for q in questions]
+        for d in daemons:
+            await asyncio.to_thread(d.wait_ready)
+        for i, (pcm, end) in enumerate(spoken):
+            for d in daemons if i % 2 == 0 else daemons[::-1]:
+                row = await one_turn(d.port, pcm, end)
+                row["load_average_1m"] = os.getloadavg()[0]
+                loads.append(row["load_average_1m"])
+                rows[d.label].append(row)
+            this, other = rows["this"][-1], rows["other"][-1]
+            a, b = this["client_voice_to_voice_ms"], other["client_voice_to_voice_ms"]
+            print(f"  {i + 1:2d} v2v this {a:6.0f} ms, other {b:6.0f} ms (load {loads[-1]:.1f})", flush=True)
+    finally:
+        for d in daemons:
+            d.stop()
+    key = "client_voice_to_voice_ms"
+    ratios = [a[key] / b[key] for a, b in zip(rows["this"], rows["other"], strict=True)]
+    result = {
+        "n": len(ratios),
+        "commit": _commit(),
+        "against": str(args.against),
+        "load_average_1m": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+        "medians": {
+            label: {k: statistics.median(r[k] for r in rs if r.get(k) is not None) for k in (key, *PARTS)}
+            for label, rs in rows.items()
+        },
+        "ratio_of_medians": statistics.median(r[key] for r in rows["this"])
+        / statistics.median(r[key] for r in rows["other"]),
+        "median_of_ratios": statistics.median(ratios),
+        "this_faster_in": sum(r < 1 for r in ratios),
+    }
+    print(
+        f"\nvoice-to-voice over {result['n']} utterances, each played to both daemons "
+        f"(load average {min(loads):.1f}-{max(loads):.1f}):"
+    )
+    for label, m in result["medians"].items():
+        print(f"  {label:5s} median {m[key]:6.0f} ms   " + ", ".join(f"{k} {m[k]:.0f}" for k in PARTS))
+    print(
+        f"  this / other: ratio of medians {result['ratio_of_medians']:.3f}, median of per-utterance ratios "
+        f"{result['median_of_ratios']:.3f}; this faster in {result['this_faster_in']} of {result['n']}"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"summary": result, "rows": rows}, indent=2))
     return 0
 
 

@@ -53,9 +53,22 @@ $EDGE translate --connect "$URL" --from en --to es --input out/english.wav --rea
   --out out/translation.wav
 
 echo
+echo "== OpenAI-compatible chat API: POST http://127.0.0.1:$PORT/v1/chat/completions"
+.venv/bin/python - "$PORT" <<'PY'
+import json, sys, urllib.request
+body = {"model": "smollm2-135m-instruct", "max_tokens": 40, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+answer = json.loads(urllib.request.urlopen(req).read())
+print(answer["choices"][0]["message"]["content"], "|", answer["usage"])
+PY
+
+echo
 echo "== daemon metrics (excerpt)"
 http_get "http://127.0.0.1:$PORT/metrics" \
-  | grep -E "^edge_rtgi_(responses_total|voice_to_voice_ms|engine_requests_per_step|sessions_total)" || true
+  | grep -E "^edge_rtgi_(responses_total|voice_to_voice_ms_(sum|count)|engine_requests_per_step|sessions_total)" || true
+echo "(the browser client is at http://127.0.0.1:$PORT/ while the daemon runs)"
 
 stop_daemon
 trap - EXIT

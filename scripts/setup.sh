@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # g++ and ninja-build compile the fused CPU decode kernels (edge_rtgi/llm/csrc/cpu_ops.cpp).
-APT_PACKAGES=(libportaudio2 espeak-ng apertium apertium-eng-spa pulseaudio pulseaudio-utils sox g++ ninja-build)
+APT_PACKAGES=(libportaudio2 espeak-ng apertium apertium-eng-spa pulseaudio pulseaudio-utils sox g++ ninja-build chromium)
 
 if [ "${EDGE_RTGI_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   missing=()

@@ -89,7 +89,8 @@ async def _serve(config: Any, pipelines: dict) -> int:
     srv = config.server
     print(
         f"edge-rtgi: serving {', '.join(daemon.pipelines)} on ws://{srv.host}:{daemon.port}/v1/native "
-        f"(health: http://{srv.host}:{daemon.port}/healthz)",
+        f"(browser: http://{srv.host}:{daemon.port}/, OpenAI API: http://{srv.host}:{daemon.port}/v1, "
+        f"health: http://{srv.host}:{daemon.port}/healthz)",
         flush=True,
     )
     sd_notify(f"READY=1\nSTATUS=serving on {srv.host}:{daemon.port}")
@@ -281,7 +282,9 @@ def _live_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("serve", help="run the WebSocket daemon (native protocol + OpenAI Realtime)")
+    p = subparsers.add_parser(
+        "serve", help="run the daemon (WebSockets, OpenAI-compatible API, browser client, metrics)"
+    )
     p.add_argument("--config", help="daemon config file (see config/edge-rtgi.yaml)")
     p.add_argument("--host", help="bind address (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, help="port (default 8765; 0 picks a free one)")

@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DeltaSink = Callable[[RequestDelta], None]
+# (finish_reason, usage) of every finished request, called on the engine thread (metrics)
+FinishListener = Callable[[str, Usage | None], None]
 
 
 @dataclass
@@ -131,6 +133,7 @@ class LLMEngine:
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
         self._streams: dict[str, _Stream] = {}
+        self._finish_listeners: list[FinishListener] = []
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._ids = itertools.count()
         self._stats = EngineStats(kv_blocks_total=num_blocks)
@@ -249,9 +252,22 @@ class LLMEngine:
             stream = self._make_stream(sink, arrival, params, prompt_ids)
         except EdgeRtgiError as exc:
             sink(RequestDelta(rid, "", (), "error", error=str(exc)))
+            self._notify_finish("error", None)
             return rid
         self._commands.put(_Add(req, stream))
         return rid
+
+    def add_finish_listener(self, listener: FinishListener) -> None:
+        """``listener(finish_reason, usage)`` runs for every finished request, on the engine's
+        thread (or the caller's, for input refused at submit): keep it short and thread-safe."""
+        self._finish_listeners.append(listener)
+
+    def _notify_finish(self, finish_reason: str, usage: Usage | None) -> None:
+        for listener in self._finish_listeners:
+            try:
+                listener(finish_reason, usage)
+            except Exception:  # a broken observer must not stop the engine
+                log.exception("finish listener failed")
 
     def _params(self, params: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         if params is None:
@@ -413,6 +429,7 @@ class LLMEngine:
                     self.scheduler.add_request(req)
                 except EdgeRtgiError as exc:
                     stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
+                    self._notify_finish("error", None)
                     return
                 stream.request = req
                 self._streams[req.request_id] = stream
@@ -475,6 +492,7 @@ class LLMEngine:
         if finish:
             del self._streams[update.request_id]
             self.runner.release(update.request_id)
+            self._notify_finish(finish, usage)
         try:
             stream.sink(
                 RequestDelta(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -29,8 +30,11 @@ from edge_rtgi.pipeline.config import (
 if TYPE_CHECKING:
     from edge_rtgi.asr.whisper import WhisperAsr
     from edge_rtgi.llm.engine import LLMEngine
-    from edge_rtgi.server.metrics import Metrics
+    from edge_rtgi.llm.request import Usage
     from edge_rtgi.tts.base import TtsEngine
+
+# (model, finish_reason, usage) of every finished request of every engine (the daemon's metrics)
+RequestListener = Callable[[str, str, "Usage | None"], None]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class Resources:
         self._voices: dict[str, TtsEngine] = {}
         self._lock = threading.Lock()
         self._warmed: set[tuple[str, object]] = set()
+        self._request_listeners: list[RequestListener] = []
 
     # ------------------------------------------------------------------ loaders (blocking)
 
@@ -60,7 +65,10 @@ class Resources:
                 from edge_rtgi.llm.engine import LLMEngine
 
                 log.info("loading LLM %s", model)
-                self._engines[model] = LLMEngine.from_config(self.engine_config.with_(model=model))
+                engine = LLMEngine.from_config(self.engine_config.with_(model=model))
+                for listener in self._request_listeners:
+                    engine.add_finish_listener(functools.partial(listener, model))
+                self._engines[model] = engine
             return self._engines[model]
 
     def whisper(self, cfg: AsrConfig) -> WhisperAsr:
@@ -141,19 +149,13 @@ class Resources:
     def engines(self) -> dict[str, LLMEngine]:
         return dict(self._engines)
 
-    def collect_metrics(self, metrics: Metrics) -> None:
-        """Copy engine statistics into the daemon's /metrics registry."""
-        for name, engine in self.engines().items():
-            s = engine.stats()
-            metrics.set("edge_rtgi_engine_steps_total", s.num_steps, model=name)
-            metrics.set("edge_rtgi_engine_scheduled_requests_total", s.num_scheduled_requests, model=name)
-            metrics.set("edge_rtgi_engine_requests_per_step", round(s.requests_per_step, 4), model=name)
-            metrics.set("edge_rtgi_engine_running_requests", s.num_running, model=name)
-            metrics.set("edge_rtgi_engine_kv_blocks_used", s.kv_blocks_used, model=name)
-            metrics.set("edge_rtgi_engine_kv_blocks_total", s.kv_blocks_total, model=name)
-            peak = getattr(s, "max_requests_per_step", None)
-            if peak is not None:
-                metrics.set("edge_rtgi_engine_max_requests_per_step", peak, model=name)
+    def add_request_listener(self, listener: RequestListener) -> None:
+        """``listener(model, finish_reason, usage)`` for every finished request of every engine,
+        loaded now or later; it runs on the engine's thread (see ``LLMEngine.add_finish_listener``)."""
+        with self._lock:
+            self._request_listeners.append(listener)
+            for model, engine in self._engines.items():
+                engine.add_finish_listener(functools.partial(listener, model))
 
     def close(self) -> None:
         """Stop the engines' threads."""

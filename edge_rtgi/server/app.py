@@ -1,63 +1,64 @@
-"""The daemon: one process, one set of shared models, many WebSocket sessions.
+"""The daemon: one process, one set of shared models, many sessions, one aiohttp server.
 
-Routes on one port (websockets' ``process_request`` hook answers plain HTTP):
+Routes on one port (docs/daemon.md):
 
-- ``GET /healthz``: JSON liveness (503 while draining);
-- ``GET /metrics``: Prometheus text;
-- ``/`` and ``/v1/native``: the native protocol (``edge_rtgi.server.native``);
-- ``/v1/realtime``: the OpenAI Realtime adapter, when ``edge_rtgi.server.openai_realtime``
-  provides ``serve_connection(daemon, websocket)``.
+- ``GET /``: the browser client (``edge_rtgi/server/http/static/``); a WebSocket upgrade
+  there is the native protocol, as before;
+- ``GET /healthz``: JSON liveness (503 while draining); ``GET /metrics``: Prometheus text;
+- ``/v1/native``: the native protocol (``edge_rtgi.server.native``);
+- ``/v1/realtime``: the OpenAI Realtime adapter (``edge_rtgi.server.openai_realtime``);
+- ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: the
+  OpenAI-compatible text API on the shared engines (``edge_rtgi.server.http.openai_api``);
+- ``POST /v1/tickets``: a single-use WebSocket ticket for browsers (they cannot send headers).
 
-Every WebSocket handshake passes ``_admit``: Origin allow-list (cross-site WebSocket
-hijacking), token when one is configured, session limit, draining. A session that fails
-is closed on its own; the daemon and the other sessions carry on.
+Every WebSocket handshake and API request passes ``admit``: Origin allow-list (cross-site
+requests from browser pages), token when one is configured, draining, and for WebSockets the
+session limit. A session that fails is closed on its own; the daemon and the other sessions
+carry on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import importlib
-import json
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from urllib.parse import urlsplit
 
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+from aiohttp import web
 
 from edge_rtgi.pipeline.config import PipelineConfig
 from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.pipeline.session import Session, SessionLimits, SessionSettings
+from edge_rtgi.server.admission import Refusal, origin_allowed
 from edge_rtgi.server.config import DaemonConfig
-from edge_rtgi.server.connection import query_param, request_path
-from edge_rtgi.server.metrics import Metrics, daemon_metrics
+from edge_rtgi.server.connection import ClientSocket, query_param
+from edge_rtgi.server.http import browser, openai_api
+from edge_rtgi.server.http.tickets import Tickets
+from edge_rtgi.server.metrics import CONTENT_TYPE, Metrics
+
+__all__ = ["Daemon", "origin_allowed"]
 
 log = logging.getLogger(__name__)
 
-NATIVE_PATHS = ("/", "/v1/native")
 REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
+# keepalive pings from the server; a client that answers none within half of it is dropped
+HEARTBEAT_S = 30.0
+# how long handlers still running after the drain (an SSE stream, say) get before cancellation
+SHUTDOWN_GRACE_S = 1.0
+
+SocketHandler = Callable[["Daemon", ClientSocket], Awaitable[None]]
 
 
-def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
-    """Exact match, or match ignoring the port (``http://localhost`` allows ``http://localhost:3000``)."""
-    origin = origin.rstrip("/").lower()
-    parts = urlsplit(origin)
-    bare = f"{parts.scheme}://{parts.hostname}" if parts.hostname else origin
-    return any(origin == a.rstrip("/").lower() or bare == a.rstrip("/").lower() for a in allowed)
-
-
-def _response(status: HTTPStatus, body: str, content_type: str = "text/plain; charset=utf-8") -> Response:
-    data = body.encode()
-    headers = Headers(
-        [("Content-Type", content_type), ("Content-Length", str(len(data))), ("Cache-Control", "no-store")]
+def text_response(status: HTTPStatus, body: str, content_type: str = "text/plain") -> web.Response:
+    """A small uncached text answer."""
+    return web.Response(
+        status=status.value, text=body, content_type=content_type, headers={"Cache-Control": "no-store"}
     )
-    return Response(status.value, status.phrase, headers, data)
 
 
 class Daemon:
-    """Serves sessions over WebSocket until ``drain()``. Start with ``await daemon.start()``."""
+    """Serves sessions and the HTTP API until ``drain()``. Start with ``await daemon.start()``."""
 
     def __init__(self, config: DaemonConfig, pipelines: dict[str, PipelineConfig], resources: Resources):
         if config.default_pipeline not in pipelines:
@@ -71,13 +72,17 @@ class Daemon:
         # the default pipeline first: a session that names none gets it
         self.pipelines = {config.default_pipeline: pipelines[config.default_pipeline], **pipelines}
         self.resources = resources
-        self.metrics: Metrics = daemon_metrics()
+        self.metrics = Metrics()
+        self.metrics.add_engines(resources.engines)
+        resources.add_request_listener(self.metrics.observe_request)
         self.sessions: set[Session] = set()
-        self.connections: set[ServerConnection] = set()
+        self.connections: set[ClientSocket] = set()
+        self.http_in_flight = 0  # API requests being answered (the drain waits for them)
         self.draining = False
+        self.tickets = Tickets()
         self._token: str | None = None
-        self._server: Server | None = None
-        self.metrics.add_collector(resources.collect_metrics)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -85,46 +90,62 @@ class Daemon:
         """Check the bind is safe, then listen. Raises ConfigError for an unsafe bind."""
         srv = self.config.server
         self._token = srv.check_bind()
-        self._server = await serve(
-            self._handle,
-            srv.host,
-            srv.port,
-            process_request=self._process_request,
-            max_size=srv.max_message_bytes,
-            max_queue=16,
-            compression=None,
-            ping_interval=20,
-            ping_timeout=60,
-            server_header="edge-rtgi",
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts
+        # the engine request of a chat completion at once (the WebSocket loop shields its close)
+        self._runner = web.AppRunner(
+            self._app(), access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
         )
-        log.info("listening on ws://%s:%d", srv.host, self.port)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, srv.host, srv.port)
+        await self._site.start()
+        log.info("listening on http://%s:%d", srv.host, self.port)
+
+    def _app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.server.max_message_bytes, middlewares=[self._not_found]
+        )
+        app.router.add_get("/", self._root)
+        app.router.add_get("/healthz", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/tickets", self._ticket)
+        app.router.add_get("/v1/native", lambda r: self._websocket(r, _serve_native))  # and "/": _root
+        for path in REALTIME_PATHS:
+            app.router.add_get(path, lambda r: self._websocket(r, _serve_realtime))
+        openai_api.add_routes(app.router, self)
+        browser.add_routes(app.router)
+        app.on_response_prepare.append(_server_header)
+        return app
 
     @property
     def port(self) -> int:
         """The port actually bound (the configured one, or the OS's pick for port 0)."""
-        if self._server is None:
-            raise RuntimeError("the daemon is not listening yet: await start() first")
-        return int(next(iter(self._server.sockets)).getsockname()[1])
+        addresses = self._runner.addresses if self._runner is not None else []
+        if not addresses:
+            raise RuntimeError("the daemon is not listening: await start() first")
+        return int(addresses[0][1])
+
+    def _busy(self) -> bool:
+        return self.http_in_flight > 0 or any(
+            not st.finished for s in self.sessions for st in s.responses.values()
+        )
 
     async def drain(self, timeout_s: float | None = None) -> None:
-        """Stop accepting, let responses in flight finish (up to the timeout), then close all."""
+        """Refuse new work (503, and /healthz says "draining"), let responses and API requests in
+        flight finish (up to the timeout), close every session with 1001, stop listening."""
         self.draining = True
         timeout_s = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
-        if self._server is not None:
-            self._server.close(close_connections=False)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while loop.time() < deadline and any(
-            not st.finished for s in self.sessions for st in s.responses.values()
-        ):
+        while loop.time() < deadline and self._busy():
             await asyncio.sleep(0.05)
         for ws in list(self.connections):
             await ws.close(1001, "server shutting down")
         for s in list(self.sessions):
             await s.close()
-        if self._server is not None:
-            await self._server.wait_closed()
-        self.metrics.set("edge_rtgi_up", 0)
+        if self._runner is not None:
+            await self._runner.cleanup()  # stops listening, then ends what is left
+            self._runner = self._site = None
+        self.metrics.up.set(0)
 
     # ------------------------------------------------------------------ sessions
 
@@ -139,90 +160,147 @@ class Daemon:
             session_id,
         )
         self.sessions.add(session)
-        self.metrics.inc("edge_rtgi_sessions_total")
-        self.metrics.set("edge_rtgi_sessions_active", len(self.sessions))
+        self.metrics.sessions.inc()
+        self.metrics.sessions_active.set(len(self.sessions))
         return session
 
     async def close_session(self, session: Session) -> None:
         await session.close()
         self.sessions.discard(session)
-        self.metrics.set("edge_rtgi_sessions_active", len(self.sessions))
+        self.metrics.sessions_active.set(len(self.sessions))
 
-    # ------------------------------------------------------------------ HTTP + handshake
+    # ------------------------------------------------------------------ admission
 
-    def _reject(self, reason: str, status: HTTPStatus, message: str) -> Response:
-        self.metrics.inc("edge_rtgi_connections_rejected_total", reason=reason)
-        log.warning("refused connection: %s", message)
-        return _response(status, message + "\n")
-
-    def _token_ok(self, request: Request) -> bool:
+    def _token_ok(self, request: web.Request, websocket: bool) -> bool:
         if self._token is None:
             return True
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        if given is None:
-            given = query_param(request.path, "token")
+        if given is None and websocket:
+            ticket = query_param(request.path_qs, "ticket")
+            if ticket is not None:
+                return self.tickets.redeem(ticket)
+            # Kept for clients written before tickets; issue #18 (hardening) removes it.
+            given = query_param(request.path_qs, "token")
         return given is not None and hmac.compare_digest(given.encode(), self._token.encode())
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        path = urlsplit(request.path).path
-        if path == "/healthz":
-            status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
-            body = {
-                "status": "draining" if self.draining else "ok",
-                "sessions": len(self.sessions),
-                "pipelines": list(self.pipelines),
-            }
-            return _response(status, json.dumps(body), "application/json")
-        if path == "/metrics":
-            if not self._token_ok(request):
-                return self._reject("token", HTTPStatus.UNAUTHORIZED, "missing or wrong token")
-            return _response(HTTPStatus.OK, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-        if path not in NATIVE_PATHS + REALTIME_PATHS:
-            return _response(HTTPStatus.NOT_FOUND, f"no route {path}; try /healthz, /metrics, /v1/native\n")
-        return self._admit(request)
+    def admit(self, request: web.Request, websocket: bool = False) -> None:
+        """Raise ``Refusal`` unless ``request`` may be served (counted by reason in /metrics)."""
+        try:
+            self._check(request, websocket)
+        except Refusal as refusal:
+            self.metrics.rejected.labels(reason=refusal.reason).inc()
+            log.warning("refused %s: %s", request.path, refusal.message)
+            raise
 
-    def _admit(self, request: Request) -> Response | None:
+    def _check(self, request: web.Request, websocket: bool) -> None:
         srv = self.config.server
         origin = request.headers.get("Origin")
         if origin is not None and not origin_allowed(origin, srv.allowed_origins):
-            return self._reject(
-                "origin", HTTPStatus.FORBIDDEN, f"origin {origin} is not allowed (server.allowed_origins)"
+            raise Refusal(
+                HTTPStatus.FORBIDDEN, "origin", f"origin {origin} is not allowed (server.allowed_origins)"
             )
-        if not self._token_ok(request):
-            return self._reject(
-                "token",
-                HTTPStatus.UNAUTHORIZED,
-                "missing or wrong token (send 'Authorization: Bearer <token>' or ?token=)",
+        if not self._token_ok(request, websocket):
+            how = "'Authorization: Bearer <token>'" + (
+                ", ?ticket= from POST /v1/tickets" if websocket else ""
             )
+            raise Refusal(HTTPStatus.UNAUTHORIZED, "token", f"missing or wrong token (send {how})")
         if self.draining:
-            return self._reject("draining", HTTPStatus.SERVICE_UNAVAILABLE, "server is shutting down")
-        if len(self.connections) >= srv.max_sessions:
-            return self._reject(
-                "capacity", HTTPStatus.SERVICE_UNAVAILABLE, f"session limit reached ({srv.max_sessions})"
+            raise Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "draining", "server is shutting down")
+        if websocket and len(self.connections) >= srv.max_sessions:
+            raise Refusal(
+                HTTPStatus.SERVICE_UNAVAILABLE, "capacity", f"session limit reached ({srv.max_sessions})"
             )
-        return None
 
-    async def _handle(self, ws: ServerConnection) -> None:
-        self.connections.add(ws)
+    # ------------------------------------------------------------------ routes
+
+    @web.middleware
+    async def _not_found(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         try:
-            path = urlsplit(request_path(ws)).path
-            if path in REALTIME_PATHS:
-                module = importlib.import_module("edge_rtgi.server.openai_realtime")
-                serve_connection = getattr(module, "serve_connection", None)
-                if serve_connection is None:
-                    await ws.close(1011, "the OpenAI Realtime adapter is not available")
-                    return
-                await serve_connection(self, ws)
-            else:
-                from edge_rtgi.server.native import serve_native
+            return await handler(request)
+        except web.HTTPNotFound:
+            if request.path.startswith("/v1/"):
+                return openai_api.error_response(
+                    HTTPStatus.NOT_FOUND, f"no route {request.method} {request.path}", "not_found"
+                )
+            return text_response(
+                HTTPStatus.NOT_FOUND,
+                f"no route {request.path}; try /, /healthz, /metrics, /v1/native, /v1/chat/completions\n",
+            )
 
-                await serve_native(self, ws)
+    async def _health(self, request: web.Request) -> web.Response:
+        body = {
+            "status": "draining" if self.draining else "ok",
+            "sessions": len(self.sessions),
+            "pipelines": list(self.pipelines),
+        }
+        status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
+        return web.json_response(body, status=status.value, headers={"Cache-Control": "no-store"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if not self._token_ok(request, websocket=False):
+            self.metrics.rejected.labels(reason="token").inc()
+            return text_response(HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        return web.Response(
+            body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"}
+        )
+
+    async def _ticket(self, request: web.Request) -> web.Response:
+        try:
+            self.admit(request)
+        except Refusal as refusal:
+            return openai_api.error_response(refusal.status, refusal.message, refusal.reason)
+        return web.json_response(
+            {"ticket": self.tickets.issue(), "expires_in_s": self.tickets.ttl_s},
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def _root(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self._websocket(request, _serve_native)
+        return await browser.index(request)
+
+    async def _websocket(self, request: web.Request, serve: SocketHandler) -> web.StreamResponse:
+        try:
+            self.admit(request, websocket=True)
+        except Refusal as refusal:
+            return text_response(refusal.status, refusal.message + "\n")
+        ws = web.WebSocketResponse(
+            max_msg_size=self.config.server.max_message_bytes, compress=False, heartbeat=HEARTBEAT_S
+        )
+        if not ws.can_prepare(request).ok:
+            return text_response(HTTPStatus.UPGRADE_REQUIRED, f"{request.path} is a WebSocket endpoint\n")
+        await ws.prepare(request)
+        sock = ClientSocket(ws, request.path_qs)
+        self.connections.add(sock)
+        try:
+            await serve(self, sock)
         except Exception:  # one session's failure must not reach the server loop
             log.exception("session handler failed")
             try:
-                await ws.close(1011, "internal error")
+                await sock.close(1011, "internal error")
             except Exception:  # noqa: BLE001 - already gone
                 pass
         finally:
-            self.connections.discard(ws)
+            self.connections.discard(sock)
+            await sock.finish()
+        return ws
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    # as the websockets server said; aiohttp's default names the Python and aiohttp versions
+    response.headers["Server"] = "edge-rtgi"
+
+
+async def _serve_native(daemon: Daemon, ws: ClientSocket) -> None:
+    from edge_rtgi.server.native import serve_native
+
+    await serve_native(daemon, ws)
+
+
+async def _serve_realtime(daemon: Daemon, ws: ClientSocket) -> None:
+    from edge_rtgi.server.openai_realtime import serve_connection
+
+    await serve_connection(daemon, ws)

@@ -1,4 +1,9 @@
-"""The connection loop every WebSocket protocol of the daemon shares.
+"""The connection loop every WebSocket protocol of the daemon shares, and the socket it runs on.
+
+``ClientSocket`` is an admitted aiohttp WebSocket as the protocols see it: the URL the client
+asked for, ``send``, ``close`` and its messages. Like the websockets server the daemon ran on
+before, it reads ahead into a small queue (16 messages), so pings are answered while a session
+opens or a protocol handler waits, and a client that floods it is pushed back on.
 
 Two tasks per connection. The reader hands each client message to the protocol's
 ``on_message``; the writer (``pump``) is the only task that sends, so the messages of one event
@@ -11,21 +16,74 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-
-from edge_rtgi import frames as F
-from edge_rtgi.server.metrics import Metrics
+from aiohttp import WSMsgType, web
 
 if TYPE_CHECKING:
     from edge_rtgi.pipeline.session import Session
     from edge_rtgi.server.app import Daemon
 
 log = logging.getLogger(__name__)
+
+READ_AHEAD_MESSAGES = 16
+
+
+class ClientGone(Exception):
+    """A send found the client's connection closed."""
+
+
+class ClientSocket:
+    """One admitted WebSocket connection: its URL (``path``, with the query), send, close, messages."""
+
+    def __init__(self, ws: web.WebSocketResponse, path: str):
+        self.ws = ws
+        self.path = path
+        self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(READ_AHEAD_MESSAGES)
+        self._ended = False  # the reader has stopped; what is still queued is the rest
+        self._reader = asyncio.create_task(self._read(), name="ws-reader")
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                msg = await self.ws.receive()
+                if msg.type is WSMsgType.TEXT or msg.type is WSMsgType.BINARY:
+                    await self._inbox.put(msg.data)
+                else:  # closed, closing, or an error (aiohttp has closed it: 1009 for an oversized one)
+                    break
+        finally:
+            self._ended = True
+            if not self._inbox.full():  # wakes a consumer waiting on an empty inbox
+                self._inbox.put_nowait(None)
+
+    async def messages(self) -> AsyncIterator[str | bytes]:
+        """The client's text (str) and binary (bytes) messages until it leaves."""
+        while not (self._ended and self._inbox.empty()):
+            message = await self._inbox.get()
+            if message is None:
+                return
+            yield message
+
+    async def send(self, message: str | bytes) -> None:
+        """Send one text or binary message; ``ClientGone`` when the connection is closed."""
+        try:
+            if isinstance(message, str):
+                await self.ws.send_str(message)
+            else:
+                await self.ws.send_bytes(message)
+        except ConnectionResetError as exc:  # aiohttp: "Cannot write to closing transport"
+            raise ClientGone(str(exc)) from None
+
+    async def close(self, code: int, reason: str) -> None:
+        """Close with ``code`` (1001 going away, 1008 policy, 1011 internal error)."""
+        await self.ws.close(code=code, message=reason.encode())
+
+    async def finish(self) -> None:
+        """Stop reading (after the protocol is done with the connection)."""
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class ProtocolConnection(Protocol):
@@ -52,14 +110,19 @@ async def run_connection(
             await protocol.on_message(message)
             if writer.done():
                 break  # the client stopped reading: nothing more to do
-    except ConnectionClosed:
+    except ClientGone:
         pass
     finally:
-        await daemon.close_session(session)  # aborts engine requests, stops the stages
-        writer.cancel()
-        await asyncio.gather(writer, return_exceptions=True)
-        if not writer.cancelled() and (exc := writer.exception()) is not None:
-            if not isinstance(exc, ConnectionClosed):
+        # Aborts engine requests and stops the stages. Shielded: the handler of a client that
+        # vanished is cancelled, and that must not cut the close short (a request would run on).
+        closing = asyncio.ensure_future(daemon.close_session(session))
+        try:
+            await asyncio.shield(closing)
+        finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+        if writer.done() and not writer.cancelled() and (exc := writer.exception()) is not None:
+            if not isinstance(exc, ClientGone):
                 log.error("writer for %s failed: %r", name, exc)
 
 
@@ -67,23 +130,3 @@ def query_param(path: str, name: str) -> str | None:
     """The first value of ``name`` in the query string of ``path`` (None when absent)."""
     values = parse_qs(urlsplit(path).query).get(name)
     return values[0] if values else None
-
-
-def request_path(ws: ServerConnection) -> str:
-    """The path (with query) the client asked for in its handshake."""
-    if ws.request is None:  # only before the handshake, and handlers run after it
-        raise RuntimeError("the WebSocket handshake has not happened yet")
-    return ws.request.path
-
-
-def count_event(metrics: Metrics, event: object) -> None:
-    """The daemon's per-event counters, the same for every protocol."""
-    if isinstance(event, F.ErrorEvent):
-        metrics.inc("edge_rtgi_errors_total", code=event.code)
-    elif isinstance(event, F.ResponseDone):
-        metrics.inc("edge_rtgi_responses_total", status=event.status)
-        if event.stats.voice_to_voice_ms is not None:
-            metrics.inc("edge_rtgi_voice_to_voice_ms_sum", event.stats.voice_to_voice_ms)
-            metrics.inc("edge_rtgi_voice_to_voice_ms_count")
-    elif isinstance(event, F.AudioOut):
-        metrics.inc("edge_rtgi_audio_out_seconds_total", event.duration_s)

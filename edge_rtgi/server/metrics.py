@@ -1,89 +1,219 @@
-"""Daemon metrics in the Prometheus text format (version 0.0.4), without a dependency.
+"""The daemon's Prometheus metrics, on ``prometheus-client`` with one registry per daemon.
 
-Counters and gauges live here; engine statistics are pulled from the engine when
-``/metrics`` is scraped, so the numbers are always current.
+Tests start several daemons in one process, so nothing goes to the library's global registry.
+Latencies are histograms in milliseconds (the names carry the unit, as the turn stats do), with
+buckets placed around what these stages take on a CPU (docs/daemon.md has the figures): a few
+ms between tokens, tens to hundreds of ms to a first token, about a second voice to voice.
+Engine counters and gauges are read from each engine when ``/metrics`` is scraped, so they are
+always current; token latencies are observed when an engine request finishes.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(
-        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"' for k, v in labels
-    )
-    return "{" + inner + "}"
+from edge_rtgi import frames as F
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.llm.request import Usage
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # the text format generate_latest writes, as the library names it
+
+# Buckets in ms, each spanning the idle figure to several times it under load.
+TTFT_BUCKETS_MS = (10, 25, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000, 5000)
+ITL_BUCKETS_MS = (2, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 200, 500)
+VOICE_TO_VOICE_BUCKETS_MS = (250, 500, 750, 1000, 1250, 1500, 2000, 2500, 3000, 4000, 6000, 10000)
+ASR_FINAL_BUCKETS_MS = (50, 100, 150, 200, 300, 400, 500, 750, 1000, 1500, 2000, 3000, 5000)
+TTS_FIRST_AUDIO_BUCKETS_MS = (25, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000)
 
 
 class Metrics:
-    """A tiny registry: ``inc``/``set`` by name and labels, ``render`` for /metrics."""
+    """Every series the daemon exports; ``render()`` is the ``/metrics`` body."""
 
     def __init__(self) -> None:
-        self._values: dict[str, dict[tuple, float]] = defaultdict(dict)
-        self._meta: dict[str, tuple[str, str]] = {}
-        self._collectors: list[Callable[[Metrics], None]] = []
+        r = self.registry = CollectorRegistry()
+        self.up = Gauge("edge_rtgi_up", "1 while the daemon serves", registry=r)
+        self.sessions_active = Gauge("edge_rtgi_sessions_active", "WebSocket sessions open now", registry=r)
+        self.sessions = Counter("edge_rtgi_sessions", "Sessions opened since start", registry=r)
+        self.rejected = Counter(
+            "edge_rtgi_connections_rejected", "Connections refused, by reason", ["reason"], registry=r
+        )
+        self.errors = Counter(
+            "edge_rtgi_errors", "error events sent to clients, by code", ["code"], registry=r
+        )
+        self.responses = Counter(
+            "edge_rtgi_responses", "Responses finished, by status", ["status"], registry=r
+        )
+        self.audio_in_s = Counter("edge_rtgi_audio_in_seconds", "Seconds of user audio received", registry=r)
+        self.audio_out_s = Counter(
+            "edge_rtgi_audio_out_seconds", "Seconds of synthesised audio sent", registry=r
+        )
+        self.http_requests = Counter(
+            "edge_rtgi_http_requests",
+            "OpenAI-compatible HTTP API requests, by route and HTTP status",
+            ["route", "status"],
+            registry=r,
+        )
+        self.voice_to_voice_ms = Histogram(
+            "edge_rtgi_voice_to_voice_ms",
+            "End of user speech to first reply audio sent, per turn (ms)",
+            buckets=VOICE_TO_VOICE_BUCKETS_MS,
+            registry=r,
+        )
+        self.asr_final_ms = Histogram(
+            "edge_rtgi_asr_final_ms",
+            "End of turn to final transcript, per turn (ms)",
+            buckets=ASR_FINAL_BUCKETS_MS,
+            registry=r,
+        )
+        self.tts_first_audio_ms = Histogram(
+            "edge_rtgi_tts_first_audio_ms",
+            "First speakable chunk of a reply to its first audio, per turn (ms)",
+            buckets=TTS_FIRST_AUDIO_BUCKETS_MS,
+            registry=r,
+        )
+        self.llm_ttft_ms = Histogram(
+            "edge_rtgi_llm_ttft_ms",
+            "LLM request arrival to its first token, every engine request (ms)",
+            ["model"],
+            buckets=TTFT_BUCKETS_MS,
+            registry=r,
+        )
+        self.llm_itl_ms = Histogram(
+            "edge_rtgi_llm_itl_ms",
+            "Time between consecutive tokens of an LLM request (ms)",
+            ["model"],
+            buckets=ITL_BUCKETS_MS,
+            registry=r,
+        )
+        self.llm_requests = Counter(
+            "edge_rtgi_llm_requests",
+            "LLM engine requests finished, by model and finish reason",
+            ["model", "finish_reason"],
+            registry=r,
+        )
+        self.up.set(1)
 
-    def describe(self, name: str, kind: str, help_text: str) -> None:
-        self._meta[name] = (kind, help_text)
+    def render(self) -> bytes:
+        """The Prometheus text exposition (``CONTENT_TYPE``) of every series."""
+        return generate_latest(self.registry)
 
-    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self._values[name][key] = self._values[name].get(key, 0.0) + amount
+    def add_engines(self, engines: Callable[[], dict[str, LLMEngine]]) -> None:
+        """Export the engines' counters and gauges, read from ``engines()`` at each scrape."""
+        self.registry.register(EngineCollector(engines))
 
-    def set(self, name: str, value: float, **labels: str) -> None:
-        self._values[name][tuple(sorted(labels.items()))] = float(value)
+    def observe_event(self, event: object) -> None:
+        """The per-event series, the same for every protocol."""
+        if isinstance(event, F.AudioOut):
+            self.audio_out_s.inc(event.duration_s)
+        elif isinstance(event, F.ResponseDone):
+            self.responses.labels(status=event.status).inc()
+            stats = event.stats
+            for value, histogram in (
+                (stats.voice_to_voice_ms, self.voice_to_voice_ms),
+                (stats.asr_final_ms, self.asr_final_ms),
+                (stats.tts_first_chunk_ms, self.tts_first_audio_ms),
+            ):
+                if value is not None:
+                    histogram.observe(value)
+        elif isinstance(event, F.ErrorEvent):
+            self.errors.labels(code=event.code).inc()
 
-    def get(self, name: str, **labels: str) -> float:
-        return self._values.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
-
-    def add_collector(self, fn: Callable[[Metrics], None]) -> None:
-        """``fn(metrics)`` runs before each render (e.g. to copy engine stats)."""
-        self._collectors.append(fn)
-
-    def render(self) -> str:
-        for fn in self._collectors:
-            fn(self)
-        lines = []
-        for name in sorted(self._values):
-            kind, help_text = self._meta.get(name, ("gauge", name))
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in sorted(self._values[name].items()):
-                text = repr(float(value)) if value != int(value) else str(int(value))
-                lines.append(f"{name}{_labels(labels)} {text}")
-        return "\n".join(lines) + "\n"
+    def observe_request(self, model: str, finish_reason: str, usage: Usage | None) -> None:
+        """An engine request finished (called on the engine's thread; the client is thread-safe)."""
+        self.llm_requests.labels(model=model, finish_reason=finish_reason).inc()
+        if usage is None or not usage.token_times_ms:
+            return
+        times = usage.token_times_ms
+        self.llm_ttft_ms.labels(model=model).observe(times[0])
+        itl = self.llm_itl_ms.labels(model=model)
+        for before, after in zip(times[:-1], times[1:], strict=True):
+            itl.observe(after - before)
 
 
-def daemon_metrics() -> Metrics:
-    """A registry with the daemon's own series described."""
-    m = Metrics()
-    for name, kind, text in [
-        ("edge_rtgi_sessions_active", "gauge", "WebSocket sessions open now"),
-        ("edge_rtgi_sessions_total", "counter", "Sessions opened since start"),
-        ("edge_rtgi_connections_rejected_total", "counter", "Connections refused, by reason"),
-        ("edge_rtgi_errors_total", "counter", "error events sent to clients, by code"),
-        ("edge_rtgi_responses_total", "counter", "Responses finished, by status"),
-        ("edge_rtgi_audio_in_seconds_total", "counter", "Seconds of user audio received"),
-        ("edge_rtgi_audio_out_seconds_total", "counter", "Seconds of synthesised audio sent"),
-        ("edge_rtgi_voice_to_voice_ms_sum", "counter", "Sum of end-of-speech to first-audio latencies"),
-        ("edge_rtgi_voice_to_voice_ms_count", "counter", "Number of voice-to-voice latencies summed"),
-        ("edge_rtgi_engine_steps_total", "counter", "LLM engine steps run"),
-        (
-            "edge_rtgi_engine_scheduled_requests_total",
-            "counter",
-            "Sum over engine steps of the requests each step ran (divide by steps: batch size)",
-        ),
-        ("edge_rtgi_engine_requests_per_step", "gauge", "Mean LLM requests scheduled per engine step"),
-        ("edge_rtgi_engine_max_requests_per_step", "gauge", "Most LLM requests in one engine step"),
-        ("edge_rtgi_engine_running_requests", "gauge", "LLM requests running now"),
-        ("edge_rtgi_engine_kv_blocks_used", "gauge", "KV cache blocks in use"),
-        ("edge_rtgi_engine_kv_blocks_total", "gauge", "KV cache blocks in the pool"),
-        ("edge_rtgi_up", "gauge", "1 while the daemon serves"),
-    ]:
-        m.describe(name, kind, text)
-    m.set("edge_rtgi_up", 1)
-    return m
+class EngineCollector(Collector):
+    """The engines' own counters as Prometheus families, one label set per model."""
+
+    def __init__(self, engines: Callable[[], dict[str, LLMEngine]]):
+        self._engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        fams: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "steps": CounterMetricFamily("edge_rtgi_engine_steps", "LLM engine steps run", labels=["model"]),
+            "scheduled": CounterMetricFamily(
+                "edge_rtgi_engine_scheduled_requests",
+                "Sum over engine steps of the requests each step ran (divide by steps: batch size)",
+                labels=["model"],
+            ),
+            "prefix_queried": CounterMetricFamily(
+                "edge_rtgi_engine_prefix_queried_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                labels=["model"],
+            ),
+            "prefix_hit": CounterMetricFamily(
+                "edge_rtgi_engine_prefix_hit_tokens",
+                "Prompt tokens served from the prefix cache",
+                labels=["model"],
+            ),
+            "preemptions": CounterMetricFamily(
+                "edge_rtgi_engine_preemptions", "Requests preempted (recomputed later)", labels=["model"]
+            ),
+            "per_step": GaugeMetricFamily(
+                "edge_rtgi_engine_requests_per_step",
+                "Mean LLM requests scheduled per engine step",
+                labels=["model"],
+            ),
+            "max_per_step": GaugeMetricFamily(
+                "edge_rtgi_engine_max_requests_per_step",
+                "Most LLM requests in one engine step",
+                labels=["model"],
+            ),
+            "running": GaugeMetricFamily(
+                "edge_rtgi_engine_running_requests", "LLM requests running now", labels=["model"]
+            ),
+            "waiting": GaugeMetricFamily(
+                "edge_rtgi_engine_waiting_requests", "LLM requests queued for admission now", labels=["model"]
+            ),
+            "kv_used": GaugeMetricFamily(
+                "edge_rtgi_engine_kv_blocks_used", "KV cache blocks in use", labels=["model"]
+            ),
+            "kv_cached": GaugeMetricFamily(
+                "edge_rtgi_engine_kv_blocks_cached",
+                "Free KV blocks that still hold a cached prefix",
+                labels=["model"],
+            ),
+            "kv_total": GaugeMetricFamily(
+                "edge_rtgi_engine_kv_blocks_total", "KV cache blocks in the pool", labels=["model"]
+            ),
+        }
+        for name, engine in self._engines().items():
+            s = engine.stats()
+            for key, value in (
+                ("steps", s.num_steps),
+                ("scheduled", s.num_scheduled_requests),
+                ("prefix_queried", s.prefix_queried_tokens),
+                ("prefix_hit", s.prefix_hit_tokens),
+                ("preemptions", s.num_preemptions),
+                ("per_step", s.requests_per_step),
+                ("max_per_step", s.max_requests_per_step),
+                ("running", s.num_running),
+                ("waiting", s.num_waiting),
+                ("kv_used", s.kv_blocks_used),
+                ("kv_cached", s.kv_blocks_cached),
+                ("kv_total", s.kv_blocks_total),
+            ):
+                fams[key].add_metric([name], float(value))
+        yield from fams.values()

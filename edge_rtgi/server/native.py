@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from websockets.asyncio.server import ServerConnection
-
 from edge_rtgi import frames as F
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import Session, SessionSettings
 from edge_rtgi.server import protocol as P
-from edge_rtgi.server.connection import count_event, query_param, request_path, run_connection
+from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
 from edge_rtgi.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -34,7 +32,7 @@ def _initial_settings(path: str) -> SessionSettings:
 class NativeConnection:
     """The native protocol's side of ``run_connection``."""
 
-    def __init__(self, daemon: Daemon, session: Session, ws: ServerConnection):
+    def __init__(self, daemon: Daemon, session: Session, ws: ClientSocket):
         self.daemon, self.session, self.ws = daemon, session, ws
 
     async def on_message(self, message: str | bytes) -> None:
@@ -45,15 +43,16 @@ class NativeConnection:
 
     async def pump(self) -> None:
         session = self.session
+        metrics = self.daemon.metrics
         async for event in session.events():
-            count_event(self.daemon.metrics, event)
+            metrics.observe_event(event)
             for message in P.encode_server(event, session.ms):
                 await self.ws.send(message)
 
 
 async def _dispatch(session: Session, event: P.ClientEvent, metrics: Metrics) -> None:
     if isinstance(event, P.AudioChunk):
-        metrics.inc("edge_rtgi_audio_in_seconds_total", len(event.pcm) / session.input_sample_rate_hz)
+        metrics.audio_in_s.inc(len(event.pcm) / session.input_sample_rate_hz)
         await session.push_audio(event.pcm)
     elif isinstance(event, P.SessionUpdate):
         await session.update(event.session)
@@ -71,12 +70,14 @@ async def _dispatch(session: Session, event: P.ClientEvent, metrics: Metrics) ->
         session.outbox.put_control(F.Pong(event.id))
 
 
-async def serve_native(daemon: Daemon, ws: ServerConnection) -> None:
+async def serve_native(daemon: Daemon, ws: ClientSocket) -> None:
     """Run one native-protocol connection until the client leaves or the daemon drains."""
     try:
-        session = await daemon.open_session(_initial_settings(request_path(ws)))
+        session = await daemon.open_session(_initial_settings(ws.path))
     except EdgeRtgiError as exc:
         await ws.send(P.encode_server(P.error_event(exc), lambda t: 0)[0])
         await ws.close(1008, "cannot open session")
         return
-    await run_connection(daemon, ws, session, NativeConnection(daemon, session, ws), session.session_id)
+    await run_connection(
+        daemon, ws.messages(), session, NativeConnection(daemon, session, ws), session.session_id
+    )

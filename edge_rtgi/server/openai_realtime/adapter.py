@@ -221,7 +221,7 @@ class RealtimeAdapter:
             await self.session.push_audio(pcm, fmt.sample_rate_hz)
             self._buffered_ms += 1000.0 * len(pcm) / fmt.sample_rate_hz
             if self.metrics is not None:
-                self.metrics.inc("edge_rtgi_audio_in_seconds_total", len(pcm) / fmt.sample_rate_hz)
+                self.metrics.audio_in_s.inc(len(pcm) / fmt.sample_rate_hz)
 
     async def _on_input_audio_buffer_commit(self, event: ClientEvent) -> None:
         if self._buffered_ms < MIN_COMMIT_MS:

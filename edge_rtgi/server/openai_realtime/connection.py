@@ -14,11 +14,9 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.server import ServerConnection
-
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import SessionSettings
-from edge_rtgi.server.connection import count_event, query_param, request_path, run_connection
+from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
 from edge_rtgi.server.openai_realtime.adapter import RealtimeAdapter, core_settings
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import IdMaker, error_event
@@ -55,13 +53,12 @@ class RealtimeConnection:
         await self.adapter.handle_message(message)
 
     async def pump(self) -> None:
-        metrics = self.daemon.metrics
-        await self.adapter.pump_events(observe=lambda event: count_event(metrics, event))
+        await self.adapter.pump_events(observe=self.daemon.metrics.observe_event)
 
 
-async def serve_connection(daemon: Daemon, ws: ServerConnection) -> None:
+async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
     """Run one Realtime connection until the client leaves or the daemon drains."""
-    config, model = initial_config(request_path(ws), daemon.pipelines)
+    config, model = initial_config(ws.path, daemon.pipelines)
 
     async def send(event: dict) -> None:
         await ws.send(json.dumps(event, separators=(",", ":")))
@@ -77,4 +74,6 @@ async def serve_connection(daemon: Daemon, ws: ServerConnection) -> None:
     created = await session.next_event()
     if created is not None:  # session.created before any reply
         await adapter.on_frame(created)
-    await run_connection(daemon, ws, session, RealtimeConnection(daemon, adapter), session.session_id)
+    await run_connection(
+        daemon, ws.messages(), session, RealtimeConnection(daemon, adapter), session.session_id
+    )
