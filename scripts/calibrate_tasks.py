@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edge_rtgi.bench.task_eval import FullOutputCache, run_full_model, select_items
 from edge_rtgi.bench.tasks import (
     DIALOGUE_DISTANCES,
     TASK_SET_NAMES,
@@ -30,11 +31,11 @@ from edge_rtgi.bench.tasks import (
     CodeScore,
     DialogueScore,
     ItemScore,
+    TaskItem,
     TaskSet,
     TranslationItem,
     TranslationScore,
     load_task_set,
-    prepare_task_item,
     score_item,
 )
 from edge_rtgi.scoring.text import bleu_score, chrf_from_statistics
@@ -61,7 +62,12 @@ def parse_sets(text: str) -> list[str]:
     return names
 
 
-def summarise(task_set: TaskSet, scores: Sequence[ItemScore], outputs: Sequence[str]) -> SetSummary:
+def summarise(
+    task_set: TaskSet,
+    scores: Sequence[ItemScore],
+    outputs: Sequence[str],
+    items: Sequence[TaskItem] | None = None,
+) -> SetSummary:
     """Per-set figures: accuracy (voice; dialogue also per distance), exact match and edit
     similarity (code), corpus chrF and BLEU (translation)."""
     n = len(scores)
@@ -87,26 +93,21 @@ def summarise(task_set: TaskSet, scores: Sequence[ItemScore], outputs: Sequence[
         )
     stats = [s.chrf_statistics for s in scores if isinstance(s, TranslationScore)]
     chrf = chrf_from_statistics(stats)
-    refs = [item.references for item in task_set.items[:n] if isinstance(item, TranslationItem)]
+    chosen = items if items is not None else task_set.items[:n]
+    refs = [item.references for item in chosen if isinstance(item, TranslationItem)]
     bleu = bleu_score([o.strip() for o in outputs], refs)
     return SetSummary(name, n, chrf, (f"translation: n={n} chrF={chrf:.1f} BLEU={bleu:.1f}",))
 
 
 def run_set(loaded, task_set: TaskSet, limit: int | None, out: Path | None) -> SetSummary:
-    """Generate greedily for the first ``limit`` items of ``task_set`` and score them."""
-    from edge_rtgi.llm.generate import generate
-    from edge_rtgi.llm.sampling import SamplingParams
-
-    items = task_set.items[:limit] if limit else task_set.items
-    scores: list[ItemScore] = []
-    outputs: list[str] = []
+    """The full model's greedy outputs on ``limit`` items spread over ``task_set`` (all by default),
+    scored. The outputs go through the benchmark's full-model cache (``bench.task_eval``), so a
+    calibration run also prepares every later benchmark run on the same model."""
     started = time.perf_counter()
-    for item in items:
-        request = prepare_task_item(item, loaded.tokenizer)
-        result = generate(loaded, request.prompt_token_ids, SamplingParams(max_tokens=request.max_tokens))
-        outputs.append(result.text)
-        scores.append(score_item(item, result.text))
-    summary = summarise(task_set, scores, outputs)
+    outputs = run_full_model(loaded, task_set, limit, FullOutputCache.default()).texts
+    items = select_items(task_set, limit)
+    scores: list[ItemScore] = [score_item(item, text) for item, text in zip(items, outputs, strict=True)]
+    summary = summarise(task_set, scores, outputs, items)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         with (out / f"{task_set.name}.jsonl").open("w", encoding="utf-8") as f:
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=list(TASK_SET_NAMES),
         help="comma-separated task sets (default: all four)",
     )
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N items of each set")
+    parser.add_argument("--limit", type=int, default=None, help="score N items spread over each set")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--out", type=Path, default=None, help="folder for per-item outputs and scores")
