@@ -105,6 +105,8 @@ class Transcript:
     # Set on finals: when the user stopped speaking and when VAD declared it.
     speech_end_t_s: float | None = None
     endpoint_t_s: float | None = None
+    # Set on partials: the leading words that will not change any more (LocalAgreement).
+    committed_text: str | None = None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,14 @@ def _load(args: argparse.Namespace) -> tuple[Any, dict]:
     from edge_rtgi.server.config import load_daemon_config
 
     config = load_daemon_config(args.config)
+    if getattr(args, "wyoming", None):
+        import dataclasses
+
+        from edge_rtgi.config import from_dict
+        from edge_rtgi.server.config import WyomingConfig
+
+        fields = {**dataclasses.asdict(config.wyoming), "uri": args.wyoming}
+        config = dataclasses.replace(config, wyoming=from_dict(WyomingConfig, fields, "--wyoming"))
     server = config.server
     if getattr(args, "host", None) or getattr(args, "port", None) is not None:
         import dataclasses
@@ -75,6 +83,8 @@ async def _serve(config: Any, pipelines: dict) -> int:
     from edge_rtgi.server.app import Daemon
 
     config.server.check_bind()  # refuse an unsafe bind before spending time on models
+    if config.wyoming.uri is not None:
+        config.wyoming.check_bind()
     resources = Resources(config.engine)
     daemon = Daemon(config, pipelines, resources)
     if config.preload:
@@ -93,6 +103,8 @@ async def _serve(config: Any, pipelines: dict) -> int:
         f"health: http://{srv.host}:{daemon.port}/healthz)",
         flush=True,
     )
+    if daemon.wyoming is not None:
+        print(f"edge-rtgi: Wyoming (Home Assistant) on {daemon.wyoming.uri}", flush=True)
     sd_notify(f"READY=1\nSTATUS=serving on {srv.host}:{daemon.port}")
     await stop.wait()
     sd_notify("STOPPING=1")
@@ -288,6 +300,11 @@ def register(subparsers) -> None:
     p.add_argument("--config", help="daemon config file (see config/edge-rtgi.yaml)")
     p.add_argument("--host", help="bind address (default 127.0.0.1; others need a token)")
     p.add_argument("--port", type=int, help="port (default 8765; 0 picks a free one)")
+    p.add_argument(
+        "--wyoming",
+        metavar="tcp://127.0.0.1:10300",
+        help="also serve Home Assistant's Wyoming protocol here (or unix:///PATH); docs/wyoming.md",
+    )
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser("translate", help="live speech translation with captions")

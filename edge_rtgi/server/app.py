@@ -11,6 +11,9 @@ Routes on one port (docs/daemon.md):
   OpenAI-compatible text API on the shared engines (``edge_rtgi.server.http.openai_api``);
 - ``POST /v1/tickets``: a single-use WebSocket ticket for browsers (they cannot send headers).
 
+With ``wyoming.uri`` set, the daemon also serves Home Assistant's Wyoming protocol on its own
+TCP port or Unix socket (``edge_rtgi.server.wyoming``), on the same models and engine.
+
 Every WebSocket handshake and API request passes ``admit``: Origin allow-list (cross-site
 requests from browser pages), token when one is configured, draining, and for WebSockets the
 session limit. A session that fails is closed on its own; the daemon and the other sessions
@@ -24,6 +27,7 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -36,6 +40,9 @@ from edge_rtgi.server.connection import ClientSocket, query_param
 from edge_rtgi.server.http import browser, openai_api
 from edge_rtgi.server.http.tickets import Tickets
 from edge_rtgi.server.metrics import CONTENT_TYPE, Metrics
+
+if TYPE_CHECKING:
+    from edge_rtgi.server.wyoming import WyomingServer
 
 __all__ = ["Daemon", "origin_allowed"]
 
@@ -83,6 +90,7 @@ class Daemon:
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        self.wyoming: WyomingServer | None = None  # Home Assistant's protocol, when configured
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -90,6 +98,8 @@ class Daemon:
         """Check the bind is safe, then listen. Raises ConfigError for an unsafe bind."""
         srv = self.config.server
         self._token = srv.check_bind()
+        if self.config.wyoming.uri is not None:
+            self.config.wyoming.check_bind()
         # handler_cancellation: a client that disconnects cancels its handler, which aborts
         # the engine request of a chat completion at once (the WebSocket loop shields its close)
         self._runner = web.AppRunner(
@@ -99,6 +109,11 @@ class Daemon:
         self._site = web.TCPSite(self._runner, srv.host, srv.port)
         await self._site.start()
         log.info("listening on http://%s:%d", srv.host, self.port)
+        if self.config.wyoming.uri is not None:
+            from edge_rtgi.server.wyoming import WyomingServer
+
+            self.wyoming = WyomingServer(self, self.config.wyoming)
+            await self.wyoming.start()
 
     def _app(self) -> web.Application:
         app = web.Application(
@@ -138,6 +153,9 @@ class Daemon:
         deadline = loop.time() + timeout_s
         while loop.time() < deadline and self._busy():
             await asyncio.sleep(0.05)
+        if self.wyoming is not None:
+            await self.wyoming.stop()
+            self.wyoming = None
         for ws in list(self.connections):
             await ws.close(1001, "server shutting down")
         for s in list(self.sessions):
@@ -149,11 +167,17 @@ class Daemon:
 
     # ------------------------------------------------------------------ sessions
 
-    async def open_session(self, settings: SessionSettings, session_id: str | None = None) -> Session:
-        """A session on this daemon's pipelines and shared models (used by every adapter)."""
+    async def open_session(
+        self,
+        settings: SessionSettings,
+        session_id: str | None = None,
+        pipelines: dict[str, PipelineConfig] | None = None,
+    ) -> Session:
+        """A session on this daemon's pipelines and shared models (used by every adapter);
+        ``pipelines`` replaces the daemon's (the Wyoming services use parts of one)."""
         srv = self.config.server
         session = await Session.open(
-            self.pipelines,
+            pipelines or self.pipelines,
             self.resources,
             settings,
             SessionLimits(srv.stage_queue_frames, srv.outbox_events),

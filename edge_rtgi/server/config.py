@@ -11,6 +11,7 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from edge_rtgi.config import load_config
 from edge_rtgi.errors import ConfigError
@@ -72,6 +73,59 @@ class ServerConfig:
         return token
 
 
+@dataclass(frozen=True)
+class WyomingConfig:
+    """The Wyoming server for Home Assistant (docs/wyoming.md); off unless ``uri`` is set.
+
+    ``uri``: ``tcp://HOST:PORT`` or ``unix:///path``. Wyoming has no authentication, so a
+    non-loopback host also needs ``allow_remote: true`` (put Home Assistant and the daemon on
+    a network you trust). ``pipeline`` supplies the models (wake word, ASR, assistant, voice);
+    None: the daemon's default pipeline. Each connection's events are bounded: a header line
+    plus its data at most ``max_event_bytes``, a payload at most ``max_payload_bytes``, and one
+    request's audio at most ``max_audio_s``.
+    """
+
+    uri: str | None = None
+    pipeline: str | None = None
+    allow_remote: bool = False
+    max_event_bytes: int = 64 * 1024
+    max_payload_bytes: int = 1 << 20
+    max_audio_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        # 64 KiB: asyncio's stream reader reads no longer line (the wyoming server's default)
+        if not 1024 <= self.max_event_bytes <= 64 * 1024 or self.max_payload_bytes < 4096:
+            raise ValueError("max_event_bytes must be in [1024, 65536] and max_payload_bytes >= 4096")
+        if self.max_audio_s <= 0:
+            raise ValueError("max_audio_s must be > 0")
+        if self.uri is not None:
+            self.address()  # fails early on a malformed URI
+
+    def address(self) -> tuple[str, str, int]:
+        """(scheme, host or socket path, port) of ``uri``; ValueError when it is malformed."""
+        if self.uri is None:
+            raise ValueError("wyoming.uri is not set")
+        parts = urlsplit(self.uri)
+        if parts.scheme == "unix" and parts.path:
+            return "unix", parts.path, 0
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.scheme != "tcp" or not parts.hostname or port is None:
+            raise ValueError(f"wyoming uri must be tcp://HOST:PORT or unix:///PATH, got {self.uri!r}")
+        return "tcp", parts.hostname, port
+
+    def check_bind(self) -> None:
+        """Refuse a non-loopback TCP bind unless ``allow_remote`` says it is meant."""
+        scheme, host, _ = self.address()
+        if scheme == "tcp" and not is_loopback(host) and not self.allow_remote:
+            raise ConfigError(
+                f"refusing to serve Wyoming on {host}: the protocol has no authentication",
+                hint="bind 127.0.0.1, or set wyoming.allow_remote: true on a network you trust",
+            )
+
+
 def is_loopback(host: str) -> bool:
     """True for 127.0.0.0/8, ::1 and 'localhost'; False for wildcards and other addresses."""
     if host == "localhost":
@@ -91,6 +145,7 @@ class DaemonConfig:
     default_pipeline: str = "voice-assistant"
     preload: bool = True  # load every pipeline's models at start-up, not on first use
     engine: EngineConfig = field(default_factory=EngineConfig)  # the shared LLM engine
+    wyoming: WyomingConfig = field(default_factory=WyomingConfig)  # Home Assistant's protocol
 
 
 def load_daemon_config(path: str | Path | None) -> DaemonConfig:
@@ -106,4 +161,5 @@ def load_daemon_config(path: str | Path | None) -> DaemonConfig:
         default_pipeline=cfg.default_pipeline,
         preload=cfg.preload,
         engine=cfg.engine,
+        wyoming=cfg.wyoming,
     )

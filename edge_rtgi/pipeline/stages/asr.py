@@ -154,7 +154,13 @@ class AsrStage(Stage[AsrInput]):
                 self._turns[ev.turn_id] = turn
             elif isinstance(ev, PartialTranscript) and partials:
                 await self.ctx.emit(
-                    F.Transcript(self._turn(ev.utterance_id), ev.text, final=False, t_s=ev.t_s)
+                    F.Transcript(
+                        self._turn(ev.utterance_id),
+                        ev.text,
+                        final=False,
+                        t_s=ev.t_s,
+                        committed_text=ev.committed_text,
+                    )
                 )
             elif isinstance(ev, SpeechEnded):
                 self._speech_ended[ev.utterance_id] = ev

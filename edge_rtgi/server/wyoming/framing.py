@@ -1,0 +1,90 @@
+"""Reading Wyoming events with limits: the library's framing, bounded, and loud about errors.
+
+A Wyoming event is a JSON header line (``type``, optional ``data``, ``data_length``,
+``payload_length``), then ``data_length`` bytes of JSON merged into ``data``, then
+``payload_length`` bytes of payload (PCM for audio). ``wyoming.event.async_read_event``
+reads any length it is told and turns a malformed header into a silent disconnect; this
+reader checks each length against the connection's limits *before* reading, and raises
+``FrameError`` with a code, so the server can send an ``error`` event before it closes.
+A stream cannot be resynchronised after a bad frame (its lengths are untrusted), so every
+``FrameError`` ends the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from wyoming.event import Event
+
+from edge_rtgi.errors import EdgeRtgiError
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """Bounds on one event: header line plus data JSON, and the payload."""
+
+    max_event_bytes: int = 64 * 1024
+    max_payload_bytes: int = 1 << 20
+
+
+class FrameError(EdgeRtgiError):
+    """A frame the server cannot read; it is answered with an ``error`` event, then a close."""
+
+    def __init__(self, code: str, message: str, hint: str | None = None):
+        super().__init__(message, hint)
+        self.code = code
+
+
+def _length(header: dict[str, Any], key: str, limit: int, code: str) -> int:
+    value = header.get(key) or 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise FrameError("invalid_event", f"{key} must be a non-negative integer, got {value!r}")
+    if value > limit:
+        raise FrameError(code, f"{key} {value} is over this server's limit of {limit} bytes")
+    return value
+
+
+async def read_event(reader: asyncio.StreamReader, limits: FrameLimits) -> Event | None:
+    """The next event, None at a clean end of the stream, ``FrameError`` for a bad frame."""
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise FrameError("invalid_event", "the connection ended inside an event header") from None
+    except asyncio.LimitOverrunError:
+        raise FrameError(
+            "event_too_large", f"an event header is longer than {limits.max_event_bytes} bytes"
+        ) from None
+    if len(line) > limits.max_event_bytes:
+        raise FrameError("event_too_large", f"an event header is longer than {limits.max_event_bytes} bytes")
+    try:
+        header = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FrameError(
+            "invalid_json",
+            f"an event header is not JSON: {exc}",
+            hint="each event starts with one line of JSON with a 'type'",
+        ) from None
+    if not isinstance(header, dict) or not isinstance(header.get("type"), str):
+        raise FrameError("invalid_event", "an event header must be a JSON object with a string 'type'")
+    data = header.get("data") or {}
+    data_length = _length(header, "data_length", limits.max_event_bytes - len(line), "event_too_large")
+    payload_length = _length(header, "payload_length", limits.max_payload_bytes, "payload_too_large")
+    try:
+        if data_length:
+            extra = json.loads(await reader.readexactly(data_length))
+            if not isinstance(extra, dict):
+                raise FrameError("invalid_event", "an event's data must be a JSON object")
+            data = {**data, **extra} if isinstance(data, dict) else extra
+        payload = await reader.readexactly(payload_length) if payload_length else None
+    except asyncio.IncompleteReadError:
+        raise FrameError("invalid_event", "the connection ended inside an event") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FrameError("invalid_json", f"an event's data is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise FrameError("invalid_event", "an event's data must be a JSON object")
+    return Event(type=header["type"], data=data, payload=payload)

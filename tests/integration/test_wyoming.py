@@ -1,0 +1,209 @@
+"""Home Assistant's Wyoming flow against a running daemon, with the ``wyoming`` library's own
+async TCP client (``scripts/wyoming_example.py`` holds the client side; this runs it).
+
+Real models throughout: Piper speaks a question, the daemon's Wyoming server transcribes it
+(silero VAD + whisper tiny.en),
+answers it (SmolLM2-135M) and speaks the answer (Piper); the spoken answer is transcribed again
+and compared with the answer text. Bad input: unknown events, oversized payloads, unreadable
+frames and unsupported audio get an ``error`` event (and a close where the stream cannot go
+on), and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from wyoming.asr import Transcribe
+from wyoming.audio import AudioChunk, AudioStart, AudioStop
+from wyoming.client import AsyncTcpClient
+from wyoming.event import Event
+from wyoming.ping import Ping
+
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.catalog import resolve_model
+from tests.integration.native_client import speak_16k, steady_voice, transcribe, wer
+from tests.scripts import load_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+flow = load_script("wyoming_example")
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def piper():
+    from edge_rtgi.tts.piper import PiperVoice
+
+    return steady_voice(PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"), intra_op_threads=1))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def daemon():
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipeline
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig, WyomingConfig
+
+    pipelines = {p.name: p for p in [load_pipeline(builtin_pipelines_dir() / "voice-assistant.yaml")]}
+    config = DaemonConfig(
+        server=ServerConfig(port=0),
+        default_pipeline="voice-assistant",
+        wyoming=WyomingConfig(uri="tcp://127.0.0.1:0", max_payload_bytes=65536, max_audio_s=20.0),
+    )
+    d = Daemon(config, pipelines, Resources())
+    for p in pipelines.values():
+        await d.resources.prepare(p)
+    await d.start()
+    yield d
+    await d.drain(timeout_s=1.0)
+    d.resources.close()
+
+
+def _asr(daemon):
+    return daemon.resources.whisper(daemon.pipelines["voice-assistant"].stage(AsrConfig))
+
+
+async def _read(client: AsyncTcpClient) -> Event | None:
+    return await asyncio.wait_for(client.read_event(), TIMEOUT_S)
+
+
+async def test_home_assistant_flow(daemon, piper):
+    """describe, transcribe, handle, synthesize."""
+    speech = flow.spoken_request(piper)
+    result = await asyncio.wait_for(flow.run_flow("127.0.0.1", daemon.wyoming.port, speech), 300)
+
+    info = result.info
+    assert [m.name for p in info.asr for m in p.models] == ["whisper-tiny.en"]
+    assert [v.name for p in info.tts for v in p.voices] == ["piper-en_US-joe-medium"]
+    assert [m.name for p in info.handle for m in p.models] == ["smollm2-135m-instruct"]
+    assert info.asr[0].supports_transcript_streaming and info.tts[0].supports_synthesize_streaming
+
+    assert wer(flow.QUESTION, result.transcript) <= 1 / 6, result.transcript
+    assert "paris" in result.answer.lower(), result.answer
+    assert "".join(result.answer_chunks).strip() == result.answer.strip()
+    assert result.audio_rate_hz == 22050 and len(result.audio) > 0.5 * 22050
+    heard = await asyncio.to_thread(transcribe, _asr(daemon), result.audio, result.audio_rate_hz)
+    assert wer(result.answer, heard) <= 0.25, (result.answer, heard)
+
+
+async def test_transcript_streams_while_the_audio_comes(daemon, piper):
+    """Audio paced as a microphone sends it (real time): the words LocalAgreement commits go out
+    as transcript-start / transcript-chunk events, transcript-stop and transcript end the
+    request, and the chunks joined are the transcript. (How many chunks come before audio-stop
+    depends on how fast the CPU decodes partials, so that is not asserted.)"""
+    text = (
+        "Please turn on the lights in the kitchen and set the heating to twenty degrees. "
+        "Then play some quiet music in the living room until nine o'clock."
+    )
+    pcm = speak_16k(piper, text, tail_s=0.5)
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        await client.write_event(Transcribe(language="en").event())
+        await client.write_event(AudioStart(rate=16000, width=2, channels=1).event())
+        events: list[Event] = []
+
+        async def reader() -> None:
+            while (event := await client.read_event()) is not None:
+                events.append(event)
+                if event.type == "transcript":
+                    return
+
+        task = asyncio.create_task(reader())
+        for chunk in flow._chunks(pcm):
+            await client.write_event(chunk.event())
+            await asyncio.sleep(len(chunk.audio) / 2 / 16000)
+        await client.write_event(AudioStop().event())
+        await asyncio.wait_for(task, TIMEOUT_S)
+    types = [e.type for e in events]
+    final = events[-1].data["text"]
+    assert types[-1] == "transcript" and wer(text, final) <= 0.2, (types, final)
+    if len(types) > 1:  # streamed: start, chunks, stop, then the transcript
+        assert types[0] == "transcript-start" and types[-2] == "transcript-stop", types
+        assert set(types[1:-2]) == {"transcript-chunk"}, types
+        chunks = "".join(e.data["text"] for e in events if e.type == "transcript-chunk")
+        assert chunks.strip() == final.strip()
+
+
+async def test_unknown_events_and_bad_audio_get_errors_and_the_connection_goes_on(daemon):
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        await client.write_event(Event(type="no-such-event", data={"x": 1}))
+        error = await _read(client)
+        assert error.type == "error" and error.data["code"] == "unknown_event", error
+        assert "transcribe" in error.data["text"]  # it lists what is handled
+
+        await client.write_event(Transcribe(language="en").event())
+        await client.write_event(AudioStart(rate=16000, width=4, channels=1).event())
+        error = await _read(client)
+        assert error.data["code"] == "unsupported_audio" and "width 4" in error.data["text"], error
+        # the rest of the refused stream is ignored quietly, up to its audio-stop
+        await client.write_event(AudioChunk(rate=16000, width=4, channels=1, audio=bytes(4096)).event())
+        await client.write_event(AudioStop().event())
+
+        await client.write_event(Transcribe(language="de").event())
+        error = await _read(client)
+        assert error.data["code"] == "unsupported_language", error
+
+        await client.write_event(AudioChunk(rate=16000, width=2, channels=1, audio=bytes(640)).event())
+        error = await _read(client)
+        assert error.data["code"] == "no_request", error
+
+        await client.write_event(Event(type="synthesize", data={"voice": {"name": "nobody"}, "text": "Hi."}))
+        error = await _read(client)
+        assert error.data["code"] == "unknown_voice" and "piper-en_US-joe-medium" in error.data["text"]
+
+        await client.write_event(Ping(text="still there").event())
+        pong = await _read(client)
+        assert pong.type == "pong" and pong.data["text"] == "still there"
+
+
+async def _raw(port: int, data: bytes) -> list[dict]:
+    """Send raw bytes; every event header the server sends back until it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    heads = []
+    while line := await asyncio.wait_for(reader.readline(), TIMEOUT_S):
+        head = json.loads(line)
+        if head.get("data_length"):
+            head["data"] = json.loads(await reader.readexactly(head["data_length"]))
+        heads.append(head)
+    writer.close()
+    return heads
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b'{"type": "audio-chunk", "payload_length": 10000000}\n', "payload_too_large"),
+        (b'{"type": "describe", "data_length": 1000000}\n', "event_too_large"),
+        (b"this is not json\n", "invalid_json"),
+        (b'{"no": "type"}\n', "invalid_event"),
+        (b"x" * 70000, "event_too_large"),
+    ],
+    ids=["payload", "data", "not-json", "no-type", "long-line"],
+)
+async def test_unreadable_frames_get_an_error_and_a_clean_close(daemon, data, code):
+    heads = await _raw(daemon.wyoming.port, data)
+    assert [h["type"] for h in heads] == ["error"] and heads[0]["data"]["code"] == code, heads
+    # the daemon carries on
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        await client.write_event(Event(type="describe"))
+        assert (await _read(client)).type == "info"
+
+
+async def test_too_much_audio_in_one_request_is_refused(daemon):
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        await client.write_event(Transcribe().event())
+        await client.write_event(AudioStart(rate=16000, width=2, channels=1).event())
+        second = np.zeros(16000, np.int16).tobytes()
+        for _ in range(21):  # max_audio_s is 20 in this daemon
+            await client.write_event(AudioChunk(rate=16000, width=2, channels=1, audio=second).event())
+        error = await _read(client)
+        assert error.data["code"] == "audio_too_long", error
+        await client.write_event(AudioStop().event())
+        await client.write_event(Ping().event())
+        assert (await _read(client)).type == "pong"
+        assert not daemon.sessions  # the refused request's session was closed
