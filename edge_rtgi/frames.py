@@ -184,6 +184,19 @@ class SpeechStarted:
 
 
 @dataclass(frozen=True)
+class WakeDetected:
+    """The wake-word gate heard its word; ``audio_ms`` is where, in the input stream.
+
+    From here the gate passes audio to ASR until the user's utterance ends (or nobody
+    speaks for the gate's listen timeout)."""
+
+    name: str
+    phrase: str
+    audio_ms: int
+    t_s: float = field(default_factory=now_s)
+
+
+@dataclass(frozen=True)
 class SpeechStopped:
     turn_id: int
     audio_ms: int
@@ -280,6 +293,7 @@ SessionEvent = (
     | SessionUpdated
     | SpeechStarted
     | SpeechStopped
+    | WakeDetected
     | Transcript
     | AudioCommitted
     | ResponseStarted

@@ -3,16 +3,18 @@
 library's own async TCP client (as Home Assistant's Wyoming integration uses it):
 
 1. ``describe``: the services, models, languages and voices the daemon has loaded;
-2. ``transcribe``: a Piper rendering of a question -> its transcript;
-3. ``handle``: the transcript -> the assistant's answer;
-4. ``synthesize``: the answer, streamed as text chunks -> the spoken answer.
+2. ``detect``: a Piper rendering of "Okay Nabu." followed by a question is streamed until
+   the wake word is detected;
+3. ``transcribe``: the audio after the detection (the question) -> its transcript;
+4. ``handle``: the transcript -> the assistant's answer;
+5. ``synthesize``: the answer, streamed as text chunks -> the spoken answer.
 
 Each step is its own connection, as Home Assistant makes them. Run it against a daemon
 serving Wyoming (``edge-rtgi serve --wyoming tcp://127.0.0.1:10300``)::
 
     .venv/bin/python scripts/wyoming_example.py --uri tcp://127.0.0.1:10300
 
-or with no ``--uri``: it starts a daemon in this process first (the voice-assistant
+or with no ``--uri``: it starts a daemon in this process first (the voice-assistant-wake
 pipeline on the default models) and stops it at the end. ``--out answer.wav`` keeps the
 spoken answer.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,12 +48,14 @@ from wyoming.tts import (  # noqa: E402
     SynthesizeStopped,
     SynthesizeVoice,
 )
+from wyoming.wake import Detect, Detection  # noqa: E402
 
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample  # noqa: E402
 
 RATE_HZ, WIDTH, CHANNELS = 16000, 2, 1  # what Home Assistant sends
 SAMPLES_PER_CHUNK = 1024
 TIMEOUT_S = 120.0
+WAKE_TEXT = "Okay Nabu."
 QUESTION = "What is the capital of France?"
 
 
@@ -59,6 +64,8 @@ class FlowResult:
     """What each step of the flow returned."""
 
     info: Info
+    wake_word: str | None = None
+    wake_timestamp_ms: int | None = None
     transcript: str = ""
     transcript_chunks: list[str] = field(default_factory=list)
     answer: str = ""
@@ -68,15 +75,17 @@ class FlowResult:
     step_s: dict[str, float] = field(default_factory=dict)
 
 
-def spoken_request(voice, question: str = QUESTION) -> np.ndarray:
-    """The question: 16 kHz int16, as a microphone hears it."""
+def spoken_request(voice, wake_text: str = WAKE_TEXT, question: str = QUESTION) -> np.ndarray:
+    """The wake word, a short pause, the question: 16 kHz int16, as a microphone hears it."""
 
     def say(text: str) -> np.ndarray:
         pcm = np.concatenate(list(voice.synthesize_stream(text)))
         return resample(pcm16_to_float32(pcm), voice.sample_rate_hz, RATE_HZ)
 
     silence = lambda s: np.zeros(int(s * RATE_HZ), np.float32)  # noqa: E731
-    return float32_to_pcm16(np.concatenate([silence(0.5), say(question), silence(1.0)]))
+    return float32_to_pcm16(
+        np.concatenate([silence(0.5), say(wake_text), silence(0.4), say(question), silence(1.0)])
+    )
 
 
 async def _read_until(client: AsyncTcpClient, *types: str) -> list[Event]:
@@ -104,6 +113,23 @@ async def describe(host: str, port: int) -> Info:
     async with AsyncTcpClient(host, port) as client:
         await client.write_event(Describe().event())
         return Info.from_event((await _read_until(client, "info"))[-1])
+
+
+async def detect(host: str, port: int, pcm: np.ndarray, name: str = "okay_nabu") -> Detection | None:
+    """Stream ``pcm`` until the wake word is heard (Home Assistant stops streaming there)."""
+    async with AsyncTcpClient(host, port) as client:
+        await client.write_event(Detect(names=[name]).event())
+        await client.write_event(AudioStart(rate=RATE_HZ, width=WIDTH, channels=CHANNELS).event())
+        reader = asyncio.create_task(_read_until(client, "detection", "not-detected"))
+        for chunk in _chunks(pcm):
+            if reader.done():
+                break
+            await client.write_event(chunk.event())
+            await asyncio.sleep(0)  # let the detection in
+        if not reader.done():
+            await client.write_event(AudioStop().event())
+        last = (await reader)[-1]
+        return Detection.from_event(last) if Detection.is_type(last.type) else None
 
 
 async def transcribe(host: str, port: int, pcm: np.ndarray) -> tuple[str, list[str]]:
@@ -146,11 +172,17 @@ async def synthesize(host: str, port: int, text: str, voice: str | None = None) 
 
 
 async def run_flow(host: str, port: int, speech: np.ndarray) -> FlowResult:
-    """The whole flow on ``speech`` (a question, 16 kHz int16)."""
+    """The whole flow on ``speech`` (wake word, then question, 16 kHz int16)."""
     t0 = time.perf_counter()
     result = FlowResult(info=await describe(host, port))
-    t2 = t1 = time.perf_counter()
-    result.transcript, result.transcript_chunks = await transcribe(host, port, speech)
+    t1 = time.perf_counter()
+    found = await detect(host, port, speech)
+    t2 = time.perf_counter()
+    if found is None:
+        return dataclasses.replace(result, step_s={"describe": t1 - t0, "detect": t2 - t1})
+    result.wake_word, result.wake_timestamp_ms = found.name, found.timestamp
+    question = speech[int((found.timestamp or 0) * RATE_HZ / 1000) :]  # what follows the wake word
+    result.transcript, result.transcript_chunks = await transcribe(host, port, question)
     t3 = time.perf_counter()
     result.answer, result.answer_chunks = await handle(host, port, result.transcript)
     t4 = time.perf_counter()
@@ -158,6 +190,7 @@ async def run_flow(host: str, port: int, speech: np.ndarray) -> FlowResult:
     t5 = time.perf_counter()
     result.step_s = {
         "describe": t1 - t0,
+        "detect": t2 - t1,
         "transcribe": t3 - t2,
         "handle": t4 - t3,
         "synthesize": t5 - t4,
@@ -168,10 +201,11 @@ async def run_flow(host: str, port: int, speech: np.ndarray) -> FlowResult:
 def _report(result: FlowResult) -> None:
     info = result.info
     print("services:")
-    for kind in ("asr", "tts", "handle"):
+    for kind in ("asr", "tts", "wake", "handle"):
         for program in getattr(info, kind):
             models = getattr(program, "models", None) or getattr(program, "voices", [])
             print(f"  {kind}: " + ", ".join(f"{m.name} ({'/'.join(m.languages)})" for m in models))
+    print(f"wake word: {result.wake_word} at {result.wake_timestamp_ms} ms")
     print(f"transcript: {result.transcript!r} (streamed in {len(result.transcript_chunks)} chunks)")
     print(f"answer: {result.answer!r} (streamed in {len(result.answer_chunks)} chunks)")
     if result.audio_rate_hz:
@@ -204,7 +238,7 @@ async def _main(args: argparse.Namespace) -> int:
 
         write_wav(args.out, result.audio, result.audio_rate_hz)
         print(f"wrote {args.out}")
-    return 0 if result.transcript and result.answer and len(result.audio) else 1
+    return 0 if result.wake_word and result.transcript and result.answer and len(result.audio) else 1
 
 
 async def _start_daemon():
@@ -213,7 +247,7 @@ async def _start_daemon():
     from edge_rtgi.server.app import Daemon
     from edge_rtgi.server.config import DaemonConfig, ServerConfig, WyomingConfig
 
-    pipeline = load_pipeline(builtin_pipelines_dir() / "voice-assistant.yaml")
+    pipeline = load_pipeline(builtin_pipelines_dir() / "voice-assistant-wake.yaml")
     config = DaemonConfig(
         server=ServerConfig(port=0),
         default_pipeline=pipeline.name,

@@ -10,6 +10,7 @@ from edge_rtgi.pipeline.config import (
     PipelineConfig,
     TranslateStageConfig,
     TtsStageConfig,
+    WakeStageConfig,
 )
 from edge_rtgi.pipeline.stage import Stage
 
@@ -23,12 +24,15 @@ async def build_stages(session: Session, pipeline: PipelineConfig, resources: Re
     from edge_rtgi.pipeline.stages.asr import AsrStage
     from edge_rtgi.pipeline.stages.text import AssistantStage, TranslateStage
     from edge_rtgi.pipeline.stages.tts import TtsStage
+    from edge_rtgi.pipeline.stages.wake import WakeStage
 
     await resources.prepare(pipeline)
     queue = session.limits.stage_queue_frames
     stages: list[Stage[Any]] = []
     for cfg in pipeline.stages:
-        if isinstance(cfg, AsrConfig):
+        if isinstance(cfg, WakeStageConfig):
+            stages.append(WakeStage(session, cfg, queue))
+        elif isinstance(cfg, AsrConfig):
             stages.append(AsrStage(session, cfg, resources.whisper(cfg), queue))
         elif isinstance(cfg, AssistantStageConfig):
             stages.append(AssistantStage(session, cfg, resources.llm(cfg.model), queue))

@@ -7,6 +7,7 @@ kind::
     name: voice-assistant
     input_sample_rate_hz: 16000
     stages:
+      - wake: {model: okay_nabu}          # optional: a wake-word gate in front of ASR
       - asr: {model: whisper-tiny.en, language: en, vad: {min_silence_ms: 300}}
       - assistant: {model: smollm2-135m-instruct, max_reply_tokens: 60}
       - tts: {voice: piper-en_US-joe-medium}
@@ -31,6 +32,30 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful voice assistant. Your replies are spoken aloud, so answer in one or two "
     "short, plain sentences without lists, markdown or emojis."
 )
+
+
+@dataclass(frozen=True)
+class WakeStageConfig:
+    """A wake-word gate in front of ASR (``edge_rtgi.pipeline.stages.wake``).
+
+    ``model`` is one of the wake words bundled in ``pymicro-wakeword`` (``okay_nabu``,
+    ``hey_jarvis``, ``alexa``, ``hey_mycroft``). After a detection the audio goes to ASR until
+    the user's utterance ends, or until ``listen_timeout_ms`` of audio passed without speech;
+    then the gate closes again. ``probability_cutoff`` replaces the model's own (null: keep it).
+    """
+
+    model: str = "okay_nabu"
+    listen_timeout_ms: int = 8000
+    refractory_ms: int = 2000
+    probability_cutoff: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.listen_timeout_ms < 500:
+            raise ValueError("listen_timeout_ms must be >= 500")
+        if self.refractory_ms < 0:
+            raise ValueError("refractory_ms must be >= 0")
+        if self.probability_cutoff is not None and not 0.0 < self.probability_cutoff < 1.0:
+            raise ValueError(f"probability_cutoff must be in (0, 1), got {self.probability_cutoff}")
 
 
 @dataclass(frozen=True)
@@ -102,17 +127,19 @@ class TtsStageConfig:
 
 
 STAGE_KINDS: dict[str, type] = {
+    "wake": WakeStageConfig,
     "asr": AsrConfig,
     "assistant": AssistantStageConfig,
     "translate": TranslateStageConfig,
     "tts": TtsStageConfig,
 }
-StageConfig = AsrConfig | AssistantStageConfig | TranslateStageConfig | TtsStageConfig
+StageConfig = WakeStageConfig | AsrConfig | AssistantStageConfig | TranslateStageConfig | TtsStageConfig
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """A validated chain: ``asr`` then optionally ``assistant``/``translate`` then ``tts``."""
+    """A validated chain: optionally ``wake``, ``asr``, optionally ``assistant``/``translate``,
+    optionally ``tts``."""
 
     name: str
     stages: tuple[StageConfig, ...]
@@ -156,6 +183,8 @@ def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig
 
 def _check_order(stages: list[StageConfig], data: Any) -> None:
     kinds = [next(k for k, c in STAGE_KINDS.items() if isinstance(s, c)) for s in stages]
+    if kinds[:1] == ["wake"]:  # the gate may stand in front of any chain
+        kinds = kinds[1:]
     allowed = (
         ["asr"],
         ["asr", "assistant"],
@@ -166,7 +195,7 @@ def _check_order(stages: list[StageConfig], data: Any) -> None:
     if kinds not in [list(a) for a in allowed]:
         raise ConfigError(
             f"{where(data, 'stages')}: stages {kinds} are not a valid chain",
-            hint="use asr, then optionally assistant or translate, then optionally tts",
+            hint="use optionally wake, then asr, then optionally assistant or translate, then optionally tts",
         )
 
 
@@ -198,7 +227,14 @@ def _check_models(stage: StageConfig, body: Any) -> None:
                 f"{where(mapping, key)}: unknown {role} model {name!r} for key {key!r}", hint=problem
             )
 
-    if isinstance(stage, AsrConfig):
+    if isinstance(stage, WakeStageConfig):
+        from edge_rtgi.asr.wakeword import check_wake_word
+
+        try:
+            check_wake_word(stage.model)
+        except ConfigError as exc:
+            raise ConfigError(f"{where(body, 'model')}: {exc.message}", hint=exc.hint) from None
+    elif isinstance(stage, AsrConfig):
         check(stage.model, "asr", body, "model")
         check(stage.vad.model, "vad", body.get("vad", body), "model" if "vad" in body else "vad")
     elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):

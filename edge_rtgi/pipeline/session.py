@@ -9,8 +9,8 @@ in-process CLI) does only two things:
   typed event from ``edge_rtgi.frames`` in its own wire format.
 
 Inside, the stages of the pipeline run as workers joined by bounded queues
-(ASR -> assistant|translate -> TTS -> outbox). The session owns the state that spans
-stages: the conversation, the responses in flight with their latency marks, barge-in,
+([wake gate ->] ASR -> assistant|translate -> TTS -> outbox). The session owns the state that
+spans stages: the conversation, the responses in flight with their latency marks, barge-in,
 and clean shutdown (a closed session aborts its engine requests and frees their KV blocks).
 """
 
@@ -22,7 +22,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from edge_rtgi.pipeline.stage import Stage
 
 if TYPE_CHECKING:
     from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.pipeline.stages.wake import WakeStage
 
 log = logging.getLogger(__name__)
 
@@ -272,18 +273,18 @@ class Session:
     # ------------------------------------------------------------------ inputs
 
     async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None:
-        """Mono int16 PCM from the user; waits when the ASR stage is behind (backpressure)."""
+        """Mono int16 PCM from the user; waits when the first stage is behind (backpressure)."""
         if pcm.dtype != np.int16 or pcm.ndim != 1:
             raise RequestError("audio must be mono int16 PCM")
-        await self._asr.inbox.put(F.AudioIn(pcm, sample_rate_hz or self.input_sample_rate_hz))
+        await self._input.inbox.put(F.AudioIn(pcm, sample_rate_hz or self.input_sample_rate_hz))
 
     async def commit_audio(self) -> None:
         """End the user's turn now (manual turn detection)."""
-        await self._asr.inbox.put(F.CommitAudio())
+        await self._input.inbox.put(F.CommitAudio())
 
     async def clear_audio(self) -> None:
         """Discard the audio of the turn in progress."""
-        await self._asr.inbox.put(F.ClearAudio())
+        await self._input.inbox.put(F.ClearAudio())
 
     async def add_user_text(self, text: str, respond: bool = True, echo: bool = True) -> TextTurn:
         """A typed user turn, remembered in the history; starts a response when ``respond``.
@@ -325,7 +326,7 @@ class Session:
         self._forget_old_responses()
         await self.outbox.put(F.ResponseStarted(rid, st.turn_id, kind, source_text))
         s = self.settings
-        await self._stages[1].inbox.put(
+        await self._stage_named("assistant", "translate").inbox.put(
             F.ResponseRequest(
                 response_id=rid,
                 turn_id=st.turn_id,
@@ -447,6 +448,8 @@ class Session:
         elif isinstance(frame, F.AudioDone):
             await self.outbox.put(frame)
             await self._finish(frame.response_id)
+        elif isinstance(frame, (F.AudioIn, F.CommitAudio, F.ClearAudio)) and nxt is not None:
+            await nxt.inbox.put(frame)  # through the wake gate
 
     async def _finish(self, response_id: str) -> None:
         st = self.responses.get(response_id)
@@ -482,13 +485,25 @@ class Session:
     def on_speech_started(self, event: F.SpeechStarted) -> None:
         """User speech began: report it, and barge in on any reply that is still playing."""
         self.outbox.put_control(event)
-        if self.barge_in:
-            for rid, st in list(self.responses.items()):
-                if st.active(event.t_s):
-                    self.interrupt(rid, "barge_in")
+        if (gate := self._wake_gate) is not None:
+            gate.speech_started()
+        self._barge_in(event.t_s)
 
     def on_speech_stopped(self, event: F.SpeechStopped) -> None:
         self.outbox.put_control(event)
+        if (gate := self._wake_gate) is not None:
+            gate.speech_stopped()
+
+    def on_wake_detected(self, event: F.WakeDetected) -> None:
+        """The wake word opened the gate: report it, and cut a reply that is still playing."""
+        self.outbox.put_control(event)
+        self._barge_in(event.t_s)
+
+    def _barge_in(self, t_s: float) -> None:
+        if self.barge_in:
+            for rid, st in list(self.responses.items()):
+                if st.active(t_s):
+                    self.interrupt(rid, "barge_in")
 
     def new_turn_id(self) -> int:
         return next(self._turn_ids)
@@ -504,5 +519,14 @@ class Session:
             await self.create_response(turn_id=event.turn_id, source_text=event.text, timing=event)
 
     @property
-    def _asr(self) -> Stage[Any]:
+    def _input(self) -> Stage[Any]:
+        """The stage client audio enters: the wake gate, or ASR."""
         return self._stages[0]
+
+    @property
+    def _wake_gate(self) -> WakeStage | None:
+        first = self._stages[0] if self._stages else None
+        return cast("WakeStage", first) if first is not None and first.name == "wake" else None
+
+    def _stage_named(self, *names: str) -> Stage[Any]:
+        return next(s for s in self._stages if s.name in names)

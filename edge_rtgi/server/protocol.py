@@ -215,6 +215,8 @@ def encode_server(event: F.SessionEvent, ms: Callable[[float], int]) -> list[str
         body = {"type": "input.speech_started", "turn_id": e.turn_id, "audio_ms": e.audio_ms}
     elif isinstance(e, F.SpeechStopped):
         body = {"type": "input.speech_stopped", "turn_id": e.turn_id, "audio_ms": e.audio_ms}
+    elif isinstance(e, F.WakeDetected):
+        body = {"type": "wake.detected", "name": e.name, "phrase": e.phrase, "audio_ms": e.audio_ms}
     elif isinstance(e, F.Transcript):
         body = {
             "type": "transcript.final" if e.final else "transcript.partial",

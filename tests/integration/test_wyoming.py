@@ -1,8 +1,8 @@
 """Home Assistant's Wyoming flow against a running daemon, with the ``wyoming`` library's own
 async TCP client (``scripts/wyoming_example.py`` holds the client side; this runs it).
 
-Real models throughout: Piper speaks a question, the daemon's Wyoming server transcribes it
-(silero VAD + whisper tiny.en),
+Real models throughout: Piper speaks "Okay Nabu." and a question, the daemon's Wyoming server
+detects the wake word (microWakeWord), transcribes the question (silero VAD + whisper tiny.en),
 answers it (SmolLM2-135M) and speaks the answer (Piper); the spoken answer is transcribed again
 and compared with the answer text. Bad input: unknown events, oversized payloads, unreadable
 frames and unsupported audio get an ``error`` event (and a close where the stream cannot go
@@ -25,13 +25,14 @@ from wyoming.ping import Ping
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.catalog import resolve_model
-from tests.integration.native_client import speak_16k, steady_voice, transcribe, wer
+from tests.integration.native_client import NativeClient, speak_16k, steady_voice, transcribe, wer
 from tests.scripts import load_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 flow = load_script("wyoming_example")
 TIMEOUT_S = 120.0
+WAKE_YAML = "voice-assistant-wake.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +49,12 @@ async def daemon():
     from edge_rtgi.server.app import Daemon
     from edge_rtgi.server.config import DaemonConfig, ServerConfig, WyomingConfig
 
-    pipelines = {p.name: p for p in [load_pipeline(builtin_pipelines_dir() / "voice-assistant.yaml")]}
+    # the same models twice: behind the wake word, and the plain assistant
+    files = (WAKE_YAML, "voice-assistant.yaml")
+    pipelines = {p.name: p for p in (load_pipeline(builtin_pipelines_dir() / f) for f in files)}
     config = DaemonConfig(
         server=ServerConfig(port=0),
-        default_pipeline="voice-assistant",
+        default_pipeline="voice-assistant-wake",
         wyoming=WyomingConfig(uri="tcp://127.0.0.1:0", max_payload_bytes=65536, max_audio_s=20.0),
     )
     d = Daemon(config, pipelines, Resources())
@@ -64,7 +67,7 @@ async def daemon():
 
 
 def _asr(daemon):
-    return daemon.resources.whisper(daemon.pipelines["voice-assistant"].stage(AsrConfig))
+    return daemon.resources.whisper(daemon.pipelines["voice-assistant-wake"].stage(AsrConfig))
 
 
 async def _read(client: AsyncTcpClient) -> Event | None:
@@ -72,7 +75,7 @@ async def _read(client: AsyncTcpClient) -> Event | None:
 
 
 async def test_home_assistant_flow(daemon, piper):
-    """describe, transcribe, handle, synthesize."""
+    """describe, detect on "Okay Nabu. <question>", transcribe, handle, synthesize."""
     speech = flow.spoken_request(piper)
     result = await asyncio.wait_for(flow.run_flow("127.0.0.1", daemon.wyoming.port, speech), 300)
 
@@ -80,8 +83,19 @@ async def test_home_assistant_flow(daemon, piper):
     assert [m.name for p in info.asr for m in p.models] == ["whisper-tiny.en"]
     assert [v.name for p in info.tts for v in p.voices] == ["piper-en_US-joe-medium"]
     assert [m.name for p in info.handle for m in p.models] == ["smollm2-135m-instruct"]
+    assert {m.name for p in info.wake for m in p.models} == {
+        "okay_nabu",
+        "hey_jarvis",
+        "alexa",
+        "hey_mycroft",
+    }
     assert info.asr[0].supports_transcript_streaming and info.tts[0].supports_synthesize_streaming
 
+    # the wake word is detected after it was said and before the question ends
+    wake_pcm = np.concatenate(list(piper.synthesize_stream(flow.WAKE_TEXT)))
+    wake_end_s = 0.5 + len(wake_pcm) / piper.sample_rate_hz  # spoken_request's lead-in, the word
+    assert result.wake_word == "okay_nabu"
+    assert wake_end_s - 0.6 < result.wake_timestamp_ms / 1000 < wake_end_s + 1.5, result.wake_timestamp_ms
     assert wer(flow.QUESTION, result.transcript) <= 1 / 6, result.transcript
     assert "paris" in result.answer.lower(), result.answer
     assert "".join(result.answer_chunks).strip() == result.answer.strip()
@@ -207,3 +221,22 @@ async def test_too_much_audio_in_one_request_is_refused(daemon):
         await client.write_event(Ping().event())
         assert (await _read(client)).type == "pong"
         assert not daemon.sessions  # the refused request's session was closed
+
+
+async def test_native_session_wakes_on_the_wake_word(daemon, piper):
+    """The voice-assistant-wake pipeline over the native protocol: speech without the wake word
+    reaches nobody; "Okay Nabu." opens the gate (wake.detected), the question is answered."""
+    c = await NativeClient.open(daemon.port, "?pipeline=voice-assistant-wake")
+    try:
+        await c.wait_type("session.created")
+        await c.stream(speak_16k(piper, "What is the capital of France?"), speed=4.0)
+        await c.stream(flow.spoken_request(piper), speed=4.0)
+        detected = await c.wait_type("wake.detected")
+        assert detected["name"] == "okay_nabu" and detected["phrase"] == "Okay Nabu"
+        final = await c.wait_type("transcript.final")
+        assert wer(flow.QUESTION, final["text"]) <= 1 / 6, final
+        assert len(c.of("transcript.final")) == 1  # the question before the wake word went unheard
+        done = await c.wait_type("response.done")
+        assert done["status"] == "completed"
+    finally:
+        await c.close()

@@ -118,3 +118,29 @@ def test_duplicate_pipeline_names(tmp_path):
     (tmp_path / "b.yaml").write_text("name: same\nstages:\n  - asr: {}\n")
     with pytest.raises(ConfigError, match="also used by"):
         load_pipelines([tmp_path])
+
+
+def test_wake_gate_in_front_of_the_chain():
+    from edge_rtgi.pipeline.config import WakeStageConfig
+
+    pipe = load_pipelines([builtin_pipelines_dir()])["voice-assistant-wake"]
+    assert [type(s) for s in pipe.stages] == [
+        WakeStageConfig,
+        AsrConfig,
+        AssistantStageConfig,
+        TtsStageConfig,
+    ]
+    assert pipe.stage(WakeStageConfig).model == "okay_nabu"
+    with pytest.raises(ConfigError, match="not a valid chain"):
+        parse_pipeline("stages:\n  - asr: {}\n  - wake: {}\n", "c.yaml")
+    with pytest.raises(ConfigError, match="listen_timeout_ms must be >= 500"):
+        parse_pipeline("stages:\n  - wake: {listen_timeout_ms: 10}\n  - asr: {}\n", "c.yaml")
+
+
+def test_unknown_wake_word_lists_the_available_ones(tmp_path):
+    path = _write(tmp_path, "stages:\n  - wake:\n      model: hey_nabu\n  - asr: {}\n")
+    with pytest.raises(ConfigError, match=r"p\.yaml:3: unknown wake word 'hey_nabu'") as info:
+        load_pipeline(path)
+    assert info.value.hint is not None
+    for name in ("okay_nabu", "hey_jarvis", "alexa", "hey_mycroft"):
+        assert name in info.value.hint

@@ -6,6 +6,7 @@ shared models and engine (docs/wyoming.md):
 
 - ``asr``: ``transcribe`` + audio -> streamed ``transcript-chunk`` events and a ``transcript``;
 - ``tts``: ``synthesize`` (or ``synthesize-start``/``-chunk``/``-stop``) -> audio;
+- ``wake``: ``detect`` + audio -> ``detection`` / ``not-detected`` (microWakeWord);
 - ``handle``: a ``transcript`` -> the assistant's ``handled`` answer (streamed first).
 
 Built on the ``wyoming`` library: its event types, its framing (read here with limits:

@@ -1,7 +1,7 @@
 """One Wyoming connection: read events (bounded), dispatch them to the services, answer errors.
 
 Home Assistant opens a connection per request (``describe``, or ``transcribe`` + audio, or
-``synthesize``, or a ``transcript`` for the assistant), but one
+``detect`` + audio, or ``synthesize``, or a ``transcript`` for the assistant), but one
 connection may carry any number of requests, one after another.
 
 Bad input never takes the daemon down, nor another connection:
@@ -10,7 +10,7 @@ Bad input never takes the daemon down, nor another connection:
   answered with an ``error`` event and the connection is closed (the stream cannot be
   resynchronised);
 - a well-framed event that cannot be acted on (an unknown type, a missing field, audio in an
-  unsupported format, audio without ``transcribe``) gets an ``error`` event,
+  unsupported format, audio without ``transcribe`` or ``detect``) gets an ``error`` event,
   drops the request in progress if it was about one, and the connection carries on.
 """
 
@@ -27,6 +27,7 @@ from wyoming.info import Describe
 from wyoming.ping import Ping, Pong
 from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
+from wyoming.wake import Detect
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.server.wyoming.asr import AsrRequest
@@ -35,15 +36,17 @@ from edge_rtgi.server.wyoming.handle import Conversation
 from edge_rtgi.server.wyoming.services import WyomingServices
 from edge_rtgi.server.wyoming.streams import AudioStream, StreamFormat, WyomingRequestError
 from edge_rtgi.server.wyoming.tts import TtsRequest
+from edge_rtgi.server.wyoming.wake import WakeRequest
 
 log = logging.getLogger(__name__)
 
-AudioRequest = AsrRequest
+AudioRequest = AsrRequest | WakeRequest
 
 KNOWN_EVENTS = (
     "describe",
     "ping",
     "transcribe",
+    "detect",
     "audio-start",
     "audio-chunk",
     "audio-stop",
@@ -71,7 +74,7 @@ class WyomingHandler(AsyncEventHandler):
         self.connections.add(self)  # until the connection ends (the server's limit counts them)
         cfg = services.config
         self.limits = FrameLimits(cfg.max_event_bytes, cfg.max_payload_bytes)
-        self._audio_for: AudioRequest | None = None  # made by transcribe
+        self._audio_for: AudioRequest | None = None  # made by transcribe or detect
         self._stream: AudioStream | None = None  # between audio-start and audio-stop
         self._dropped_stream = False  # the stream's request failed: ignore it until audio-stop
         self._tts: TtsRequest | None = None  # a synthesize-start stream
@@ -122,6 +125,10 @@ class WyomingHandler(AsyncEventHandler):
             await self._new_audio_request(
                 AsrRequest(self.services, Transcribe.from_event(event), self.write_event)
             )
+        elif Detect.is_type(kind):
+            await self._new_audio_request(
+                WakeRequest(self.services, Detect.from_event(event), self.write_event)
+            )
         elif AudioStart.is_type(kind) or AudioChunk.is_type(kind) or AudioStop.is_type(kind):
             await self._audio(event)
         elif Synthesize.is_type(kind):
@@ -171,8 +178,8 @@ class WyomingHandler(AsyncEventHandler):
             if request is None:
                 raise WyomingRequestError(
                     "no_request",
-                    "audio-start without a transcribe before it",
-                    hint="send transcribe (speech to text) first",
+                    "audio-start without a transcribe or detect before it",
+                    hint="send transcribe (speech to text) or detect (wake word) first",
                 )
             fmt = StreamFormat.checked(event.data)
             self._stream, self._dropped_stream = AudioStream(fmt, self.services.config.max_audio_s), False

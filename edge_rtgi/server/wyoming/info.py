@@ -13,10 +13,13 @@ from wyoming.info import (
     Info,
     TtsProgram,
     TtsVoice,
+    WakeModel,
+    WakeProgram,
 )
 
 from edge_rtgi import __version__
 from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.asr.wakeword import available_wake_words
 from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, TtsStageConfig
 
 PROGRAM = "edge-rtgi"
@@ -49,7 +52,7 @@ def _artifact(name: str, description: str) -> dict:
 
 
 def build_info(pipeline: PipelineConfig, voices: list[LoadedVoice]) -> Info:
-    """The ``info`` event: ASR, TTS and the assistant, as loaded."""
+    """The ``info`` event: ASR, TTS, wake words and the assistant, as loaded."""
     asr: AsrConfig | None = pipeline.stage(AsrConfig)
     assistant: AssistantStageConfig | None = pipeline.stage(AssistantStageConfig)
     info = Info()
@@ -70,6 +73,15 @@ def build_info(pipeline: PipelineConfig, voices: list[LoadedVoice]) -> Info:
                 supports_synthesize_streaming=True,
             )
         ]
+    info.wake = [
+        WakeProgram(
+            **_artifact(PROGRAM, "microWakeWord models (pymicro-wakeword)"),
+            models=[
+                WakeModel(**_artifact(w.name, w.phrase), languages=list(w.languages), phrase=w.phrase)
+                for w in available_wake_words().values()
+            ],
+        )
+    ]
     if assistant is not None:
         info.handle = [
             HandleProgram(

@@ -1,6 +1,7 @@
 """What the Wyoming services share: the daemon, the pipeline they serve, and its parts.
 
-The ``asr`` service runs sessions on an ASR-only copy of the served pipeline; the ``handle``
+The ``asr`` service runs sessions on an ASR-only copy of the served pipeline (no wake gate:
+Home Assistant detects the wake word itself, over the ``wake`` service); the ``handle``
 service on an ASR + assistant copy, text only. Both are ordinary sessions of the daemon
 (``Daemon.open_session``): they share its models and engine and show in its metrics.
 """
@@ -16,7 +17,7 @@ from wyoming.event import Event
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.errors import ConfigError
-from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig
+from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, WakeStageConfig
 from edge_rtgi.pipeline.session import Session, SessionSettings
 from edge_rtgi.server.config import WyomingConfig
 from edge_rtgi.server.wyoming.info import LoadedVoice, build_info, pipeline_voices, voice_language
@@ -61,6 +62,10 @@ class WyomingServices:
     @property
     def asr(self) -> AsrConfig | None:
         return self.pipeline.stage(AsrConfig)
+
+    @property
+    def wake(self) -> WakeStageConfig | None:
+        return self.pipeline.stage(WakeStageConfig)
 
     @property
     def has_assistant(self) -> bool:
