@@ -237,6 +237,12 @@ async def _live(args: argparse.Namespace, mode: str, pipeline: str) -> int:
 
             speaker = SpeakerSink(output.sample_rate_hz, device=args.speaker_device)
             output.speaker = speaker
+            if args.mic and not getattr(args, "no_aec", False):
+                # the speaker's audio is the echo reference: barge-in hears the user, not the reply
+                from edge_rtgi.audio.aec import PlayoutReference
+
+                await transport.send({"type": "session.update", "session": {"echo_reference": True}})
+                output.playout = PlayoutReference(16000)
         source = (
             _mic_chunks(args.duration, args.mic_device, on_live=_announce_listening)
             if args.mic
@@ -319,5 +325,10 @@ def register(subparsers) -> None:
         "--no-barge-in",
         action="store_true",
         help="do not cut replies when you speak (for a speaker without echo cancellation)",
+    )
+    p.add_argument(
+        "--no-aec",
+        action="store_true",
+        help="no echo cancellation of the played reply on the microphone (on by default with --mic)",
     )
     p.set_defaults(func=cmd_voice)

@@ -9,8 +9,9 @@ in-process CLI) does only two things:
   typed event from ``edge_rtgi.frames`` in its own wire format.
 
 Inside, the stages of the pipeline run as workers joined by bounded queues
-([wake gate ->] ASR -> assistant|translate -> TTS -> outbox). The session owns the state that
-spans stages: the conversation, the responses in flight with their latency marks, barge-in,
+([wake gate ->] ASR -> assistant|translate -> TTS -> outbox); microphone audio sent with an
+echo reference is echo-cancelled first (``edge_rtgi.pipeline.echo``). The session owns the state that spans
+stages: the conversation, the responses in flight with their latency marks, barge-in,
 and clean shutdown (a closed session aborts its engine requests and frees their KV blocks).
 """
 
@@ -30,6 +31,7 @@ from edge_rtgi import frames as F
 from edge_rtgi.config import from_dict
 from edge_rtgi.errors import ConfigError, EdgeRtgiError, RequestError
 from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, TranslateStageConfig
+from edge_rtgi.pipeline.echo import EchoFront
 from edge_rtgi.pipeline.outbox import Outbox
 from edge_rtgi.pipeline.responses import ResponseState
 from edge_rtgi.pipeline.stage import Stage
@@ -59,6 +61,8 @@ class SessionSettings:
     vad_threshold: float | None = None
     vad_min_silence_ms: int | None = None
     vad_prefix_padding_ms: int | None = None
+    # each microphone chunk comes with the audio being played (stereo on the native protocol)
+    echo_reference: bool = False
 
     def __post_init__(self) -> None:
         for name in ("input_sample_rate_hz", "output_sample_rate_hz"):
@@ -125,6 +129,7 @@ class Session:
         self._cancelled: set[str] = set()
         self._turn_ids = itertools.count(1)
         self._stages: list[Stage[Any]] = []
+        self._echo = EchoFront()
         self.closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -272,11 +277,27 @@ class Session:
 
     # ------------------------------------------------------------------ inputs
 
-    async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None:
-        """Mono int16 PCM from the user; waits when the first stage is behind (backpressure)."""
+    async def push_audio(
+        self, pcm: np.ndarray, sample_rate_hz: int | None = None, reference: np.ndarray | None = None
+    ) -> None:
+        """Mono int16 PCM from the user; waits when the first stage is behind (backpressure).
+
+        ``reference``: the audio the client was playing while it recorded ``pcm`` (same length
+        and rate); its echo is removed from ``pcm`` before anything else hears it.
+        """
         if pcm.dtype != np.int16 or pcm.ndim != 1:
             raise RequestError("audio must be mono int16 PCM")
-        await self._input.inbox.put(F.AudioIn(pcm, sample_rate_hz or self.input_sample_rate_hz))
+        rate = sample_rate_hz or self.input_sample_rate_hz
+        if reference is not None:
+            if reference.dtype != np.int16 or reference.shape != pcm.shape:
+                raise RequestError(
+                    "the echo reference must be int16 PCM as long as the microphone audio",
+                    hint="send the played audio sample-aligned with the microphone",
+                )
+            pcm = await self._echo.process(pcm, reference, rate)
+            if not len(pcm):
+                return
+        await self._input.inbox.put(F.AudioIn(pcm, rate))
 
     async def commit_audio(self) -> None:
         """End the user's turn now (manual turn detection)."""

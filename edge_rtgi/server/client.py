@@ -7,6 +7,8 @@ messages, as dicts plus PCM payloads, so the in-process mode exercises the same 
 The client streams audio (microphone or WAV file), prints captions (partials overwrite
 one terminal line; finals and replies get their own lines), plays and/or records the
 returned audio, and on end of input commits the turn and waits for the last response.
+With echo cancellation (``LiveOutput.playout``), each microphone chunk goes with the audio
+the speaker was given meanwhile, so the session removes the device's own voice from it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 
+from edge_rtgi.audio.aec import PlayoutReference, join_reference
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.server import protocol as P
 
@@ -40,7 +43,10 @@ class WireMessage:
 class Transport(Protocol):
     """A native-protocol connection: to a daemon (``WebSocketTransport``) or a local session."""
 
-    async def send_audio(self, pcm: np.ndarray) -> None: ...
+    async def send_audio(self, pcm: np.ndarray, reference: np.ndarray | None = None) -> None:
+        """Microphone PCM; ``reference``: what the speaker played meanwhile (echo_reference)."""
+        ...
+
     async def send(self, event: dict[str, Any]) -> None: ...
     def messages(self) -> AsyncIterator[WireMessage]: ...
     async def close(self) -> None: ...
@@ -52,8 +58,8 @@ class InProcessTransport:
     def __init__(self, session: Session):
         self.session = session
 
-    async def send_audio(self, pcm: np.ndarray) -> None:
-        await self.session.push_audio(pcm)
+    async def send_audio(self, pcm: np.ndarray, reference: np.ndarray | None = None) -> None:
+        await self.session.push_audio(pcm, reference=reference)
 
     async def send(self, event: dict) -> None:
         kind = event["type"]
@@ -100,7 +106,9 @@ class WebSocketTransport:
             ) from None
         return cls(ws)
 
-    async def send_audio(self, pcm: np.ndarray) -> None:
+    async def send_audio(self, pcm: np.ndarray, reference: np.ndarray | None = None) -> None:
+        if reference is not None:  # stereo frames: microphone left, played audio right
+            pcm = join_reference(pcm, reference)
         await self.ws.send(pcm.astype("<i2").tobytes())
 
     async def send(self, event: dict) -> None:
@@ -128,6 +136,8 @@ class LiveOutput:
     mode: str  # "translate" | "voice"
     out: TextIO = sys.stdout
     speaker: Any = None  # an edge_rtgi.audio.devices.SpeakerSink, or None
+    # what the speaker was given, the echo reference for the microphone (echo cancellation)
+    playout: PlayoutReference | None = None
     keep_audio: bool = True
     audio: list[np.ndarray] = field(default_factory=list)
     sample_rate_hz: int | None = None
@@ -166,10 +176,14 @@ class LiveOutput:
                 self.audio.append(pcm)
             if self.speaker is not None:
                 self.speaker.write(pcm)
+                if self.playout is not None:
+                    self.playout.played(pcm, head["sample_rate_hz"])
                 now = time.monotonic()
                 self.playback_end_s = max(self.playback_end_s or now, now) + len(pcm) / head["sample_rate_hz"]
         elif kind == "response.interrupted" and self.speaker is not None:
             self.speaker.clear()
+            if self.playout is not None:
+                self.playout.clear()
             self.playback_end_s = None
         elif kind == "response.done":
             self.open_responses.discard(head["response_id"])
@@ -186,6 +200,10 @@ class LiveOutput:
 
     def audio_pcm(self) -> np.ndarray:
         return np.concatenate(self.audio) if self.audio else np.zeros(0, dtype=np.int16)
+
+
+def _reference(output: LiveOutput, samples: int) -> np.ndarray | None:
+    return output.playout.take(samples) if output.playout is not None else None
 
 
 async def run_live(
@@ -212,11 +230,12 @@ async def run_live(
     read_task = asyncio.create_task(reader())
     try:
         async for chunk in source:
-            await transport.send_audio(chunk)
+            await transport.send_audio(chunk, _reference(output, len(chunk)))
             if read_task.done():
                 break
         # silence lets the VAD end the last turn naturally; the commit catches the rest
-        await transport.send_audio(np.zeros(int(trailing_silence_s * input_rate_hz), dtype=np.int16))
+        tail = np.zeros(int(trailing_silence_s * input_rate_hz), dtype=np.int16)
+        await transport.send_audio(tail, _reference(output, len(tail)))
         await transport.send({"type": "input_audio.commit"})
         await asyncio.wait_for(read_task, settle_timeout_s)
     except asyncio.TimeoutError:

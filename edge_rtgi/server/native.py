@@ -12,7 +12,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from edge_rtgi import frames as F
-from edge_rtgi.errors import EdgeRtgiError
+from edge_rtgi.audio.aec import split_reference
+from edge_rtgi.errors import AudioError, EdgeRtgiError
 from edge_rtgi.pipeline.session import Session, SessionSettings
 from edge_rtgi.server import protocol as P
 from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
@@ -52,6 +53,14 @@ class NativeConnection:
 
 async def _dispatch(session: Session, event: P.ClientEvent, metrics: Metrics) -> None:
     if isinstance(event, P.AudioChunk):
+        if session.settings.echo_reference:  # stereo: microphone, then the audio being played
+            try:
+                mic, reference = split_reference(event.pcm)
+            except AudioError as exc:
+                raise P.ProtocolError("invalid_audio", exc.message, exc.hint) from None
+            metrics.audio_in_s.inc(len(mic) / session.input_sample_rate_hz)
+            await session.push_audio(mic, reference=reference)
+            return
         metrics.audio_in_s.inc(len(event.pcm) / session.input_sample_rate_hz)
         await session.push_audio(event.pcm)
     elif isinstance(event, P.SessionUpdate):

@@ -2,7 +2,8 @@
 
 Like wyoming, a message is a small JSON header and, when there is audio, a binary payload;
 over WebSocket the two are separate frames. The client sends its microphone as bare binary
-frames (mono s16le at the session's input rate). The server sends each audio chunk as a
+frames (mono s16le at the session's input rate; interleaved stereo with the played audio as
+the second channel when the session has ``echo_reference``). The server sends each audio chunk as a
 ``response.audio`` JSON event immediately followed by one binary frame with
 ``num_bytes`` bytes. The codec is one table per direction (``CLIENT_EVENTS``) and
 one function per server event, so the docs (docs/protocol.md) and tests follow the code.
@@ -202,7 +203,8 @@ def encode_server(event: F.SessionEvent, ms: Callable[[float], int]) -> list[str
             "session": e.config,
             "audio": {
                 "format": AUDIO_FORMAT,
-                "channels": 1,
+                # 2 with an echo reference: microphone left, played audio right (docs/protocol.md)
+                "channels": 2 if e.config.get("echo_reference") else 1,
                 "input_sample_rate_hz": e.input_sample_rate_hz,
                 "output_sample_rate_hz": e.output_sample_rate_hz,
             },

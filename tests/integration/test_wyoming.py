@@ -240,3 +240,37 @@ async def test_native_session_wakes_on_the_wake_word(daemon, piper):
         assert done["status"] == "completed"
     finally:
         await c.close()
+
+
+async def test_echo_of_the_reply_is_cancelled_with_a_reference_channel(daemon, piper):
+    """Stereo frames (microphone, played audio): the device's own reply, heard at -6 dB 100 ms
+    late, starts no speech; the user's question spoken over it is heard and transcribed."""
+    from edge_rtgi.audio.aec import join_reference
+
+    reply = speak_16k(piper, "The capital of France is Paris, a large city on the river Seine.", tail_s=0)
+    question = speak_16k(piper, flow.QUESTION, lead_s=0, tail_s=0)
+    n = len(reply) + 16000 + len(question) + 16000
+    played = np.zeros(n, np.int16)
+    played[: len(reply)] = reply
+    played[len(reply) + 8000 : 2 * len(reply) + 8000] = reply[: n - len(reply) - 8000]  # a second reply
+    delay = 1600  # 100 ms
+    echo = np.concatenate([np.zeros(delay, np.int16), played[:-delay] // 2])
+    user = np.zeros(n, np.int16)
+    start = len(reply) + 16000  # the user speaks over the second reply
+    user[start : start + len(question)] = question
+    mic = np.clip(echo.astype(np.int32) + user, -32768, 32767).astype(np.int16)
+
+    c = await NativeClient.open(daemon.port, "?pipeline=voice-assistant")
+    try:
+        await c.wait_type("session.created")
+        await c.send(type="session.update", session={"echo_reference": True, "auto_response": False})
+        updated = await c.wait_type("session.updated")
+        assert updated["session"]["echo_reference"] is True
+        await c.stream(join_reference(mic, played), chunk_ms=40, speed=4.0)  # 40 ms stereo = 20 ms
+        await c.stream(np.zeros(2 * 16000, np.int16), speed=4.0)
+        final = await c.wait_type("transcript.final")
+        started = c.of("input.speech_started")
+        assert len(started) == 1 and started[0]["audio_ms"] >= 1000 * (start - 8000) / 16000, started
+        assert wer(flow.QUESTION, final["text"]) <= 1 / 6, final
+    finally:
+        await c.close()
