@@ -34,7 +34,7 @@ from edge_rtgi.llm.engine_config import EngineConfig, EngineStats
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.model import Transformer
-from edge_rtgi.llm.request import Request, RequestDelta, RequestStatus, Usage
+from edge_rtgi.llm.request import Request, RequestDelta, RequestStatus, TokenLogprob, Usage
 from edge_rtgi.llm.runner import ModelRunner
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerConfig
@@ -463,12 +463,13 @@ class LLMEngine:
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(output, result)
         for update in updates:
-            self._emit(update)
+            self._emit(update, result.logprobs.get(update.request_id))
         self._stats.record_step(output, schedule_s=t1 - t0, run_s=t2 - t1, update_s=time.perf_counter() - t2)
         return True
 
-    def _emit(self, update: RequestUpdate) -> None:
-        """Turn a scheduler update into a text delta (same text rules as plain generation)."""
+    def _emit(self, update: RequestUpdate, logprob: TokenLogprob | None = None) -> None:
+        """Turn a scheduler update into a text delta (same text rules as plain generation);
+        ``logprob`` is the sampled token's, for a request that asked for it."""
         stream = self._streams.get(update.request_id)
         if stream is None:
             return
@@ -496,7 +497,13 @@ class LLMEngine:
         try:
             stream.sink(
                 RequestDelta(
-                    update.request_id, text, tuple(update.new_token_ids), finish, usage, update.error
+                    update.request_id,
+                    text,
+                    tuple(update.new_token_ids),
+                    finish,
+                    usage,
+                    update.error,
+                    (logprob,) if logprob is not None and update.new_token_ids else (),
                 )
             )
         except Exception:  # a broken consumer must not stop the engine
@@ -547,10 +554,12 @@ class GenerationResult:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when SamplingParams.logprobs
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
         if delta.finished:
             self.finish_reason, self.usage, self.error = delta.finish_reason, delta.usage, delta.error
 

@@ -144,12 +144,24 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """How sure the model was of one sampled token, from its raw next-token distribution
+    (temperature 1, before top-k/top-p): the token's log-probability and the distribution's
+    entropy, both in nats. Filled only for requests that ask (``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprob: float
+    entropy_nats: float
+
+
+@dataclass(frozen=True)
 class RequestDelta:
     """One piece of a request's output stream.
 
     ``text`` is new text only (never splits a multi-byte character); ``token_ids`` the new
-    token ids. The last delta has ``finish_reason`` ("stop", "length", "abort" or "error")
-    and ``usage``; ``error`` says what went wrong when ``finish_reason == "error"``.
+    token ids, and ``logprobs`` one ``TokenLogprob`` per new token when the request asked for
+    them. The last delta has ``finish_reason`` ("stop", "length", "abort" or "error") and
+    ``usage``; ``error`` says what went wrong when ``finish_reason == "error"``.
     """
 
     request_id: str
@@ -158,6 +170,7 @@ class RequestDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,7 @@ from torch import Tensor
 from edge_rtgi.llm.kv.attention import ChunkAttention, PagedAttentionBackend, PagedAttentionMetadata
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 from edge_rtgi.llm.model import Transformer, causal_window_mask
+from edge_rtgi.llm.request import TokenLogprob
 from edge_rtgi.llm.sampling import SamplingParams, sample_token
 from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -183,4 +184,35 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
                 log.warning("sampling failed for request %s: %s", rid, exc)
                 errors[rid] = f"sampling failed: {exc}"
-        return ModelRunnerOutput(tokens, errors)
+        return ModelRunnerOutput(tokens, errors, _logprobs(request_ids, logits, tokens, params))
+
+
+def logprobs_of(logits: Tensor) -> Tensor:
+    """Log-softmax of fp32 logits [N, V] (the model's raw distribution, temperature 1)."""
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def entropy_nats(logprobs: Tensor) -> Tensor:
+    """Entropy of each row's distribution [N] from its log-probabilities [N, V]."""
+    return -(logprobs.exp() * logprobs).sum(dim=-1)
+
+
+def _logprobs(
+    request_ids: list[str],
+    logits: Tensor,
+    tokens: dict[str, int],
+    params: Mapping[str, SamplingParams],
+) -> dict[str, TokenLogprob]:
+    """``TokenLogprob`` of the sampled token for the rows whose request asked for it (only
+    those rows pay for the softmax)."""
+    rows = [i for i, rid in enumerate(request_ids) if params[rid].logprobs and rid in tokens]
+    if not rows:
+        return {}
+    lp = logprobs_of(logits[rows])  # [R, V]
+    picked = torch.tensor([tokens[request_ids[i]] for i in rows], device=lp.device)
+    chosen = lp.gather(1, picked[:, None]).squeeze(1).tolist()
+    entropies = entropy_nats(lp).tolist()
+    return {
+        request_ids[i]: TokenLogprob(tokens[request_ids[i]], chosen[k], entropies[k])
+        for k, i in enumerate(rows)
+    }

@@ -22,7 +22,9 @@ class SamplingParams:
 
     ``max_tokens`` counts generated tokens. ``stop`` strings end generation and are not
     included in the output; ``stop_token_ids`` are added to the model's EOS ids unless
-    ``ignore_eos``.
+    ``ignore_eos``. ``logprobs`` asks for each sampled token's log-probability and the
+    entropy of the distribution it came from (``RequestDelta.logprobs``); it never changes
+    which tokens are picked.
     """
 
     max_tokens: int = 256
@@ -33,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from edge_rtgi.errors import RequestError
 from edge_rtgi.llm.kv.manager import KVCacheManager
-from edge_rtgi.llm.request import Request, RequestStatus
+from edge_rtgi.llm.request import Request, RequestStatus, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,12 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """What the runner hands back: a token per sampling request, or that request's error."""
+    """What the runner hands back: a token per sampling request, or that request's error, and
+    the sampled token's log-probability for requests that asked for it."""
 
     sampled_token_ids: dict[str, int]
     errors: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
