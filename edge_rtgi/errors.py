@@ -43,5 +43,16 @@ class RequestError(EdgeRtgiError):
     """A generation request is invalid (prompt too long, bad sampling parameters...)."""
 
 
+class BackendError(RequestError):
+    """A remote LLM backend failed a turn. ``code`` is the client-facing error code:
+    ``backend_unavailable`` (it could not be reached), ``backend_timeout`` (it sent no token, or
+    stalled, within the configured time) or ``backend_error`` (it refused the request, or sent
+    a stream that is not OpenAI's server-sent events)."""
+
+    def __init__(self, message: str, hint: str | None = None, code: str = "backend_error"):
+        super().__init__(message, hint)
+        self.code = code
+
+
 class AudioError(EdgeRtgiError):
     """Audio input is malformed or in an unsupported format."""

@@ -119,13 +119,40 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class LlmCallStats:
+    """Which LLM backend wrote a response and what the call took (the text stage fills it).
+
+    ``backend`` is its label (``local:<model>`` or ``openai:<model>@<host>``), as in /metrics.
+    Times are ms from sending the request: ``connect_ms`` to the remote's response headers
+    (None for a local engine), ``ttft_ms`` to the first token, ``total_ms`` to the end.
+    ``attempts`` counts tries, retries before the first token included. With a router,
+    ``route_reason`` says why this backend was picked and ``escalations`` how many cheaper
+    backends were tried first (their time is in ``probe_ms``, their output thrown away).
+    """
+
+    backend: str
+    model: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    connect_ms: float | None = None
+    ttft_ms: float | None = None
+    total_ms: float | None = None
+    attempts: int = 1
+    route_reason: str | None = None
+    escalations: int = 0
+    probe_ms: float | None = None
+
+
+@dataclass(frozen=True)
 class TextDone:
     """The full text of a response; ``source_text`` is the translated utterance, if any."""
 
     response_id: str
     text: str
     source_text: str | None = None
-    usage: dict[str, Any] | None = None  # the engine's token counts, as JSON-ready numbers
+    usage: dict[str, Any] | None = None  # the backend's token counts, as JSON-ready numbers
+    llm: LlmCallStats | None = None  # which LLM backend wrote it (None: no LLM, e.g. Apertium)
     t_s: float = field(default_factory=now_s)
 
 
@@ -242,6 +269,16 @@ class TurnStats:
     voice_to_voice_ms: float | None = None  # user stopped speaking -> first audio sent
     text_total_ms: float | None = None  # final transcript -> text done
     completion_tokens: int | None = None
+    # The LLM call behind the text (frames.LlmCallStats), where an LLM wrote it.
+    backend: str | None = None  # local:<model> or openai:<model>@<host>
+    prompt_tokens: int | None = None
+    backend_connect_ms: float | None = None  # request sent -> remote's response headers
+    backend_ttft_ms: float | None = None  # request sent -> first token, as the backend saw it
+    backend_total_ms: float | None = None  # request sent -> last token
+    backend_attempts: int | None = None  # tries, retries before the first token included
+    route_reason: str | None = None  # why a router picked this backend
+    route_escalations: int | None = None  # cheaper backends tried first and dropped
+    route_probe_ms: float | None = None  # time spent on those
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.errors import ConfigError
 from edge_rtgi.pipeline.config import (
     AssistantStageConfig,
     PipelineConfig,
@@ -35,11 +37,14 @@ async def build_stages(session: Session, pipeline: PipelineConfig, resources: Re
         elif isinstance(cfg, AsrConfig):
             stages.append(AsrStage(session, cfg, resources.whisper(cfg), queue))
         elif isinstance(cfg, AssistantStageConfig):
-            stages.append(AssistantStage(session, cfg, resources.llm(cfg.model), queue))
+            backend = await asyncio.to_thread(resources.text_backend, cfg)  # loaded by prepare
+            if backend is None:
+                raise ConfigError("the assistant stage has no LLM backend")
+            stages.append(AssistantStage(session, cfg, backend, queue))
         elif isinstance(cfg, TranslateStageConfig):
-            # the config refuses backend: llm without a model
-            engine = resources.llm(cfg.model) if cfg.backend == "llm" and cfg.model else None
-            stages.append(TranslateStage(session, cfg, engine, queue))
+            stages.append(
+                TranslateStage(session, cfg, await asyncio.to_thread(resources.text_backend, cfg), queue)
+            )
         elif isinstance(cfg, TtsStageConfig):
             stages.append(TtsStage(session, cfg, resources.voice(cfg.voice), queue))
     return stages

@@ -20,13 +20,21 @@ the key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.config import from_dict, load_yaml, parse_yaml, where
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.pipeline.backends.config import (
+    BACKEND_KINDS,
+    ROUTER_RULES,
+    LlmBackendConfig,
+    RemoteConfig,
+    RouterConfig,
+    check_base_url,
+)
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful voice assistant. Your replies are spoken aloud, so answer in one or two "
@@ -60,45 +68,88 @@ class WakeStageConfig:
 
 @dataclass(frozen=True)
 class AssistantStageConfig:
-    """A multi-turn assistant on the shared LLM engine."""
+    """A multi-turn assistant: on the shared LLM engine (``backend: local``), on a remote
+    OpenAI-compatible server (``backend: openai`` with ``base_url``, ``api_key_env`` and
+    ``remote`` timeouts), or on whichever of several backends a ``router`` picks per turn."""
 
     model: str = "smollm2-135m-instruct"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_reply_tokens: int = 60
     temperature: float = 0.0
     top_p: float = 1.0
-    context_tokens: int | None = None  # None: the model's own context length
+    context_tokens: int | None = None  # None: the backend's own context length
     priority: int = 0
     # Reserved for SLO-aware scheduling: carried to the engine's request, not yet read by it.
     deadline_ms: int | None = None
+    backend: str = "local"
+    base_url: str | None = None
+    api_key_env: str | None = None
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    router: RouterConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_reply_tokens < 1:
             raise ValueError("max_reply_tokens must be >= 1")
         if self.context_tokens is not None and self.context_tokens < 64:
             raise ValueError("context_tokens must be >= 64")
+        if self.router is None:
+            self.backend_config()  # validates backend, base_url and api_key_env
+
+    def backend_config(self) -> LlmBackendConfig:
+        """The one backend (when there is no router)."""
+        return LlmBackendConfig(self.backend, self.model, self.base_url, self.api_key_env, self.remote)
+
+    @property
+    def backends(self) -> tuple[LlmBackendConfig, ...]:
+        """Every backend this stage may use."""
+        return self.router.backends if self.router else (self.backend_config(),)
+
+
+TRANSLATE_BACKENDS = ("apertium", "llm", "openai")
 
 
 @dataclass(frozen=True)
 class TranslateStageConfig:
-    """Translation of each final utterance, by Apertium or by an LLM."""
+    """Translation of each final utterance: by Apertium, by an LLM on the shared engine
+    (``backend: llm``), by an LLM on a remote OpenAI-compatible server (``backend: openai``),
+    or by the LLM a ``router`` picks (``backend: llm`` with ``router``)."""
 
     source_language: str = "en"
     target_language: str = "es"
-    backend: Literal["apertium", "llm"] = "apertium"
-    model: str | None = None  # the LLM for backend: llm
+    backend: str = "apertium"
+    model: str | None = None  # the LLM for backend: llm and backend: openai
     apertium_pair: str | None = None  # default "<source>-<target>"
-    budget_ratio: float = 2.0  # output tokens allowed per source token (backend: llm)
+    budget_ratio: float = 2.0  # output tokens allowed per source token (LLM backends)
     min_budget_tokens: int = 16
     timeout_s: float = 10.0
+    base_url: str | None = None
+    api_key_env: str | None = None
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    router: RouterConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in ("apertium", "llm"):
-            raise ValueError(f"backend must be 'apertium' or 'llm', got {self.backend!r}")
-        if self.backend == "llm" and not self.model:
-            raise ValueError("backend: llm needs a model")
+        if self.backend not in TRANSLATE_BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(TRANSLATE_BACKENDS)}, got {self.backend!r}")
+        if self.router is not None and self.backend != "llm":
+            raise ValueError("a router picks between LLMs: use it with backend: llm")
+        if self.backend in ("llm", "openai") and not self.model and self.router is None:
+            raise ValueError(f"backend: {self.backend} needs a model")
+        if self.backend != "apertium" and self.router is None:
+            self.backend_config()
         if self.budget_ratio <= 0:
             raise ValueError("budget_ratio must be > 0")
+
+    def backend_config(self) -> LlmBackendConfig:
+        """The one LLM backend (backend: llm or openai, without a router)."""
+        kind = "openai" if self.backend == "openai" else "local"
+        return LlmBackendConfig(kind, self.model or "", self.base_url, self.api_key_env, self.remote)
+
+    @property
+    def backends(self) -> tuple[LlmBackendConfig, ...]:
+        """Every LLM backend this stage may use (none for Apertium)."""
+        if self.router is not None:
+            return self.router.backends
+        return () if self.backend == "apertium" else (self.backend_config(),)
 
 
 @dataclass(frozen=True)
@@ -176,9 +227,72 @@ def _parse_stage(item: Any, source: str, index: int, parent: Any) -> StageConfig
         body = {}
     if not isinstance(body, dict):
         raise ConfigError(f"{where(item, kind)}: stage {kind!r} must be a mapping of settings")
+    if kind in ("assistant", "translate"):
+        _check_backend_keys(kind, body)
     stage: StageConfig = from_dict(STAGE_KINDS[kind], body, f"stage {kind!r}")
     _check_models(stage, body)
     return stage
+
+
+def _check_one_backend(mapping: Any, allowed: tuple[str, ...], default: str, ctx: str) -> None:
+    """A backend's name and base URL, checked where they are written (file:line)."""
+    kind = mapping.get("backend", default)
+    if kind not in allowed:
+        raise ConfigError(
+            f"{where(mapping, 'backend')}: unknown backend {kind!r} in {ctx}",
+            hint=f"backends: {', '.join(allowed)}",
+        )
+    url = mapping.get("base_url")
+    for key in ("base_url", "api_key_env"):
+        if key in mapping and kind != "openai":
+            raise ConfigError(
+                f"{where(mapping, key)}: {key} is for backend: openai, not {kind!r} ({ctx})",
+                hint="set backend: openai to use a remote OpenAI-compatible server",
+            )
+    if kind == "openai":
+        if not url:
+            raise ConfigError(
+                f"{where(mapping, 'backend')}: backend: openai needs a base_url ({ctx})",
+                hint="e.g. base_url: http://gpu-host:8000/v1",
+            )
+        problem = check_base_url(str(url))
+        if problem:
+            raise ConfigError(f"{where(mapping, 'base_url')}: {problem} ({ctx})")
+
+
+def _check_backend_keys(kind: str, body: Any) -> None:
+    """Backend names, base URLs and router rules, with the line they are on."""
+    ctx = f"stage {kind!r}"
+    router = body.get("router")
+    if router is None:
+        if kind == "assistant" or body.get("backend") != "apertium":
+            allowed = TRANSLATE_BACKENDS if kind == "translate" else BACKEND_KINDS
+            _check_one_backend(body, allowed, "apertium" if kind == "translate" else "local", ctx)
+        return
+    if not isinstance(router, dict):
+        raise ConfigError(f"{where(body, 'router')}: router must be a mapping with a 'backends' list")
+    flat = ("backend", "model", "base_url", "api_key_env", "remote") if kind == "assistant" else ()
+    for key in (*flat, *(("model", "base_url", "api_key_env", "remote") if kind == "translate" else ())):
+        if key in body:
+            raise ConfigError(
+                f"{where(body, key)}: {key!r} is set beside a router in {ctx}",
+                hint="with a router, name each backend under router.backends",
+            )
+    rule = router.get("rule", "confidence")
+    if rule not in ROUTER_RULES:
+        raise ConfigError(
+            f"{where(router, 'rule')}: unknown router rule {rule!r}", hint=f"rules: {', '.join(ROUTER_RULES)}"
+        )
+    entries = router.get("backends")
+    if not isinstance(entries, list) or len(entries) < 2:
+        raise ConfigError(
+            f"{where(router, 'backends') if 'backends' in router else where(body, 'router')}: "
+            "router.backends must list at least two backends, cheapest first"
+        )
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where(router, 'backends')}: router backend #{i + 1} must be a mapping")
+        _check_one_backend(entry, BACKEND_KINDS, "local", f"router backend #{i + 1}")
 
 
 def _check_order(stages: list[StageConfig], data: Any) -> None:
@@ -238,7 +352,12 @@ def _check_models(stage: StageConfig, body: Any) -> None:
         check(stage.model, "asr", body, "model")
         check(stage.vad.model, "vad", body.get("vad", body), "model" if "vad" in body else "vad")
     elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
-        check(stage.model, "llm", body, "model")
+        if stage.router is not None:
+            for spec, entry in zip(stage.router.backends, body["router"]["backends"], strict=True):
+                if spec.backend == "local":
+                    check(spec.model, "llm", entry, "model")
+        elif stage.backends and stage.backends[0].backend == "local":
+            check(stage.backends[0].model, "llm", body, "model")  # a remote names its own models
     elif isinstance(stage, TtsStageConfig) and not stage.voice.startswith("espeak"):
         check(stage.voice, "tts", body, "voice")
 

@@ -3,7 +3,8 @@ model, one voice per name. Loaded once (in worker threads), found through the ca
 
 Sessions keep only cheap per-session state (a VAD, a streaming transcriber, a clause
 segmenter, a conversation); the heavy parts live here, so four sessions on one LLM share
-one engine and are batched together.
+one engine and are batched together. The text stages' LLM backends (``pipeline.backends``)
+are shared the same way: one per backend setting, a remote's connection pool included.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.cpu_priority import freeze_heap
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.pipeline.backends.base import BackendObserver, BackendResult, LlmBackend, RouteDecision
+from edge_rtgi.pipeline.backends.config import LlmBackendConfig
 from edge_rtgi.pipeline.config import (
     AssistantStageConfig,
     PipelineConfig,
@@ -44,6 +47,26 @@ def _whisper_key(cfg: AsrConfig) -> AsrConfig:
     return dataclasses.replace(cfg, vad=type(cfg.vad)())
 
 
+class ObserverList:
+    """Fans each backend report out to the observers registered so far (the daemon's metrics
+    register after some backends may exist)."""
+
+    def __init__(self) -> None:
+        self.observers: list[BackendObserver] = []
+
+    def on_result(self, result: BackendResult) -> None:
+        for observer in self.observers:
+            observer.on_result(result)
+
+    def on_failure(self, backend: str, outcome: str) -> None:
+        for observer in self.observers:
+            observer.on_failure(backend, outcome)
+
+    def on_route(self, decision: RouteDecision) -> None:
+        for observer in self.observers:
+            observer.on_route(decision)
+
+
 class Resources:
     """Lazily loaded, shared models. Thread-safe loading; ``prepare`` loads a pipeline's set."""
 
@@ -55,6 +78,8 @@ class Resources:
         self._lock = threading.Lock()
         self._warmed: set[tuple[str, object]] = set()
         self._request_listeners: list[RequestListener] = []
+        self._backends: dict[LlmBackendConfig, LlmBackend] = {}
+        self.backend_observers = ObserverList()
 
     # ------------------------------------------------------------------ loaders (blocking)
 
@@ -70,6 +95,36 @@ class Resources:
                     engine.add_finish_listener(functools.partial(listener, model))
                 self._engines[model] = engine
             return self._engines[model]
+
+    def llm_backend(self, spec: LlmBackendConfig) -> LlmBackend:
+        """The shared backend for ``spec``: the local engine of its model, or a remote client
+        (loads the local model if needed: call from a worker thread)."""
+        if spec.backend == "local":
+            engine = self.llm(spec.model)
+        with self._lock:
+            if spec not in self._backends:
+                backend: LlmBackend
+                if spec.backend == "local":
+                    from edge_rtgi.pipeline.backends.local import LocalBackend
+
+                    backend = LocalBackend(engine, spec.model, self.backend_observers, spec.label)
+                else:
+                    from edge_rtgi.pipeline.backends.remote import OpenAIBackend
+
+                    backend = OpenAIBackend(spec, self.backend_observers)
+                self._backends[spec] = backend
+            return self._backends[spec]
+
+    def text_backend(self, stage: AssistantStageConfig | TranslateStageConfig) -> LlmBackend | None:
+        """The backend a text stage streams from (None for Apertium)."""
+        specs = stage.backends
+        if not specs:
+            return None
+        if stage.router is None:
+            return self.llm_backend(specs[0])
+        from edge_rtgi.pipeline.backends.router import RouterBackend
+
+        return RouterBackend(stage.router, [self.llm_backend(spec) for spec in specs], self.backend_observers)
 
     def whisper(self, cfg: AsrConfig) -> WhisperAsr:
         """The shared ``WhisperAsr`` for this model and decoding setup."""
@@ -99,18 +154,35 @@ class Resources:
         for stage in pipeline.stages:
             if isinstance(stage, AsrConfig):
                 await asyncio.to_thread(self._warm, ("asr", _whisper_key(stage)), self.whisper, stage)
-            elif isinstance(stage, AssistantStageConfig):
+            elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
                 # warming with the system prompt also puts it in the prefix cache
-                prompt = [
-                    {"role": "system", "content": stage.system_prompt},
-                    {"role": "user", "content": "Hi"},
-                ]
-                await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model, prompt)
-            elif isinstance(stage, TranslateStageConfig) and stage.backend == "llm":
-                await asyncio.to_thread(self._warm, ("llm", stage.model), self.llm, stage.model)
+                prompt: Any = "Hello"
+                if isinstance(stage, AssistantStageConfig):
+                    prompt = [
+                        {"role": "system", "content": stage.system_prompt},
+                        {"role": "user", "content": "Hi"},
+                    ]
+                for spec in stage.backends:
+                    if spec.backend == "local":
+                        await asyncio.to_thread(self._warm, ("llm", spec.model), self.llm, spec.model, prompt)
+                    else:
+                        await self._check_remote(spec)
             elif isinstance(stage, TtsStageConfig):
                 await asyncio.to_thread(self._warm, ("tts", stage.voice), self.voice, stage.voice)
         freeze_heap()  # no full-GC pauses of the loaded models during turns (cpu_priority)
+
+    async def _check_remote(self, spec: LlmBackendConfig) -> None:
+        """Ask a remote whether it serves the model, once per backend: a remote that does not
+        answer is a warning, never a failure (it may come up later; each turn tries again)."""
+        key = ("remote", spec)
+        if key in self._warmed:
+            return
+        self._warmed.add(key)
+        problem = await self.llm_backend(spec).check()
+        if problem:
+            log.warning("%s; turns will fail with backend_unavailable until it answers", problem)
+        else:
+            log.info("%s answers at %s", spec.name, spec.base_url)
 
     def _warm(
         self, key: tuple[str, object], load: Callable[[Any], Any], arg: Any, prompt: Any = "Hello"
@@ -156,6 +228,11 @@ class Resources:
             self._request_listeners.append(listener)
             for model, engine in self._engines.items():
                 engine.add_finish_listener(functools.partial(listener, model))
+
+    async def aclose_backends(self) -> None:
+        """Close the remote backends' connection pools of the running event loop."""
+        for backend in list(self._backends.values()):
+            await backend.aclose()
 
     def close(self) -> None:
         """Stop the engines' threads."""

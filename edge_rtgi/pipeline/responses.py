@@ -31,6 +31,7 @@ class ResponseState:
     text_done: bool = False
     done: bool = False
     usage: dict | None = None
+    llm: F.LlmCallStats | None = None
     marks: dict[str, float] = field(default_factory=dict)
     audio_sent_s: float = 0.0
     first_audio_sent_t_s: float | None = None
@@ -44,6 +45,7 @@ class ResponseState:
         elif isinstance(frame, F.TextDone):
             self.text = frame.text
             self.text_done = True
+            self.llm = frame.llm
             self.marks.setdefault("text_done", frame.t_s)
 
     def audio_sent(self, frame: F.AudioOut, now_s: float) -> None:
@@ -81,6 +83,7 @@ class ResponseState:
         final = t.t_s if t else self.created_t_s
         m = self.marks
         tokens = (self.usage or {}).get("completion_tokens")
+        llm = self.llm
         return F.TurnStats(
             endpointing_ms=_ms(speech_end, endpoint),
             asr_final_ms=_ms(endpoint, final if t else None),
@@ -90,4 +93,13 @@ class ResponseState:
             voice_to_voice_ms=_ms(speech_end, self.first_audio_sent_t_s),
             text_total_ms=_ms(final, m.get("text_done")),
             completion_tokens=tokens,
+            backend=llm.backend if llm else None,
+            prompt_tokens=llm.prompt_tokens if llm else None,
+            backend_connect_ms=llm.connect_ms if llm else None,
+            backend_ttft_ms=llm.ttft_ms if llm else None,
+            backend_total_ms=llm.total_ms if llm else None,
+            backend_attempts=llm.attempts if llm else None,
+            route_reason=llm.route_reason if llm else None,
+            route_escalations=llm.escalations if llm and llm.route_reason else None,
+            route_probe_ms=llm.probe_ms if llm else None,
         )

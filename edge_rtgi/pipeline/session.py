@@ -29,7 +29,7 @@ import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.config import from_dict
-from edge_rtgi.errors import ConfigError, EdgeRtgiError, RequestError
+from edge_rtgi.errors import BackendError, ConfigError, EdgeRtgiError, RequestError
 from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, TranslateStageConfig
 from edge_rtgi.pipeline.echo import EchoFront
 from edge_rtgi.pipeline.outbox import Outbox
@@ -487,7 +487,8 @@ class Session:
     def stage_failed(self, stage: Stage[Any], frame: object, exc: BaseException) -> None:
         rid = getattr(frame, "response_id", None)
         if isinstance(exc, EdgeRtgiError):
-            err = F.ErrorEvent("stage_failed", f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
+            code = exc.code if isinstance(exc, BackendError) else "stage_failed"
+            err = F.ErrorEvent(code, f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
         else:
             err = F.ErrorEvent(
                 "internal_error", f"{stage.name} failed: {type(exc).__name__}: {exc}", response_id=rid

@@ -82,6 +82,7 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.add_engines(resources.engines)
         resources.add_request_listener(self.metrics.observe_request)
+        resources.backend_observers.observers.append(self.metrics)
         self.sessions: set[Session] = set()
         self.connections: set[ClientSocket] = set()
         self.http_in_flight = 0  # API requests being answered (the drain waits for them)
@@ -163,6 +164,7 @@ class Daemon:
         if self._runner is not None:
             await self._runner.cleanup()  # stops listening, then ends what is left
             self._runner = self._site = None
+        await self.resources.aclose_backends()
         self.metrics.up.set(0)
 
     # ------------------------------------------------------------------ sessions

@@ -29,6 +29,7 @@ from edge_rtgi import frames as F
 if TYPE_CHECKING:
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.request import Usage
+    from edge_rtgi.pipeline.backends.base import BackendResult, RouteDecision
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the text format generate_latest writes, as the library names it
 
@@ -105,6 +106,33 @@ class Metrics:
             ["model", "finish_reason"],
             registry=r,
         )
+        # The text stages' LLM backends (local engine, remote server, router), per turn.
+        self.backend_requests = Counter(
+            "edge_rtgi_backend_requests",
+            "Text-stage LLM backend calls, by backend and outcome (a finish reason, cancelled, or an "
+            "error code: backend_unavailable, backend_timeout, backend_error)",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.backend_tokens = Counter(
+            "edge_rtgi_backend_tokens",
+            "Tokens of finished backend calls, by backend and kind (prompt, completion)",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.backend_ttft_ms = Histogram(
+            "edge_rtgi_backend_ttft_ms",
+            "Backend call sent to its first token, as the text stage saw it (ms)",
+            ["backend"],
+            buckets=TTFT_BUCKETS_MS,
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            "edge_rtgi_route_decisions",
+            "Router decisions, by router, chosen backend and reason",
+            ["router", "backend", "reason"],
+            registry=r,
+        )
         self.up.set(1)
 
     def render(self) -> bytes:
@@ -142,6 +170,27 @@ class Metrics:
         itl = self.llm_itl_ms.labels(model=model)
         for before, after in zip(times[:-1], times[1:], strict=True):
             itl.observe(after - before)
+
+    # BackendObserver (pipeline.backends.base), called on the event loop
+
+    def on_result(self, result: BackendResult) -> None:
+        """A backend call finished."""
+        self.backend_requests.labels(backend=result.backend, outcome=result.finish_reason).inc()
+        for kind, count in (("prompt", result.prompt_tokens), ("completion", result.completion_tokens)):
+            if count:
+                self.backend_tokens.labels(backend=result.backend, kind=kind).inc(count)
+        if result.ttft_ms is not None:
+            self.backend_ttft_ms.labels(backend=result.backend).observe(result.ttft_ms)
+
+    def on_failure(self, backend: str, outcome: str) -> None:
+        """A backend call ended without a result (cancelled, or an error code)."""
+        self.backend_requests.labels(backend=backend, outcome=outcome).inc()
+
+    def on_route(self, decision: RouteDecision) -> None:
+        """A router sent a turn to a backend."""
+        self.route_decisions.labels(
+            router=decision.router, backend=decision.chosen, reason=decision.reason
+        ).inc()
 
 
 class EngineCollector(Collector):

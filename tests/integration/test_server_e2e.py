@@ -254,6 +254,7 @@ async def test_multi_turn_history_is_kept_and_its_prefix_is_cached(daemon):
 async def test_history_trimming_keeps_the_system_prompt(daemon):
     from edge_rtgi.errors import RequestError
     from edge_rtgi.frames import ChatTurn
+    from edge_rtgi.pipeline.backends.base import Message
     from edge_rtgi.pipeline.stages.text import trim_history
 
     tok = engine(daemon).tokenizer
@@ -267,15 +268,19 @@ async def test_history_trimming_keeps_the_system_prompt(daemon):
             [{"role": "system", "content": "Be brief."}] + [{"role": r, "content": t} for r, t in pairs]
         )
     )
-    msgs = trim_history(tok, "Be brief.", turns, budget_tokens=full // 2)
-    assert msgs[0] == {"role": "system", "content": "Be brief."}
-    assert msgs[1]["role"] == "user" and msgs[-1]["content"] == "The last question?"
-    assert len(tok.encode_chat(msgs)) <= full // 2 and len(msgs) < len(turns) + 1
-    assert trim_history(tok, "Be brief.", turns, budget_tokens=full + 10)[1:] == [
-        {"role": r, "content": t} for r, t in pairs
-    ]
+
+    def count(msgs):
+        return len(tok.encode_chat([{"role": m.role, "content": m.content} for m in msgs]))
+
+    msgs = trim_history(count, "Be brief.", turns, budget_tokens=full // 2)
+    assert msgs[0] == Message("system", "Be brief.")
+    assert msgs[1].role == "user" and msgs[-1].content == "The last question?"
+    assert count(msgs) <= full // 2 and len(msgs) < len(turns) + 1
+    assert trim_history(count, "Be brief.", turns, budget_tokens=full + 10)[1:] == tuple(
+        Message(r, t) for r, t in pairs
+    )
     with pytest.raises(RequestError, match="does not fit"):
-        trim_history(tok, "Be brief.", turns, budget_tokens=5)
+        trim_history(count, "Be brief.", turns, budget_tokens=5)
 
 
 async def test_llm_translation_backend_streams_within_its_budget(daemon):

@@ -89,7 +89,7 @@ def test_bad_chains(stages, why):
 def test_bad_values_and_top_level_keys():
     with pytest.raises(ConfigError, match="c.yaml:1: unknown key 'stage'"):
         parse_pipeline("stage: []\n", "c.yaml")
-    with pytest.raises(ConfigError, match="backend must be"):
+    with pytest.raises(ConfigError, match=r"c\.yaml:3: unknown backend 'google' in stage 'translate'"):
         parse_pipeline("stages:\n  - asr: {}\n  - translate: {backend: google}\n", "c.yaml")
     with pytest.raises(ConfigError, match="needs a model"):
         parse_pipeline("stages:\n  - asr: {}\n  - translate: {backend: llm}\n", "c.yaml")
@@ -144,3 +144,45 @@ def test_unknown_wake_word_lists_the_available_ones(tmp_path):
     assert info.value.hint is not None
     for name in ("okay_nabu", "hey_jarvis", "alexa", "hey_mycroft"):
         assert name in info.value.hint
+
+
+def _assistant(body: str) -> str:
+    return "stages:\n  - asr: {}\n  - assistant:\n" + body
+
+
+def test_remote_backends_load_and_mistakes_name_their_line():
+    pipe = parse_pipeline(
+        _assistant(
+            "      backend: openai\n      base_url: http://gpu:8000/v1\n      model: qwen\n"
+            "      api_key_env: KEY\n      remote: {first_token_timeout_s: 4, max_retries: 1}\n"
+        ),
+        "r.yaml",
+    )
+    spec = pipe.text_stage.backends[0]
+    assert spec.name == "openai:qwen@gpu:8000" and spec.remote.first_token_timeout_s == 4
+    assert spec.api_key_env == "KEY" and spec.remote.max_retries == 1
+    with pytest.raises(ConfigError, match=r"r\.yaml:5: unknown backend 'vllm' in stage 'assistant'"):
+        parse_pipeline(_assistant("      model: m\n      backend: vllm\n"), "r.yaml")
+    with pytest.raises(ConfigError, match=r"r\.yaml:6: base_url must be an http:// or https:// URL"):
+        parse_pipeline(
+            _assistant("      backend: openai\n      model: m\n      base_url: gpu:8000\n"), "r.yaml"
+        )
+    with pytest.raises(ConfigError, match=r"r\.yaml:4: backend: openai needs a base_url"):
+        parse_pipeline(_assistant("      backend: openai\n      model: m\n"), "r.yaml")
+    with pytest.raises(ConfigError, match=r"r\.yaml:5: base_url is for backend: openai, not 'local'"):
+        parse_pipeline(
+            _assistant("      model: smollm2-135m-instruct\n      base_url: http://x/v1\n"), "r.yaml"
+        )
+    with pytest.raises(ConfigError, match="unknown key 'timeout_s'"):
+        parse_pipeline(
+            _assistant(
+                "      backend: openai\n      base_url: http://x/v1\n      model: m\n"
+                "      remote: {timeout_s: 1}\n"
+            ),
+            "r.yaml",
+        )
+    tr = parse_pipeline(
+        "stages:\n  - asr: {}\n  - translate: {backend: openai, base_url: 'http://x/v1', model: m}\n",
+        "t.yaml",
+    )
+    assert tr.text_stage.backends[0].name == "openai:m@x"

@@ -1,22 +1,20 @@
-"""Response stages: the assistant (multi-turn chat on the shared engine) and the translator.
+"""Response stages: the assistant (multi-turn chat) and the translator.
 
 Both turn a ``ResponseRequest`` into ``TextDelta``s as soon as text exists and one
-``TextDone``. Cancelling a response aborts its engine request at once (the engine frees
-its KV blocks) and stops the stream.
+``TextDone``. The text comes from an ``LlmBackend`` (``pipeline.backends``): the shared local
+engine, a remote OpenAI-compatible server, or a router between several; the stages cannot tell
+them apart. Cancelling a response cancels the task reading the stream, which aborts the engine
+request (its KV blocks are freed) or closes the remote's HTTP stream.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
 
 from edge_rtgi import frames as F
-from edge_rtgi.errors import ConfigError, RequestError
-from edge_rtgi.llm.engine import LLMEngine, Prompt
-from edge_rtgi.llm.request import Usage
-from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.tokenizer import ChatTokenizer
+from edge_rtgi.errors import RequestError
+from edge_rtgi.pipeline.backends.base import BackendRequest, BackendResult, LlmBackend, Message
 from edge_rtgi.pipeline.config import AssistantStageConfig, TranslateStageConfig
 from edge_rtgi.pipeline.stage import Stage, StageContext
 from edge_rtgi.pipeline.translate import (
@@ -26,56 +24,61 @@ from edge_rtgi.pipeline.translate import (
 )
 
 
-def _usage_dict(usage: Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    d = {k: v for k, v in dataclasses.asdict(usage).items() if k != "token_times_ms"}
-    d["total_tokens"] = usage.total_tokens
-    return d
+def call_stats(result: BackendResult) -> F.LlmCallStats:
+    """The backend's result as the frame the session keeps for the turn's stats."""
+    route = result.route
+    return F.LlmCallStats(
+        backend=result.backend,
+        model=result.model,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        cached_tokens=result.cached_tokens,
+        connect_ms=result.connect_ms,
+        ttft_ms=result.ttft_ms,
+        total_ms=result.total_ms,
+        attempts=result.attempts,
+        route_reason=route.reason if route else None,
+        escalations=len(route.tried) if route else 0,
+        probe_ms=route.probe_ms if route else None,
+    )
 
 
-async def stream_engine(
-    stage: Stage[Any],
-    engine: LLMEngine,
-    rid: str,
-    prompt: Prompt,
-    params: SamplingParams,
-    priority: int = 0,
-    deadline_ms: float | None = None,
-) -> tuple[str, dict[str, Any] | None]:
-    """Run one engine request, forwarding each text delta; returns (full text, usage)."""
-    text, usage = "", None
-    stream = engine.add_request(prompt, params, request_id=rid, priority=priority, deadline_ms=deadline_ms)
-    try:
-        async for delta in stream:
-            if delta.finish_reason == "error":
-                raise RequestError(f"the engine failed this request: {delta.error}")
+async def stream_backend(
+    stage: Stage[F.ResponseRequest], backend: LlmBackend, request: BackendRequest
+) -> F.TextDone:
+    """Run one backend request, forwarding each text delta; returns the ``TextDone`` to send."""
+    text, result = "", None
+    async with aclosing(backend.stream(request)) as deltas:  # closed (aborted) when cancelled
+        async for delta in deltas:
             if delta.text:
                 piece = delta.text.lstrip() if not text else delta.text
                 if piece:
                     text += piece
-                    await stage.ctx.forward(stage, F.TextDelta(rid, piece))
-            if delta.finished:
-                usage = _usage_dict(delta.usage)
-    finally:
-        await stream.aclose()  # no-op when finished; aborts (frees KV) when cancelled
-    return text.rstrip(), usage
+                    await stage.ctx.forward(stage, F.TextDelta(request.request_id, piece))
+            if delta.result is not None:
+                result = delta.result
+    if result is None:
+        raise RequestError(f"{backend.name} ended its stream without a result")
+    return F.TextDone(request.request_id, text.rstrip(), usage=dict(result.usage()), llm=call_stats(result))
 
 
 def trim_history(
-    tokenizer: Any, system: str, turns: Sequence[F.ChatTurn], budget_tokens: int
-) -> list[dict[str, str]]:
-    """Chat messages that fit ``budget_tokens``: the system prompt always, then as many of the
-    latest turns as fit. Dropping whole old turns keeps the system prompt a stable prefix, so
-    the prefix cache keeps serving it."""
-    system_msg = [{"role": "system", "content": system}]
-    msgs = [{"role": turn.role, "content": turn.text} for turn in turns]
+    count_tokens: Callable[[Sequence[Message]], int],
+    system: str,
+    turns: Sequence[F.ChatTurn],
+    budget_tokens: int,
+) -> tuple[Message, ...]:
+    """Chat messages that fit ``budget_tokens`` (as ``count_tokens`` counts a whole prompt): the
+    system prompt always, then as many of the latest turns as fit. Dropping whole old turns keeps
+    the system prompt a stable prefix, so the prefix cache keeps serving it."""
+    system_msg = (Message("system", system),)
+    msgs = tuple(Message(turn.role, turn.text) for turn in turns)
     while msgs:
-        if len(tokenizer.encode_chat(system_msg + msgs)) <= budget_tokens:
+        if count_tokens(system_msg + msgs) <= budget_tokens:
             return system_msg + msgs
         # drop the oldest exchange; never start the history with an assistant turn
         msgs = msgs[1:]
-        while msgs and msgs[0]["role"] != "user":
+        while msgs and msgs[0].role != "user":
             msgs = msgs[1:]
     raise RequestError(
         "the latest user turn alone does not fit the context window",
@@ -86,56 +89,49 @@ def trim_history(
 class AssistantStage(Stage[F.ResponseRequest]):
     name = "assistant"
 
-    def __init__(self, ctx: StageContext, config: AssistantStageConfig, engine: LLMEngine, inbox_frames: int):
+    def __init__(
+        self, ctx: StageContext, config: AssistantStageConfig, backend: LlmBackend, inbox_frames: int
+    ):
         super().__init__(ctx, inbox_frames)
-        if engine.tokenizer is None:
-            raise ConfigError(
-                f"the assistant's model {config.model!r} has no tokenizer to build chat prompts with"
-            )
         self.config = config
-        self.engine = engine
-        self.tokenizer: ChatTokenizer = engine.tokenizer
-
-    def cancel(self, response_id: str) -> None:
-        self.engine.abort(response_id)
-        super().cancel(response_id)
+        self.backend = backend
 
     async def handle(self, req: F.ResponseRequest) -> None:
         cfg = self.config
         max_tokens = req.max_tokens or cfg.max_reply_tokens
-        context = min(cfg.context_tokens or self.engine.max_model_len, self.engine.max_model_len)
+        window = self.backend.context_tokens
+        context = min(cfg.context_tokens or window, window)
         messages = trim_history(
-            self.tokenizer,
+            self.backend.count_tokens,
             req.system_prompt or cfg.system_prompt,
             req.messages,
             context - max_tokens,
         )
-        params = SamplingParams(
+        request = BackendRequest(
+            request_id=req.response_id,
             max_tokens=max_tokens,
+            messages=messages,
             temperature=cfg.temperature if req.temperature is None else req.temperature,
             top_p=cfg.top_p,
+            priority=cfg.priority,
+            deadline_ms=cfg.deadline_ms,
         )
-        text, usage = await stream_engine(
-            self,
-            self.engine,
-            req.response_id,
-            self.tokenizer.encode_chat(messages),
-            params,
-            cfg.priority,
-            cfg.deadline_ms,
-        )
-        await self.ctx.forward(self, F.TextDone(req.response_id, text, usage=usage))
+        await self.ctx.forward(self, await stream_backend(self, self.backend, request))
 
 
 class TranslateStage(Stage[F.ResponseRequest]):
     name = "translate"
 
     def __init__(
-        self, ctx: StageContext, config: TranslateStageConfig, engine: LLMEngine | None, inbox_frames: int
+        self,
+        ctx: StageContext,
+        config: TranslateStageConfig,
+        backend: LlmBackend | None,
+        inbox_frames: int,
     ):
         super().__init__(ctx, inbox_frames)
         self.config = config
-        self.engine = engine
+        self.backend = backend
         self.apertium = (
             ApertiumTranslator(
                 config.source_language, config.target_language, config.apertium_pair, config.timeout_s
@@ -144,31 +140,24 @@ class TranslateStage(Stage[F.ResponseRequest]):
             else None
         )
 
-    def cancel(self, response_id: str) -> None:
-        if self.engine is not None:
-            self.engine.abort(response_id)
-        super().cancel(response_id)
-
     async def handle(self, req: F.ResponseRequest) -> None:
         cfg, rid = self.config, req.response_id
-        usage = None
         if self.apertium is not None:
             text = await self.apertium.translate(req.source_text)
             if text:
                 await self.ctx.forward(self, F.TextDelta(rid, text))
-        else:
-            if self.engine is None or self.engine.tokenizer is None:
-                raise RequestError("the llm translation backend has no engine with a tokenizer")
-            tok = self.engine.tokenizer
-            budget = translation_budget_tokens(
-                len(tok.encode(req.source_text)), cfg.budget_ratio, cfg.min_budget_tokens
-            )
-            messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
-            text, usage = await stream_engine(
-                self,
-                self.engine,
-                rid,
-                tok.encode_chat(messages),
-                SamplingParams(max_tokens=budget, temperature=0.0),
-            )
-        await self.ctx.forward(self, F.TextDone(rid, text, source_text=req.source_text, usage=usage))
+            await self.ctx.forward(self, F.TextDone(rid, text, source_text=req.source_text))
+            return
+        if self.backend is None:
+            raise RequestError("the translate stage has no LLM backend")
+        budget = translation_budget_tokens(
+            self.backend.count_tokens(req.source_text), cfg.budget_ratio, cfg.min_budget_tokens
+        )
+        messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
+        request = BackendRequest(
+            request_id=rid,
+            max_tokens=budget,
+            messages=tuple(Message(m["role"], m["content"]) for m in messages),
+        )
+        done = await stream_backend(self, self.backend, request)
+        await self.ctx.forward(self, F.TextDone(rid, done.text, req.source_text, done.usage, done.llm))
