@@ -186,3 +186,31 @@ def test_remote_backends_load_and_mistakes_name_their_line():
         "t.yaml",
     )
     assert tr.text_stage.backends[0].name == "openai:m@x"
+
+
+def _router_yaml(models, rule: str, first: str | None = None) -> str:
+    small, big = models
+    first = first or f"{{backend: local, model: {small}}}"
+    return (
+        "stages:\n  - asr: {}\n  - assistant:\n      router:\n"
+        f"        rule: {rule}\n        backends:\n"
+        f"          - {first}\n          - {{backend: local, model: {big}}}\n"
+    )
+
+
+def test_router_settings_are_checked():
+    models = ("smollm2-135m-instruct", "smollm2-135m-instruct")
+    with pytest.raises(ConfigError, match="router backends must differ"):
+        parse_pipeline(_router_yaml(models, "confidence"), "r.yaml")
+    with pytest.raises(ConfigError, match=r"r\.yaml:5: unknown router rule 'magic'"):
+        parse_pipeline(_router_yaml(("a", "b"), "magic"), "r.yaml")
+    remote_first = "{backend: openai, base_url: 'http://x/v1', model: m}"
+    with pytest.raises(ConfigError, match="only local engines report"):
+        parse_pipeline(
+            _router_yaml(("a", "smollm2-135m-instruct"), "confidence", first=remote_first), "r.yaml"
+        )
+    with pytest.raises(ConfigError, match="set beside a router"):
+        parse_pipeline(
+            _router_yaml(models, "fallback").replace("      router:", "      model: x\n      router:"),
+            "r.yaml",
+        )

@@ -60,7 +60,7 @@ class RouteDecision:
     """Why a router sent a turn where it did.
 
     ``reason`` is a short fixed word for /metrics (``confident``, ``low_confidence``,
-    ``failed``, ``last``, ``long_turn``, ``keyword``, ``plain_turn``); ``detail`` says it in a
+    ``failed``, ``answered``, ``last``, ``long_turn``, ``keyword``, ``plain_turn``); ``detail`` says it in a
     sentence for the log. ``tried`` holds the results of the backends tried first and dropped.
     """
 

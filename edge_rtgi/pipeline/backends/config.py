@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 BACKEND_KINDS = ("local", "openai")
-ROUTER_RULES = ("confidence", "features")
+ROUTER_RULES = ("confidence", "features", "fallback")
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,10 @@ class RouterConfig:
     ``rule: features`` decides before generating, from the turn itself: the last backend when
     the user's turn has at least ``escalate_min_words`` words or contains one of
     ``escalate_keywords`` (whole words, any case), the first otherwise.
+
+    ``rule: fallback`` takes the first backend that answers: the next one is tried only when
+    one fails before its first token (down, timed out, refused), e.g. a remote first and the
+    local engine behind it, so a turn is not lost while the remote is away.
     """
 
     backends: tuple[LlmBackendConfig, ...] = ()
@@ -129,7 +133,7 @@ class RouterConfig:
                     f"rule: confidence reads each tried model's entropy, which only local engines "
                     f"report; {', '.join(remote)} is remote (put remote backends last, or use rule: features)"
                 )
-        else:
+        elif self.rule == "features":
             if len(self.backends) != 2:
                 raise ValueError("rule: features picks between exactly two backends")
             if self.escalate_min_words is None and not self.escalate_keywords:

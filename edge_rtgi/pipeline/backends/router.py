@@ -9,7 +9,9 @@ blocks) and the next backend starts the reply afresh; one that fails before its 
 hands the turn on the same way. The last backend is never judged.
 
 ``rule: features`` decides before generating, from the user's turn: long turns and turns with
-a keyword go to the last backend, the rest to the first.
+a keyword go to the last backend, the rest to the first. ``rule: fallback`` is the cascade
+without the judging: the first backend that sends a token keeps the turn (a remote that is
+down hands it to the local engine behind it).
 
 Every decision is logged with its reason and reported to the observer (``/metrics`` counts
 them by router, backend and reason). The LLM core knows nothing of this: it only reports
@@ -123,11 +125,13 @@ class RouterBackend:
 
     async def _cascade(self, request: BackendRequest) -> AsyncGenerator[BackendDelta, None]:
         cfg = self.config
+        judge = cfg.rule == "confidence"
+        probe_tokens = cfg.probe_tokens if judge else 1
         tried: list[BackendResult] = []
         reason, detail = "last", "no cheaper backend"
         for backend in self.backends[:-1]:
             attempt_s = time.monotonic()
-            deltas = backend.stream(dataclasses.replace(request, logprobs=True))
+            deltas = backend.stream(dataclasses.replace(request, logprobs=judge))
             held: list[BackendDelta] = []
             entropies: list[float] = []
             tokens, finished = 0, False
@@ -137,7 +141,7 @@ class RouterBackend:
                     entropies.extend(delta.entropies_nats)
                     tokens += delta.num_tokens
                     finished = delta.result is not None
-                    if finished or tokens >= cfg.probe_tokens:
+                    if finished or tokens >= probe_tokens:
                         break
             except RequestError as exc:
                 await deltas.aclose()
@@ -148,17 +152,19 @@ class RouterBackend:
                 await deltas.aclose()  # cancelled: abort the probe
                 raise
             mean = sum(entropies) / len(entropies) if entropies else 0.0
-            if mean <= cfg.max_mean_entropy_nats:
+            if not judge or mean <= cfg.max_mean_entropy_nats:
                 decision = self._decide(
                     RouteDecision(
                         self.name,
-                        "confidence",
+                        cfg.rule,
                         backend.name,
-                        "confident",
+                        "confident" if judge else "answered",
                         f"mean entropy {mean:.2f} nats over {len(entropies)} tokens "
-                        f"<= {cfg.max_mean_entropy_nats:g}",
+                        f"<= {cfg.max_mean_entropy_nats:g}"
+                        if judge
+                        else f"{backend.name} answered",
                         tuple(tried),
-                        mean_entropy_nats=round(mean, 4),
+                        mean_entropy_nats=round(mean, 4) if judge else None,
                         probe_ms=_probe_ms(tried),
                     ),
                     request.request_id,
@@ -176,7 +182,7 @@ class RouterBackend:
         last = self.backends[-1]
         decision = self._decide(
             RouteDecision(
-                self.name, "confidence", last.name, reason, detail, tuple(tried), probe_ms=_probe_ms(tried)
+                self.name, cfg.rule, last.name, reason, detail, tuple(tried), probe_ms=_probe_ms(tried)
             ),
             request.request_id,
         )
