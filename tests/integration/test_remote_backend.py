@@ -269,3 +269,53 @@ async def test_an_unreachable_remote_at_start_up_is_a_warning(edge, caplog):
     assert any(
         "not reachable" in r.getMessage() and "backend_unavailable" in r.getMessage() for r in caplog.records
     )
+
+
+@pytest.mark.slow
+async def test_a_llama_cpp_server_on_the_same_gguf_gives_a_spoken_reply(edge):
+    """llama.cpp's OpenAI server (llama-cpp-python[server]) as a real third-party engine."""
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(
+            f"llama-cpp-python[server] is not installed ({exc}); build it as docs/scale-out.md and "
+            "DESIGN.md say (CMAKE_ARGS with the AMX flags off on this CPU)"
+        )
+    import subprocess
+    import sys
+
+    from edge_rtgi.catalog import resolve_model
+
+    gguf = next(resolve_model("smollm2-135m-instruct", role="llm").glob("*.gguf"))
+    port = closed_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):  # until it answers (loading the model), or it exits
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+            try:
+                status, _ = await http_get(port, "/v1/models")
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            await asyncio.sleep(0.2)
+        body = (
+            f"      backend: openai\n      base_url: http://127.0.0.1:{port}/v1\n      model: {gguf.name}\n"
+        )
+        pipe = parse_pipeline(pipeline("llama-cpp", body), "llama-cpp.yaml")
+        edge.pipelines["llama-cpp"] = pipe
+        session = await edge.open_session(SessionSettings(pipeline="llama-cpp"))
+        try:
+            events = await turn(session, "What do plants need to grow?")
+        finally:
+            await edge.close_session(session)
+        reply = done(events)
+        assert reply.status == "completed" and reply.text and spoken_s(events) > 0.3
+        assert reply.stats.backend.startswith("openai:") and reply.stats.completion_tokens
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
