@@ -191,6 +191,8 @@ async def test_a_remote_reply_is_the_local_reply_spoken(edge, server, tiny):
         s.backend_connect_ms is not None and s.backend_connect_ms <= s.backend_ttft_ms <= s.backend_total_ms
     )
     assert there.usage["total_tokens"] == s.prompt_tokens + s.completion_tokens
+    _, models = await http_get(edge.port, "/v1/models")  # the remote's model is not served here
+    assert '"id": "m"' not in models.replace('":"', '": "') and tiny in models
     _, text = await http_get(edge.port, "/metrics")
     assert f'edge_rtgi_backend_requests_total{{backend="{s.backend}",outcome="length"}} 1.0' in text
     assert f'edge_rtgi_backend_requests_total{{backend="local:{tiny}",outcome="length"}} 1.0' in text
@@ -278,8 +280,8 @@ async def test_a_llama_cpp_server_on_the_same_gguf_gives_a_spoken_reply(edge):
         import llama_cpp.server  # noqa: F401
     except ImportError as exc:
         pytest.skip(
-            f"llama-cpp-python[server] is not installed ({exc}); build it as docs/scale-out.md and "
-            "DESIGN.md say (CMAKE_ARGS with the AMX flags off on this CPU)"
+            f"llama-cpp-python[server] is not installed ({exc}); build it as DESIGN.md says "
+            "(CMAKE_ARGS with the AMX flags off on this CPU)"
         )
     import subprocess
     import sys

@@ -58,16 +58,16 @@ def _json(body: dict[str, Any], status: HTTPStatus = HTTPStatus.OK) -> web.Respo
 
 
 def served_models(daemon: Daemon) -> list[str]:
-    """The LLMs of the daemon's pipelines (assistant and LLM translation stages), then any
-    other engine loaded since start-up."""
+    """The local LLMs of the daemon's pipelines (assistant and LLM translation stages, router
+    backends included; a remote backend's model is served by its own server), then any other
+    engine loaded since start-up."""
     names: list[str] = []
     for pipeline in daemon.pipelines.values():
         for stage in pipeline.stages:
-            if isinstance(stage, AssistantStageConfig) or (
-                isinstance(stage, TranslateStageConfig) and stage.backend == "llm"
-            ):
-                if stage.model and stage.model not in names:
-                    names.append(stage.model)
+            if isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
+                for spec in stage.backends:
+                    if spec.backend == "local" and spec.model not in names:
+                        names.append(spec.model)
     return names + [m for m in daemon.resources.engines() if m not in names]
 
 
