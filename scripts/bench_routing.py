@@ -156,7 +156,7 @@ async def main(args: argparse.Namespace) -> dict:
         retention = task_retention(task_set, outputs(run), outputs(big_run))
         report["configs"][name] = {
             "score": retention.interval.optimised_score,
-            "retention_vs_big": retention.interval.retention,
+            "retention_vs_big": retention.interval.ratio,
             "retention_low": retention.interval.low,
             "retention_high": retention.interval.high,
             "escalated_share": sum(run.escalated) / len(items),
