@@ -365,6 +365,8 @@ def _build_plan(model) -> _LayerPlan | None:
         return values
 
     for index, layer in enumerate(model.layers):
+        if getattr(type(layer), "fused_layout", None) != "llama":
+            return None  # Gemma's layer (extra norms, GeGLU, two RoPEs): the Python layers run it
         bindings.append((model.layers._modules, str(index), layer))
         modules.append(layer)
         for parent, child in (

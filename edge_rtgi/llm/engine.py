@@ -30,7 +30,7 @@ from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, RequestError
 from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
-from edge_rtgi.llm.engine_config import EngineConfig, EngineStats
+from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.model import Transformer
@@ -105,10 +105,13 @@ class LLMEngine:
             self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
         )
         num_blocks = self.config.resolve_num_blocks(mcfg, model.dtype)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        groups = mcfg.kv_groups()
+        self.kv = KVCacheManager(
+            num_blocks, self.config.block_size, self.config.enable_prefix_caching, groups
+        )
         storage_cls = Int8PagedKVStorage if self.config.kv_dtype == "int8" else PagedKVStorage
         self.storage = storage_cls(
-            mcfg.num_layers,
+            layers_per_block(mcfg),
             num_blocks,
             self.config.block_size,
             mcfg.num_kv_heads,
@@ -125,11 +128,10 @@ class LLMEngine:
                 self.config.max_num_seqs,
                 self.max_model_len,
                 self.config.enable_chunked_prefill,
-                mcfg.sliding_window,
             ),
             self.kv,
         )
-        self.runner = ModelRunner(model, self.storage, self.config.decode_mode)
+        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups)
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
         self._streams: dict[str, _Stream] = {}

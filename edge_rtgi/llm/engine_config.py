@@ -74,13 +74,19 @@ class EngineConfig:
 
         elem_dtype = torch.int8 if self.kv_dtype == "int8" else dtype
         per_block = PagedKVStorage.bytes_per_block(
-            model_config.num_layers,
+            layers_per_block(model_config),
             self.block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
             elem_dtype,
         )
         return max(1, self.kv_cache_memory_mb * 2**20 // per_block)
+
+
+def layers_per_block(model_config: ModelConfig) -> int:
+    """Layers one KV block holds: all of them with one KV group, else a group's share."""
+    groups = model_config.kv_groups()
+    return model_config.num_layers if len(groups) == 1 else max(len(g.layers) for g in groups)
 
 
 @dataclass

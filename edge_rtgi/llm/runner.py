@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from edge_rtgi.llm.kv.attention import ChunkAttention, PagedAttentionBackend, PagedAttentionMetadata
+from edge_rtgi.llm.kv.manager import KVGroupSpec
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 from edge_rtgi.llm.model import Transformer, causal_window_mask
 from edge_rtgi.llm.request import TokenLogprob
@@ -28,16 +29,27 @@ DECODE_MODES = ("padded", "per_seq")
 
 
 class ModelRunner:
-    """Executes scheduler steps on a model and a paged KV storage."""
+    """Executes scheduler steps on a model and a paged KV storage.
 
-    def __init__(self, model: Transformer, storage: PagedKVStorage, decode_mode: str = "padded"):
+    ``groups`` are the KV groups of the scheduler's KV manager (default: the model's own,
+    ``ModelConfig.kv_groups``); each ``ScheduledRequest.block_ids`` has one table per group.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        storage: PagedKVStorage,
+        decode_mode: str = "padded",
+        groups: tuple[KVGroupSpec, ...] | None = None,
+    ):
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
         self.model = model
         self.storage = storage
         self.block_size = storage.block_size
         self.device = model.device
-        self.window = model.config.sliding_window
+        self.groups = groups if groups is not None else model.config.kv_groups()
+        self.layer_map = _layer_map(self.groups, model.config.num_layers)
         self.decode_mode = decode_mode
         self._offsets = torch.arange(self.block_size, device=self.device)
         self._generators: dict[str, torch.Generator | None] = {}
@@ -48,11 +60,11 @@ class ModelRunner:
 
     # --- layout ----------------------------------------------------------------------------
 
-    def _key_slots(self, sr: ScheduledRequest) -> tuple[Tensor, Tensor]:
-        """Slots and positions of every key this chunk can see: [S] each, positions ascending."""
+    def _key_slots(self, sr: ScheduledRequest, group: int) -> tuple[Tensor, Tensor]:
+        """Slots and positions of every key this chunk can see in ``group``: [S] each, ascending."""
         ctx_len = sr.start_position + len(sr.token_ids)
         num_blocks = -(-ctx_len // self.block_size)
-        ids = sr.block_ids[:num_blocks]
+        ids = sr.block_ids[group][:num_blocks]
         table = torch.tensor(ids, dtype=torch.long, device=self.device)
         if -1 not in ids:
             slots = (table[:, None] * self.block_size + self._offsets).flatten()[:ctx_len]
@@ -64,32 +76,33 @@ class ModelRunner:
         return slots[keep], positions[keep]
 
     def _metadata(
-        self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest]
+        self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest], group: int
     ) -> PagedAttentionMetadata:
+        window = self.groups[group].window_tokens
         new_slots: list[Tensor] = []
         padded = mask = per_seq = None
         if decodes and self.decode_mode == "padded":
-            padded, mask, decode_new = self._padded_decodes(decodes)
+            padded, mask, decode_new = self._padded_decodes(decodes, group)
             new_slots.append(decode_new)
         elif decodes:
             per_seq = []
             for sr in decodes:
-                slots, positions = self._key_slots(sr)
+                slots, positions = self._key_slots(sr, group)
                 new_slots.append(slots[-1:])
-                if self.window is not None:
-                    slots = slots[positions > sr.start_position - self.window]
+                if window is not None:
+                    slots = slots[positions > sr.start_position - window]
                 per_seq.append(slots)
         chunk_md = []
         q_start = len(decodes)
         for sr in chunks:
-            slots, positions = self._key_slots(sr)
+            slots, positions = self._key_slots(sr, group)
             n = len(sr.token_ids)
             new_slots.append(slots[-n:])
-            plain_causal = self.window is None and sr.start_position == 0 and len(slots) == n
+            plain_causal = window is None and sr.start_position == 0 and len(slots) == n
             chunk_mask = None
             if not plain_causal:
                 q_pos = torch.arange(sr.start_position, sr.start_position + n, device=self.device)
-                chunk_mask = causal_window_mask(q_pos, positions, self.window)
+                chunk_mask = causal_window_mask(q_pos, positions, window)
             chunk_md.append(ChunkAttention(q_start, n, slots, chunk_mask, plain_causal))
             q_start += n
         return PagedAttentionMetadata(
@@ -101,31 +114,33 @@ class ModelRunner:
             chunks=chunk_md,
         )
 
-    def _padded_decodes(self, decodes: list[ScheduledRequest]) -> tuple[Tensor, Tensor | None, Tensor]:
-        """All decodes' key slots as one [B, S_max] tensor, a mask, and each new token's slot [B].
+    def _padded_decodes(
+        self, decodes: list[ScheduledRequest], group: int
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """All decodes' key slots in ``group`` as one [B, S_max] tensor, a mask, and each new
+        token's slot [B].
 
         Built with a handful of batched ops whatever B is: the per-step cost of a big decode
         batch must not grow with a Python loop of small tensor ops.
         """
-        bs = self.block_size
+        bs, window = self.block_size, self.groups[group].window_tokens
         ctx = [sr.start_position + 1 for sr in decodes]
         longest = max(ctx)
         num_blocks = -(-longest // bs)
-        rows = [
-            sr.block_ids[:num_blocks] + [-1] * (num_blocks - len(sr.block_ids[:num_blocks])) for sr in decodes
-        ]
+        tables = [sr.block_ids[group][:num_blocks] for sr in decodes]
+        rows = [t + [-1] * (num_blocks - len(t)) for t in tables]
         table = torch.tensor(rows, dtype=torch.long, device=self.device)  # [B, nb]
         slots = (table.clamp_min(0)[:, :, None] * bs + self._offsets).flatten(1)[:, :longest]  # [B, S]
         ctx_len = torch.tensor(ctx, device=self.device)
         new = slots.gather(1, (ctx_len - 1)[:, None]).squeeze(1)
         # Released blocks (sliding window) inside a sequence's own context must be masked out.
-        holes = any(-1 in sr.block_ids[: -(-c // bs)] for sr, c in zip(decodes, ctx, strict=True))
-        if min(ctx) == longest and self.window is None and not holes:
+        holes = any(-1 in t[: -(-c // bs)] for t, c in zip(tables, ctx, strict=True))
+        if min(ctx) == longest and window is None and not holes:
             return slots, None, new
         positions = torch.arange(longest, device=self.device)[None, :]
         allowed = positions < ctx_len[:, None]
-        if self.window is not None:
-            allowed &= positions > (ctx_len - 1 - self.window)[:, None]
+        if window is not None:
+            allowed &= positions > (ctx_len - 1 - window)[:, None]
         if holes:
             allowed &= (table >= 0).repeat_interleave(bs, dim=1)[:, :longest]
         return slots, allowed[:, None, None, :], new
@@ -140,10 +155,11 @@ class ModelRunner:
         ordered = decodes + chunks
         token_ids = [t for s in ordered for t in s.token_ids]
         positions = [p for s in ordered for p in range(s.start_position, s.start_position + len(s.token_ids))]
-        md = self._metadata(decodes, chunks)
+        md = [self._metadata(decodes, chunks, g) for g in range(len(self.groups))]
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, PagedAttentionBackend(self.storage, md))  # [T, H]
+        backend = PagedAttentionBackend(self.storage, md, self.layer_map)
+        hidden = self.model(input_ids, pos, backend)  # [T, H]
 
         sampling, last_index, end = [], [], 0
         for s in ordered:
@@ -216,3 +232,17 @@ def _logprobs(
         request_ids[i]: TokenLogprob(tokens[request_ids[i]], chosen[k], entropies[k])
         for k, i in enumerate(rows)
     }
+
+
+def _layer_map(groups: tuple[KVGroupSpec, ...], num_layers: int) -> list[tuple[int, int]] | None:
+    """Model layer -> (KV group, storage layer); None for one group that holds every layer."""
+    if len(groups) == 1 and not groups[0].layers:
+        return None
+    out: dict[int, tuple[int, int]] = {}
+    for g, spec in enumerate(groups):
+        for slot, layer in enumerate(spec.layers):
+            out[layer] = (g, slot)
+    missing = [i for i in range(num_layers) if i not in out]
+    if missing:
+        raise ValueError(f"KV groups leave layers {missing} without a cache")
+    return [out[i] for i in range(num_layers)]

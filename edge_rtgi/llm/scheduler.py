@@ -36,8 +36,6 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
-    # Sliding-window attention (tokens): blocks no future query can see are released.
-    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
@@ -57,7 +55,7 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]
     start_position: int
-    block_ids: list[int]  # the whole block table after allocation; -1 = released block
+    block_ids: list[list[int]]  # per KV group, the whole table after allocation; -1 = released block
     sample: bool  # True when this chunk reaches the end of the known tokens
 
 
@@ -129,11 +127,12 @@ class Scheduler:
                 hint="shorten the prompt",
             )
         worst_tokens = min(request.max_total_tokens, cfg.max_model_len)
-        worst_blocks = kv.blocks_for_tokens(worst_tokens)
+        worst_blocks = kv.max_blocks_for(worst_tokens, cfg.max_num_batched_tokens)
         if worst_blocks > kv.num_blocks:
             raise RequestError(
                 f"request needs up to {worst_tokens} tokens of KV cache ({worst_blocks} blocks of "
-                f"{kv.block_size}) but the pool holds {kv.num_blocks} blocks "
+                f"{kv.block_size} over {kv.num_groups} KV group(s)) but the pool holds "
+                f"{kv.num_blocks} blocks "
                 f"({kv.num_blocks * kv.block_size} tokens)",
                 hint="lower max_tokens, shorten the prompt, or give the engine more kv blocks",
             )
@@ -204,7 +203,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, num_new: dict[str, int]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            hits = self.kv.get_computed_blocks(req)
+            num_hit_tokens = hits.num_tokens
             n = req.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
@@ -245,8 +245,7 @@ class Scheduler:
                 updates.append(self.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR, error))
                 continue
             self.kv.cache_computed_blocks(req)
-            if self.config.sliding_window is not None:
-                self.kv.release_outside_window(req, self.config.sliding_window)
+            self.kv.release_outside_windows(req)  # groups with a window only
             if not sr.sample:
                 continue
             token = result.sampled_token_ids[sr.request_id]

@@ -74,14 +74,14 @@ def test_prefix_hit_counts_only_full_blocks_and_leaves_last_token():
     kv.cache_computed_blocks(first)  # blocks 0,1 are full; block 2 is partial
     assert kv.pool.num_cached_blocks == 2
     second = _req("b", list(range(9)) + [99])
-    hits, n = kv.get_computed_blocks(second)
-    assert n == 8 and [b.block_id for b in hits] == kv.block_ids("a")[:2]
+    hits = kv.get_computed_blocks(second)
+    assert hits.num_tokens == 8 and [b.block_id for b in hits.blocks[0]] == kv.block_ids("a")[0][:2]
     # a prompt that is exactly the cached blocks still leaves its last token to compute
     third = _req("c", list(range(8)))
-    assert kv.get_computed_blocks(third)[1] == 4
+    assert kv.get_computed_blocks(third).num_tokens == 4
     assert kv.allocate_slots(second, 2, hits)
-    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
-    assert hits[0].ref_count == 2
+    assert kv.block_ids("b")[0][:2] == kv.block_ids("a")[0][:2]
+    assert hits.blocks[0][0].ref_count == 2
     kv.free(first)
     kv.free(second)
     assert kv.num_free_blocks == 16
@@ -94,7 +94,7 @@ def test_allocate_fails_without_side_effects():
     assert kv.allocate_slots(a, 8)
     b = _req("b", list(range(100, 108)))
     assert not kv.allocate_slots(b, 8)
-    assert kv.num_free_blocks == 1 and kv.block_ids("b") == []
+    assert kv.num_free_blocks == 1 and kv.block_ids("b") == [[]]
 
 
 def test_revived_hit_blocks_are_not_counted_as_free_twice():
@@ -105,8 +105,8 @@ def test_revived_hit_blocks_are_not_counted_as_free_twice():
     kv.cache_computed_blocks(a)
     kv.free(a)
     b = _req("b", list(range(8)) + [60] * 6)  # 2 hit blocks (free, cached) + needs 2 more
-    hits, n = kv.get_computed_blocks(b)
-    assert n == 8
+    hits = kv.get_computed_blocks(b)
+    assert hits.num_tokens == 8
     assert not kv.allocate_slots(b, 6, hits)  # 3 free blocks, but 2 of them are the hits
     assert kv.num_free_blocks == 3
 
@@ -117,7 +117,7 @@ def test_release_outside_window_keeps_sinks_and_window():
     assert kv.allocate_slots(r, 24)
     r.num_computed_tokens = 24  # next query at position 24 sees (24-8, 24] + 4 sinks
     released = kv.release_outside_window(r, window_tokens=8, sink_tokens=4)
-    ids = kv.block_ids("r")
+    (ids,) = kv.block_ids("r")
     assert released == 3 and ids[0] != -1 and ids[1:4] == [-1, -1, -1] and -1 not in ids[4:]
     assert kv.num_free_blocks == 8 - 3
     kv.free(r)

@@ -52,15 +52,15 @@ def test_mixed_batch_attention_matches_dense_reference():
     # Fill the cache for the already-computed prefixes by running each one as a chunk.
     computed = {"a": 10, "b": 5, "c": 9}
     prefill = [
-        ScheduledRequest(r, seqs[r][: computed[r]], 0, [max(b, 11) if b < 0 else b for b in tables[r]], False)
+        ScheduledRequest(r, seqs[r][: computed[r]], 0, [[11 if b < 0 else b for b in tables[r]]], False)
         for r in seqs
     ]
     runner.execute(SchedulerOutput(prefill, 0), {})
     step = SchedulerOutput(
         [
-            ScheduledRequest("a", seqs["a"][10:11], 10, tables["a"], True),
-            ScheduledRequest("c", seqs["c"][9:14], 9, tables["c"], True),
-            ScheduledRequest("b", seqs["b"][5:6], 5, tables["b"], True),
+            ScheduledRequest("a", seqs["a"][10:11], 10, [tables["a"]], True),
+            ScheduledRequest("c", seqs["c"][9:14], 9, [tables["c"]], True),
+            ScheduledRequest("b", seqs["b"][5:6], 5, [tables["b"]], True),
         ],
         7,
     )
@@ -76,7 +76,7 @@ def test_mixed_batch_attention_matches_dense_reference():
             return out
 
     real = runner_module.PagedAttentionBackend
-    runner_module.PagedAttentionBackend = lambda st, md: Spy(real(st, md))
+    runner_module.PagedAttentionBackend = lambda st, md, layer_map: Spy(real(st, md, layer_map))
     try:
         runner.execute(step, {r: SamplingParams() for r in seqs})
     finally:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from edge_rtgi.errors import RequestError
-from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.kv.manager import KVCacheManager, KVGroupSpec
 from edge_rtgi.llm.request import Request, RequestStatus
 from edge_rtgi.llm.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -212,13 +212,53 @@ def test_no_chunking_waits_for_room_in_budget():
 
 
 def test_sliding_window_releases_blocks_behind_the_window():
-    s = Scheduler(SchedulerConfig(64, 8, 256, sliding_window=8), KVCacheManager(64, 4))
+    kv = KVCacheManager(64, 4, groups=[KVGroupSpec(window_tokens=8)])
+    s = Scheduler(SchedulerConfig(64, 8, 256), kv)
     s.add_request(req("a", 30, max_tokens=10))
     out, _ = step(s)
-    ids = s.kv.block_ids("a")
+    (ids,) = s.kv.block_ids("a")
     # next query at 30 sees (22, 30]: blocks 0..4 (tokens 0..19) are released
     assert ids[:5] == [-1] * 5 and -1 not in ids[5:]
     while s.has_unfinished():
         out, _ = step(s)
-        assert sum(b >= 0 for b in out.scheduled[0].block_ids) <= 4
+        assert sum(b >= 0 for b in out.scheduled[0].block_ids[0]) <= 4
     assert s.kv.num_free_blocks == 64
+
+
+def test_local_and_global_groups_share_one_pool_and_only_local_blocks_are_released():
+    """Gemma-like: a global group keeps every block, two local groups (window 8) only their window."""
+    groups = [KVGroupSpec((2,)), KVGroupSpec((0,), 8), KVGroupSpec((1,), 8)]
+    kv = KVCacheManager(40, 4, groups=groups)
+    s = Scheduler(SchedulerConfig(16, 8, 256), kv)
+    s.add_request(req("a", 40, max_tokens=20))
+    held = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        if out.scheduled:
+            tables = out.scheduled[0].block_ids
+            assert len(tables) == 3 and len({len(t) for t in tables}) == 1  # one entry per 4 tokens
+        held.append(kv.num_held_blocks("a") if "a" in s.requests else None)
+    live = [h for h in held if h is not None]
+    # global: 1 block per 4 tokens, all kept (59 computed tokens -> 15 blocks); local: at most 4 each
+    assert live[-1][0] == 15 and max(h[1] for h in live) <= 4 and max(h[2] for h in live) <= 4
+    assert kv.num_free_blocks == 40
+    # The worst case counts the windows: a 16-token step over a window of 8 spans at most 7 blocks.
+    assert kv.max_blocks_for(60, 16) == 15 + 2 * 7
+
+
+def test_prefix_hits_need_every_group_and_do_not_cross_groups():
+    groups = [KVGroupSpec((1,)), KVGroupSpec((0,), 8)]
+    kv = KVCacheManager(32, 4, groups=groups)
+    a = req("a", 13)
+    assert kv.allocate_slots(a, 13)
+    a.num_computed_tokens = 13
+    kv.cache_computed_blocks(a)
+    hit = kv.get_computed_blocks(req("b", 13))
+    assert hit.num_tokens == 12 and [len(h) for h in hit.blocks] == [3, 3]
+    ids = kv.block_ids("a")
+    assert [[b.block_id for b in h] for h in hit.blocks] == [ids[0][:3], ids[1][:3]]
+    # a released local block that is then evicted ends the hit for both groups there
+    kv.release_outside_window(a, 8, group=1)  # next query at 13 sees (5, 13]: block 0 released
+    kv.free(a)
+    kv.pool.uncache(kv.pool.blocks[ids[1][0]])
+    assert kv.get_computed_blocks(req("c", 13)).num_tokens == 0

@@ -11,13 +11,16 @@ The runner lays out a step's tokens with all decodes first (one token each, toke
    writes step 1 and reads the keys at their slots without gathering them;
 3. prefill chunks: gathers each sequence's slots and runs one SDPA per chunk, causal.
 
-Everything a layer needs (slot mapping, gather indices, masks) is built once per step in
-``PagedAttentionMetadata`` and shared by all layers. The same code runs on CUDA (SDPA over
+Everything a layer needs (slot mapping, gather indices, masks) is built once per step and per
+KV group in ``PagedAttentionMetadata`` and shared by all layers of the group; ``layer_map``
+says which group and storage layer a model layer uses (Gemma 3's local and global layers
+see different keys). The same code runs on CUDA (SDPA over
 gathered blocks); a paged kernel can replace steps 2-3 there without touching the runner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +44,7 @@ class ChunkAttention:
 
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
-    """Per-step layout shared by all layers."""
+    """Per-step layout of one KV group, shared by all its layers."""
 
     slot_mapping: Tensor  # [T] int64: where each new token's k/v goes
     num_decodes: int  # tokens 0..num_decodes-1 are single-token decodes
@@ -52,15 +55,30 @@ class PagedAttentionMetadata:
 
 
 class PagedAttentionBackend:
-    """``AttentionBackend`` for ``Transformer.forward`` over a ``PagedKVStorage``."""
+    """``AttentionBackend`` for ``Transformer.forward`` over a ``PagedKVStorage``.
 
-    def __init__(self, storage: PagedKVStorage, metadata: PagedAttentionMetadata):
+    ``metadata``: one per KV group; ``layer_map[layer] = (group, storage layer)`` (None: one
+    group, storage layer = model layer).
+    """
+
+    def __init__(
+        self,
+        storage: PagedKVStorage,
+        metadata: PagedAttentionMetadata | Sequence[PagedAttentionMetadata],
+        layer_map: Sequence[tuple[int, int]] | None = None,
+    ):
         self.storage = storage
-        self.md = metadata
+        self.groups = [metadata] if isinstance(metadata, PagedAttentionMetadata) else list(metadata)
+        self.md = self.groups[0]
+        self.layer_map = layer_map
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
-        md = self.md
+        if self.layer_map is not None:
+            group, layer = self.layer_map[layer]
+            md = self.groups[group]
+        else:
+            md = self.md
         if not md.chunks and md.decode_slots is not None:
             k_store = self.storage.k[layer]
             if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
@@ -78,10 +96,10 @@ class PagedAttentionBackend:
                 )
         self.storage.write(layer, md.slot_mapping, k, v)
         if not md.chunks:
-            return self._decodes(layer, q)
+            return self._decodes(md, layer, q)
         out = torch.empty_like(q)
         if md.num_decodes:
-            out[: md.num_decodes] = self._decodes(layer, q[: md.num_decodes])
+            out[: md.num_decodes] = self._decodes(md, layer, q[: md.num_decodes])
         for c in md.chunks:
             keys, values = self.storage.gather(layer, c.slots)  # [S, Hkv, D]
             # 4-D inputs ([1, H, T, D]) select PyTorch's fused CPU flash kernel; 3-D ones fall
@@ -98,17 +116,22 @@ class PagedAttentionBackend:
         return out
 
     def decode_slots(self) -> cpu_ops.DecodeSlots | None:
-        """The fused CPU decode path's view of this step: decodes only, padded mode, plain store."""
+        """The fused CPU decode path's view of this step: decodes only, padded mode, plain store,
+        one KV group (every layer reads the same keys)."""
         md = self.md
-        if md.chunks or md.decode_slots is None or type(self.storage) is not PagedKVStorage:
+        if (
+            len(self.groups) != 1
+            or md.chunks
+            or md.decode_slots is None
+            or type(self.storage) is not PagedKVStorage
+        ):
             return None
         return cpu_ops.DecodeSlots(
             self.storage.k, self.storage.v, md.slot_mapping, md.decode_slots, md.decode_mask
         )
 
-    def _decodes(self, layer: int, q: Tensor) -> Tensor:
+    def _decodes(self, md: PagedAttentionMetadata, layer: int, q: Tensor) -> Tensor:
         # q: [B, Hq, D], one query per sequence -> [B, Hq, D]
-        md = self.md
         if md.decode_seq_slots is not None:
             outs = []
             for b, slots in enumerate(md.decode_seq_slots):

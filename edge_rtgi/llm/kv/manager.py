@@ -1,16 +1,25 @@
 """Per-request block tables on top of the block pool: allocation, prefix hits, release.
 
-The scheduler talks to this class only (never to the storage tensors). A block table is a
-list with one entry per ``block_size`` tokens of the request; an entry is ``None`` where the
-block was released because no future query can attend to it (sliding window). The runner
-turns tables into slot indices; this class never touches torch.
+The scheduler talks to this class only (never to the storage tensors). The model's layers are
+split into *KV groups* (``KVGroupSpec``): layers of one group attend over the same span of
+positions, so they share one block table per request. A model whose layers all see the whole
+context (Llama) has one group; Gemma 3, whose local layers see a 512-token window and whose
+global layers see everything, has a group of global layers and groups of local ones.
+
+All groups draw their blocks from one pool, as vLLM's hybrid allocator does: a block holds
+``block_size`` token slots of the layers of whichever group it was given to, so every group has
+the same number of layers (``layers_per_block``) and a block released behind a local window is
+free for any group, the global one included. A table entry is ``None`` where the block was
+released because no future query of that group can attend to it. The runner turns tables into
+slot indices; this class never touches torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from edge_rtgi.llm.kv.block_pool import BlockPool, KVBlock, hash_block_tokens
+from edge_rtgi.llm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from edge_rtgi.llm.request import Request
 
 
@@ -18,17 +27,54 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Owns the block pool and every request's block table."""
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """Layers that share one block table per request, and what their queries can see.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    ``layers``: model layer indices (empty: every layer, for a model with one group).
+    ``window_tokens``: a query at position p sees keys in ``(p - window_tokens, p]``, plus the
+    first ``sink_tokens`` positions; None: the whole context.
+    """
+
+    layers: tuple[int, ...] = ()
+    window_tokens: int | None = None
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window_tokens is not None and self.window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1 or None, got {self.window_tokens}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """A prefix-cache hit: per group, the cached blocks that start the request, and their tokens."""
+
+    blocks: tuple[tuple[KVBlock, ...], ...]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Owns the block pool and every request's block table (one per KV group)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        groups: Sequence[KVGroupSpec] = (KVGroupSpec(),),
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not groups:
+            raise ValueError("a KV cache needs at least one group")
         self.block_size = block_size
+        self.groups = tuple(groups)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
-        self._tables: dict[str, list[KVBlock | None]] = {}
-        self._num_hashed: dict[str, int] = {}  # leading table entries already in the cache index
+        self._tables: dict[str, list[list[KVBlock | None]]] = {}
+        self._num_hashed: dict[str, list[int]] = {}  # per group: leading entries already indexed
         # Prefix-cache counters over all admissions: tokens looked up and tokens found.
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -37,8 +83,26 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def max_blocks_for(self, num_tokens: int, max_step_tokens: int) -> int:
+        """Most blocks one request of ``num_tokens`` can hold at once, summed over the groups,
+        when at most ``max_step_tokens`` are computed per step (a windowed group releases what
+        falls behind its window after every step)."""
+        total = 0
+        for g in self.groups:
+            full = self.blocks_for_tokens(num_tokens)
+            if g.window_tokens is None:
+                total += full
+            else:
+                live = cdiv(g.window_tokens + max_step_tokens - 1, self.block_size) + 1
+                total += min(full, live + cdiv(g.sink_tokens, self.block_size))
+        return total
 
     # --- hashing ---------------------------------------------------------------------------
 
@@ -51,55 +115,67 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes[index]
 
+    def _group_key(self, group: int, block_hash: BlockHash) -> BlockHash:
+        # One pool serves every group: the same tokens hold different layers' KV in each.
+        return block_hash if group == 0 else group.to_bytes(2, "little") + block_hash
+
     # --- admission -------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks that prefixes the request, and its token count.
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """Longest run of cached full blocks that prefixes the request in every group.
 
         At least the last token is always left to compute, because its logits are needed.
-        Blocks are not referenced yet; pass them to ``allocate_slots``.
+        Blocks are not referenced yet; pass the result to ``allocate_slots``.
         """
         if not self.enable_prefix_caching:
-            return [], 0
+            return ComputedBlocks(tuple(() for _ in self.groups), 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for i in range(max_blocks):
-            block = self.pool.lookup(self._block_hash(request, i))
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        per_group: list[list[KVBlock]] = []
+        for g in range(self.num_groups):
+            hits: list[KVBlock] = []
+            for i in range(max_blocks):
+                block = self.pool.lookup(self._group_key(g, self._block_hash(request, i)))
+                if block is None:
+                    break
+                hits.append(block)
+            per_group.append(hits)
+            max_blocks = min(max_blocks, len(hits))
+        return ComputedBlocks(tuple(tuple(h[:max_blocks]) for h in per_group), max_blocks * self.block_size)
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries_tokens += num_tokens
         self.prefix_hits_tokens += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
+        self, request: Request, num_new_tokens: int, computed: ComputedBlocks | None = None
     ) -> bool:
-        """Make room for ``num_new_tokens`` after the request's computed tokens.
+        """Make room for ``num_new_tokens`` after the request's computed tokens, in every group.
 
-        ``computed_blocks`` (from ``get_computed_blocks``, only on first admission) are
-        referenced and put at the head of the table. Returns False, changing nothing, when
-        the pool cannot supply the blocks.
+        ``computed`` (from ``get_computed_blocks``, only on first admission) is referenced and
+        put at the head of the tables. Returns False, changing nothing, when the pool cannot
+        supply the blocks.
         """
-        table = self._tables.setdefault(request.request_id, [])
-        if computed_blocks and table:
+        tables = self._tables.setdefault(request.request_id, [[] for _ in self.groups])
+        hit_tokens = computed.num_tokens if computed is not None else 0
+        hit_blocks = computed.blocks if computed is not None and hit_tokens else ()
+        if hit_blocks and any(tables):
             raise RuntimeError(f"request {request.request_id} already has blocks; no prefix hit")
-        total_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_needed = self.blocks_for_tokens(total_tokens) - len(table) - len(computed_blocks)
+        total_blocks = self.blocks_for_tokens(request.num_computed_tokens + hit_tokens + num_new_tokens)
+        hits_of = [hit_blocks[g] if hit_blocks else () for g in range(self.num_groups)]
+        needed = [max(0, total_blocks - len(t) - len(h)) for t, h in zip(tables, hits_of, strict=True)]
         # A hit on a free cached block removes it from the free queue, so it cannot count twice.
-        revived = sum(1 for b in computed_blocks if b.ref_count == 0)
-        if num_needed > self.pool.num_free_blocks - revived:
-            if not table:
+        revived = sum(1 for hits in hits_of for b in hits if b.ref_count == 0)
+        if sum(needed) > self.pool.num_free_blocks - revived:
+            if not any(tables):
                 del self._tables[request.request_id]
             return False
-        self.pool.touch(computed_blocks)
-        table.extend(computed_blocks)
-        if num_needed > 0:
-            table.extend(self.pool.allocate(num_needed))
-        if computed_blocks:
-            self._num_hashed[request.request_id] = len(computed_blocks)
+        for table, hits, n in zip(tables, hits_of, needed, strict=True):
+            self.pool.touch(hits)
+            table.extend(hits)
+            if n > 0:
+                table.extend(self.pool.allocate(n))
+        if hit_blocks:
+            self._num_hashed[request.request_id] = [len(h) for h in hits_of]
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -110,55 +186,79 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        table = self._tables.get(request.request_id)
-        if not table:
+        tables = self._tables.get(request.request_id)
+        if not tables:
             return
-        start = self._num_hashed.get(request.request_id, 0)
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        for i in range(start, num_full):
-            block = table[i]
-            if block is not None:
-                self.pool.cache_block(block, self._block_hash(request, i))
-        self._num_hashed[request.request_id] = max(start, num_full)
+        done = self._num_hashed.setdefault(request.request_id, [0] * self.num_groups)
+        for g, table in enumerate(tables):
+            num_full = min(request.num_computed_tokens // self.block_size, len(table))
+            for i in range(done[g], num_full):
+                block = table[i]
+                if block is not None:
+                    self.pool.cache_block(block, self._group_key(g, self._block_hash(request, i)))
+            done[g] = max(done[g], num_full)
 
     # --- release ---------------------------------------------------------------------------
 
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks; its cached blocks stay findable until evicted."""
-        table = self._tables.pop(request.request_id, None)
+        tables = self._tables.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
-        if table:
+        for table in tables or ():
             # Tail first: the end of a sequence is the least likely part to be shared.
             self.pool.free(b for b in reversed(table) if b is not None)
 
-    def release_outside_window(self, request: Request, window_tokens: int, sink_tokens: int = 0) -> int:
-        """Free blocks that no future query can attend to under a sliding window with sinks.
+    def release_outside_window(
+        self, request: Request, window_tokens: int, sink_tokens: int = 0, group: int | None = None
+    ) -> int:
+        """Free blocks that no future query can attend to under a sliding window with sinks,
+        in ``group`` (None: every group).
 
         The next query is at position ``num_computed_tokens``; it sees keys in
         ``(pos - window_tokens, pos]`` plus the first ``sink_tokens`` positions. Blocks wholly
         between the sinks and the window are released and become ``None`` in the table.
         Returns the number of blocks released.
         """
-        table = self._tables.get(request.request_id)
-        if not table:
+        tables = self._tables.get(request.request_id)
+        if not tables:
             return 0
         first_needed = request.num_computed_tokens - window_tokens + 1
         first_block = cdiv(sink_tokens, self.block_size)
         last_block = first_needed // self.block_size  # exclusive: blocks below are fully outside
         released: list[KVBlock] = []
-        for i in range(first_block, min(last_block, len(table))):
-            block = table[i]
-            if block is not None:
-                released.append(block)
-                table[i] = None
+        for g, table in enumerate(tables):
+            if group is not None and g != group:
+                continue
+            for i in range(first_block, min(last_block, len(table))):
+                block = table[i]
+                if block is not None:
+                    released.append(block)
+                    table[i] = None
         self.pool.free(released)
         return len(released)
 
+    def release_outside_windows(self, request: Request) -> int:
+        """``release_outside_window`` for every group with a window, by its spec."""
+        return sum(
+            self.release_outside_window(request, g.window_tokens, g.sink_tokens, index)
+            for index, g in enumerate(self.groups)
+            if g.window_tokens is not None
+        )
+
     # --- views -----------------------------------------------------------------------------
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as ids, ``-1`` where a block was released."""
-        return [-1 if b is None else b.block_id for b in self._tables.get(request_id, ())]
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block tables as ids, one list per group, ``-1`` where a block was released."""
+        tables = self._tables.get(request_id)
+        if tables is None:
+            return [[] for _ in self.groups]
+        return [[-1 if b is None else b.block_id for b in table] for table in tables]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        """Blocks the request holds now, per group."""
+        return [
+            sum(b is not None for b in t) for t in self._tables.get(request_id, [[] for _ in self.groups])
+        ]
 
     @property
     def num_free_blocks(self) -> int:

@@ -1,10 +1,14 @@
-"""The KV tensors behind the block pool, one pair per layer.
+"""The KV tensors behind the block pool, one pair per layer of a block.
 
-Layout: every layer owns its own ``k`` and ``v`` tensors of shape ``[num_slots, Hkv, D]``
-with ``num_slots = num_blocks * block_size``; block ``b`` owns slots ``b*bs .. b*bs+bs-1``
-in every layer. A flat slot dimension keeps the hot path to two kernels per layer per
-step: ``index_copy_`` of the new keys/values at their slots (the *slot mapping*), and
-``index_select`` of a sequence's slots for attention (a *gather*).
+Layout: every layer of a block owns its own ``k`` and ``v`` tensors of shape
+``[num_slots, Hkv, D]`` with ``num_slots = num_blocks * block_size``; block ``b`` owns slots
+``b*bs .. b*bs+bs-1`` in every one of them. With one KV group (``kv.manager.KVGroupSpec``)
+storage layer ``i`` is model layer ``i``; with several, each group's layers map onto the same
+``num_layers`` storage layers, and a block holds the group it was allocated to.
+
+A flat slot dimension keeps the hot path to two kernels per layer per step: ``index_copy_``
+of the new keys/values at their slots (the *slot mapping*), and ``index_select`` of a
+sequence's slots for attention (a *gather*).
 
 Per-layer tensors (rather than one ``[L, ...]`` tensor) are deliberate: a layer can hold a
 different precision (int8 KV with per-slot scales for insensitive layers) or a different
