@@ -66,6 +66,20 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         sliding_window=8,
     ),
+    # Local, global, local layers; a window of 8 and linear RoPE scaling on the global layer (as
+    # Gemma 3 4B+ has); a query scalar that differs from head_dim. Untied: with random weights, a
+    # tied head over sqrt(hidden)-scaled embeddings keeps predicting the input token.
+    "gemma3": dict(
+        model_type="gemma3_text",
+        architectures=["Gemma3ForCausalLM"],
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=32,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        hidden_activation="gelu_pytorch_tanh",
+    ),
 }
 
 
@@ -120,7 +134,7 @@ def make_tiny_hf_model(
     init_std: float = 0.25,
     **overrides: Any,
 ) -> Path:
-    """Write a seeded random ``arch`` model ("llama", "qwen2", "mistral") under ``tmp_path``;
+    """Write a seeded random ``arch`` model ("llama", "qwen2", "mistral", "gemma3") under ``tmp_path``;
     return the folder.
 
     ``overrides`` replace config.json fields (e.g. ``num_hidden_layers=3``). ``max_shard_size``

@@ -50,6 +50,31 @@ _SPLIT_BY_PRE = {
 # SmolLM's vocabulary was trained with every digit on its own (llama.cpp's "smollm" pre-type).
 _DIGIT_PRES = {"smollm", "starcoder", "refact"}
 
+# Gemma's chat template (as google/gemma-3-*-it ships it, for text content), for GGUF files of
+# base models that carry none: a system message is folded into the first user turn, the
+# assistant's role is "model", and a turn ends with <end_of_turn>.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA_END_OF_TURN = "<end_of_turn>"
+
 
 class ChatTokenizer(Protocol):
     """What the engine and the benchmark need of a tokenizer (``Tokenizer`` is the one we ship)."""
@@ -304,12 +329,26 @@ def _sentencepiece_backend(meta: Mapping[str, Any], tokens: list[str]) -> tuple[
     return backend, None
 
 
+def _plain_metadata(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The tokenizer's metadata with arrays as lists (``gguf_file`` leaves them lazy or numpy)."""
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if key.startswith("tokenizer.") or key == "general.architecture":
+            if hasattr(value, "tolist"):
+                value = value.tolist()
+            elif not isinstance(value, (str, bytes, list, int, float, bool)) and value is not None:
+                value = list(value)  # a lazy string array
+            out[key] = value
+    return out
+
+
 def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
     """Build the tokenizer a GGUF file describes in its ``tokenizer.*`` metadata.
 
     Supports byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM, Llama 3, Qwen2) and
     SentencePiece BPE with byte fallback (``"llama"``: Llama 2, Mistral v0.1).
     """
+    meta = _plain_metadata(meta)
     kind = meta.get("tokenizer.ggml.model")
     tokens: list[str] | None = meta.get("tokenizer.ggml.tokens")
     if kind not in ("gpt2", "llama") or not tokens:
@@ -346,6 +385,11 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
     # Chat models often end a turn with a token other than EOS (Llama 3's <|eot_id|>).
     eos_ids = [meta.get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    template = meta.get("tokenizer.chat_template")
+    if meta.get("general.architecture") == "gemma3":
+        # Gemma files name no end-of-turn token; its chat format ends turns with <end_of_turn>.
+        eos_ids.append(backend.token_to_id(GEMMA_END_OF_TURN))
+        template = template or GEMMA_CHAT_TEMPLATE
     special = {
         name: t
         for name, t in (
@@ -361,6 +405,6 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], source: Path) -> Tokenizer:
         bos_token=bos,
         eos_token=eos,
         eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if isinstance(i, int))),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=template,
         special_tokens=special,
     )

@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from edge_rtgi.device import resolve_device, resolve_dtype
 from edge_rtgi.errors import ModelFileError, ModelNotFoundError
 from edge_rtgi.llm import cpu_ops
+from edge_rtgi.llm.gguf_file import GGUFFile, dequantize, read_gguf
 from edge_rtgi.llm.model import ModelConfig, Transformer
 from edge_rtgi.llm.rope import RotaryEmbedding
 from edge_rtgi.llm.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
@@ -33,6 +35,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # HF tensors some checkpoints carry that our model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -147,6 +150,9 @@ def _open_hf_folder(folder: Path, formats: dict[str, str]):
                 f"{file} is truncated or corrupt: {exc}", hint="re-download the model"
             ) from None
 
+    # Gemma's RMSNorm multiplies by 1 + weight; our RMSNorm keeps 1 + weight (as GGUF files do).
+    shift_norms = cfg.arch == "gemma3"
+
     def fetch(name: str) -> tuple[Tensor, Path] | None:
         if name not in where:
             return None
@@ -154,6 +160,8 @@ def _open_hf_folder(folder: Path, formats: dict[str, str]):
         try:
             tensor = handle.get_tensor(name)
             formats[name] = _SAFETENSORS_DTYPES.get(tensor.dtype, str(tensor.dtype))
+            if shift_norms and name.endswith("norm.weight"):
+                tensor = tensor.float() + 1.0
             return tensor, file
         except Exception as exc:  # noqa: BLE001 - safetensors raises SafetensorError (not exported stably)
             raise ModelFileError(
@@ -198,34 +206,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
 # --- GGUF files --------------------------------------------------------------------------------
 
 
-def _read_gguf(path: Path):
-    from gguf import GGUFReader
-
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as exc:
-        raise ModelFileError(f"cannot open {path}: {exc}") from None
-    if magic != b"GGUF":
-        raise ModelFileError(
-            f"{path} is neither a GGUF file nor an HF model folder (magic {magic!r})",
-            hint="pass a .gguf file or a folder with config.json and *.safetensors",
-        )
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001 - the reader fails with ValueError/IndexError/struct errors on damaged files
-        raise ModelFileError(f"{path} is truncated or corrupt: {exc}", hint="re-download the model") from None
-    meta: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        try:
-            meta[key] = fld.contents()
-        except Exception as exc:  # noqa: BLE001 - gguf's field parsers raise several error types on damaged data
-            raise ModelFileError(f"{path}: metadata field {key} is corrupt: {exc}") from None
-    return reader, meta
+def _read_gguf(path: Path) -> tuple[GGUFFile, dict[str, Any]]:
+    """The file's header and its metadata, arrays as ``gguf_file`` leaves them (lazy strings)."""
+    gguf = read_gguf(path)
+    return gguf, gguf.metadata
 
 
 def gguf_config(meta: Mapping[str, Any], tensor_names: set[str], path: Path) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama, mistral, qwen2 architectures)."""
+    """ModelConfig from GGUF metadata (llama, mistral, qwen2 and gemma3 architectures)."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelFileError(
@@ -260,6 +248,13 @@ def gguf_config(meta: Mapping[str, Any], tensor_names: set[str], path: Path) -> 
     window = get("attention.sliding_window")
     hf["use_sliding_window"] = bool(window)
     hf["sliding_window"] = int(window) if window else None
+    if arch == "gemma3":
+        # The layer pattern (every sixth layer global) and the local RoPE base (10,000) are not in
+        # the file; llama.cpp and transformers assume Gemma 3's, as ModelConfig.from_hf does.
+        # Scores are scaled by head_dim ** -0.5 as llama.cpp does for every size but 27B.
+        hf.update(
+            model_type="gemma3_text", query_pre_attn_scalar=hf["head_dim"], rope_local_base_freq=10_000.0
+        )
     scaling, factor = get("rope.scaling.type"), get("rope.scaling.factor")
     if scaling in ("linear", "yarn") and factor:
         hf["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
@@ -285,13 +280,25 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+# Gemma 3: norms after attention and MLP too, and ffn_norm is the norm *before* the MLP.
+_GGUF_GEMMA_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     stem, _, suffix = name.rpartition(".")
     if stem in _GGUF_GLOBAL_NAMES:
         return f"{_GGUF_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    names = _GGUF_GEMMA_LAYER_NAMES if arch == "gemma3" else _GGUF_LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
     return None
 
 
@@ -303,13 +310,13 @@ def _unpermute_rows(w: Tensor, num_heads: int) -> Tensor:
 
 
 def _open_gguf(path: Path, formats: dict[str, str]):
-    from gguf.quants import dequantize
-
-    reader, meta = _read_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
+    gguf, meta = _read_gguf(path)
+    tensors = gguf.tensors
     cfg = gguf_config(meta, set(tensors), path)
     tokenizer = load_gguf_tokenizer(meta, path)
-    by_hf_name = {hf: t for name, t in tensors.items() if (hf := _gguf_to_hf_name(name)) is not None}
+    by_hf_name = {
+        hf: t for name, t in tensors.items() if (hf := _gguf_to_hf_name(name, cfg.arch)) is not None
+    }
     unpermute = cfg.arch in ("llama", "mistral")
 
     def fetch(name: str) -> tuple[Tensor, Path] | None:
@@ -317,15 +324,12 @@ def _open_gguf(path: Path, formats: dict[str, str]):
         if tensor is None:
             return None
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            weights = (
-                torch.from_numpy(array.copy()).float().reshape(tuple(int(d) for d in reversed(tensor.shape)))
-            )
+            weights = torch.from_numpy(np.array(dequantize(tensor), dtype=np.float32, copy=True))
         except (NotImplementedError, ValueError) as exc:
             raise ModelFileError(
-                f"{path}: cannot dequantise {tensor.name} ({tensor.tensor_type.name}): {exc}"
+                f"{path}: cannot dequantise {tensor.name} ({tensor.type_name}): {exc}"
             ) from None
-        formats[name] = tensor.tensor_type.name
+        formats[name] = tensor.type_name
         if unpermute and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:
@@ -334,13 +338,9 @@ def _open_gguf(path: Path, formats: dict[str, str]):
 
     rope_factors = None
     if "rope_freqs.weight" in tensors:  # llama 3.x stores its rope scaling as per-frequency divisors
-        rope_factors = (
-            torch.from_numpy(
-                dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type).copy()
-            )
-            .float()
-            .flatten()
-        )
+        rope_factors = torch.from_numpy(
+            np.array(dequantize(tensors["rope_freqs.weight"]), copy=True)
+        ).flatten()
     return cfg, fetch, tokenizer, rope_factors
 
 
@@ -383,6 +383,12 @@ def _slots(cfg: ModelConfig) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
         slots[ours + "mlp.down_proj.weight"] = [(hf + "mlp.down_proj.weight", (h, inter))]
         slots[ours + "input_layernorm.weight"] = [(hf + "input_layernorm.weight", (h,))]
         slots[ours + "post_attention_layernorm.weight"] = [(hf + "post_attention_layernorm.weight", (h,))]
+        if cfg.arch == "gemma3":
+            d = cfg.head_dim
+            slots[ours + "self_attn.q_norm.weight"] = [(attn + "q_norm.weight", (d,))]
+            slots[ours + "self_attn.k_norm.weight"] = [(attn + "k_norm.weight", (d,))]
+            for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+                slots[ours + f"{norm}.weight"] = [(hf + f"{norm}.weight", (h,))]
     return slots
 
 
@@ -436,6 +442,8 @@ def _build_model(
             raise RuntimeError(f"embed_tokens is a {type(embed).__name__}, not an nn.Embedding")
         model.lm_head.weight = embed.weight
     model.rotary = RotaryEmbedding(cfg.rope()).to(device)
+    local = cfg.local_rope()
+    model.rotary_local = RotaryEmbedding(local).to(device) if local is not None else None
     if rope_factors is not None:
         if rope_factors.numel() != model.rotary.inv_freq.numel():
             raise ModelFileError(

@@ -77,7 +77,12 @@ def unsupported_gguf(path: Path) -> Path:
 def test_gguf_of_unsupported_architecture(tmp_path):
     path = unsupported_gguf(tmp_path / "gpt2.gguf")
     proc = run_cli("generate", "--model", str(path), "hello")
-    assert_clean_error(proc, "gpt2.gguf", "unsupported architecture 'gpt2'")
+    assert_clean_error(
+        proc,
+        "gpt2.gguf",
+        "unsupported architecture 'gpt2'",
+        "supported GGUF architectures: gemma3, llama, mistral, qwen2",
+    )
 
 
 def test_prompt_longer_than_context(tiny_folder):
