@@ -217,6 +217,21 @@ def dequantize(tensor: GGUFTensorInfo) -> np.ndarray:
     return np.asarray(flat, dtype=np.float32).reshape(tensor.shape)
 
 
+def q4k_grid(tensor: GGUFTensorInfo) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_K tensor's grid per 32 weights: (scale, min) [N, K/32] float32, with w = scale * q - min
+    for its 4-bit codes q (each 256-weight block holds 8 such groups, 6-bit scales and mins)."""
+    from gguf.quants import Q4_K
+
+    if tensor.type_name != "Q4_K":
+        raise ValueError(f"{tensor.name} is {tensor.type_name}, not Q4_K")
+    blocks = tensor.data.reshape(-1, 144)
+    d = blocks[:, 0:2].view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16])
+    rows = tensor.shape[0]
+    return (d * sc.astype(np.float32)).reshape(rows, -1), (dmin * m.astype(np.float32)).reshape(rows, -1)
+
+
 def scalar_metadata(gguf: GGUFFile) -> Mapping[str, Any]:
     """The metadata without its arrays (what a config needs; cheap to copy and log)."""
     return {k: v for k, v in gguf.metadata.items() if not isinstance(v, (np.ndarray, StringArray, list))}

@@ -353,6 +353,8 @@ class Transformer(nn.Module):
         self.rotary_local = RotaryEmbedding(local) if local is not None else None
         # Parameter name -> storage format in the file it was loaded from (weights.load_model).
         self.source_weight_formats: dict[str, str] = {}
+        # Parameter name -> the file's own int4 grid (scale, zero) [N, K/32], where it has one.
+        self.source_grids: dict[str, tuple[Tensor, Tensor]] = {}
 
     @property
     def dtype(self) -> torch.dtype:

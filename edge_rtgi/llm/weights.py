@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from edge_rtgi.device import resolve_device, resolve_dtype
 from edge_rtgi.errors import ModelFileError, ModelNotFoundError
 from edge_rtgi.llm import cpu_ops
-from edge_rtgi.llm.gguf_file import GGUFFile, dequantize, read_gguf
+from edge_rtgi.llm.gguf_file import GGUFFile, dequantize, q4k_grid, read_gguf
 from edge_rtgi.llm.model import ModelConfig, Transformer
 from edge_rtgi.llm.rope import RotaryEmbedding
 from edge_rtgi.llm.tokenizer import Tokenizer, load_gguf_tokenizer, load_hf_tokenizer
@@ -66,13 +66,19 @@ def load_model(
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, torch_device)
     formats: dict[str, str] = {}  # HF tensor name -> storage format in the file, filled by fetch
+    grids: dict[str, tuple[Tensor, Tensor]] = {}  # HF tensor name -> the file's 4-bit grid
     if path.is_dir():
         cfg, fetch, tokenizer, rope_factors = _open_hf_folder(path, formats)
     else:
-        cfg, fetch, tokenizer, rope_factors = _open_gguf(path, formats)
+        cfg, fetch, tokenizer, rope_factors = _open_gguf(path, formats, grids)
     state = assemble_state_dict(cfg, fetch, path, torch_dtype)
     model = _build_model(cfg, state, torch_device, torch_dtype, rope_factors)
     model.source_weight_formats = source_formats(cfg, formats)
+    model.source_grids = {
+        ours: grids[parts[0][0]]
+        for ours, parts in _slots(cfg).items()
+        if len(parts) == 1 and parts[0][0] in grids
+    }
     cpu_ops.prepare(torch_device)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, source=path)
 
@@ -309,7 +315,7 @@ def _unpermute_rows(w: Tensor, num_heads: int) -> Tensor:
     return w.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
 
 
-def _open_gguf(path: Path, formats: dict[str, str]):
+def _open_gguf(path: Path, formats: dict[str, str], grids: dict[str, tuple[Tensor, Tensor]]):
     gguf, meta = _read_gguf(path)
     tensors = gguf.tensors
     cfg = gguf_config(meta, set(tensors), path)
@@ -330,6 +336,11 @@ def _open_gguf(path: Path, formats: dict[str, str]):
                 f"{path}: cannot dequantise {tensor.name} ({tensor.type_name}): {exc}"
             ) from None
         formats[name] = tensor.type_name
+        if tensor.type_name == "Q4_K" and not unpermute:
+            # The kernels' int4 form is w = (code - 8) * scale + zero per 32 weights: Q4_K's own
+            # grid, so ``quant: auto`` can keep the file's codes (quant.policy).
+            scale, minimum = (torch.from_numpy(np.array(a)) for a in q4k_grid(tensor))
+            grids[name] = (scale, 8 * scale - minimum)
         if unpermute and ".self_attn.q_proj." in name:
             weights = _unpermute_rows(weights, cfg.num_heads)
         elif unpermute and ".self_attn.k_proj." in name:

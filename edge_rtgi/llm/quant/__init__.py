@@ -9,6 +9,7 @@ Public hooks for the loader and the engine:
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,8 @@ from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weig
 
 if TYPE_CHECKING:
     from edge_rtgi.llm.model import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def apply_engine_quant(model: Transformer, setting: str | None, tokenizer=None) -> str | None:
@@ -46,7 +49,7 @@ def apply_engine_quant(model: Transformer, setting: str | None, tokenizer=None) 
     from edge_rtgi.llm.quant.kernels import keep_dense_copies
 
     plan = source_aligned_plan(model, spec)
-    resolved = apply_quant_plan(model, plan)
+    resolved = apply_quant_plan(model, plan, grids=source_grids(model, plan))
     keep_dense_copies(model, AUTO_QUANT_KERNEL_MAX_ROWS)
     counts = Counter(resolved.values())
     return " + ".join(f"{scheme} x{n}" for scheme, n in counts.most_common())
@@ -58,14 +61,41 @@ def source_aligned_plan(model: Transformer, default: str) -> QuantPlan:
     ``model.source_weight_formats``): those keep their precision in that scheme."""
     formats = getattr(model, "source_weight_formats", {}) or {}
     schemes = {}
+    others: Counter[str] = Counter()
     for group in model_groups(model):
-        param = "embed_tokens.weight" if group.tied_embedding else f"{group.module_path}.weight"
+        param = _group_param(group)
         aligned = source_aligned_scheme(formats.get(param))
         if aligned is not None and group.allowed(parse_scheme(aligned)):
             schemes[group.name] = aligned
+        else:
+            others[formats.get(param, "unknown")] += 1
+    if others and schemes:
+        log.info(
+            "quant auto: %d groups keep the file's 4-bit blocks; %s have no kernel format that "
+            "reproduces their blocks (or their parts differ), so they get %s",
+            len(schemes),
+            ", ".join(f"{n} stored as {kind}" for kind, n in others.most_common()),
+            default,
+        )
     return QuantPlan(
         schemes, default, notes={"policy": "auto: source-aligned where the file allows, else " + default}
     )
+
+
+def _group_param(group) -> str:
+    return "embed_tokens.weight" if group.tied_embedding else f"{group.module_path}.weight"
+
+
+def source_grids(model: Transformer, plan: QuantPlan) -> dict:
+    """The file's own int4 grids (``Transformer.source_grids``) of the groups ``plan`` gives the
+    scheme that reproduces them: quantising on them keeps the file's codes."""
+    grids = getattr(model, "source_grids", {}) or {}
+    out = {}
+    for group in model_groups(model):
+        grid = grids.get(_group_param(group))
+        if grid is not None and plan.schemes.get(group.name) == "int4-g32":
+            out[group.name] = grid
+    return out
 
 
 def apply_quant(model: Transformer, spec: str | Path | None, tokenizer=None) -> dict[str, str] | None:

@@ -244,6 +244,7 @@ def apply_quant_plan(
     plan: QuantPlan | str | Path,
     dtype: torch.dtype | None = None,
     importance: dict[str, torch.Tensor] | None = None,
+    grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, str]:
     """Quantise ``model`` in place according to ``plan`` (a QuantPlan or a YAML path).
 
@@ -251,8 +252,9 @@ def apply_quant_plan(
     the whole model (activations, scales, unquantised tensors) to that dtype, so an fp32 model
     can be quantised from its fp32 weights and run in bf16. ``importance`` (per group, from
     ``profile.collect_importance``) fits each grid to the activations it will see; without it
-    grids span each group's range. Returns the resolved scheme per group. Groups planned as
-    ``none`` are left untouched.
+    grids span each group's range. ``grids`` (per group, int4 (scale, zero) [N, K/G]) puts a
+    group's codes on a grid the model file already chose (``quantize_weight``'s ``grid``).
+    Returns the resolved scheme per group. Groups planned as ``none`` are left untouched.
     """
     if not isinstance(plan, QuantPlan):
         plan = QuantPlan.load(plan)
@@ -264,7 +266,8 @@ def apply_quant_plan(
         if scheme.bits < 16:
             weight = float_linear(model, group).weight
             weights = None if importance is None else importance[group.name]
-            install_packed(model, group, quantize_weight(weight, scheme, weights))
+            grid = (grids or {}).get(group.name)
+            install_packed(model, group, quantize_weight(weight, scheme, weights, grid=grid))
     if dtype is not None:
         model.to(dtype)  # packed codes keep their integer dtypes; bf16 scales convert exactly
     warn_if_slow_activations(model)

@@ -26,8 +26,11 @@ AUTO_QUANT_KERNEL_MAX_ROWS = 8
 
 # GGUF Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, so asymmetric int4 with
 # group 32 (min/max scaling) recovers the same codes; only d and m are rounded from fp16 to bf16.
-# Q4_0 and the K-quants do not map onto one kernel group exactly.
-SOURCE_ALIGNED_SCHEMES = {"Q4_1": "int4-g32"}
+# Q4_K stores 32-weight groups as scale * q - min inside 256-weight blocks: the same form, but its
+# grid is fitted, so min/max does not find it; the loader hands the file's grid over
+# (``Transformer.source_grids``) and the codes are kept on it. Q4_0, Q5_0, Q6_K and Q8_0 have no
+# int4 kernel form that reproduces them: ``auto`` gives those int8, and says so.
+SOURCE_ALIGNED_SCHEMES = {"Q4_1": "int4-g32", "Q4_K": "int4-g32"}
 
 
 def source_aligned_scheme(source_format: str | None) -> str | None:

@@ -222,13 +222,20 @@ def quantiser_name(importance: dict | None) -> str:
     return "min-max" if importance is None else "importance-fitted"
 
 
-def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | None = None) -> PackedWeight:
+def quantize_weight(
+    weight: Tensor,
+    scheme: QuantScheme,
+    importance: Tensor | None = None,
+    grid: tuple[Tensor, Tensor] | None = None,
+) -> PackedWeight:
     """Quantise a float [N, K] matrix. Scales and zeros are rounded to bf16 *before* the codes
     are chosen, so the codes are optimal for the parameters the kernel actually reads.
 
     ``importance`` ([K], the mean squared input activation of each input channel over calibration
     text): fit the grids to minimise the error the activations will see (``fit_grid``) rather
-    than spanning each group's range.
+    than spanning each group's range. ``grid`` (asymmetric int4 only: scales and zeros [N, K/G]
+    with w = (code - 8) * scale + zero, e.g. a GGUF Q4_K file's own) fixes the grid instead: the
+    codes are chosen on it after its bf16 rounding, which gives the file's codes back.
     """
     w = weight.detach().float().cpu()
     n, k = w.shape
@@ -251,7 +258,12 @@ def quantize_weight(weight: Tensor, scheme: QuantScheme, importance: Tensor | No
         )
     g = scheme.group
     wg = w.view(n, k // g, g)
-    scales, zeros = fit_grid(wg, None if h is None else h.view(k // g, g), scheme)
+    if grid is not None:
+        if scheme.symmetric or tuple(grid[0].shape) != (n, k // g) or tuple(grid[1].shape) != (n, k // g):
+            raise ValueError(f"a {scheme.name} grid for a {n}x{k} matrix must be asymmetric, [{n}, {k // g}]")
+        scales, zeros = _bf16(grid[0].float()), _bf16(grid[1].float())
+    else:
+        scales, zeros = fit_grid(wg, None if h is None else h.view(k // g, g), scheme)
     codes = (_codes(wg, scales, zeros, -8, 7) + 8).to(torch.uint8).view(n, k // 2, 2)
     q = codes[..., 0] | (codes[..., 1] << 4)
     return PackedWeight(scheme, n, k, q.contiguous(), scales.to(torch.bfloat16), zeros.to(torch.bfloat16))
