@@ -41,11 +41,10 @@ def open_backend(
     before either is built.
     """
     from edge_rtgi.llm.generate import generate_stream
-    from edge_rtgi.llm.quant import apply_engine_quant
-    from edge_rtgi.llm.weights import load_model
+    from edge_rtgi.llm.prepared import load_prepared
 
-    loaded = load_model(model, device=device, dtype=dtype)
-    apply_engine_quant(loaded.model, quant, loaded.tokenizer)
+    # A prepared copy of the weights (llm.prepared) makes the second start fast.
+    loaded = load_prepared(model, device=device, dtype=dtype, quant=quant).loaded
     if plain:
         return Backend(
             tokenizer=loaded.tokenizer,

@@ -152,12 +152,13 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Resolve the model through the catalogue, load it, and build an engine."""
         from edge_rtgi.catalog import resolve_model
-        from edge_rtgi.llm.quant import apply_engine_quant
-        from edge_rtgi.llm.weights import load_model
+        from edge_rtgi.llm.prepared import load_prepared
 
-        loaded = load_model(resolve_model(config.model, role="llm"), config.device, config.dtype)
-        apply_engine_quant(loaded.model, config.quant, loaded.tokenizer)
-        return cls.from_loaded(loaded, config)
+        # quant applied (llm.quant.apply_engine_quant), from a prepared copy when one matches
+        prepared = load_prepared(
+            resolve_model(config.model, role="llm"), config.device, config.dtype, config.quant
+        )
+        return cls.from_loaded(prepared.loaded, config)
 
     @classmethod
     def from_loaded(

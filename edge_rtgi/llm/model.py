@@ -337,7 +337,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The loaders build on the meta device, where nn.Embedding's random init imports
+        # torch._dynamo (3-6 s of start-up); the table is filled only where it is real.
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        if not table.is_meta:
+            table.normal_()
+        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         # A quantised tied head replaces the table with a view of itself (quant.plan.install_packed).
         self.embed_tokens: nn.Embedding | TiedQuantEmbedding = embed
         layer_cls = GemmaDecoderLayer if cfg.arch == "gemma3" else DecoderLayer

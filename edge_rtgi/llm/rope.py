@@ -28,9 +28,11 @@ def rope_inverse_frequencies(spec: RopeSpec) -> tuple[Tensor, float]:
     """Per-pair inverse frequencies [D/2] and the attention scaling factor for cos/sin.
 
     Covers the scaling variants these families use: none, ``linear``, ``llama3`` and ``yarn``.
+    Computed on the CPU whatever the default device (the loaders build models on the meta
+    device, where ``arange`` would import torch._dynamo: seconds of start-up).
     """
     dim = spec.head_dim
-    inv_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (spec.theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim))
     scaling = spec.scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind is None:
@@ -56,7 +58,7 @@ def rope_inverse_frequencies(spec: RopeSpec) -> tuple[Tensor, float]:
 
         low = max(math.floor(correction_dim(beta_fast)), 0)
         high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
-        ramp = (torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)
+        ramp = (torch.arange(dim // 2, dtype=torch.float64, device="cpu") - low) / max(high - low, 1e-3)
         extrapolation = 1 - ramp.clamp(0, 1)
         inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
         mscale = scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0)

@@ -46,6 +46,36 @@ class QuantLinear(nn.Module, abc.ABC):
         )
         self.register_buffer("dense_weight", None, persistent=False)  # see keep_dense_copy
 
+    # The buffers the kernel reads, besides dense_weight (what a prepared copy stores).
+    kernel_buffers: tuple[str, ...] = ()
+
+    @classmethod
+    def from_buffers(
+        cls,
+        in_features: int,
+        out_features: int,
+        scheme_name: str,
+        buffers: dict[str, Tensor],
+        bias: Tensor | None = None,
+        group_size: int | None = None,
+        max_kernel_rows: int = 0,
+    ) -> QuantLinear:
+        """A CPU layer on buffers already in the kernel's layout (``llm.prepared`` memory-maps
+        them), so nothing is packed or dequantised again."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.scheme_name = in_features, out_features, scheme_name
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("dense_weight", buffers.get("dense_weight"), persistent=False)
+        self.max_kernel_rows = max_kernel_rows
+        for name in cls.kernel_buffers:
+            self.register_buffer(name, buffers[name])
+        if isinstance(self, Int4Linear):
+            if group_size is None:
+                raise ValueError("an int4 layer needs its group size")
+            self.group_size, self.on_cuda = group_size, False
+        return self
+
     def keep_dense_copy(self, max_kernel_rows: int) -> None:
         """Run inputs of more than ``max_kernel_rows`` rows through ``F.linear`` on a dequantised
         copy of the weights, in the activation dtype.
@@ -108,6 +138,7 @@ class Int8Linear(QuantLinear):
 
     qweight: Tensor
     scales: Tensor
+    kernel_buffers = ("qweight", "scales")
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__(packed, bias, dtype, device)
@@ -160,6 +191,9 @@ class Int4Linear(QuantLinear):
     qweight: Tensor
     scales_and_zeros: Tensor
     row_codes: Tensor  # CUDA only
+    kernel_buffers = ("qweight", "scales_and_zeros")
+    group_size: int
+    on_cuda: bool
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__(packed, bias, dtype, device)
