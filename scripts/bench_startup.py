@@ -31,6 +31,10 @@ PROMPT = "def fibonacci(n):"
 def _env(tree: Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("EDGE_RTGI_PREPARED", None)
+    # The fused kernels are built per source path: two checkouts sharing one build folder would
+    # rebuild each other's library on every start.
+    kernels = Path(os.environ.get("EDGE_RTGI_KERNEL_DIR", "/tmp/edge-rtgi-bench-kernels"))
+    env["EDGE_RTGI_KERNEL_DIR"] = str(kernels / tree.name)
     return env
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.config import from_dict, load_yaml, parse_yaml, where
@@ -126,8 +126,13 @@ class TranslateStageConfig:
     api_key_env: str | None = None
     remote: RemoteConfig = field(default_factory=RemoteConfig)
     router: RouterConfig | None = None
+    # LLM backends. "chat": an instruction in the model's chat template (instruct models);
+    # "few-shot": raw text with example pairs, cut at the end of the line (base models, Gemma 3 270M).
+    prompt: Literal["chat", "few-shot"] = "chat"
 
     def __post_init__(self) -> None:
+        if self.prompt not in ("chat", "few-shot"):
+            raise ValueError(f"prompt must be 'chat' or 'few-shot', got {self.prompt!r}")
         if self.backend not in TRANSLATE_BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(TRANSLATE_BACKENDS)}, got {self.backend!r}")
         if self.router is not None and self.backend != "llm":

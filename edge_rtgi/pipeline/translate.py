@@ -126,6 +126,39 @@ def translation_messages(text: str, source_language: str, target_language: str) 
     ]
 
 
+# Example pairs for the few-shot prompt (none of them is in the benchmark's translation sets).
+FEW_SHOT_EXAMPLES: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {
+    ("en", "es"): (
+        (
+            "My sister plays the guitar every weekend.",
+            "Mi hermana toca la guitarra todos los fines de semana.",
+        ),
+        ("The bus was late because of the rain.", "El autobús llegó tarde por la lluvia."),
+        ("Is there a pharmacy open near here?", "¿Hay una farmacia abierta cerca de aquí?"),
+        (
+            "We planted tomatoes in the garden last spring.",
+            "Plantamos tomates en el jardín la primavera pasada.",
+        ),
+    ),
+}
+
+
+def translation_few_shot_prompt(text: str, source_language: str, target_language: str) -> str:
+    """A raw-text prompt for a base (not instruction-tuned) LLM: example pairs, one per line
+    pair, then the utterance; the translation is the rest of the line (stop at a newline).
+
+    Pairs without examples get the instruction line only. ``translation_few_shot_prompt``'s
+    figures against Apertium and SmolLM2 are in docs/benchmarks.md.
+    """
+    src = LANGUAGE_NAMES.get(source_language, source_language)
+    dst = LANGUAGE_NAMES.get(target_language, target_language)
+    lines = [f"Translate {src} into {dst}.", ""]
+    for source, target in FEW_SHOT_EXAMPLES.get((source_language, target_language), ()):
+        lines += [f"{src}: {source}", f"{dst}: {target}", ""]
+    lines += [f"{src}: {' '.join(text.split())}", f"{dst}:"]
+    return "\n".join(lines)
+
+
 def translation_budget_tokens(source_tokens: int, ratio: float, minimum: int) -> int:
     """Output budget from the source length: translations run a little longer than their source."""
     return max(minimum, int(source_tokens * ratio) + 4)

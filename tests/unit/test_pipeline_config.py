@@ -214,3 +214,28 @@ def test_router_settings_are_checked():
             _router_yaml(models, "fallback").replace("      router:", "      model: x\n      router:"),
             "r.yaml",
         )
+
+
+def test_few_shot_translation_prompt_for_base_models():
+    from edge_rtgi.pipeline.translate import FEW_SHOT_EXAMPLES, translation_few_shot_prompt
+
+    prompt = translation_few_shot_prompt("  Where is   the station? ", "en", "es")
+    lines = prompt.split("\n")
+    assert lines[0] == "Translate English into Spanish." and lines[-2:] == [
+        "English: Where is the station?",
+        "Spanish:",
+    ]
+    examples = FEW_SHOT_EXAMPLES[("en", "es")]
+    assert all(f"English: {en}\nSpanish: {es}\n" in prompt for en, es in examples)
+    # the examples are not in the benchmark's sentences they would otherwise give away
+    import json
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[2] / "edge_rtgi/bench/data"
+    sources = {row["en"] for row in json.loads((data / "translation_en_es.json").read_text())}
+    graded = (data / "tasks/translation.jsonl").read_text().splitlines()
+    sources |= {json.loads(line)["source"] for line in graded if line.strip()}
+    assert not {en for en, _ in examples} & sources
+    assert TranslateStageConfig(backend="llm", model="gemma-3-270m", prompt="few-shot").prompt == "few-shot"
+    with pytest.raises(ValueError, match="prompt must be"):
+        TranslateStageConfig(backend="llm", model="x", prompt="zero-shot")  # type: ignore[arg-type]

@@ -31,6 +31,8 @@ class BackendRequest:
 
     ``logprobs`` asks for per-token entropies (``BackendDelta.entropies_nats``); only local
     engines report them. ``priority`` and ``deadline_ms`` go to a local engine's scheduler.
+    ``stop`` strings end the generation (not included in the text); ``add_special_tokens`` lets
+    a local tokenizer put its BOS before a raw ``text`` prompt (base models expect it).
     """
 
     request_id: str
@@ -42,6 +44,8 @@ class BackendRequest:
     priority: int = 0
     deadline_ms: float | None = None
     logprobs: bool = False
+    stop: tuple[str, ...] = ()
+    add_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if (self.text is None) == (not self.messages):

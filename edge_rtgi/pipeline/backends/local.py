@@ -53,7 +53,7 @@ class LocalBackend:
 
     def _prompt_ids(self, request: BackendRequest) -> list[int]:
         if request.text is not None:
-            return list(self.tokenizer.encode(request.text, add_special_tokens=False))
+            return list(self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens))
         return list(self.tokenizer.encode_chat(_chat(request.messages)))
 
     async def stream(self, request: BackendRequest) -> AsyncGenerator[BackendDelta, None]:
@@ -63,6 +63,7 @@ class LocalBackend:
             temperature=request.temperature,
             top_p=request.top_p,
             logprobs=request.logprobs,
+            stop=request.stop,
         )
         stream = self.engine.add_request(
             self._prompt_ids(request),

@@ -122,6 +122,8 @@ class OpenAIBackend:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if request.stop:
+            body["stop"] = list(request.stop)
         if request.text is not None:
             body["prompt"] = request.text
             return f"{self.base_url}/completions", body

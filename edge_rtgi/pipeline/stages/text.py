@@ -20,6 +20,7 @@ from edge_rtgi.pipeline.stage import Stage, StageContext
 from edge_rtgi.pipeline.translate import (
     ApertiumTranslator,
     translation_budget_tokens,
+    translation_few_shot_prompt,
     translation_messages,
 )
 
@@ -153,11 +154,17 @@ class TranslateStage(Stage[F.ResponseRequest]):
         budget = translation_budget_tokens(
             self.backend.count_tokens(req.source_text), cfg.budget_ratio, cfg.min_budget_tokens
         )
-        messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
-        request = BackendRequest(
-            request_id=rid,
-            max_tokens=budget,
-            messages=tuple(Message(m["role"], m["content"]) for m in messages),
-        )
+        if cfg.prompt == "few-shot":  # a base model continues the pattern; the line ends it
+            prompt = translation_few_shot_prompt(req.source_text, cfg.source_language, cfg.target_language)
+            request = BackendRequest(
+                request_id=rid, max_tokens=budget, text=prompt, stop=("\n",), add_special_tokens=True
+            )
+        else:
+            messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
+            request = BackendRequest(
+                request_id=rid,
+                max_tokens=budget,
+                messages=tuple(Message(m["role"], m["content"]) for m in messages),
+            )
         done = await stream_backend(self, self.backend, request)
         await self.ctx.forward(self, F.TextDone(rid, done.text, req.source_text, done.usage, done.llm))
