@@ -42,7 +42,24 @@ from edge_rtgi.llm.prepared import load_prepared
 MODEL = "gemma-3-270m"
 
 
-class HFGGUF:
+class _TimedGreedy:
+    """Greedy decoding timed token by token: ``_stamps`` gives one time per generated token."""
+
+    def _stamps(self, prompt: list[int], n: int) -> list[float]:
+        raise NotImplementedError
+
+    def decode_rate(self, prompt: list[int], n: int) -> float:
+        s = self._stamps(prompt, n)
+        return (len(s) - 1) / (s[-1] - s[0])
+
+    def throughput(self, prompts: list[list[int]], n: int) -> float:
+        start = time.perf_counter()
+        for p in prompts:
+            self._stamps(p, n)
+        return len(prompts) * n / (time.perf_counter() - start)
+
+
+class HFGGUF(_TimedGreedy):
     """HF transformers fp32 eager on the GGUF through transformers' own loader."""
 
     def __init__(self, path: Path):
@@ -80,18 +97,8 @@ class HFGGUF:
             )
         return stamps
 
-    def decode_rate(self, prompt: list[int], n: int) -> float:
-        s = self._stamps(prompt, n)
-        return (len(s) - 1) / (s[-1] - s[0])
 
-    def throughput(self, prompts: list[list[int]], n: int) -> float:
-        start = time.perf_counter()
-        for p in prompts:
-            self._stamps(p, n)
-        return len(prompts) * n / (time.perf_counter() - start)
-
-
-class LlamaCpp:
+class LlamaCpp(_TimedGreedy):
     """llama.cpp (llama-cpp-python) on the same GGUF, greedy, one sequence at a time."""
 
     def __init__(self, path: Path, threads: int):
@@ -109,16 +116,6 @@ class LlamaCpp:
             stamps.append(time.perf_counter())
             llm.eval([token])
         return stamps
-
-    def decode_rate(self, prompt: list[int], n: int) -> float:
-        s = self._stamps(prompt, n)
-        return (len(s) - 1) / (s[-1] - s[0])
-
-    def throughput(self, prompts: list[list[int]], n: int) -> float:
-        start = time.perf_counter()
-        for p in prompts:
-            self._stamps(p, n)
-        return len(prompts) * n / (time.perf_counter() - start)
 
 
 def kv_growth(loaded: Any, num_tokens: int, all_global: bool) -> list[tuple[int, int]]:

@@ -154,3 +154,12 @@ class NativeClient:
         await self.ws.close()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
+
+
+def aborted_requests(metrics_text: str) -> float:
+    """Engine requests finished by abort, read from the daemon's /metrics text."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics_text.splitlines()
+        if line.startswith("edge_rtgi_llm_requests_total{") and 'finish_reason="abort"' in line
+    )

@@ -24,7 +24,7 @@ from edge_rtgi.pipeline.config import parse_pipeline
 from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.server.app import Daemon
 from edge_rtgi.server.config import DaemonConfig, ServerConfig
-from tests.integration.native_client import http_get, metric
+from tests.integration.native_client import aborted_requests, http_get, metric
 from tests.tiny_models import make_tiny_hf_model
 
 openai = pytest.importorskip("openai")
@@ -251,14 +251,7 @@ async def test_a_client_that_disconnects_mid_stream_aborts_its_request(daemon, t
     assert s.num_running == 0 and s.num_waiting == 0
     _, after = await http_get(daemon.port, "/metrics")
 
-    def aborted(text: str) -> float:
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("edge_rtgi_llm_requests_total{") and 'finish_reason="abort"' in line
-        )
-
-    assert aborted(after) == aborted(before) + 1
+    assert aborted_requests(after) == aborted_requests(before) + 1
 
 
 async def test_page_and_its_files_are_served_with_nothing_from_elsewhere(daemon):

@@ -23,7 +23,7 @@ from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.pipeline.session import SessionSettings
 from edge_rtgi.server.app import Daemon
 from edge_rtgi.server.config import DaemonConfig, ServerConfig
-from tests.integration.native_client import http_get
+from tests.integration.native_client import aborted_requests, http_get
 from tests.tiny_models import make_tiny_hf_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -219,14 +219,7 @@ async def test_barge_in_closes_the_remote_stream(edge, server, tiny):
         await edge.close_session(session)
     _, after = await http_get(server.port, "/metrics")
 
-    def aborted(text: str) -> float:
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("edge_rtgi_llm_requests_total{") and 'finish_reason="abort"' in line
-        )
-
-    assert aborted(after) == aborted(before) + 1
+    assert aborted_requests(after) == aborted_requests(before) + 1
 
 
 @pytest.mark.parametrize(
