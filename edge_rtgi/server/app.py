@@ -178,14 +178,20 @@ class Daemon:
         """A session on this daemon's pipelines and shared models (used by every adapter);
         ``pipelines`` replaces the daemon's (the Wyoming services use parts of one)."""
         srv = self.config.server
-        session = await Session.open(
+        session = Session(
             pipelines or self.pipelines,
             self.resources,
             settings,
-            SessionLimits(srv.stage_queue_frames, srv.outbox_events),
+            SessionLimits(srv.stage_queue_frames, srv.outbox_events, srv.history_turns),
             session_id,
         )
+        # counted from before its stages start: a client gone mid-open cannot leave it behind
         self.sessions.add(session)
+        try:
+            await session.start()
+        except BaseException:
+            self.sessions.discard(session)
+            raise
         self.metrics.sessions.inc()
         self.metrics.sessions_active.set(len(self.sessions))
         return session

@@ -8,6 +8,7 @@ adjacent). Wire format: docs/protocol.md.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from edge_rtgi.audio.aec import split_reference
 from edge_rtgi.errors import AudioError, EdgeRtgiError
 from edge_rtgi.pipeline.session import Session, SessionSettings
 from edge_rtgi.server import protocol as P
-from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
+from edge_rtgi.server.connection import ClientGone, ClientSocket, query_param, run_connection
 from edge_rtgi.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -39,7 +40,13 @@ class NativeConnection:
     async def on_message(self, message: str | bytes) -> None:
         try:
             await _dispatch(self.session, P.decode_client(message), self.daemon.metrics)
-        except EdgeRtgiError as exc:
+        except EdgeRtgiError as exc:  # a client mistake: an error event, logged quietly
+            log.info("%s: %.200s", self.session.session_id, exc.message)
+            self.session.outbox.put_control(P.error_event(exc))
+        except (ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug of ours: this session gets an error event, nothing else
+            log.exception("%s: failed on a client message", self.session.session_id)
             self.session.outbox.put_control(P.error_event(exc))
 
     async def pump(self) -> None:

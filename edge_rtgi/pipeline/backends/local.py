@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
@@ -65,8 +66,14 @@ class LocalBackend:
             logprobs=request.logprobs,
             stop=request.stop,
         )
+        try:  # a long chat prompt takes milliseconds to render: not on the event loop
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+        except asyncio.CancelledError:
+            if self.observer is not None:
+                self.observer.on_failure(self.name, "cancelled")
+            raise
         stream = self.engine.add_request(
-            self._prompt_ids(request),
+            prompt_ids,
             params,
             request_id=request.request_id,
             priority=request.priority,

@@ -10,13 +10,15 @@ session's events are pumped out through it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import SessionSettings
-from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
+from edge_rtgi.server.connection import ClientGone, ClientSocket, query_param, run_connection
 from edge_rtgi.server.openai_realtime.adapter import RealtimeAdapter, core_settings
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import IdMaker, error_event
@@ -71,9 +73,17 @@ async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
         await ws.close(1008, "cannot open session")
         return
     adapter = RealtimeAdapter(session, send, model=model, config=config, metrics=daemon.metrics)
-    created = await session.next_event()
-    if created is not None:  # session.created before any reply
-        await adapter.on_frame(created)
+    try:
+        created = await session.next_event()
+        if created is not None:  # session.created before any reply
+            await adapter.on_frame(created)
+    except BaseException:
+        # gone right after the handshake (ClientGone, or the handler cancelled): without this
+        # close the session outlived its connection and escaped max_sessions
+        await asyncio.shield(daemon.close_session(session))
+        if isinstance(sys.exc_info()[1], ClientGone):
+            return
+        raise
     await run_connection(
         daemon, ws.messages(), session, RealtimeConnection(daemon, adapter), session.session_id
     )
