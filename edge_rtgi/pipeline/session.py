@@ -510,7 +510,7 @@ class Session:
         if isinstance(exc, EdgeRtgiError):
             code = exc.code if isinstance(exc, BackendError) else "stage_failed"
             err = F.ErrorEvent(code, f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
-        else:  # a bug: the stage logged its traceback; the client gets no exception names
+        else:  # a bug: the stage logged its traceback; the client gets no internals
             err = F.ErrorEvent(
                 "internal_error",
                 f"the {stage.name} stage failed on this response; the session goes on",

@@ -34,7 +34,14 @@ class ServerConfig:
     max_sessions: int = 16
     stage_queue_frames: int = 64
     outbox_events: int = 256
-    history_turns: int = 64  # finished turns a session remembers (the oldest are forgotten)
+    auth_failures_per_min: int = 10  # wrong tokens from one address before it gets 429s
+    history_turns: int = 64
+    # overload (docs/daemon.md, "Overload"): text API requests answered at once (more get a
+    # 503 "busy" at once, so voice sessions keep the engine), client messages per second per
+    # connection, and how much faster than real time a client may send audio
+    max_text_requests: int = 4
+    max_messages_per_s: float = 400.0
+    max_audio_speed: float = 4.0  # finished turns a session remembers (the oldest are forgotten)
     drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -46,6 +53,10 @@ class ServerConfig:
             raise ValueError(
                 "max_sessions >= 1, stage_queue_frames >= 4 and outbox_events >= 16 are required"
             )
+        if self.auth_failures_per_min < 1:
+            raise ValueError("auth_failures_per_min must be >= 1")
+        if self.max_text_requests < 1 or self.max_messages_per_s < 10 or self.max_audio_speed < 1:
+            raise ValueError("max_text_requests >= 1, max_messages_per_s >= 10, max_audio_speed >= 1")
         if self.history_turns < 2:
             raise ValueError("history_turns must be >= 2")
         if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:

@@ -39,9 +39,13 @@ def light_pipelines(model: str) -> dict:
     return {"tiny-voice": voice, "tiny-chat": chat}
 
 
-def light_daemon(model: str, resources: Resources | None = None, **server) -> Daemon:
+def light_daemon(
+    model: str, resources: Resources | None = None, default_pipeline: str = "tiny-voice", **server
+) -> Daemon:
     """A daemon on port 0 over the light pipelines (``server`` overrides ``ServerConfig``)."""
-    cfg = DaemonConfig(server=ServerConfig(port=0, **server), default_pipeline="tiny-voice", engine=ENGINE)
+    cfg = DaemonConfig(
+        server=ServerConfig(port=0, **server), default_pipeline=default_pipeline, engine=ENGINE
+    )
     return Daemon(cfg, light_pipelines(model), resources or Resources(ENGINE))
 
 

@@ -21,6 +21,19 @@ def _chat(messages: Sequence[Message]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
+class TokenizerCounter:
+    """Exact token counts with a model's own tokenizer and chat template (``LocalBackend``'s
+    ``count_tokens``; a ``TokenCounter`` for history fitting)."""
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tokenizer = tokenizer
+
+    def count_tokens(self, prompt: Sequence[Message] | str) -> int:
+        if isinstance(prompt, str):
+            return len(self.tokenizer.encode(prompt))
+        return len(self.tokenizer.encode_chat(_chat(prompt)))
+
+
 class LocalBackend:
     """Streams from a local engine; exact token counts, per-token entropies on request.
 
@@ -36,6 +49,7 @@ class LocalBackend:
         self.engine = engine
         self.model = model
         self.tokenizer: ChatTokenizer = engine.tokenizer
+        self._counter = TokenizerCounter(self.tokenizer)
         self.observer = observer
         self._name = label or f"local:{model}"
 
@@ -48,9 +62,7 @@ class LocalBackend:
         return int(self.engine.max_model_len)
 
     def count_tokens(self, prompt: Sequence[Message] | str) -> int:
-        if isinstance(prompt, str):
-            return len(self.tokenizer.encode(prompt))
-        return len(self.tokenizer.encode_chat(_chat(prompt)))
+        return self._counter.count_tokens(prompt)
 
     def _prompt_ids(self, request: BackendRequest) -> list[int]:
         if request.text is not None:

@@ -156,7 +156,7 @@ def _fit(
 ) -> ChatPrompt:
     system_msg = (Message("system", system),)
     msgs = tuple(Message(turn.role, turn.text) for turn in turns)
-    counts.keep_only([m.content for m in msgs])
+    counts.keep_only([system] + [m.content for m in msgs])
     starts = _exchange_starts(msgs)
     # estimated tokens of msgs[i:] for each start, and of the system prompt
     suffix = [0] * (len(msgs) + 1)

@@ -27,7 +27,7 @@ import numpy as np
 from edge_rtgi import frames as F
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import TextTurn
-from edge_rtgi.server.connection import ClientGone
+from edge_rtgi.server.connection import ClientGone, FloodLimits
 from edge_rtgi.server.metrics import Metrics
 from edge_rtgi.server.openai_realtime.codecs import bytes_to_pcm, decode_base64
 from edge_rtgi.server.openai_realtime.conversation import Conversation, Item, parse_message_item
@@ -151,9 +151,11 @@ class RealtimeAdapter:
         model: str,
         config: RealtimeSessionConfig | None = None,
         metrics: Metrics | None = None,
+        limits: FloodLimits | None = None,
     ):
         self.session = session
         self.metrics = metrics
+        self.limits = limits
         self._send = send
         self.model = model
         self.config = config or RealtimeSessionConfig()
@@ -229,6 +231,19 @@ class RealtimeAdapter:
         fmt = self.config.input_format
         data = decode_base64(require(event.data, "audio", str), "audio")
         pcm = bytes_to_pcm(data, fmt, "audio")
+        if (
+            len(pcm)
+            and self.limits is not None
+            and not self.limits.admit_audio(len(pcm) / fmt.sample_rate_hz)
+        ):
+            if self.limits.warn_now():
+                raise RealtimeProtocolError(
+                    "audio_too_fast",
+                    f"audio is arriving more than {self.limits.audio_speed:g}x faster than real time: "
+                    f"{self.limits.dropped_audio_s:.1f} s dropped so far; stream it at its own pace",
+                    "audio",
+                )
+            return
         if len(pcm):
             await self.session.push_audio(pcm, fmt.sample_rate_hz)
             self._buffered_ms += 1000.0 * len(pcm) / fmt.sample_rate_hz

@@ -57,6 +57,9 @@ class RealtimeConnection:
     async def pump(self) -> None:
         await self.adapter.pump_events(observe=self.daemon.metrics.observe_event)
 
+    async def warn(self, code: str, message: str) -> None:
+        await self.adapter.send_error(RealtimeProtocolError(code, message), None)
+
 
 async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
     """Run one Realtime connection until the client leaves or the daemon drains."""
@@ -72,7 +75,9 @@ async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
         await send(error_event(err, None, IdMaker()("event")))
         await ws.close(1008, "cannot open session")
         return
-    adapter = RealtimeAdapter(session, send, model=model, config=config, metrics=daemon.metrics)
+    adapter = RealtimeAdapter(
+        session, send, model=model, config=config, metrics=daemon.metrics, limits=ws.limits
+    )
     try:
         created = await session.next_event()
         if created is not None:  # session.created before any reply
@@ -85,5 +90,10 @@ async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
             return
         raise
     await run_connection(
-        daemon, ws.messages(), session, RealtimeConnection(daemon, adapter), session.session_id
+        daemon,
+        ws.messages(),
+        session,
+        RealtimeConnection(daemon, adapter),
+        session.session_id,
+        ws.limits,
     )
