@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +88,7 @@ def healthz(port: int) -> int:
 
 
 def main() -> int:
+    warnings.filterwarnings("ignore", module="hypothesis")  # huge examples' reprs, not findings
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--frames", type=int, default=10_000, help="frames per protocol")
     ap.add_argument("--json", help="write the report here")
