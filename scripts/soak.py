@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from websockets.asyncio.client import connect  # noqa: E402
-from websockets.exceptions import ConnectionClosed  # noqa: E402
+from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample  # noqa: E402
 
@@ -127,7 +127,7 @@ class NativeSoakClient:
         while time.monotonic() < deadline and budget[0] > 0:
             try:
                 await self._session(deadline, budget)
-            except (ConnectionClosed, OSError, asyncio.TimeoutError) as exc:
+            except (ConnectionClosed, InvalidStatus, OSError, asyncio.TimeoutError) as exc:
                 self.ledger.errors.append(f"{self.name}: {type(exc).__name__} {exc}"[:200])
             self.ledger.reconnects += 1
 
@@ -289,7 +289,7 @@ class RealtimeSoakClient(NativeSoakClient):
 def start_daemon(folder: Path, light: bool) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if light:
-        cmd = [sys.executable, "-m", "tests.fuzz.harness", str(folder)]
+        cmd = [sys.executable, "-m", "tests.fuzz.harness", str(folder), "tiny-voice", "16"]
     else:
         config = folder / "soak.yaml"
         config.write_text("server:\n  port: 0\n  max_sessions: 16\n")

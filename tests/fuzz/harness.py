@@ -177,8 +177,8 @@ class FuzzClient:
             self.ws = None
 
 
-async def _serve_forever(folder: Path, default_pipeline: str) -> None:
-    d = light_daemon(tiny_model(folder), default_pipeline=default_pipeline, max_sessions=4)
+async def _serve_forever(folder: Path, default_pipeline: str, max_sessions: int) -> None:
+    d = light_daemon(tiny_model(folder), default_pipeline=default_pipeline, max_sessions=max_sessions)
     for pipeline in d.pipelines.values():
         await d.resources.prepare(pipeline)
     await d.start()
@@ -186,8 +186,12 @@ async def _serve_forever(folder: Path, default_pipeline: str) -> None:
     await asyncio.Event().wait()  # until the fuzzer kills the process
 
 
-if __name__ == "__main__":  # ``python -m tests.fuzz.harness FOLDER [PIPELINE]``: scripts/fuzz.py's daemon
+if (
+    __name__ == "__main__"
+):  # ``python -m tests.fuzz.harness FOLDER [PIPELINE [MAX_SESSIONS]]``: scripts/fuzz.py's daemon
     import sys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve_forever(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "tiny-voice"))
+    pipeline = sys.argv[2] if len(sys.argv) > 2 else "tiny-voice"
+    max_sessions = int(sys.argv[3]) if len(sys.argv) > 3 else 4  # the fuzzer: a few sessions at most
+    asyncio.run(_serve_forever(Path(sys.argv[1]), pipeline, max_sessions))
