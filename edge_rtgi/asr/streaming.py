@@ -333,7 +333,8 @@ class StreamingTranscriber:
         events: list[AsrEvent] = [SpeechEnded(utt.id, speech_end_s, endpoint_s, utt.reason)]
         if not text or (not utt.agreement.committed and self._is_hallucination(text, hyp)):
             if text:
-                log.info("dropped a likely hallucination: %r", text)
+                log.info("dropped a likely hallucination (%d characters)", len(text))
+                log.debug("the dropped text: %r", text)
             return events
         if split_words(hyp.text) == words:
             segments = tuple(
@@ -383,7 +384,8 @@ class StreamingTranscriber:
         if tail is None:
             tail = list(agreement.tentative)
         if len(tail) > tail_len:
-            log.info("final decode stopped early; tail recovered without the prefix: %r", " ".join(tail))
+            log.info("final decode stopped early; tail recovered without the prefix")
+            log.debug("the recovered tail: %r", " ".join(tail))
             return agreement.committed + tail, free
         return words, hyp
 

@@ -3,7 +3,9 @@
 ``serve`` runs the daemon until SIGTERM/SIGINT, then drains: it stops accepting, lets
 responses in flight finish (``server.drain_timeout_s``), and closes every session. Under
 systemd (``Type=notify``) it reports ``READY=1`` once the models are loaded and the port
-is open, and ``STOPPING=1`` when the drain starts, through ``$NOTIFY_SOCKET``.
+is open, and ``STOPPING=1`` when the drain starts, through ``$NOTIFY_SOCKET``; with
+``WatchdogSec=`` it pings ``WATCHDOG=1`` from the event loop while healthy
+(``edge_rtgi.server.systemd``).
 
 ``translate`` and ``voice`` stream the microphone (``--mic``) or a WAV file (``--input``)
 through a pipeline in-process, or through a running daemon with ``--connect ws://...``.
@@ -16,7 +18,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -26,28 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edge_rtgi.errors import AudioError, ConfigError
+from edge_rtgi.server.systemd import Watchdog, sd_notify, watchdog_interval_s
 
 if TYPE_CHECKING:
     from edge_rtgi.server.client import Transport
 
 log = logging.getLogger(__name__)
 
-
-def sd_notify(state: str) -> bool:
-    """Send ``state`` (e.g. "READY=1") to systemd's notify socket; False when not under systemd."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]  # abstract namespace
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-            sock.connect(address)
-            sock.sendall(state.encode())
-        return True
-    except OSError as exc:
-        log.warning("sd_notify(%s) failed: %s", state, exc)
-        return False
+__all__ = ["sd_notify"]  # kept importable from here
 
 
 # --------------------------------------------------------------------------- serve
@@ -106,8 +93,14 @@ async def _serve(config: Any, pipelines: dict) -> int:
     if daemon.wyoming is not None:
         print(f"edge-rtgi: Wyoming (Home Assistant) on {daemon.wyoming.uri}", flush=True)
     sd_notify(f"READY=1\nSTATUS=serving on {srv.host}:{daemon.port}")
+    interval_s = watchdog_interval_s()
+    watchdog = Watchdog(interval_s, daemon.health_problems) if interval_s else None
+    if watchdog is not None:
+        watchdog.start()
     await stop.wait()
     sd_notify("STOPPING=1")
+    if watchdog is not None:
+        await watchdog.stop()
     print("edge-rtgi: draining sessions", flush=True)
     await daemon.drain()
     await asyncio.to_thread(resources.close)

@@ -216,6 +216,11 @@ class LLMEngine:
                     )
 
     @property
+    def closed(self) -> bool:
+        """True once ``shutdown`` was called (a stopped thread is then expected, not a fault)."""
+        return self._closed
+
+    @property
     def running_in_thread(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -151,6 +151,7 @@ class Resources:
 
     async def prepare(self, pipeline: PipelineConfig) -> None:
         """Load (and warm up, once) every model ``pipeline`` needs, off the event loop."""
+        warmed_before = len(self._warmed)
         for stage in pipeline.stages:
             if isinstance(stage, AsrConfig):
                 await asyncio.to_thread(self._warm, ("asr", _whisper_key(stage)), self.whisper, stage)
@@ -169,7 +170,10 @@ class Resources:
                         await self._check_remote(spec)
             elif isinstance(stage, TtsStageConfig):
                 await asyncio.to_thread(self._warm, ("tts", stage.voice), self.voice, stage.voice)
-        freeze_heap()  # no full-GC pauses of the loaded models during turns (cpu_priority)
+        if len(self._warmed) > warmed_before:
+            # no full-GC pauses of the loaded models during turns (cpu_priority). Only after a
+            # load: freezing on every session open kept every session alive then for good
+            freeze_heap()
 
     async def _check_remote(self, spec: LlmBackendConfig) -> None:
         """Ask a remote whether it serves the model, once per backend: a remote that does not

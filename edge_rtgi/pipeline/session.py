@@ -17,6 +17,7 @@ and clean shutdown (a closed session aborts its engine requests and frees their 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -75,6 +76,11 @@ class SessionSettings:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if self.vad_threshold is not None and not 0.0 < self.vad_threshold < 1.0:
             raise ValueError(f"vad_threshold must be in (0, 1), got {self.vad_threshold}")
+        # refused here: the VAD would only fail later, in the background, for good
+        for name, low in (("vad_min_silence_ms", 50), ("vad_prefix_padding_ms", 0)):
+            ms = getattr(self, name)
+            if ms is not None and not low <= ms <= 10_000:
+                raise ValueError(f"{name} must be in [{low}, 10000] ms, got {ms}")
 
     def merged(self, changes: dict) -> SessionSettings:
         """These settings with ``changes`` applied strictly (unknown key -> ConfigError)."""
@@ -95,10 +101,12 @@ class TextTurn:
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """Bounds on per-session memory."""
+    """Bounds on per-session memory. ``history_turns``: the finished turns remembered (the oldest
+    go first); the assistant sees as many of them as fit its context."""
 
     stage_queue_frames: int = 64
     outbox_events: int = 256
+    history_turns: int = 64
 
 
 _ids = itertools.count(1)
@@ -147,7 +155,18 @@ class Session:
         session = cls(
             pipelines, resources, settings or SessionSettings(), limits or SessionLimits(), session_id
         )
-        await session._build_stages()
+        await session.start()
+        return session
+
+    async def start(self) -> None:
+        """Build and start the stages and announce the session (``open`` does it for you).
+        Closes what was started when it fails or is cancelled."""
+        session = self
+        try:
+            await session._build_stages()
+        except BaseException:
+            await asyncio.shield(session.close())
+            raise
         session.outbox.put_control(
             F.SessionStarted(
                 session_id=session.session_id,
@@ -157,7 +176,6 @@ class Session:
                 output_sample_rate_hz=session.output_sample_rate_hz,
             )
         )
-        return session
 
     def _pick_pipeline(self, name: str | None) -> PipelineConfig:
         if name is None:
@@ -252,6 +270,9 @@ class Session:
         """Append a finished turn to the history; returns its entry id (for ``revise``)."""
         entry_id = next(self._entry_ids)
         self._history.append(F.ChatTurn(entry_id, role, text, turn_id, response_id))
+        excess = len(self._history) - self.limits.history_turns
+        if excess > 0:  # unbounded, it grew memory and the cost of every turn
+            del self._history[:excess]
         return entry_id
 
     def revise(self, entry_id: int, text: str | None) -> bool:
@@ -489,9 +510,12 @@ class Session:
         if isinstance(exc, EdgeRtgiError):
             code = exc.code if isinstance(exc, BackendError) else "stage_failed"
             err = F.ErrorEvent(code, f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
-        else:
+        else:  # a bug: the stage logged its traceback; the client gets no internals
             err = F.ErrorEvent(
-                "internal_error", f"{stage.name} failed: {type(exc).__name__}: {exc}", response_id=rid
+                "internal_error",
+                f"the {stage.name} stage failed on this response; the session goes on",
+                "if it happens again, report it with the server log",
+                response_id=rid,
             )
         self.outbox.put_control(err)
         if rid is not None and rid in self.responses and not self.responses[rid].done:

@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from edge_rtgi import frames as F
+from edge_rtgi.errors import BackendError, EdgeRtgiError
 
 if TYPE_CHECKING:
     from edge_rtgi.pipeline.session import SessionSettings
@@ -126,6 +127,12 @@ class Stage(Generic[FrameT]):
                 task.cancel()
                 raise  # the stage itself is closing
             # otherwise only this response was cancelled: carry on with the next frame
+        except BackendError as exc:  # a remote LLM failed the turn: the operator's to see, no traceback
+            log.warning("stage %s: %.200s", self.name, exc.message)
+            self.ctx.stage_failed(self, frame, exc)
+        except EdgeRtgiError as exc:  # a request we cannot serve (too long, say): no traceback
+            log.info("stage %s refused %s: %.200s", self.name, type(frame).__name__, exc.message)
+            self.ctx.stage_failed(self, frame, exc)
         except Exception as exc:  # one bad frame must not kill the stage or the session
             log.exception("stage %s failed on %s", self.name, type(frame).__name__)
             self.ctx.stage_failed(self, frame, exc)

@@ -27,6 +27,7 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -34,9 +35,9 @@ from aiohttp import web
 from edge_rtgi.pipeline.config import PipelineConfig
 from edge_rtgi.pipeline.resources import Resources
 from edge_rtgi.pipeline.session import Session, SessionLimits, SessionSettings
-from edge_rtgi.server.admission import Refusal, origin_allowed
+from edge_rtgi.server.admission import SINGLE_HEADERS, AuthThrottle, Refusal, origin_allowed
 from edge_rtgi.server.config import DaemonConfig
-from edge_rtgi.server.connection import ClientSocket, query_param
+from edge_rtgi.server.connection import ClientSocket, FloodLimits, query_param
 from edge_rtgi.server.http import browser, openai_api
 from edge_rtgi.server.http.tickets import Tickets
 from edge_rtgi.server.metrics import CONTENT_TYPE, Metrics
@@ -53,6 +54,8 @@ REALTIME_PATHS = ("/v1/realtime", "/v1/realtime/")
 HEARTBEAT_S = 30.0
 # how long handlers still running after the drain (an SSE stream, say) get before cancellation
 SHUTDOWN_GRACE_S = 1.0
+# how long the drain waits for closed sessions' last events to be sent before the sockets close
+FLUSH_S = 1.0
 
 SocketHandler = Callable[["Daemon", ClientSocket], Awaitable[None]]
 
@@ -88,6 +91,7 @@ class Daemon:
         self.http_in_flight = 0  # API requests being answered (the drain waits for them)
         self.draining = False
         self.tickets = Tickets()
+        self.auth_throttle = AuthThrottle(config.server.auth_failures_per_min)
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -118,7 +122,8 @@ class Daemon:
 
     def _app(self) -> web.Application:
         app = web.Application(
-            client_max_size=self.config.server.max_message_bytes, middlewares=[self._not_found]
+            client_max_size=self.config.server.max_message_bytes,
+            middlewares=[self._single_headers, self._not_found],
         )
         app.router.add_get("/", self._root)
         app.router.add_get("/healthz", self._health)
@@ -157,10 +162,15 @@ class Daemon:
         if self.wyoming is not None:
             await self.wyoming.stop()
             self.wyoming = None
-        for ws in list(self.connections):
-            await ws.close(1001, "server shutting down")
+        # Close the sessions first: a reply the timeout cut gets response.interrupted and
+        # response.done, and the writers send what is queued before the sockets close.
         for s in list(self.sessions):
             await s.close()
+        flush_deadline = loop.time() + FLUSH_S
+        while loop.time() < flush_deadline and any(len(s.outbox) for s in self.sessions):
+            await asyncio.sleep(0.01)
+        for ws in list(self.connections):
+            await ws.close(1001, "server shutting down")
         if self._runner is not None:
             await self._runner.cleanup()  # stops listening, then ends what is left
             self._runner = self._site = None
@@ -178,14 +188,20 @@ class Daemon:
         """A session on this daemon's pipelines and shared models (used by every adapter);
         ``pipelines`` replaces the daemon's (the Wyoming services use parts of one)."""
         srv = self.config.server
-        session = await Session.open(
+        session = Session(
             pipelines or self.pipelines,
             self.resources,
             settings,
-            SessionLimits(srv.stage_queue_frames, srv.outbox_events),
+            SessionLimits(srv.stage_queue_frames, srv.outbox_events, srv.history_turns),
             session_id,
         )
+        # counted from before its stages start: a client gone mid-open cannot leave it behind
         self.sessions.add(session)
+        try:
+            await session.start()
+        except BaseException:
+            self.sessions.discard(session)
+            raise
         self.metrics.sessions.inc()
         self.metrics.sessions_active.set(len(self.sessions))
         return session
@@ -203,12 +219,31 @@ class Daemon:
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         if given is None and websocket:
+            # Browsers cannot set headers: a single-use ticket from POST /v1/tickets. The token
+            # itself is never read from a URL (URLs end up in logs and browser histories).
             ticket = query_param(request.path_qs, "ticket")
             if ticket is not None:
                 return self.tickets.redeem(ticket)
-            # Kept for clients written before tickets; issue #18 (hardening) removes it.
-            given = query_param(request.path_qs, "token")
         return given is not None and hmac.compare_digest(given.encode(), self._token.encode())
+
+    def check_token(self, request: web.Request, websocket: bool = False) -> None:
+        """Raise ``Refusal`` (401, or 429 after too many wrong tokens from this address)."""
+        if self._token is None:
+            return
+        address = request.remote or "?"
+        wait_s = self.auth_throttle.retry_after_s(address)
+        if wait_s > 0:
+            raise Refusal(
+                HTTPStatus.TOO_MANY_REQUESTS,
+                "auth_throttled",
+                f"too many wrong tokens from this address; try again in {wait_s:.0f} s",
+            )
+        if not self._token_ok(request, websocket):
+            self.auth_throttle.failed(address)
+            how = "'Authorization: Bearer <token>'" + (
+                ", or ?ticket= from POST /v1/tickets" if websocket else ""
+            )
+            raise Refusal(HTTPStatus.UNAUTHORIZED, "token", f"missing or wrong token (send {how})")
 
     def admit(self, request: web.Request, websocket: bool = False) -> None:
         """Raise ``Refusal`` unless ``request`` may be served (counted by reason in /metrics)."""
@@ -219,6 +254,18 @@ class Daemon:
             log.warning("refused %s: %s", request.path, refusal.message)
             raise
 
+    def admit_text_request(self) -> None:
+        """Refuse a text API request beyond ``server.max_text_requests`` in flight: a busy
+        answer at once, rather than a queue in front of the engine the voice sessions share."""
+        limit = self.config.server.max_text_requests
+        if self.http_in_flight >= limit:
+            self.metrics.rejected.labels(reason="busy").inc()
+            raise Refusal(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "busy",
+                f"busy: {limit} text requests are being answered (server.max_text_requests); retry shortly",
+            )
+
     def _check(self, request: web.Request, websocket: bool) -> None:
         srv = self.config.server
         origin = request.headers.get("Origin")
@@ -226,11 +273,7 @@ class Daemon:
             raise Refusal(
                 HTTPStatus.FORBIDDEN, "origin", f"origin {origin} is not allowed (server.allowed_origins)"
             )
-        if not self._token_ok(request, websocket):
-            how = "'Authorization: Bearer <token>'" + (
-                ", ?ticket= from POST /v1/tickets" if websocket else ""
-            )
-            raise Refusal(HTTPStatus.UNAUTHORIZED, "token", f"missing or wrong token (send {how})")
+        self.check_token(request, websocket)
         if self.draining:
             raise Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "draining", "server is shutting down")
         if websocket and len(self.connections) >= srv.max_sessions:
@@ -239,6 +282,19 @@ class Daemon:
             )
 
     # ------------------------------------------------------------------ routes
+
+    @web.middleware
+    async def _single_headers(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        for name in SINGLE_HEADERS:
+            if len(request.headers.getall(name, ())) > 1:
+                self.metrics.rejected.labels(reason="duplicate_header").inc()
+                log.warning("refused %s: the %s header was sent more than once", request.path, name)
+                return text_response(
+                    HTTPStatus.BAD_REQUEST, f"the {name} header was sent more than once; send it once\n"
+                )
+        return await handler(request)
 
     @web.middleware
     async def _not_found(
@@ -256,19 +312,32 @@ class Daemon:
                 f"no route {request.path}; try /, /healthz, /metrics, /v1/native, /v1/chat/completions\n",
             )
 
+    def health_problems(self) -> list[str]:
+        """What keeps the daemon from serving (empty when healthy): a dead engine thread."""
+        return [
+            f"the LLM engine thread of {Path(name).name} has stopped; restart the daemon"
+            for name, engine in self.resources.engines().items()
+            if not engine.closed and not engine.running_in_thread
+        ]
+
     async def _health(self, request: web.Request) -> web.Response:
+        problems = self.health_problems()
         body = {
-            "status": "draining" if self.draining else "ok",
+            "status": "draining" if self.draining else "unhealthy" if problems else "ok",
             "sessions": len(self.sessions),
             "pipelines": list(self.pipelines),
         }
-        status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining else HTTPStatus.OK
+        if problems:
+            body["problems"] = problems
+        status = HTTPStatus.SERVICE_UNAVAILABLE if self.draining or problems else HTTPStatus.OK
         return web.json_response(body, status=status.value, headers={"Cache-Control": "no-store"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        if not self._token_ok(request, websocket=False):
-            self.metrics.rejected.labels(reason="token").inc()
-            return text_response(HTTPStatus.UNAUTHORIZED, "missing or wrong token\n")
+        try:
+            self.check_token(request)
+        except Refusal as refusal:
+            self.metrics.rejected.labels(reason=refusal.reason).inc()
+            return text_response(refusal.status, refusal.message + "\n")
         return web.Response(
             body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-store"}
         )
@@ -299,7 +368,8 @@ class Daemon:
         if not ws.can_prepare(request).ok:
             return text_response(HTTPStatus.UPGRADE_REQUIRED, f"{request.path} is a WebSocket endpoint\n")
         await ws.prepare(request)
-        sock = ClientSocket(ws, request.path_qs)
+        srv = self.config.server
+        sock = ClientSocket(ws, request.path_qs, FloodLimits(srv.max_messages_per_s, srv.max_audio_speed))
         self.connections.add(sock)
         try:
             await serve(self, sock)

@@ -17,6 +17,7 @@ from edge_rtgi.config import load_config
 from edge_rtgi.errors import ConfigError
 from edge_rtgi.llm.engine_config import EngineConfig
 
+MIN_TOKEN_CHARS = 16  # a guessable token is no protection off loopback
 DEFAULT_ORIGINS = ("http://localhost", "http://127.0.0.1", "https://localhost", "https://127.0.0.1")
 
 
@@ -33,6 +34,14 @@ class ServerConfig:
     max_sessions: int = 16
     stage_queue_frames: int = 64
     outbox_events: int = 256
+    auth_failures_per_min: int = 10  # wrong tokens from one address before it gets 429s
+    history_turns: int = 64
+    # overload (docs/daemon.md, "Overload"): text API requests answered at once (more get a
+    # 503 "busy" at once, so voice sessions keep the engine), client messages per second per
+    # connection, and how much faster than real time a client may send audio
+    max_text_requests: int = 4
+    max_messages_per_s: float = 400.0
+    max_audio_speed: float = 4.0  # finished turns a session remembers (the oldest are forgotten)
     drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -44,8 +53,14 @@ class ServerConfig:
             raise ValueError(
                 "max_sessions >= 1, stage_queue_frames >= 4 and outbox_events >= 16 are required"
             )
-        if self.token is not None and len(self.token) < 16:
-            raise ValueError("token must be at least 16 characters")
+        if self.auth_failures_per_min < 1:
+            raise ValueError("auth_failures_per_min must be >= 1")
+        if self.max_text_requests < 1 or self.max_messages_per_s < 10 or self.max_audio_speed < 1:
+            raise ValueError("max_text_requests >= 1, max_messages_per_s >= 10, max_audio_speed >= 1")
+        if self.history_turns < 2:
+            raise ValueError("history_turns must be >= 2")
+        if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"token must be at least {MIN_TOKEN_CHARS} characters")
 
     def resolved_token(self) -> str | None:
         """The token from ``token``, ``token_file`` or ``$EDGE_RTGI_TOKEN``."""
@@ -56,11 +71,16 @@ class ServerConfig:
                 token = Path(self.token_file).expanduser().read_text().strip()
             except OSError as exc:
                 raise ConfigError(f"cannot read token_file {self.token_file}: {exc.strerror}") from None
-            if len(token) < 16:
-                raise ConfigError(f"token in {self.token_file} is shorter than 16 characters")
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ConfigError(f"token in {self.token_file} must be at least {MIN_TOKEN_CHARS} characters")
             return token
-        env = os.environ.get("EDGE_RTGI_TOKEN")
-        return env.strip() if env and env.strip() else None
+        env = (os.environ.get("EDGE_RTGI_TOKEN") or "").strip()
+        if env and len(env) < MIN_TOKEN_CHARS:
+            raise ConfigError(
+                f"$EDGE_RTGI_TOKEN must be at least {MIN_TOKEN_CHARS} characters (it has {len(env)})",
+                hint="generate one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+            )
+        return env or None
 
     def check_bind(self) -> str | None:
         """Refuse a non-loopback bind without a token; returns the token to require, if any."""

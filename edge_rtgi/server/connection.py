@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import parse_qs, urlsplit
@@ -35,12 +36,66 @@ class ClientGone(Exception):
     """A send found the client's connection closed."""
 
 
+class FloodLimits:
+    """One connection's flood limits: client messages per second (a token bucket that allows a
+    burst of two seconds' worth), and audio at most ``audio_speed`` times faster than real time
+    (with ``audio_burst_s`` of slack: a client may send a short file at once).
+
+    Past either limit the message is dropped and the client warned, at most once a second, so
+    a flood costs neither unbounded buffering nor a flood of warnings back.
+    """
+
+    def __init__(self, messages_per_s: float, audio_speed: float, audio_burst_s: float = 30.0):
+        self.messages_per_s = messages_per_s
+        self.audio_speed = audio_speed
+        self.audio_burst_s = audio_burst_s
+        self._tokens = 2.0 * messages_per_s
+        self._last_s = time.monotonic()
+        self._audio_start_s: float | None = None
+        self._audio_s = 0.0
+        self._warned_s = -1.0
+        self.dropped_messages = 0
+        self.dropped_audio_s = 0.0
+
+    def admit_message(self) -> bool:
+        now = time.monotonic()
+        cap = 2.0 * self.messages_per_s
+        self._tokens = min(cap, self._tokens + (now - self._last_s) * self.messages_per_s)
+        self._last_s = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.dropped_messages += 1
+        return False
+
+    def admit_audio(self, seconds: float) -> bool:
+        """True when ``seconds`` more audio keeps the client within its speed limit."""
+        now = time.monotonic()
+        if self._audio_start_s is None:
+            self._audio_start_s = now
+        allowed_s = (now - self._audio_start_s) * self.audio_speed + self.audio_burst_s
+        if self._audio_s + seconds > allowed_s:
+            self.dropped_audio_s += seconds
+            return False
+        self._audio_s += seconds
+        return True
+
+    def warn_now(self) -> bool:
+        """True at most once a second (when to tell the client what was dropped)."""
+        now = time.monotonic()
+        if now - self._warned_s >= 1.0:
+            self._warned_s = now
+            return True
+        return False
+
+
 class ClientSocket:
     """One admitted WebSocket connection: its URL (``path``, with the query), send, close, messages."""
 
-    def __init__(self, ws: web.WebSocketResponse, path: str):
+    def __init__(self, ws: web.WebSocketResponse, path: str, limits: FloodLimits | None = None):
         self.ws = ws
         self.path = path
+        self.limits = limits or FloodLimits(float("inf"), float("inf"))
         self._inbox: asyncio.Queue[str | bytes | None] = asyncio.Queue(READ_AHEAD_MESSAGES)
         self._ended = False  # the reader has stopped; what is still queued is the rest
         self._reader = asyncio.create_task(self._read(), name="ws-reader")
@@ -95,6 +150,9 @@ class ProtocolConnection(Protocol):
     async def pump(self) -> None:
         """Send the session's events to the client until the session closes."""
 
+    async def warn(self, code: str, message: str) -> None:
+        """Tell the client something it sent was dropped (an error event; the session goes on)."""
+
 
 async def run_connection(
     daemon: Daemon,
@@ -102,11 +160,22 @@ async def run_connection(
     session: Session,
     protocol: ProtocolConnection,
     name: str,
+    limits: FloodLimits | None = None,
 ) -> None:
-    """Read ``messages`` into ``protocol`` while its writer runs; close the session at the end."""
+    """Read ``messages`` into ``protocol`` while its writer runs; close the session at the end.
+    Messages past the connection's rate limit are dropped with a warning."""
     writer = asyncio.create_task(protocol.pump(), name=f"writer-{name}")
     try:
         async for message in messages:
+            if limits is not None and not limits.admit_message():
+                if limits.warn_now():
+                    log.warning("%s: message rate over %.0f/s, dropping", name, limits.messages_per_s)
+                    await protocol.warn(
+                        "rate_limited",
+                        f"more than {limits.messages_per_s:.0f} messages per second: "
+                        f"{limits.dropped_messages} dropped so far; send fewer, larger messages",
+                    )
+                continue
             await protocol.on_message(message)
             if writer.done():
                 break  # the client stopped reading: nothing more to do

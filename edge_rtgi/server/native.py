@@ -8,6 +8,7 @@ adjacent). Wire format: docs/protocol.md.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,13 @@ from edge_rtgi.audio.aec import split_reference
 from edge_rtgi.errors import AudioError, EdgeRtgiError
 from edge_rtgi.pipeline.session import Session, SessionSettings
 from edge_rtgi.server import protocol as P
-from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
+from edge_rtgi.server.connection import (
+    ClientGone,
+    ClientSocket,
+    FloodLimits,
+    query_param,
+    run_connection,
+)
 from edge_rtgi.server.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -36,10 +43,27 @@ class NativeConnection:
     def __init__(self, daemon: Daemon, session: Session, ws: ClientSocket):
         self.daemon, self.session, self.ws = daemon, session, ws
 
+    async def warn(self, code: str, message: str) -> None:
+        self.session.outbox.put_control(F.ErrorEvent(code, message))
+
     async def on_message(self, message: str | bytes) -> None:
         try:
-            await _dispatch(self.session, P.decode_client(message), self.daemon.metrics)
-        except EdgeRtgiError as exc:
+            event = P.decode_client(message)
+            if isinstance(event, P.AudioChunk):
+                limits = self.ws.limits
+                seconds = len(event.pcm) / self.session.input_sample_rate_hz
+                if not limits.admit_audio(seconds):
+                    if limits.warn_now():
+                        await self.warn("audio_too_fast", _too_fast(limits))
+                    return
+            await _dispatch(self.session, event, self.daemon.metrics)
+        except EdgeRtgiError as exc:  # a client mistake: an error event, logged quietly
+            log.info("%s: %.200s", self.session.session_id, exc.message)
+            self.session.outbox.put_control(P.error_event(exc))
+        except (ClientGone, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug of ours: this session gets an error event, nothing else
+            log.exception("%s: failed on a client message", self.session.session_id)
             self.session.outbox.put_control(P.error_event(exc))
 
     async def pump(self) -> None:
@@ -49,6 +73,13 @@ class NativeConnection:
             metrics.observe_event(event)
             for message in P.encode_server(event, session.ms):
                 await self.ws.send(message)
+
+
+def _too_fast(limits: FloodLimits) -> str:
+    return (
+        f"audio is arriving more than {limits.audio_speed:g}x faster than real time: "
+        f"{limits.dropped_audio_s:.1f} s dropped so far; stream it at its own pace"
+    )
 
 
 async def _dispatch(session: Session, event: P.ClientEvent, metrics: Metrics) -> None:
@@ -88,5 +119,10 @@ async def serve_native(daemon: Daemon, ws: ClientSocket) -> None:
         await ws.close(1008, "cannot open session")
         return
     await run_connection(
-        daemon, ws.messages(), session, NativeConnection(daemon, session, ws), session.session_id
+        daemon,
+        ws.messages(),
+        session,
+        NativeConnection(daemon, session, ws),
+        session.session_id,
+        ws.limits,
     )

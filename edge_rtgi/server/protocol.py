@@ -24,6 +24,7 @@ import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.errors import EdgeRtgiError
+from edge_rtgi.server.wire_json import WireJsonError, parse_client_json
 
 PROTOCOL_VERSION = "edge-rtgi.v1"
 AUDIO_FORMAT = "pcm_s16le"
@@ -110,17 +111,11 @@ def decode_client(message: str | bytes) -> ClientEvent:
             )
         return AudioChunk(np.frombuffer(data, dtype="<i2").astype(np.int16, copy=False))
     try:
-        obj = json.loads(message)
-    except json.JSONDecodeError as exc:
+        obj = parse_client_json(message)
+    except WireJsonError as exc:
         raise ProtocolError(
             "invalid_json",
-            f"message is not valid JSON: {exc.msg} at char {exc.pos}",
-            hint="text frames must be JSON objects with a 'type'",
-        ) from None
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(
-            "invalid_json",
-            f"message is not valid UTF-8: {exc.reason} at byte {exc.start}",
+            f"message is not acceptable JSON: {exc.reason}",
             hint="text frames must be JSON objects with a 'type'",
         ) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
@@ -284,4 +279,10 @@ def error_event(exc: BaseException, event_type: str | None = None) -> F.ErrorEve
         return F.ErrorEvent(exc.code, exc.message, exc.hint, event_type=exc.event_type or event_type)
     if isinstance(exc, EdgeRtgiError):
         return F.ErrorEvent("invalid_request", exc.message, exc.hint, event_type=event_type)
-    return F.ErrorEvent("internal_error", f"{type(exc).__name__}: {exc}", event_type=event_type)
+    # a bug of ours: the log has the traceback, the client gets no Python internals
+    return F.ErrorEvent(
+        "internal_error",
+        "the server failed on this message; the session goes on",
+        "if it happens again, report it with the server log",
+        event_type=event_type,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import socket
 
 import pytest
@@ -233,12 +234,19 @@ async def test_barge_in_closes_the_remote_stream(edge, server, tiny):
         ("refuse", "backend_error", 1),
     ],
 )
-async def test_a_failing_remote_gives_an_error_event_and_the_session_goes_on(edge, faults, kind, code, tries):
+async def test_a_failing_remote_gives_an_error_event_and_the_session_goes_on(
+    edge, faults, kind, code, tries, caplog
+):
+    caplog.set_level(logging.INFO)
     session = await edge.open_session(SessionSettings(pipeline=kind))
     try:
         events = await turn(session)
         err = next(e for e in events if isinstance(e, F.ErrorEvent))
         assert err.code == code and err.message.startswith("assistant: openai:m@") and err.hint
+        assert not re.search(r"[A-Z]\w*(Error|Exception)\b", err.message)  # no Python names
+        # the operator sees it as a warning, without a traceback
+        logged = [r for r in caplog.records if r.name == "edge_rtgi.pipeline.stage"]
+        assert [r.levelno for r in logged] == [logging.WARNING] and not any(r.exc_info for r in logged)
         assert done(events).status == "failed" and not err.fatal
         if kind != "down":
             assert faults.hits[kind] == tries

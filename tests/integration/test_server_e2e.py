@@ -255,6 +255,7 @@ async def test_history_trimming_keeps_the_system_prompt(daemon):
     from edge_rtgi.errors import RequestError
     from edge_rtgi.frames import ChatTurn
     from edge_rtgi.pipeline.backends.base import Message
+    from edge_rtgi.pipeline.backends.local import LocalBackend
     from edge_rtgi.pipeline.stages.text import trim_history
 
     tok = engine(daemon).tokenizer
@@ -269,18 +270,20 @@ async def test_history_trimming_keeps_the_system_prompt(daemon):
         )
     )
 
+    backend = LocalBackend(engine(daemon), "assistant")  # what the assistant stage counts with
+
     def count(msgs):
         return len(tok.encode_chat([{"role": m.role, "content": m.content} for m in msgs]))
 
-    msgs = trim_history(count, "Be brief.", turns, budget_tokens=full // 2)
+    msgs = trim_history(backend, "Be brief.", turns, budget_tokens=full // 2)
     assert msgs[0] == Message("system", "Be brief.")
     assert msgs[1].role == "user" and msgs[-1].content == "The last question?"
     assert count(msgs) <= full // 2 and len(msgs) < len(turns) + 1
-    assert trim_history(count, "Be brief.", turns, budget_tokens=full + 10)[1:] == tuple(
+    assert trim_history(backend, "Be brief.", turns, budget_tokens=full + 10)[1:] == tuple(
         Message(r, t) for r, t in pairs
     )
     with pytest.raises(RequestError, match="does not fit"):
-        trim_history(count, "Be brief.", turns, budget_tokens=5)
+        trim_history(backend, "Be brief.", turns, budget_tokens=5)
 
 
 async def test_llm_translation_backend_streams_within_its_budget(daemon):

@@ -62,6 +62,13 @@ def test_espeak_engine_speaks_spanish_in_chunks():
     assert 1.5 < len(audio) / engine.sample_rate_hz < 8.0 and _rms(audio) > 300
 
 
+def test_control_characters_are_spoken_around_not_passed_on(piper):
+    # a tiny model's byte token once put a NUL into a reply: espeak-ng's argv cannot hold one
+    for engine in (EspeakEngine("en-us"), piper):
+        audio = np.concatenate(list(engine.synthesize_stream("Hello\x00 there.\x07 Good\x1b day.")))
+        assert _rms(audio) > 300
+
+
 async def test_async_wrapper_streams_and_stops_early(piper, monkeypatch):
     calls = []
     real = piper.synthesize_ids

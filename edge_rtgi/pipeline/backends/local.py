@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
@@ -20,6 +21,19 @@ def _chat(messages: Sequence[Message]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
+class TokenizerCounter:
+    """Exact token counts with a model's own tokenizer and chat template (``LocalBackend``'s
+    ``count_tokens``; a ``TokenCounter`` for history fitting)."""
+
+    def __init__(self, tokenizer: ChatTokenizer):
+        self.tokenizer = tokenizer
+
+    def count_tokens(self, prompt: Sequence[Message] | str) -> int:
+        if isinstance(prompt, str):
+            return len(self.tokenizer.encode(prompt))
+        return len(self.tokenizer.encode_chat(_chat(prompt)))
+
+
 class LocalBackend:
     """Streams from a local engine; exact token counts, per-token entropies on request.
 
@@ -35,6 +49,7 @@ class LocalBackend:
         self.engine = engine
         self.model = model
         self.tokenizer: ChatTokenizer = engine.tokenizer
+        self._counter = TokenizerCounter(self.tokenizer)
         self.observer = observer
         self._name = label or f"local:{model}"
 
@@ -47,9 +62,7 @@ class LocalBackend:
         return int(self.engine.max_model_len)
 
     def count_tokens(self, prompt: Sequence[Message] | str) -> int:
-        if isinstance(prompt, str):
-            return len(self.tokenizer.encode(prompt))
-        return len(self.tokenizer.encode_chat(_chat(prompt)))
+        return self._counter.count_tokens(prompt)
 
     def _prompt_ids(self, request: BackendRequest) -> list[int]:
         if request.text is not None:
@@ -65,8 +78,14 @@ class LocalBackend:
             logprobs=request.logprobs,
             stop=request.stop,
         )
+        try:  # a long chat prompt takes milliseconds to render: not on the event loop
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+        except asyncio.CancelledError:
+            if self.observer is not None:
+                self.observer.on_failure(self.name, "cancelled")
+            raise
         stream = self.engine.add_request(
-            self._prompt_ids(request),
+            prompt_ids,
             params,
             request_id=request.request_id,
             priority=request.priority,

@@ -131,8 +131,10 @@ class OpenAIBackend:
         return f"{self.base_url}/chat/completions", body
 
     def _unreachable(self, exc: BaseException) -> BackendError:
+        # aiohttp's texts can hold exception reprs: they go to the log, not to the client
+        log.info("%s: %r", self.name, exc)
         return BackendError(
-            f"{self.name} cannot be reached at {self.base_url}: {exc or type(exc).__name__}",
+            f"{self.name} cannot be reached at {self.base_url}",
             hint="is the server running and the base_url right (it usually ends in /v1)?",
             code="backend_unavailable",
         )
@@ -293,8 +295,9 @@ class OpenAIBackend:
                 code="backend_timeout",
             ) from None
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            log.info("%s: %r", self.name, exc)  # the detail, for the log only
             error = BackendError(
-                f"{self.name} dropped the connection mid-stream: {exc or type(exc).__name__}",
+                f"{self.name} dropped the connection mid-stream",
                 hint="the server closed the connection before the end of the answer (restarted or crashed?)",
                 code="backend_unavailable",
             )

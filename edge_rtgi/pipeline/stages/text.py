@@ -9,8 +9,12 @@ request (its KV blocks are freed) or closes the remote's HTTP stream.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import threading
+from collections.abc import Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Protocol
 
 from edge_rtgi import frames as F
 from edge_rtgi.errors import RequestError
@@ -63,28 +67,128 @@ async def stream_backend(
     return F.TextDone(request.request_id, text.rstrip(), usage=dict(result.usage()), llm=call_stats(result))
 
 
-def trim_history(
-    count_tokens: Callable[[Sequence[Message]], int],
+class TokenCounter(Protocol):
+    """What history fitting needs of a backend (every ``LlmBackend`` is one)."""
+
+    def count_tokens(self, prompt: Sequence[Message] | str) -> int:
+        """Tokens of a chat prompt (with its template) or of plain text."""
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """The chat messages that fit the budget, and their tokens as the backend counts them."""
+
+    messages: tuple[Message, ...]
+    prompt_tokens: int
+
+
+class TurnTokenCounts:
+    """Token counts of the turns of one conversation, each turn counted once in its life.
+
+    Trimming a long history used to re-render the whole chat template after every dropped
+    exchange, on the event loop; with these counts it drops turns by arithmetic and renders the
+    template once or twice. A count is the turn's text plus the template's per-message overhead
+    (measured once), an estimate the exact count of the whole prompt then checks. ``lock``: a
+    cancelled fit may still be running in its worker thread when the next one starts.
+    """
+
+    def __init__(self, counter: TokenCounter):
+        self.counter = counter
+        self.lock = threading.Lock()
+        self._texts: dict[str, int] = {}
+        self._overhead_tokens: int | None = None
+
+    def _overhead(self) -> int:
+        if self._overhead_tokens is None:
+            probe = "x"
+            try:
+                system = (Message("system", probe),)
+                both = system + (Message("user", probe),)
+                extra = self.counter.count_tokens(both) - self.counter.count_tokens(system)
+                self._overhead_tokens = max(0, extra - self.counter.count_tokens(probe))
+            except Exception:  # noqa: BLE001 - a template that refuses the probe: the exact check decides
+                self._overhead_tokens = 0
+        return self._overhead_tokens
+
+    def count(self, text: str) -> int:
+        """The estimated tokens of one message holding ``text``."""
+        n = self._texts.get(text)
+        if n is None:
+            n = self._texts[text] = self.counter.count_tokens(text) + self._overhead()
+        return n
+
+    def keep_only(self, texts: Sequence[str]) -> None:
+        """Forget the counts of turns no longer in the history (bounded memory)."""
+        wanted = set(texts)
+        self._texts = {t: n for t, n in self._texts.items() if t in wanted}
+
+
+def _exchange_starts(msgs: Sequence[Message]) -> list[int]:
+    """Indices where the kept history may start: the whole history, or a user turn (a trimmed
+    history never starts with an assistant turn)."""
+    return [i for i, m in enumerate(msgs) if i == 0 or m.role == "user"]
+
+
+def fit_history(
+    counter: TokenCounter,
     system: str,
     turns: Sequence[F.ChatTurn],
     budget_tokens: int,
-) -> tuple[Message, ...]:
-    """Chat messages that fit ``budget_tokens`` (as ``count_tokens`` counts a whole prompt): the
-    system prompt always, then as many of the latest turns as fit. Dropping whole old turns keeps
-    the system prompt a stable prefix, so the prefix cache keeps serving it."""
+    counts: TurnTokenCounts | None = None,
+) -> ChatPrompt:
+    """The system prompt always, then as many of the latest turns as fit ``budget_tokens`` (as
+    ``counter``, the backend that runs the turn, counts a whole prompt).
+
+    Dropping whole old exchanges keeps the system prompt a stable prefix, so the prefix cache
+    keeps serving it. CPU-bound: call it from a worker thread, never on the event loop.
+    """
+    counts = counts or TurnTokenCounts(counter)
+    with counts.lock:
+        return _fit(counter, system, turns, budget_tokens, counts)
+
+
+def _fit(
+    counter: TokenCounter,
+    system: str,
+    turns: Sequence[F.ChatTurn],
+    budget_tokens: int,
+    counts: TurnTokenCounts,
+) -> ChatPrompt:
     system_msg = (Message("system", system),)
     msgs = tuple(Message(turn.role, turn.text) for turn in turns)
-    while msgs:
-        if count_tokens(system_msg + msgs) <= budget_tokens:
-            return system_msg + msgs
-        # drop the oldest exchange; never start the history with an assistant turn
-        msgs = msgs[1:]
-        while msgs and msgs[0].role != "user":
-            msgs = msgs[1:]
-    raise RequestError(
-        "the latest user turn alone does not fit the context window",
-        hint="speak in shorter turns or raise context_tokens",
-    )
+    counts.keep_only([system] + [m.content for m in msgs])
+    starts = _exchange_starts(msgs)
+    # estimated tokens of msgs[i:] for each start, and of the system prompt
+    suffix = [0] * (len(msgs) + 1)
+    for i in range(len(msgs) - 1, -1, -1):
+        suffix[i] = suffix[i + 1] + counts.count(msgs[i].content)
+    fixed = counts.count(system)
+    fitting = [k for k, i in enumerate(starts) if fixed + suffix[i] <= budget_tokens]
+    k = fitting[0] if fitting else len(starts) - 1
+    best: ChatPrompt | None = None
+    while 0 <= k < len(starts):
+        chosen = system_msg + msgs[starts[k] :]
+        n = counter.count_tokens(chosen)
+        if n <= budget_tokens:
+            best = ChatPrompt(chosen, n)
+            k -= 1  # the estimate may be high: try one more exchange
+        elif best is not None:
+            break
+        else:
+            k += 1  # the estimate was low: drop one more exchange
+    if best is None:
+        raise RequestError(
+            "the latest user turn alone does not fit the context window",
+            hint="speak in shorter turns or raise context_tokens",
+        )
+    return best
+
+
+def trim_history(
+    counter: TokenCounter, system: str, turns: Sequence[F.ChatTurn], budget_tokens: int
+) -> tuple[Message, ...]:
+    """The messages of ``fit_history`` (for callers that only want the messages)."""
+    return fit_history(counter, system, turns, budget_tokens).messages
 
 
 class AssistantStage(Stage[F.ResponseRequest]):
@@ -96,22 +200,25 @@ class AssistantStage(Stage[F.ResponseRequest]):
         super().__init__(ctx, inbox_frames)
         self.config = config
         self.backend = backend
+        self.counts = TurnTokenCounts(backend)
 
     async def handle(self, req: F.ResponseRequest) -> None:
         cfg = self.config
         max_tokens = req.max_tokens or cfg.max_reply_tokens
         window = self.backend.context_tokens
         context = min(cfg.context_tokens or window, window)
-        messages = trim_history(
-            self.backend.count_tokens,
+        prompt = await asyncio.to_thread(  # counting a long history must not stall the loop
+            fit_history,
+            self.backend,
             req.system_prompt or cfg.system_prompt,
             req.messages,
             context - max_tokens,
+            self.counts,
         )
         request = BackendRequest(
             request_id=req.response_id,
             max_tokens=max_tokens,
-            messages=messages,
+            messages=prompt.messages,
             temperature=cfg.temperature if req.temperature is None else req.temperature,
             top_p=cfg.top_p,
             priority=cfg.priority,
@@ -151,9 +258,8 @@ class TranslateStage(Stage[F.ResponseRequest]):
             return
         if self.backend is None:
             raise RequestError("the translate stage has no LLM backend")
-        budget = translation_budget_tokens(
-            self.backend.count_tokens(req.source_text), cfg.budget_ratio, cfg.min_budget_tokens
-        )
+        source_tokens = await asyncio.to_thread(self.backend.count_tokens, req.source_text)  # off the loop
+        budget = translation_budget_tokens(source_tokens, cfg.budget_ratio, cfg.min_budget_tokens)
         if cfg.prompt == "few-shot":  # a base model continues the pattern; the line ends it
             prompt = translation_few_shot_prompt(req.source_text, cfg.source_language, cfg.target_language)
             request = BackendRequest(

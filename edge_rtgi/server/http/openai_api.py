@@ -122,6 +122,7 @@ class TextApi:
         route = "chat.completions" if kind == "chat" else "completions"
         try:
             self.daemon.admit(request)
+            self.daemon.admit_text_request()
         except Refusal as refusal:
             return self._refused(refusal, route)
         self.daemon.http_in_flight += 1

@@ -15,6 +15,7 @@ turn's final transcript, so the reply answers the turn just committed.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections import deque
@@ -26,6 +27,7 @@ import numpy as np
 from edge_rtgi import frames as F
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import TextTurn
+from edge_rtgi.server.connection import ClientGone, FloodLimits
 from edge_rtgi.server.metrics import Metrics
 from edge_rtgi.server.openai_realtime.codecs import bytes_to_pcm, decode_base64
 from edge_rtgi.server.openai_realtime.conversation import Conversation, Item, parse_message_item
@@ -149,9 +151,11 @@ class RealtimeAdapter:
         model: str,
         config: RealtimeSessionConfig | None = None,
         metrics: Metrics | None = None,
+        limits: FloodLimits | None = None,
     ):
         self.session = session
         self.metrics = metrics
+        self.limits = limits
         self._send = send
         self.model = model
         self.config = config or RealtimeSessionConfig()
@@ -198,9 +202,19 @@ class RealtimeAdapter:
             handler = getattr(self, "_on_" + event.type.replace(".", "_"))
             await handler(event)
         except RealtimeProtocolError as exc:
+            log.info("realtime %s: %.200s", self.session.session_id, exc.message)
             await self.send_error(exc, event_id or exc.client_event_id)
         except EdgeRtgiError as exc:
+            log.info("realtime %s: %.200s", self.session.session_id, exc.message)
             await self.send_error(RealtimeProtocolError("invalid_request", str(exc)), event_id)
+        except (ClientGone, asyncio.CancelledError):
+            raise
+        except Exception:  # a bug of ours: logged with its traceback; the client learns no internals
+            log.exception("realtime %s: failed on a client event", self.session.session_id)
+            err = RealtimeProtocolError(
+                "server_error", "the server failed on this event; the session goes on", None, "server_error"
+            )
+            await self.send_error(err, event_id)
 
     async def _on_session_update(self, event: ClientEvent) -> None:
         new = apply_session_update(self.config, require(event.data, "session", dict))
@@ -217,6 +231,19 @@ class RealtimeAdapter:
         fmt = self.config.input_format
         data = decode_base64(require(event.data, "audio", str), "audio")
         pcm = bytes_to_pcm(data, fmt, "audio")
+        if (
+            len(pcm)
+            and self.limits is not None
+            and not self.limits.admit_audio(len(pcm) / fmt.sample_rate_hz)
+        ):
+            if self.limits.warn_now():
+                raise RealtimeProtocolError(
+                    "audio_too_fast",
+                    f"audio is arriving more than {self.limits.audio_speed:g}x faster than real time: "
+                    f"{self.limits.dropped_audio_s:.1f} s dropped so far; stream it at its own pace",
+                    "audio",
+                )
+            return
         if len(pcm):
             await self.session.push_audio(pcm, fmt.sample_rate_hz)
             self._buffered_ms += 1000.0 * len(pcm) / fmt.sample_rate_hz

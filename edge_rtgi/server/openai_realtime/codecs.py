@@ -69,7 +69,7 @@ def parse_format(value: object, param: str) -> AudioFormat:
         raise RealtimeProtocolError(
             "invalid_type", f'{param} must be an object like {{"type": "audio/pcm", "rate": 24000}}', param
         )
-    if name not in SUPPORTED_FORMAT_TYPES:
+    if not isinstance(name, str) or name not in SUPPORTED_FORMAT_TYPES:
         raise RealtimeProtocolError(
             "unsupported_audio_format",
             f"unsupported audio format {name!r}; supported: audio/pcm (24000 Hz), audio/pcmu, audio/pcma",

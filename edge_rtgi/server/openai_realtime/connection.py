@@ -10,13 +10,15 @@ session's events are pumped out through it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import sys
 from typing import TYPE_CHECKING, Any
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import SessionSettings
-from edge_rtgi.server.connection import ClientSocket, query_param, run_connection
+from edge_rtgi.server.connection import ClientGone, ClientSocket, query_param, run_connection
 from edge_rtgi.server.openai_realtime.adapter import RealtimeAdapter, core_settings
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
 from edge_rtgi.server.openai_realtime.events import IdMaker, error_event
@@ -55,6 +57,9 @@ class RealtimeConnection:
     async def pump(self) -> None:
         await self.adapter.pump_events(observe=self.daemon.metrics.observe_event)
 
+    async def warn(self, code: str, message: str) -> None:
+        await self.adapter.send_error(RealtimeProtocolError(code, message), None)
+
 
 async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
     """Run one Realtime connection until the client leaves or the daemon drains."""
@@ -70,10 +75,25 @@ async def serve_connection(daemon: Daemon, ws: ClientSocket) -> None:
         await send(error_event(err, None, IdMaker()("event")))
         await ws.close(1008, "cannot open session")
         return
-    adapter = RealtimeAdapter(session, send, model=model, config=config, metrics=daemon.metrics)
-    created = await session.next_event()
-    if created is not None:  # session.created before any reply
-        await adapter.on_frame(created)
+    adapter = RealtimeAdapter(
+        session, send, model=model, config=config, metrics=daemon.metrics, limits=ws.limits
+    )
+    try:
+        created = await session.next_event()
+        if created is not None:  # session.created before any reply
+            await adapter.on_frame(created)
+    except BaseException:
+        # gone right after the handshake (ClientGone, or the handler cancelled): without this
+        # close the session outlived its connection and escaped max_sessions
+        await asyncio.shield(daemon.close_session(session))
+        if isinstance(sys.exc_info()[1], ClientGone):
+            return
+        raise
     await run_connection(
-        daemon, ws.messages(), session, RealtimeConnection(daemon, adapter), session.session_id
+        daemon,
+        ws.messages(),
+        session,
+        RealtimeConnection(daemon, adapter),
+        session.session_id,
+        ws.limits,
     )

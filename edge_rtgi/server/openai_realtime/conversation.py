@@ -93,7 +93,7 @@ def parse_message_item(item: object, new_id: str) -> Item:
         if not isinstance(part, dict):
             raise RealtimeProtocolError("invalid_type", f"{p} must be an object", p)
         ptype = part.get("type")
-        if ptype not in allowed:
+        if not isinstance(ptype, str) or ptype not in allowed:
             raise RealtimeProtocolError(
                 "invalid_value",
                 f"{p}.type {ptype!r} is not supported for role {role!r}; use one of {sorted(allowed)}",

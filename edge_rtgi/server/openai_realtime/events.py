@@ -11,11 +11,11 @@ emits GA names. ``parse_client_event`` turns one WebSocket text message into a
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from dataclasses import dataclass
 
 from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
+from edge_rtgi.server.wire_json import WireJsonError, parse_client_json
 
 # Client events this adapter implements.
 CLIENT_EVENTS = (
@@ -111,9 +111,9 @@ def parse_client_event(message: str | bytes) -> ClientEvent:
                 "and put audio in input_audio_buffer.append as base64",
             ) from None
     try:
-        data = json.loads(message)
-    except (ValueError, RecursionError) as exc:
-        raise RealtimeProtocolError("invalid_json", f"malformed JSON: {exc}") from None
+        data = parse_client_json(message)
+    except WireJsonError as exc:
+        raise RealtimeProtocolError("invalid_json", f"malformed JSON: {exc.reason}") from None
     if not isinstance(data, dict):
         raise RealtimeProtocolError(
             "invalid_json", f"an event must be a JSON object, got {type(data).__name__}"

@@ -168,7 +168,7 @@ def _parse_transcription(value: object, param: str) -> InputTranscription | None
     if not isinstance(value, dict):
         raise RealtimeProtocolError("invalid_type", f"{param} must be an object or null", param)
     return InputTranscription(
-        model=str(value.get("model") or "whisper-1"),
+        model=optional(value, "model", str, f"{param}.model", "whisper-1") or "whisper-1",
         language=optional(value, "language", str, f"{param}.language"),
         prompt=optional(value, "prompt", str, f"{param}.prompt"),
     )
@@ -218,6 +218,10 @@ def _flatten_ga_audio(session: dict) -> dict:
     _check_keys(audio, {"input", "output"}, "session.audio")
     inp = audio.get("input") or {}
     out = audio.get("output") or {}
+    for part, name in ((inp, "input"), (out, "output")):
+        if not isinstance(part, dict):
+            param = f"session.audio.{name}"
+            raise RealtimeProtocolError("invalid_type", f"{param} must be an object", param)
     _check_keys(
         inp, {"format", "transcription", "turn_detection"} | IGNORED_AUDIO_INPUT_FIELDS, "session.audio.input"
     )

@@ -1,0 +1,453 @@
+"""Soak the daemon (issue #18): concurrent clients streaming real speech for a bounded time.
+
+Starts ``edge-rtgi serve`` as a child process on loopback (the shipped voice-assistant and
+translate-en-es pipelines, or the light test pipelines with ``--light``) and runs ``--clients``
+clients (default 8) until ``--minutes`` have passed or ``--max-utterances`` were sent:
+
+- voice clients (native protocol, voice-assistant) and translation clients (native protocol,
+  translate-en-es) stream Piper-rendered questions and sentences at real time;
+- Realtime clients do the same over ``/v1/realtime`` (base64 PCM16 at 24 kHz);
+- now and then a client barges in (starts its next utterance while the reply still plays),
+  or disconnects mid-reply and reconnects.
+
+Every utterance carries a sequence number; for each one the script counts final transcripts
+and responses and checks there is exactly one of each: none lost, none doubled (an utterance
+cut by the client's own disconnect is counted apart, as abandoned). Every ``--sample-s``
+seconds it samples the daemon's RSS, open descriptors, threads (``/proc``), KV blocks in use and
+engine queue depths (``/metrics``), and at the end it plots them against time.
+
+    PYTHONPATH=. python scripts/soak.py --minutes 30 --out docs/reliability [--light]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from websockets.asyncio.client import connect  # noqa: E402
+from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
+
+from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Name a colour of the rainbow.",
+    "What do bees make?",
+    "Which planet is closest to the sun?",
+    "What is two plus three?",
+]
+SENTENCES = [
+    "The train leaves at nine in the morning.",
+    "I would like a cup of coffee, please.",
+    "The weather is nice today.",
+    "Where is the nearest library?",
+]
+CHUNK_MS = 40
+VOICE = "piper-en_US-joe-medium"  # the voice-assistant pipeline's own voice renders the input
+EVENT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Ledger:
+    """Per-utterance counts: sequence number -> [final transcripts, responses]."""
+
+    counts: dict[str, list[int]] = field(default_factory=dict)
+    abandoned: set[str] = field(default_factory=set)
+    barge_ins: int = 0
+    disconnects: int = 0
+    reconnects: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        judged = {k: v for k, v in self.counts.items() if k not in self.abandoned}
+        return {
+            "utterances": len(self.counts),
+            "abandoned_by_client": len(self.abandoned),
+            "judged": len(judged),
+            "lost_transcripts": sum(1 for f, _ in judged.values() if f == 0),
+            "doubled_transcripts": sum(1 for f, _ in judged.values() if f > 1),
+            "lost_responses": sum(1 for _, r in judged.values() if r == 0),
+            "doubled_responses": sum(1 for _, r in judged.values() if r > 1),
+            "barge_ins": self.barge_ins,
+            "disconnects_mid_reply": self.disconnects,
+            "reconnects": self.reconnects,
+            "client_errors": self.errors[:20],
+        }
+
+
+def render(texts: list[str]) -> dict[str, np.ndarray]:
+    """Each text spoken by the catalogue Piper voice, int16 PCM at 16 kHz with silence after."""
+    from edge_rtgi.tts import make_tts
+
+    voice = make_tts(VOICE)
+    out = {}
+    for text in texts:
+        pcm = np.concatenate(list(voice.synthesize_stream(text)))
+        audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
+        audio = np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(16000, np.float32)])
+        out[text] = float32_to_pcm16(audio)
+    return out
+
+
+async def stream_pcm(send, pcm: np.ndarray, rate_hz: int) -> None:
+    step = rate_hz * CHUNK_MS // 1000
+    t0 = time.monotonic()
+    for i in range(0, len(pcm), step):
+        await send(pcm[i : i + step])
+        delay = t0 + (i + step) / rate_hz - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+class NativeSoakClient:
+    def __init__(self, name: str, port: int, pipeline: str, texts: list[str], speech, ledger: Ledger, rng):
+        self.name, self.port, self.pipeline = name, port, pipeline
+        self.texts, self.speech, self.ledger, self.rng = texts, speech, ledger, rng
+        self.seq = 0
+
+    async def run(self, deadline: float, budget: list[int]) -> None:
+        while time.monotonic() < deadline and budget[0] > 0:
+            try:
+                await self._session(deadline, budget)
+            except (ConnectionClosed, InvalidStatus, OSError, asyncio.TimeoutError) as exc:
+                self.ledger.errors.append(f"{self.name}: {type(exc).__name__} {exc}"[:200])
+            self.ledger.reconnects += 1
+
+    async def _session(self, deadline: float, budget: list[int]) -> None:
+        url = f"ws://127.0.0.1:{self.port}/v1/native?pipeline={self.pipeline}"
+        async with connect(url, max_size=None) as ws:
+            created = json.loads(await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S))
+            assert created["type"] == "session.created", created
+            turn_seq: dict[int, str] = {}  # the daemon's turn id -> our sequence number
+            by_response: dict[str, str] = {}  # response id -> our sequence number
+            pending: list[str] = []  # utterances sent, no final transcript yet
+            done = asyncio.Event()
+            state = {"playing": False, "closing": False}
+
+            async def reader() -> None:
+                async for message in ws:
+                    if isinstance(message, bytes):
+                        continue
+                    e = json.loads(message)
+                    kind = e["type"]
+                    if kind == "transcript.final":
+                        if pending:
+                            seq = pending.pop(0)
+                            turn_seq[e["turn_id"]] = seq
+                            self.ledger.counts[seq][0] += 1
+                        else:  # a final nobody asked for: count it against the last one
+                            last = max(turn_seq.values(), default=None)
+                            if last:
+                                self.ledger.counts[last][0] += 1
+                    elif kind == "response.created":
+                        state["playing"] = True
+                        seq = turn_seq.get(e.get("turn_id") or -1)
+                        if seq is not None:
+                            by_response[e["response_id"]] = seq
+                    elif kind == "response.done":
+                        state["playing"] = False
+                        seq = by_response.get(e["response_id"])
+                        if seq is not None:
+                            self.ledger.counts[seq][1] += 1
+                        done.set()
+
+            read = asyncio.create_task(reader())
+            try:
+                while time.monotonic() < deadline and budget[0] > 0:
+                    budget[0] -= 1
+                    text = self.rng.choice(self.texts)
+                    self.seq += 1
+                    seq = f"{self.name}#{self.seq}"
+                    self.ledger.counts[seq] = [0, 0]
+                    pending.append(seq)
+                    done.clear()
+
+                    async def send(chunk):
+                        await ws.send(chunk.astype("<i2").tobytes())
+
+                    await stream_pcm(send, self.speech[text], 16000)
+                    roll = self.rng.random()
+                    if roll < 0.1:  # disconnect mid-reply
+                        try:
+                            await asyncio.wait_for(self._until(lambda: state["playing"]), EVENT_TIMEOUT_S)
+                        except asyncio.TimeoutError:
+                            pass
+                        self.ledger.abandoned.add(seq)
+                        self.ledger.disconnects += 1
+                        return
+                    if roll < 0.3:  # barge in: the next utterance starts while the reply plays
+                        try:
+                            await asyncio.wait_for(self._until(lambda: state["playing"]), EVENT_TIMEOUT_S)
+                            self.ledger.barge_ins += 1
+                            continue
+                        except asyncio.TimeoutError:
+                            pass
+                    await asyncio.wait_for(done.wait(), EVENT_TIMEOUT_S)
+                # before closing: every utterance sent is transcribed and its reply is done
+                await asyncio.wait_for(
+                    self._until(lambda: not pending and not state["playing"]), EVENT_TIMEOUT_S
+                )
+                await asyncio.sleep(1.0)
+            finally:
+                read.cancel()
+
+    @staticmethod
+    async def _until(predicate) -> None:
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+class RealtimeSoakClient(NativeSoakClient):
+    async def _session(self, deadline: float, budget: list[int]) -> None:
+        url = f"ws://127.0.0.1:{self.port}/v1/realtime?model={self.pipeline}"
+        async with connect(url, max_size=None) as ws:
+            created = json.loads(await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S))
+            assert created["type"] == "session.created", created
+            pending: list[str] = []
+            awaiting: list[str] = []  # transcribed, no response yet (one auto response each, in order)
+            by_response: dict[str, str] = {}
+            done = asyncio.Event()
+            state = {"playing": False}
+
+            async def reader() -> None:
+                async for message in ws:
+                    e = json.loads(message)
+                    kind = e["type"]
+                    if kind == "conversation.item.input_audio_transcription.completed":
+                        if pending:
+                            seq = pending.pop(0)
+                            awaiting.append(seq)
+                            self.ledger.counts[seq][0] += 1
+                    elif kind == "response.created":
+                        state["playing"] = True
+                        if awaiting:
+                            by_response[e["response"]["id"]] = awaiting.pop(0)
+                    elif kind == "response.done":
+                        state["playing"] = False
+                        seq = by_response.get(e["response"]["id"])
+                        if seq is not None:
+                            self.ledger.counts[seq][1] += 1
+                        done.set()
+
+            read = asyncio.create_task(reader())
+            try:
+                while time.monotonic() < deadline and budget[0] > 0:
+                    budget[0] -= 1
+                    text = self.rng.choice(self.texts)
+                    self.seq += 1
+                    seq = f"{self.name}#{self.seq}"
+                    self.ledger.counts[seq] = [0, 0]
+                    pending.append(seq)
+                    done.clear()
+                    pcm24 = float32_to_pcm16(resample(pcm16_to_float32(self.speech[text]), 16000, 24000))
+
+                    async def send(chunk):
+                        audio = base64.b64encode(chunk.astype("<i2").tobytes()).decode()
+                        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+
+                    await stream_pcm(send, pcm24, 24000)
+                    roll = self.rng.random()
+                    if roll < 0.1:
+                        try:
+                            await asyncio.wait_for(self._until(lambda: state["playing"]), EVENT_TIMEOUT_S)
+                        except asyncio.TimeoutError:
+                            pass
+                        self.ledger.abandoned.add(seq)
+                        self.ledger.disconnects += 1
+                        return
+                    await asyncio.wait_for(done.wait(), EVENT_TIMEOUT_S)
+                await asyncio.wait_for(
+                    self._until(lambda: not pending and not awaiting and not state["playing"]),
+                    EVENT_TIMEOUT_S,
+                )
+                await asyncio.sleep(1.0)
+            finally:
+                read.cancel()
+
+
+# --------------------------------------------------------------------------- daemon and samples
+
+
+def start_daemon(folder: Path, light: bool) -> tuple[subprocess.Popen, int]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if light:
+        cmd = [sys.executable, "-m", "tests.fuzz.harness", str(folder), "tiny-voice", "16"]
+    else:
+        config = folder / "soak.yaml"
+        config.write_text("server:\n  port: 0\n  max_sessions: 16\n")
+        cmd = [sys.executable, "-m", "edge_rtgi.cli", "serve", "--config", str(config)]
+    log = open(folder / "daemon.log", "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"PORT (\d+)|ws://[^:]+:(\d+)/v1/native", line)
+        if m:
+            return proc, int(m.group(1) or m.group(2))
+    raise SystemExit(f"the daemon did not start; see {folder / 'daemon.log'}")
+
+
+def sample(pid: int, port: int) -> dict:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    threads = int(re.search(r"Threads:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+
+    def total(name: str) -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")
+        )
+
+    return {
+        "t_s": time.monotonic(),
+        "rss_mb": rss_kb / 1024,
+        "threads": threads,
+        "fds": fds,
+        "kv_blocks_used": total("edge_rtgi_engine_kv_blocks_used"),
+        "running": total("edge_rtgi_engine_running_requests"),
+        "waiting": total("edge_rtgi_engine_waiting_requests"),
+        "sessions": total("edge_rtgi_sessions_active"),
+    }
+
+
+async def sampler(pid: int, port: int, every_s: float, out: list[dict], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        out.append(await asyncio.to_thread(sample, pid, port))
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+
+
+def plot(samples: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = samples[0]["t_s"]
+    minutes = [(s["t_s"] - t0) / 60 for s in samples]
+    keys = [
+        ("rss_mb", "RSS (MB)"),
+        ("fds", "open fds"),
+        ("threads", "threads"),
+        ("kv_blocks_used", "KV blocks in use"),
+        ("waiting", "engine waiting"),
+        ("sessions", "sessions"),
+    ]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(8, 2 * len(keys)), sharex=True)
+    for ax, (key, label) in zip(axes, keys, strict=True):
+        ax.plot(minutes, [s[key] for s in samples])
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("minutes")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+async def soak(args: argparse.Namespace) -> dict:
+    folder = Path(tempfile.mkdtemp(prefix="soak-"))
+    proc, port = start_daemon(folder, args.light)
+    voice_pipe, translate_pipe = (
+        ("tiny-voice", "tiny-chat") if args.light else ("voice-assistant", "translate-en-es")
+    )
+    speech = await asyncio.to_thread(render, QUESTIONS + SENTENCES)
+    ledger = Ledger()
+    samples: list[dict] = []
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(sampler(proc.pid, port, args.sample_s, samples, stop))
+    await asyncio.sleep(args.sample_s * 2)  # idle samples first
+    idle = samples[-1]
+    rng = random.Random(args.seed)
+    clients = []
+    for i in range(args.clients):
+        kind = i % 3
+        if kind == 0:
+            clients.append(NativeSoakClient(f"voice{i}", port, voice_pipe, QUESTIONS, speech, ledger, rng))
+        elif kind == 1:
+            clients.append(
+                NativeSoakClient(f"translate{i}", port, translate_pipe, SENTENCES, speech, ledger, rng)
+            )
+        else:
+            clients.append(
+                RealtimeSoakClient(f"realtime{i}", port, voice_pipe, QUESTIONS, speech, ledger, rng)
+            )
+    deadline = time.monotonic() + args.minutes * 60
+    budget = [args.max_utterances]
+    t0 = time.monotonic()
+    await asyncio.gather(*(c.run(deadline, budget) for c in clients))
+    ran_s = time.monotonic() - t0
+    await asyncio.sleep(args.sample_s * 3)  # back to idle
+    stop.set()
+    await sampling
+    end = samples[-1]
+    proc.terminate()
+    proc.wait(60)
+    log_text = (folder / "daemon.log").read_text()
+    after5 = [s for s in samples if s["t_s"] - t0 >= 300] or samples[len(samples) // 2 :]
+    report = {
+        "minutes": round(ran_s / 60, 1),
+        "clients": args.clients,
+        "light": args.light,
+        **ledger.summary(),
+        "rss_idle_mb": round(idle["rss_mb"], 1),
+        "rss_after_5_min_mb": round(after5[0]["rss_mb"], 1),
+        "rss_end_mb": round(end["rss_mb"], 1),
+        "rss_growth_after_5_min_pct": round(
+            100 * (max(s["rss_mb"] for s in after5) / after5[0]["rss_mb"] - 1), 2
+        ),
+        "idle_vs_end": {k: (idle[k], end[k]) for k in ("threads", "fds", "kv_blocks_used", "sessions")},
+        "log_tracebacks": log_text.count("Traceback (most recent call last)"),
+        "loadavg_end": os.getloadavg(),
+        "log": str(folder / "daemon.log"),
+    }
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "soak.json").write_text(json.dumps({"report": report, "samples": samples}, indent=1))
+        plot(samples, out / "soak.png", f"soak: {args.clients} clients, {report['minutes']} min")
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--max-utterances", type=int, default=100_000)
+    ap.add_argument("--sample-s", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--light", action="store_true", help="the light test pipelines (tiny models)")
+    ap.add_argument("--out", help="folder for soak.json and soak.png")
+    args = ap.parse_args()
+    report = asyncio.run(soak(args))
+    print(json.dumps(report, indent=2))
+    bad = sum(
+        report[k] for k in ("lost_transcripts", "doubled_transcripts", "lost_responses", "doubled_responses")
+    )
+    return 0 if bad == 0 and report["log_tracebacks"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
