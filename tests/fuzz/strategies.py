@@ -15,6 +15,8 @@ import json
 
 from hypothesis import strategies as st
 
+from edge_rtgi.server.openai_realtime.events import CLIENT_EVENTS
+
 # JSON values of every kind, including the ones a strict parser must refuse in text form
 scalars = st.one_of(
     st.none(),
@@ -144,17 +146,7 @@ native_frames = st.lists(native_frame, min_size=1, max_size=5)
 # --------------------------------------------------------------------------- Realtime
 
 REALTIME_TYPES = [
-    "session.update",
-    "input_audio_buffer.append",
-    "input_audio_buffer.commit",
-    "input_audio_buffer.clear",
-    "conversation.item.create",
-    "conversation.item.truncate",
-    "conversation.item.delete",
-    "conversation.item.retrieve",
-    "response.create",
-    "response.cancel",
-    "output_audio_buffer.clear",
+    *CLIENT_EVENTS,
     "response.done",  # a server event
     "transcription_session.update",  # a beta alias
 ]
