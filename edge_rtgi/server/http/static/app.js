@@ -184,13 +184,19 @@ function onEvent(ev) {
     case "response.audio":
       state.pendingAudio = ev; // its PCM is the next (binary) message
       break;
-    case "response.interrupted":
+    case "response.interrupted": {
       cutPlayback(ev.response_id);
       if (ev.reason === "barge_in") flashBargeIn();
+      // the text may be complete, but the user heard only part of it: that is what the turn shows
+      const li = turnFor(null, ev.response_id);
+      li.dataset.status = ev.reason === "client_cancel" ? "cancelled" : "interrupted";
+      li.dataset.cut = "true";
+      li.dataset.playedMs = String(Math.round(ev.played_ms || 0));
       break;
+    }
     case "response.done": {
       const li = turnFor(null, ev.response_id);
-      li.dataset.status = ev.status;
+      if (li.dataset.cut !== "true") li.dataset.status = ev.status;
       const stats = ev.stats || {};
       li.querySelector(".parts").textContent = PARTS.filter(([k]) => stats[k] != null)
         .map(([k, label]) => `${label} ${Math.round(stats[k])} ms`)
