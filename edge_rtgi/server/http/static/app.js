@@ -145,6 +145,8 @@ function flashBargeIn() {
   setTimeout(() => (el.dataset.on = "false"), 2000);
 }
 
+const CUT_STATUSES = new Set(["interrupted", "cancelled"]);
+
 function onEvent(ev) {
   switch (ev.type) {
     case "session.created":
@@ -190,13 +192,11 @@ function onEvent(ev) {
       // the text may be complete, but the user heard only part of it: that is what the turn shows
       const li = turnFor(null, ev.response_id);
       li.dataset.status = ev.reason === "client_cancel" ? "cancelled" : "interrupted";
-      li.dataset.cut = "true";
-      li.dataset.playedMs = String(Math.round(ev.played_ms || 0));
       break;
     }
     case "response.done": {
       const li = turnFor(null, ev.response_id);
-      if (li.dataset.cut !== "true") li.dataset.status = ev.status;
+      if (!CUT_STATUSES.has(li.dataset.status)) li.dataset.status = ev.status; // a cut stays cut
       const stats = ev.stats || {};
       li.querySelector(".parts").textContent = PARTS.filter(([k]) => stats[k] != null)
         .map(([k, label]) => `${label} ${Math.round(stats[k])} ms`)
