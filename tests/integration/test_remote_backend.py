@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import socket
+import time
 
 import pytest
 import pytest_asyncio
@@ -199,8 +200,17 @@ async def test_a_remote_reply_is_the_local_reply_spoken(edge, server, tiny):
     assert f'edge_rtgi_backend_requests_total{{backend="local:{tiny}",outcome="length"}} 1.0' in text
 
 
-async def test_barge_in_closes_the_remote_stream(edge, server, tiny):
+async def test_barge_in_closes_the_remote_stream(edge, server, tiny, monkeypatch):
     engine = server.resources.llm(tiny)
+    execute = engine.runner.execute
+
+    def paced_execute(*args, **kwargs):
+        # The tiny model could finish all 200 tokens before the barge-in reaches the server;
+        # 30 ms a step keeps the request running while the interrupt travels.
+        time.sleep(0.03)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", paced_execute)
     _, before = await http_get(server.port, "/metrics")
     session = await edge.open_session(SessionSettings(pipeline="remote", max_reply_tokens=200))
     try:
