@@ -1,8 +1,9 @@
 """Suite-wide ordering: fast tests run before slow ones, so that a failure shows early.
 
 Modules are reordered whole (their module-scoped fixtures, such as a running daemon, stay
-shared): unit, then equivalence, then integration tests, and inside each group the modules
-holding no ``slow`` test first. pytest's own order is kept otherwise.
+shared): every module holding no ``slow`` test runs before any module holding one, and within
+each of those two tiers unit, then equivalence, then integration modules. pytest's own order is
+kept otherwise.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ class _HF:
 
         from edge_rtgi.bench.peers import ensure_hf_folder
 
-        folder = source if source.is_dir() else ensure_hf_folder(source, model_name)
+        folder = ensure_hf_folder(source, model_name)
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float32, attn_implementation="eager"

@@ -49,13 +49,18 @@ def _decode_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
 
 
 def peer_cache_dir(model_name: str) -> Path:
+    """Where a model's converted peer copies live; a path given as the model gets a flat name."""
     from edge_rtgi.catalog.cache import cache_dir
 
-    return cache_dir() / "bench-peers" / model_name
+    return cache_dir() / "bench-peers" / model_name.strip("/").replace("/", "_")
 
 
-def ensure_hf_folder(gguf_path: Path, model_name: str) -> Path:
-    """An HF folder (config, safetensors, tokenizer) dequantised from ``gguf_path``, cached."""
+def ensure_hf_folder(source: Path, model_name: str) -> Path:
+    """An HF folder (config, safetensors, tokenizer) for ``source``: the folder itself when it
+    is one, else dequantised from the GGUF file once and cached."""
+    if source.is_dir():
+        return source
+    gguf_path = source
     folder = peer_cache_dir(model_name) / "hf"
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder
@@ -240,6 +245,8 @@ class LlamaCppPeer:
     """llama.cpp through llama-cpp-python on the GGUF file itself (Q4_1 for SmolLM2)."""
 
     def __init__(self, gguf_path: Path, num_threads: int, context_tokens: int = 2048):
+        if gguf_path.suffix != ".gguf":
+            raise PeerUnavailable(f"llama.cpp needs a GGUF file; the model is {gguf_path}")
         try:
             import llama_cpp
             import llama_cpp.llama_cpp as low_level
