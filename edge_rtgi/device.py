@@ -67,7 +67,8 @@ def _openmp_pause() -> Callable[[int], int] | None:
 def release_cpu_workers() -> bool:
     """Free the calling thread's OpenMP worker pool, so that it does not slow the pools of the
     threads still computing (see the module notes). The next parallel op in this thread makes a
-    new pool (~0.1 ms). Returns False where torch's OpenMP runtime was not found (no-op)."""
+    new pool, which is cheap against a step. Returns False where torch's OpenMP runtime was not
+    found (no-op)."""
     pause = _openmp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 

@@ -19,7 +19,9 @@ Everything is measured in one run against baselines from the same run (medians o
   int8's loss between the tied head and the layers. The operating point is the smallest mixed plan
   whose task retention meets --target-retention on every workload (``choose_operating_point``: by
   every interval, then every point estimate, then not significantly below, then by the
-  token-accuracy interval). The Spearman correlation of mean task retention with KL across the
+  token-accuracy interval). With --same-computation the fp32 weights are first served by the engine
+  and scored against the plain path: the yardstick's own check, which must read 1 with [1, 1]. The
+  Spearman correlation of mean task retention with KL across the
   quantised models is reported as a check on the yardstick.
 
     python scripts/bench_quant.py --sensitivity sens.yaml --out bench_out/quant
@@ -242,6 +244,12 @@ UNALIGNED = ("int8", "int4-g64", "int4-g128", "int4sym-g32", "int4sym-g64", "int
 ENGINE_AUTO = "engine auto (Q4_1 as int4-g32, int8 head)"
 
 
+# The yardstick's own check: the full model's fp32 weights served by the engine (batched, paged) and
+# scored against the plain path. Same weights and dtype, so task retention must read 1; no KL row
+# (0 by construction), never an operating-point candidate and not in the Spearman.
+SAME_COMPUTATION = "fp32 engine (same computation as the full model)"
+
+
 # Where int8's loss comes from: the tied head alone at int8, and everything but the head (the rest
 # stays bf16, the run dtype). Not operating-point candidates.
 HEAD_ABLATIONS = {
@@ -405,7 +413,7 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def spearman_task_vs_kl(rows: dict[str, dict]) -> dict:
     """Across the quantised models with task results: mean task retention against mean KL."""
-    labels = [label for label, r in rows.items() if "tasks" in r and label != "bf16"]
+    labels = [label for label, r in rows.items() if "tasks" in r and label not in ("bf16", SAME_COMPUTATION)]
     if len(labels) < 3:
         return {"models": len(labels), "rho": None}
     rho = spearman([rows[k]["task_retention_mean"] for k in labels], [rows[k]["mean_kl"] for k in labels])
@@ -425,6 +433,14 @@ def paired_kl(rows: dict[str, dict], a: str, b: str) -> dict:
     }
 
 
+def same_computation_row(full, args, start: float) -> dict:
+    """SAME_COMPUTATION's row: the fp32 weights themselves (no copy) on the engine, task pass only."""
+    row = {"resident_weights_mb": round(resident_mb(full.model), 2), "kl_note": "same weights: 0"}
+    row.update(task_pass(full.model, full, args))
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
 def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> dict:
     """Quality (and resident size) of bf16 and every plan against the fp32 model; written as it goes."""
     rows, full_cache, loads = {}, {}, []
@@ -432,10 +448,17 @@ def quality_pass(full, groups, plans: dict[str, QuantPlan], args, out: Path) -> 
         earlier = json.loads((out / "quality.json").read_text())
         rows, loads = earlier["models"], earlier["load_average_per_model"]
     todo = [("bf16", None)] + list(plans.items())
+    if args.same_computation:
+        todo.insert(0, (SAME_COMPUTATION, None))
     if args.only:
         todo = [(label, plan) for label, plan in todo if label.startswith(tuple(args.only))]
     for label, plan in todo:
         start = time.perf_counter()
+        if label == SAME_COMPUTATION:
+            rows[label] = same_computation_row(full, args, start)
+            loads.append(load_average())
+            print(label, json.dumps({k: v for k, v in rows[label].items() if k != "tasks"}), flush=True)
+            continue
         model = (
             copy.deepcopy(full.model).to(torch.bfloat16)
             if plan is None
@@ -555,7 +578,7 @@ def render_markdown(out: Path) -> str:
         json.loads((out / "decode.json").read_text()) if (out / "decode.json").is_file() else {"models": {}}
     )
     q, d = quality["models"], decode["models"]
-    full_ppl = next((r["perplexity_full"] for r in q.values()), math.nan)
+    full_ppl = next((r["perplexity_full"] for r in q.values() if "perplexity_full" in r), math.nan)
     chosen, chosen_by = chosen_operating_point(quality.get("operating_point") or {})
     task_names = [n for n in TASK_SET_NAMES if any(n in (r.get("tasks") or {}) for r in q.values())]
     header = ["model", "bits/weight (incl. scales)", "resident weights MB"]
@@ -564,7 +587,9 @@ def render_markdown(out: Path) -> str:
     header += ["continuation chrF retention (fidelity)", "token-accuracy ratio [95 % CI]"]
     header += ["decode tok/s", "vs fp32", "vs llama.cpp"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    labels = ["fp32 (full)"] + sorted(q, key=lambda k: (-q[k].get("bits_per_weight", 16), k))
+    labels = ["fp32 (full)"] + sorted(
+        q, key=lambda k: (-q[k].get("bits_per_weight", 32 if k == SAME_COMPUTATION else 16), k)
+    )
     labels += [k for k in d if k not in labels]
     for label in labels:
         r, t = q.get(label, {}), d.get(label, {})
@@ -573,6 +598,8 @@ def render_markdown(out: Path) -> str:
             bits = "32"
         elif label == "bf16":
             bits = "16"
+        elif label == SAME_COMPUTATION:
+            bits = "32"
         elif "bits_per_weight" in r:
             bits = f"{r['bits_per_weight']:.2f}"
         else:
@@ -587,7 +614,9 @@ def render_markdown(out: Path) -> str:
                 if iv
                 else ("100 %" if label == "fp32 (full)" else "-")
             )
-        if r:
+        if r and label == SAME_COMPUTATION:
+            cells += ["0 (same weights)"] + ["-"] * 4
+        elif r:
             cells += [
                 f"{r['mean_kl']:.4f} [{r['kl_low']:.4f}, {r['kl_high']:.4f}]",
                 f"{r['perplexity_quant']:.2f}",
@@ -678,6 +707,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per evaluation prompt")
     ap.add_argument("--target-retention", type=float, default=0.97)
+    ap.add_argument(
+        "--same-computation",
+        action="store_true",
+        help="first, the yardstick's check: the fp32 weights served by the engine against the plain "
+        "path on the task sets (must read 1 with interval [1, 1])",
+    )
     ap.add_argument(
         "--blind-bits",
         type=float,

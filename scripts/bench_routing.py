@@ -121,6 +121,9 @@ async def main(args: argparse.Namespace) -> dict:
             budget,
             messages=tuple(Message(m["role"], m["content"]) for m in prompt.messages or ()),
             text=prompt.text,
+            # a raw (code) prompt gets the tokenizer's BOS, as the daemon's raw prompts do: a base
+            # model such as Gemma 3 degenerates without it; SmolLM2's tokenizer adds none
+            add_special_tokens=prompt.text is not None,
         )
         rotated = order[i % len(order) :] + order[: i % len(order)]  # interleaved: no config always first
         for name in rotated:

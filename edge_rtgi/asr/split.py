@@ -60,9 +60,8 @@ def choose_split(
     speech does and what it did not hear must go to the next utterance. All lie at least
     ``MIN_SPLIT_SAMPLES`` into the utterance. The cut stays inside the gap whisper's word
     times leave between the two words (at least one VAD frame wide), on its least
-    speech-like frame. (Letting it look 80 ms into the neighbouring words put it inside
-    them, e.g. "market" heard as "get" after the cut: 3.3 % against 2.8 % WER over the
-    same 38 renderings of three sentences with ``max_utterance_s`` 5.)
+    speech-like frame. (Letting it look into the neighbouring words put it inside them,
+    e.g. "market" heard as "get" after the cut, and raised the WER: docs/speech.md.)
     """
     timed = list(hyp.words)
     texts = [w.text for w in timed]

@@ -117,8 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # PortAudio's input stream (through ALSA's pulse plugin, for one) captures nothing until its
-# first callback, which comes 0.4-2 s after ``start()`` on a loaded machine. Whatever is said
-# before that is lost, so "listening" may only be announced once the first block is in.
+# first callback, which can come seconds after ``start()`` on a loaded machine (docs/daemon.md).
+# Whatever is said before that is lost, so "listening" may only be announced once the first block is in.
 MIC_FIRST_BLOCK_TIMEOUT_S = 20.0
 
 

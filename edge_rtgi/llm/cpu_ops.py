@@ -99,8 +99,8 @@ def _cpu_fingerprint() -> str:
     return f"{platform.machine()}-{digest}"
 
 
-# A build takes ~10-20 s here (a minute or two on slow Arm boards). A lock older than this was left
-# by a build that was killed, and torch's loader would wait on it forever.
+# Far longer than any build takes (docs/cpu_kernels.md). A lock older than this was left by a
+# build that was killed, and torch's loader would wait on it forever.
 STALE_LOCK_S = 300
 
 
@@ -323,8 +323,9 @@ class _LayerPlan:
     max_rows: int  # more rows than this take the Python layers (dense copies for wide inputs)
     # (container dict, key, object) for every module, parameter and buffer the plan was read from:
     # the plan is valid while each container still holds that very object. Checked every step
-    # with dict lookups (~60 us for SmolLM2), so no way of swapping a weight or a module
-    # (setattr, load_state_dict(assign=True), functional_call, model.to) can leave it stale.
+    # with dict lookups (cheap against a step: docs/cpu_kernels.md), so no way of swapping a
+    # weight or a module (setattr, load_state_dict(assign=True), functional_call, model.to) can
+    # leave it stale.
     bindings: tuple[tuple[dict, str, object], ...]
     modules: tuple[torch.nn.Module, ...]  # hooks or a patched forward on any of these: Python layers
     # Derived from bindings and modules in __post_init__ (for _plan_valid).
@@ -335,7 +336,7 @@ class _LayerPlan:
     _instance_dicts: list[dict] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        # The same checks laid out for map() over C-level callables (~4x faster than a loop).
+        # The same checks laid out for map() over C-level callables, which beat a Python loop.
         object.__setattr__(self, "_containers", [c for c, _, _ in self.bindings])
         object.__setattr__(self, "_keys", [k for _, k, _ in self.bindings])
         object.__setattr__(self, "_values", [v for _, _, v in self.bindings])

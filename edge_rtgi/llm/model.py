@@ -338,7 +338,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         # The loaders build on the meta device, where nn.Embedding's random init imports
-        # torch._dynamo (3-6 s of start-up); the table is filled only where it is real.
+        # torch._dynamo (seconds of start-up: docs/llm.md); the table is filled only where it is real.
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         if not table.is_meta:
             table.normal_()

@@ -291,8 +291,8 @@ def _rebuild(folder: Path, meta: dict[str, Any], tokenizer_file: Path) -> Loaded
 
     model, cfg = _rebuild_model(folder, meta)
     t = meta["tokenizer"]
-    # Gemma's 262k-token vocabulary and 515k merges take 1-3 s to parse here (holding the GIL,
-    # so a thread would not hide it): the largest part of its start-up (docs/llm.md).
+    # Parsing Gemma's 262k-token vocabulary and 515k merges holds the GIL, so a thread would not
+    # hide it: the largest part of its start-up (docs/llm.md).
     tokenizer = Tokenizer(
         backend=BackendTokenizer.from_file(str(tokenizer_file)),
         bos_token=t["bos_token"],

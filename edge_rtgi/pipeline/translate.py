@@ -78,7 +78,7 @@ def apertium_mode(source_language: str, target_language: str, override: str | No
 
 
 class ApertiumTranslator:
-    """One ``apertium -u <mode>`` process per utterance (about 0.1 s; no state to keep warm)."""
+    """One ``apertium -u <mode>`` process per utterance (a short-lived process; no state to keep warm)."""
 
     def __init__(
         self, source_language: str, target_language: str, pair: str | None = None, timeout_s: float = 10.0

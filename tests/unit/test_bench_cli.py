@@ -107,7 +107,9 @@ def test_gpu_script_reduced_cpu_mode_writes_a_full_report(tmp_path):
     # A tiny seeded model: the script, the CLI, every section and the report are what is tested
     # here (the real model's engine, quantisation and peers have tests of their own), and it
     # costs a few seconds instead of a minute and a half of loading and quantising SmolLM2.
-    model = make_tiny_hf_model("llama", tmp_path / "tiny", seed=2, max_position_embeddings=4096, rope_scaling=None)
+    model = make_tiny_hf_model(
+        "llama", tmp_path / "tiny", seed=2, max_position_embeddings=4096, rope_scaling=None
+    )
     out = tmp_path / "report"
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_bench.sh"), str(out), "--cpu", "--model", str(model)],

@@ -100,3 +100,17 @@ def test_spearman_of_task_retention_and_kl(bench):
     assert bench.spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(0.866, abs=1e-3)  # ties share ranks
     rows = {f"m{i}": {"tasks": {}, "task_retention_mean": 1.0 - i / 10, "mean_kl": i / 100} for i in range(4)}
     assert bench.spearman_task_vs_kl(rows)["rho"] == pytest.approx(-1.0)
+
+
+def test_the_same_computation_row_is_rendered_without_kl_and_stays_out_of_the_spearman(bench, tmp_path):
+    same = {
+        "resident_weights_mb": 538.1,
+        "kl_note": "same weights: 0",
+        "tasks": {"voice": {"interval": {"low": 1.0, "ratio": 1.0, "high": 1.0}}},
+        "task_retention_mean": 1.0,
+    }
+    rows = {f"m{i}": {"tasks": {}, "task_retention_mean": 1.0 - i / 10, "mean_kl": i / 100} for i in range(4)}
+    assert bench.spearman_task_vs_kl({bench.SAME_COMPUTATION: same, **rows})["models"] == 4
+    (tmp_path / "quality.json").write_text(json.dumps({"models": {bench.SAME_COMPUTATION: same}}))
+    line = next(x for x in bench.render_markdown(tmp_path).splitlines() if bench.SAME_COMPUTATION in x)
+    assert "| 32 | 538.1 | 100.0 % [100.0, 100.0] | 0 (same weights) |" in line

@@ -61,7 +61,7 @@ def _candidates(group: WeightGroup, table: SensitivityTable, schemes: tuple[str,
             hint="profile this model again with edge-rtgi quantize --profile",
         )
     # "none" (bf16) is a candidate only when asked for: its KL is exactly 0 by construction, while
-    # every measured trial carries the bf16 noise floor (~1e-3 nats on SmolLM2), so it would look
+    # every measured trial carries the bf16 noise floor (docs/quantization.md), so it would look
     # better than it is next to int8.
     options = {**measured, **({"none": 0.0} if schemes and "none" in schemes else {})}
     rows = []

@@ -133,9 +133,8 @@ class PackedWeight:
 # from its min..max (or abs-max) range and from that range shrunk by these factors; from each
 # start, codes and the least-squares (scale, zero) alternate for ``FIT_STEPS`` rounds. The fit that
 # minimises the importance-weighted squared error wins, and the plain min..max grid is one of the
-# candidates, so the fitted grid is never worse on that objective. Measured on SmolLM2-135M, int4-g64
-# (layers only): mean KL 0.285 with min..max grids, 0.074 fitted (0.070 with 6 starts x 7 rounds,
-# at three times the cost; 0.192 when every input channel weighs the same).
+# candidates, so the fitted grid is never worse on that objective. More starts and rounds gained
+# little for three times the cost (docs/quantization.md, "Importance-fitted grids").
 FIT_RANGE_SHRINKS = (1.0, 0.9, 0.8)  # 1.0 first: the min..max grid is the candidate to beat
 FIT_STEPS = 3
 # Channels that calibration never excites still get this share of the mean importance, so text
