@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.cpu_priority import freeze_heap
@@ -32,9 +32,32 @@ from edge_rtgi.pipeline.config import (
 
 if TYPE_CHECKING:
     from edge_rtgi.asr.whisper import WhisperAsr
-    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.llm.engine import LLMEngine, Prompt
     from edge_rtgi.llm.request import Usage
     from edge_rtgi.tts.base import TtsEngine
+
+_Model = TypeVar("_Model")
+
+
+def _run_whisper_once(model: WhisperAsr) -> None:
+    import numpy as np
+
+    silence = np.zeros(16000, dtype=np.float32)
+    model.transcribe(silence)  # the partials' path (greedy, no timestamps)
+    # and the path of every final: beam search with timestamps
+    model.transcribe(silence, timestamps=True, beam_size=model.config.final_beam_size)
+
+
+def _run_llm_once(engine: LLMEngine, prompt: Prompt) -> None:
+    from edge_rtgi.llm.sampling import SamplingParams
+
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+
+
+def _run_voice_once(voice: TtsEngine) -> None:
+    for _ in voice.synthesize_stream("Hello there."):
+        pass
+
 
 # (model, finish_reason, usage) of every finished request of every engine (the daemon's metrics)
 RequestListener = Callable[[str, str, "Usage | None"], None]
@@ -154,10 +177,15 @@ class Resources:
         warmed_before = len(self._warmed)
         for stage in pipeline.stages:
             if isinstance(stage, AsrConfig):
-                await asyncio.to_thread(self._warm, ("asr", _whisper_key(stage)), self.whisper, stage)
+                await asyncio.to_thread(
+                    self._warm,
+                    ("asr", _whisper_key(stage)),
+                    functools.partial(self.whisper, stage),
+                    _run_whisper_once,
+                )
             elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
                 # warming with the system prompt also puts it in the prefix cache
-                prompt: Any = "Hello"
+                prompt: Prompt = "Hello"
                 if isinstance(stage, AssistantStageConfig):
                     prompt = [
                         {"role": "system", "content": stage.system_prompt},
@@ -165,11 +193,21 @@ class Resources:
                     ]
                 for spec in stage.backends:
                     if spec.backend == "local":
-                        await asyncio.to_thread(self._warm, ("llm", spec.model), self.llm, spec.model, prompt)
+                        await asyncio.to_thread(
+                            self._warm,
+                            ("llm", spec.model),
+                            functools.partial(self.llm, spec.model),
+                            functools.partial(_run_llm_once, prompt=prompt),
+                        )
                     else:
                         await self._check_remote(spec)
             elif isinstance(stage, TtsStageConfig):
-                await asyncio.to_thread(self._warm, ("tts", stage.voice), self.voice, stage.voice)
+                await asyncio.to_thread(
+                    self._warm,
+                    ("tts", stage.voice),
+                    functools.partial(self.voice, stage.voice),
+                    _run_voice_once,
+                )
         if len(self._warmed) > warmed_before:
             # no full-GC pauses of the loaded models during turns (cpu_priority). Only after a
             # load: freezing on every session open kept every session alive then for good
@@ -189,38 +227,20 @@ class Resources:
             log.info("%s answers at %s", spec.name, spec.base_url)
 
     def _warm(
-        self, key: tuple[str, object], load: Callable[[Any], Any], arg: Any, prompt: Any = "Hello"
+        self, key: tuple[str, object], load: Callable[[], _Model], run_once: Callable[[_Model], None]
     ) -> None:
-        """Load, then run one tiny input through the model: first runs of onnxruntime,
-        CTranslate2 and torch pay one-off costs (allocation, kernel selection) that would
-        otherwise land on the first user's first turn."""
+        """Load, then run one tiny input through the model (once per ``key``): first runs of
+        onnxruntime, CTranslate2 and torch pay one-off costs (allocation, kernel selection) that
+        would otherwise land on the first user's first turn."""
         try:
-            self._load_and_run_once(key, load, arg, prompt)
+            model = load()
+            with self._lock:
+                if key in self._warmed:
+                    return
+                self._warmed.add(key)
+            run_once(model)
         finally:
             release_cpu_workers()  # this loader thread is done with torch (edge_rtgi.device)
-
-    def _load_and_run_once(
-        self, key: tuple[str, object], load: Callable[[Any], Any], arg: Any, prompt: Any
-    ) -> None:
-        model = load(arg)
-        with self._lock:
-            if key in self._warmed:
-                return
-            self._warmed.add(key)
-        import numpy as np
-
-        if key[0] == "asr":
-            silence = np.zeros(16000, dtype=np.float32)
-            model.transcribe(silence)  # the partials' path (greedy, no timestamps)
-            # and the path of every final: beam search with timestamps
-            model.transcribe(silence, timestamps=True, beam_size=model.config.final_beam_size)
-        elif key[0] == "llm":
-            from edge_rtgi.llm.sampling import SamplingParams
-
-            model.generate([prompt], SamplingParams(max_tokens=2))
-        else:
-            for _ in model.synthesize_stream("Hello there."):
-                pass
 
     def engines(self) -> dict[str, LLMEngine]:
         return dict(self._engines)

@@ -28,6 +28,9 @@ from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.server import protocol as P
 
 if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
+    from edge_rtgi.audio.devices import SpeakerSink
     from edge_rtgi.pipeline.session import Session
 
 
@@ -85,7 +88,7 @@ class InProcessTransport:
 class WebSocketTransport:
     """A native-protocol connection to a daemon."""
 
-    def __init__(self, ws: Any):
+    def __init__(self, ws: ClientConnection):
         self.ws = ws
 
     @classmethod
@@ -135,7 +138,7 @@ class LiveOutput:
 
     mode: str  # "translate" | "voice"
     out: TextIO = sys.stdout
-    speaker: Any = None  # an edge_rtgi.audio.devices.SpeakerSink, or None
+    speaker: SpeakerSink | None = None
     # what the speaker was given, the echo reference for the microphone (echo cancellation)
     playout: PlayoutReference | None = None
     keep_audio: bool = True

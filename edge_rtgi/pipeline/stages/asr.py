@@ -20,18 +20,21 @@ import bisect
 import dataclasses
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.asr.config import AsrConfig
-from edge_rtgi.asr.events import FinalTranscript, PartialTranscript, SpeechEnded
+from edge_rtgi.asr.events import AsrEvent, FinalTranscript, PartialTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.asr.whisper import WhisperAsr
 from edge_rtgi.audio.pcm import Resampler
 from edge_rtgi.pipeline.stage import AsrContext, Stage
+
+if TYPE_CHECKING:
+    from edge_rtgi.pipeline.session import SessionSettings
 
 
 class _ArrivalClock:
@@ -88,8 +91,9 @@ class AsrStage(Stage[AsrInput]):
         self.clock = _ArrivalClock()
         self._in_speech = False
 
-    def apply_settings(self, settings: Any) -> None:
-        """New VAD settings: a fresh transcriber, queued behind the steps already running."""
+    def apply_settings(self, settings: SessionSettings) -> None:
+        """New VAD settings: a fresh transcriber, queued behind the steps already running (it
+        reads ``settings`` through the context, which already holds them)."""
         if self._loop is not None and not self._in_speech:
             self._loop.run_in_executor(self._executor, self._new_transcriber)
 
@@ -114,7 +118,7 @@ class AsrStage(Stage[AsrInput]):
             except Exception as exc:  # noqa: BLE001 - a failed decode loses one step, not the session
                 self.ctx.stage_failed(self, frames[-1], exc)
 
-    async def _batch(self, loop: asyncio.AbstractEventLoop, frames: list[Any]) -> None:
+    async def _batch(self, loop: asyncio.AbstractEventLoop, frames: list[AsrInput]) -> None:
         chunks: list[tuple[np.ndarray, float]] = []
         for frame in frames:
             if isinstance(frame, F.AudioIn):
@@ -145,7 +149,7 @@ class AsrStage(Stage[AsrInput]):
         self._early_turn = self.ctx.new_turn_id()
         self.ctx.on_speech_started(F.SpeechStarted(self._early_turn, audio_ms, t_s=t_s))
 
-    async def _handle_events(self, events: list[Any], committed: bool) -> None:
+    async def _handle_events(self, events: list[AsrEvent], committed: bool) -> None:
         partials = self.ctx.settings.partials is not False
         for ev in events:
             if isinstance(ev, F.SpeechStarted):  # the transcriber's: turn_id is its utterance id
@@ -220,11 +224,11 @@ class AsrStage(Stage[AsrInput]):
 
     # ------------------------------------------------------------------ worker thread side
 
-    def _step(self, chunks: list[tuple[np.ndarray, float]], commit: bool) -> list[Any]:
+    def _step(self, chunks: list[tuple[np.ndarray, float]], commit: bool) -> list[AsrEvent]:
         tr, loop = self.transcriber, self._loop
         if loop is None:
             raise RuntimeError("the ASR stage steps only after start()")
-        events: list[Any] = []
+        events: list[AsrEvent] = []
         for samples, arrival_t_s in chunks:
             tr.insert_audio(samples)
             total = int(round(tr.audio_s * SAMPLE_RATE_HZ))

@@ -14,7 +14,8 @@ import asyncio
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.session import SessionSettings
@@ -32,11 +33,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "edge-rtgi"
 
 
-def initial_config(path: str, pipelines: dict[str, Any]) -> tuple[RealtimeSessionConfig, str]:
+def initial_config(path: str, pipelines: Collection[str]) -> tuple[RealtimeSessionConfig, str]:
     """The session config and model name for a connection URL.
 
     ``?model=`` is echoed back as the session's model; when it (or ``?pipeline=``, our
-    extension) names one of the daemon's pipelines, that pipeline is used from the start.
+    extension) names one of the daemon's pipelines (``pipelines``: their names), that
+    pipeline is used from the start.
     """
     model = query_param(path, "model") or DEFAULT_MODEL
     pipeline = query_param(path, "pipeline")
