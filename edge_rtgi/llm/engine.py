@@ -34,10 +34,25 @@ from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_bl
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.model import Transformer
-from edge_rtgi.llm.request import Request, RequestDelta, RequestStatus, TokenLogprob, Usage
+from edge_rtgi.llm.request import (
+    Request,
+    RequestClass,
+    RequestDelta,
+    RequestSLO,
+    RequestStatus,
+    TokenLogprob,
+    Usage,
+)
 from edge_rtgi.llm.runner import ModelRunner
 from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerConfig
+from edge_rtgi.llm.scheduler import (
+    ModelRunnerOutput,
+    RequestUpdate,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 from edge_rtgi.llm.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
@@ -122,14 +137,19 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill:  # a whole prompt must fit one step
             budget = max(budget, self.max_model_len)
+        # fitted on every step under either policy (its error is in the stats); the slo policy reads it
+        self.step_model = StepTimeModel()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 budget,
                 self.config.max_num_seqs,
                 self.max_model_len,
                 self.config.enable_chunked_prefill,
+                policy=self.config.scheduling,
+                min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
             ),
             self.kv,
+            self.step_model,
         )
         self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups)
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
@@ -234,11 +254,14 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
-        deadline_ms: float | None = None,
+        request_class: RequestClass = RequestClass.DIALOGUE,
+        slo: RequestSLO | None = None,
     ) -> str:
         """Queue a request whose deltas go to ``sink`` (called from the engine thread).
 
-        Bad input does not raise: ``sink`` receives one error delta. Returns the request id.
+        ``request_class`` and ``slo`` (None: the class default) are what the ``slo`` scheduling
+        policy orders and protects. Bad input does not raise: ``sink`` receives one error
+        delta. Returns the request id.
         """
         rid = request_id or f"req-{next(self._ids)}"
         arrival = time.monotonic()
@@ -252,7 +275,8 @@ class LLMEngine:
                 prompt_ids,
                 params,
                 priority=priority,
-                deadline_ms=deadline_ms,
+                request_class=request_class,
+                slo=slo,
                 eos_token_ids=self._stop_ids(params),
                 arrival_time_s=arrival,
             )
@@ -332,7 +356,8 @@ class LLMEngine:
         *,
         request_id: str | None = None,
         priority: int = 0,
-        deadline_ms: float | None = None,
+        request_class: RequestClass = RequestClass.DIALOGUE,
+        slo: RequestSLO | None = None,
     ) -> RequestStream:
         """Queue a request; iterate the result (``async for``) to receive its deltas.
 
@@ -351,7 +376,13 @@ class LLMEngine:
                 self.abort(delta.request_id)
 
         stream.request_id = self.submit(
-            prompt, params, sink, request_id=request_id, priority=priority, deadline_ms=deadline_ms
+            prompt,
+            params,
+            sink,
+            request_id=request_id,
+            priority=priority,
+            request_class=request_class,
+            slo=slo,
         )
         return stream
 
@@ -469,6 +500,7 @@ class LLMEngine:
                 {}, {s.request_id: f"engine step failed: {exc}" for s in output.scheduled}
             )
         t2 = time.perf_counter()
+        self.step_model.observe(step_shape(output), (t2 - t1) * 1e3)
         updates = self.scheduler.update_from_output(output, result)
         for update in updates:
             self._emit(update, result.logprobs.get(update.request_id))
@@ -546,11 +578,21 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot of counters for /metrics and benchmarks."""
-        return self._stats.snapshot(self.kv, self.scheduler)
+        return self._stats.snapshot(self.kv, self.scheduler, self.step_model.snapshot())
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached free blocks (benchmarks' cold runs). Call while idle."""
         return self.kv.pool.reset_prefix_cache()
+
+
+def step_shape(output: SchedulerOutput) -> StepShape:
+    """What a scheduled step computes, in the step-time model's terms."""
+    decode_rows = sum(1 for s in output.scheduled if s.sample and len(s.token_ids) == 1)
+    return StepShape(
+        decode_rows=decode_rows,
+        prefill_tokens=output.num_batched_tokens - decode_rows,
+        context_tokens=sum(s.start_position + len(s.token_ids) for s in output.scheduled),
+    )
 
 
 @dataclass

@@ -11,8 +11,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from edge_rtgi.llm.kv.manager import KVCacheManager
     from edge_rtgi.llm.model import ModelConfig
     from edge_rtgi.llm.scheduler import Scheduler, SchedulerOutput
+    from edge_rtgi.llm.step_model import StepModelSnapshot
 
 KV_DTYPES = ("auto", "int8")
+SCHEDULING_POLICIES = ("fcfs", "slo")  # edge_rtgi.llm.scheduler.POLICIES (kept torch-free there)
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,9 @@ class EngineConfig:
     ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
     gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
     ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales.
+    ``scheduling``: "fcfs" (priority, then arrival) or "slo" (classes, deadlines and a fitted
+    step-time model; ``edge_rtgi.llm.scheduler``); ``min_prefill_chunk_tokens`` is the least
+    prefill a step carries under "slo" while decodes run.
     Without chunked prefill the per-step budget is raised to ``max_model_len`` so that any
     prompt fits one step.
     """
@@ -41,6 +46,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
+    scheduling: str = "fcfs"
+    min_prefill_chunk_tokens: int = 16
     num_threads: int | None = None
     # "auto" (on a bf16 CPU: GGUF Q4_1 blocks as int4-g32, other weights int8; see
     # edge_rtgi.llm.quant.policy), "none",
@@ -61,6 +68,10 @@ class EngineConfig:
             raise ValueError(f"decode_mode must be 'padded' or 'per_seq', got {self.decode_mode!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.scheduling not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        if self.min_prefill_chunk_tokens < 1:
+            raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
 
     def with_(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again by ``__post_init__``)."""
@@ -111,6 +122,15 @@ class EngineStats:
     prefix_hit_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    num_row_deferrals: int = 0  # admissions the slo policy held back for running decodes' ITL
+    # the step-time model (edge_rtgi.llm.step_model): fitted ms per unit, and its prediction error
+    step_model_fixed_ms: float = 0.0
+    step_model_per_decode_row_ms: float = 0.0
+    step_model_per_prefill_token_ms: float = 0.0
+    step_model_per_context_ktoken_ms: float = 0.0
+    step_model_error_ms: float = 0.0
+    step_model_error_pct: float = 0.0
+    step_model_observations: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -136,9 +156,12 @@ class EngineStats:
         self.num_scheduled_requests += len(output.scheduled)
         self.max_requests_per_step = max(self.max_requests_per_step, len(output.scheduled))
 
-    def snapshot(self, kv: KVCacheManager, scheduler: Scheduler) -> EngineStats:
-        return replace(
+    def snapshot(
+        self, kv: KVCacheManager, scheduler: Scheduler, step_model: StepModelSnapshot | None = None
+    ) -> EngineStats:
+        snap = replace(
             self,
+            num_row_deferrals=scheduler.num_row_deferrals,
             num_preemptions=scheduler.num_preemptions,
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_cached=kv.pool.num_cached_blocks,
@@ -146,6 +169,19 @@ class EngineStats:
             prefix_hit_tokens=kv.prefix_hits_tokens,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
+        )
+        if step_model is None:
+            return snap
+        fixed, per_row, per_token, per_ktoken = step_model.coefficients_ms
+        return replace(
+            snap,
+            step_model_fixed_ms=fixed,
+            step_model_per_decode_row_ms=per_row,
+            step_model_per_prefill_token_ms=per_token,
+            step_model_per_context_ktoken_ms=per_ktoken,
+            step_model_error_ms=step_model.error_ms,
+            step_model_error_pct=step_model.error_pct,
+            step_model_observations=step_model.num_observations,
         )
 
     def as_dict(self) -> dict[str, float]:

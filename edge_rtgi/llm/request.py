@@ -30,6 +30,63 @@ class RequestParams(Protocol):
     def stop_token_ids(self) -> tuple[int, ...]: ...
 
 
+class RequestClass(enum.Enum):
+    """Who waits on a request. Under the ``slo`` scheduling policy classes are served in this
+    order (voice first) and a lower class may be preempted for a higher one."""
+
+    VOICE = "voice"  # a person waits to hear the reply
+    TRANSLATION = "translation"  # live captions or translated speech
+    DIALOGUE = "dialogue"  # text chat and completions
+    BULK = "bulk"  # background work: nobody watches it stream
+
+    @property
+    def rank(self) -> int:
+        """Higher is more urgent."""
+        return _CLASS_RANK[self]
+
+    @classmethod
+    def parse(cls, value: str) -> RequestClass:
+        """The class named ``value``; ValueError naming the allowed names otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(c.value for c in cls)
+            raise ValueError(f"unknown request class {value!r}; choose one of {names}") from None
+
+
+_CLASS_RANK = {
+    RequestClass.VOICE: 3,
+    RequestClass.TRANSLATION: 2,
+    RequestClass.DIALOGUE: 1,
+    RequestClass.BULK: 0,
+}
+
+
+@dataclass(frozen=True)
+class RequestSLO:
+    """A request's latency objective: first token within ``ttft_ms`` of arrival, then one token
+    every ``itl_ms`` (the scheduler reads both; the benchmark judges a request by both)."""
+
+    ttft_ms: float
+    itl_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "itl_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of milliseconds > 0, got {value!r}")
+
+
+# Defaults per class: the interactive ones from the workload table in docs/benchmarks.md; bulk
+# work is judged loosely, so that it fills the gaps the others leave.
+DEFAULT_SLOS: dict[RequestClass, RequestSLO] = {
+    RequestClass.VOICE: RequestSLO(ttft_ms=500.0, itl_ms=50.0),
+    RequestClass.TRANSLATION: RequestSLO(ttft_ms=500.0, itl_ms=50.0),
+    RequestClass.DIALOGUE: RequestSLO(ttft_ms=500.0, itl_ms=50.0),
+    RequestClass.BULK: RequestSLO(ttft_ms=10_000.0, itl_ms=250.0),
+}
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in its life. ``FINISHED_*`` states are terminal."""
 
@@ -58,8 +115,10 @@ _FINISHED = {"stop", "length", "abort", "error"}
 class Request:
     """One sequence being generated.
 
-    ``priority``: higher values are served first and preempted last (default 0).
-    ``deadline_ms``: a soft deadline relative to arrival, stored for deadline-aware policies.
+    ``priority``: higher values are served first and preempted last (default 0); it comes
+    before the class, so it overrides the class order.
+    ``request_class`` and ``slo`` (None: the class's default, ``DEFAULT_SLOS``) are what the
+    ``slo`` scheduling policy orders and protects; the ``fcfs`` policy ignores them.
     ``eos_token_ids``: ids that end generation (the model's EOS plus the request's stop ids,
     empty when ``ignore_eos``); the engine fills it in.
     """
@@ -68,7 +127,8 @@ class Request:
     prompt_token_ids: list[int]
     params: RequestParams
     priority: int = 0
-    deadline_ms: float | None = None
+    request_class: RequestClass = RequestClass.DIALOGUE
+    slo: RequestSLO | None = None
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time_s: float = field(default_factory=time.monotonic)
 
@@ -78,6 +138,8 @@ class Request:
     # Prompt tokens served from the prefix cache at first admission (reported in usage).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # When the last token was sampled (the ITL clock; None before the first token).
+    last_token_time_s: float | None = None
     error: str | None = None
     # Chained hashes of this request's full blocks, filled lazily by the KV manager and kept
     # across preemption so that recomputation finds its own blocks again.
@@ -85,6 +147,25 @@ class Request:
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
+        if self.slo is None:
+            self.slo = DEFAULT_SLOS[self.request_class]
+
+    @property
+    def objective(self) -> RequestSLO:
+        """The SLO in force (the class default when none was given)."""
+        return self.slo or DEFAULT_SLOS[self.request_class]
+
+    @property
+    def ttft_deadline_s(self) -> float:
+        """When the first token is due (monotonic seconds)."""
+        return self.arrival_time_s + self.objective.ttft_ms / 1e3
+
+    def itl_slack_s(self, now_s: float) -> float:
+        """Seconds until the next token is due: from the last token for a decode, from the TTFT
+        deadline before the first token."""
+        if self.last_token_time_s is None:
+            return self.ttft_deadline_s - now_s
+        return self.last_token_time_s + self.objective.itl_ms / 1e3 - now_s
 
     @property
     def all_token_ids(self) -> list[int]:

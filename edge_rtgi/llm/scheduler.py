@@ -15,17 +15,33 @@ its whole gap this step gets a token sampled. That one rule gives:
 Deadlock freedom: a request whose worst case (prompt + max_tokens) cannot fit in the whole
 pool is rejected in ``add_request``. Otherwise preemption always ends with the oldest
 highest-priority request alone in the pool, where it fits.
+
+Two policies (``SchedulerConfig.policy``):
+
+- ``fcfs``: priority, then arrival. Requests' classes and SLOs are not read.
+- ``slo``: waiting requests by priority, then class (voice, translation, dialogue, bulk), then
+  earliest TTFT deadline; running decodes by ITL slack. With a ready ``StepTimeModel`` it also
+  (a) sizes each step's prefill tokens so that the running decodes' predicted step time stays
+  within their tightest ITL slack (at least ``min_prefill_chunk_tokens``, so prompts always
+  advance), and (b) admits a new request only while the predicted decode step with one more
+  row stays within the tightest ITL SLO, so those running keep their SLO instead of all
+  missing it together. A waiting request may preempt a running one of a strictly lower class
+  (for blocks or for a row); that can only move work to lower classes, so it cannot cycle.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from edge_rtgi.errors import RequestError
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.request import Request, RequestStatus, TokenLogprob
+from edge_rtgi.llm.step_model import StepShape, StepTimeModel
+
+POLICIES = ("fcfs", "slo")
 
 
 @dataclass(frozen=True)
@@ -36,10 +52,16 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    min_prefill_chunk_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, max_model_len >= 2")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.min_prefill_chunk_tokens < 1:
+            raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Otherwise a long prompt could never be scheduled in one piece.
             raise ValueError(
@@ -92,26 +114,74 @@ class RequestUpdate:
     error: str | None = None
 
 
-def _serve_key(req: Request) -> tuple[int, float]:
+def _serve_key(req: Request) -> tuple[float, ...]:
     # Higher priority first, then first come first served.
     return (-req.priority, req.arrival_time_s)
 
 
-def _victim_key(req: Request) -> tuple[int, float]:
+def _victim_key(req: Request) -> tuple[float, ...]:
     # min() picks the lowest priority, then the newest arrival.
     return (req.priority, -req.arrival_time_s)
 
 
-class Scheduler:
-    """Decides, each step, which requests compute how many tokens."""
+def _slo_serve_key(req: Request) -> tuple[float, ...]:
+    # Priority, then class, then earliest TTFT deadline (EDF within a class).
+    return (-req.priority, -req.request_class.rank, req.ttft_deadline_s, req.arrival_time_s)
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+
+def _slo_victim_key(req: Request) -> tuple[float, ...]:
+    # min() picks the lowest priority, then the lowest class, then the newest arrival.
+    return (req.priority, req.request_class.rank, -req.arrival_time_s)
+
+
+class _PrefillAllowance:
+    """Prefill tokens left in this step (None: no limit)."""
+
+    def __init__(self, tokens: int | None):
+        self.left = tokens
+
+    def take(self, wanted: int) -> int:
+        if self.left is None:
+            return wanted
+        n = min(wanted, self.left)
+        self.left -= n
+        return n
+
+    def give_back(self, n: int) -> None:
+        if self.left is not None:
+            self.left += n
+
+
+def _is_decode(req: Request) -> bool:
+    return req.num_tokens - req.num_computed_tokens == 1
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    ``step_model`` (the engine's, fed with measured steps) lets the ``slo`` policy size steps;
+    ``clock`` gives monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        step_model: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.kv = kv
+        self.step_model = step_model
+        self.clock = clock
+        self.slo = config.policy == "slo"
+        self._key = _slo_serve_key if self.slo else _serve_key
+        self._victim = _slo_victim_key if self.slo else _victim_key
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []  # kept sorted by _serve_key
+        self.waiting: list[Request] = []  # kept sorted by self._key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
 
     # --- intake ----------------------------------------------------------------------------
 
@@ -147,8 +217,8 @@ class Scheduler:
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
-        keys = [_serve_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, _serve_key(request)), request)
+        keys = [self._key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._key(request)), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -160,9 +230,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_new: dict[str, int] = {}
         preempted: list[Request] = []
-        budget = self._schedule_running(budget, num_new, preempted)
+        now = self.clock()
+        prefill = _PrefillAllowance(self._prefill_allowance(now))
+        budget = self._schedule_running(budget, num_new, preempted, now, prefill)
         if not preempted:  # after a preemption, blocks are scarce: admit nobody this step
-            self._schedule_waiting(budget, num_new)
+            self._schedule_waiting(budget, num_new, preempted, prefill)
         scheduled = []
         for req in self.running:
             n = num_new.get(req.request_id)
@@ -180,16 +252,30 @@ class Scheduler:
             )
         return SchedulerOutput(scheduled, sum(num_new.values()), [r.request_id for r in preempted])
 
-    def _schedule_running(self, budget: int, num_new: dict[str, int], preempted: list[Request]) -> int:
-        order = sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, *_serve_key(r)))
-        for req in order:
+    def _running_order(self, now: float) -> list[Request]:
+        if self.slo:  # decodes first, the one closest to missing its next token first
+            return sorted(self.running, key=lambda r: (not _is_decode(r), r.itl_slack_s(now), *self._key(r)))
+        return sorted(self.running, key=lambda r: (not _is_decode(r), *_serve_key(r)))
+
+    def _schedule_running(
+        self,
+        budget: int,
+        num_new: dict[str, int],
+        preempted: list[Request],
+        now: float,
+        prefill: _PrefillAllowance,
+    ) -> int:
+        for req in self._running_order(now):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an earlier one
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            gap = req.num_tokens - req.num_computed_tokens
+            n = min(gap, budget) if gap == 1 else prefill.take(min(gap, budget))
+            if n == 0:
+                continue
             while not self.kv.allocate_slots(req, n):
-                victim = min((r for r in self.running if r.status is RequestStatus.RUNNING), key=_victim_key)
+                victim = min((r for r in self.running if r.status is RequestStatus.RUNNING), key=self._victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 budget += num_new.pop(victim.request_id, 0)
@@ -200,16 +286,30 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _schedule_waiting(self, budget: int, num_new: dict[str, int]) -> None:
+    def _schedule_waiting(
+        self, budget: int, num_new: dict[str, int], preempted: list[Request], prefill: _PrefillAllowance
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self.slo and not self._row_fits(req, num_new):
+                if self._preempt_lower_class(req, num_new, preempted):
+                    budget = self.config.max_num_batched_tokens - sum(num_new.values())
+                    continue
+                self.num_row_deferrals += 1
+                break
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = hits.num_tokens
             n = req.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break
-            n = min(n, budget)
+            n = prefill.take(min(n, budget))
+            if n == 0:
+                break
             if not self.kv.allocate_slots(req, n, hits):
+                prefill.give_back(n)
+                if self.slo and self._preempt_lower_class(req, num_new, preempted):
+                    budget = self.config.max_num_batched_tokens - sum(num_new.values())
+                    continue
                 break  # strict priority order: no overtaking by smaller requests
             self.waiting.pop(0)
             req.num_computed_tokens = num_hit_tokens
@@ -220,6 +320,50 @@ class Scheduler:
                 self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit_tokens)
             num_new[req.request_id] = n
             budget -= n
+
+    # --- the slo policy's step sizing --------------------------------------------------------
+
+    def _prefill_allowance(self, now: float) -> int | None:
+        """Prefill tokens this step may carry without the running decodes missing their next
+        token (None: no limit, under ``fcfs``, with no decode running, or a model still learning)."""
+        model = self.step_model
+        if not self.slo or model is None or not model.ready:
+            return None
+        decodes = [r for r in self.running if _is_decode(r) and r.last_token_time_s is not None]
+        per_token_ms = model.marginal_ms("per_prefill_token")
+        if not decodes or per_token_ms <= 0.0:
+            return None
+        slack_ms = min(r.itl_slack_s(now) for r in decodes) * 1e3
+        base_ms = model.predict_ms(StepShape(len(decodes), 0, sum(r.num_tokens for r in decodes))) or 0.0
+        room = int((slack_ms - base_ms) / per_token_ms)
+        return max(self.config.min_prefill_chunk_tokens, room)
+
+    def _row_fits(self, req: Request, num_new: dict[str, int]) -> bool:
+        """Whether one more decoding request keeps the predicted decode step within the tightest
+        ITL SLO of those running and of ``req`` (always true with nothing running)."""
+        model = self.step_model
+        rows = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if model is None or not model.ready or not rows:
+            return True
+        context = sum(r.num_tokens for r in rows) + req.num_tokens
+        predicted = model.predict_ms(StepShape(len(rows) + 1, 0, context)) or 0.0
+        tightest_ms = min(r.objective.itl_ms for r in (*rows, req))
+        return predicted <= tightest_ms
+
+    def _preempt_lower_class(self, req: Request, num_new: dict[str, int], preempted: list[Request]) -> bool:
+        """Preempt the least urgent running request of a strictly lower class than ``req``."""
+        lower = [
+            r
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and r.request_class.rank < req.request_class.rank
+        ]
+        if not lower:
+            return False
+        victim = min(lower, key=self._victim)
+        self._preempt(victim)
+        preempted.append(victim)
+        num_new.pop(victim.request_id, None)
+        return True
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -250,6 +394,7 @@ class Scheduler:
                 continue
             token = result.sampled_token_ids[sr.request_id]
             req.append_output_token(token)
+            req.last_token_time_s = self.clock()
             status = self._stop_status(req, token)
             if status is not None:
                 self._finish(req, status)

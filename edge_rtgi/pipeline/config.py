@@ -27,6 +27,7 @@ from typing import Any, Literal
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.config import from_dict, load_yaml, parse_yaml, where
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.request import DEFAULT_SLOS, RequestClass, RequestSLO
 from edge_rtgi.pipeline.backends.config import (
     BACKEND_KINDS,
     ROUTER_RULES,
@@ -67,6 +68,31 @@ class WakeStageConfig:
 
 
 @dataclass(frozen=True)
+class SloConfig:
+    """A text stage's requests to the engine: their class (``voice``, ``translation``,
+    ``dialogue``, ``bulk``) and latency objective; ``ttft_ms``/``itl_ms`` left out take the
+    class's defaults (``llm.request.DEFAULT_SLOS``). Read by the engine's ``slo`` scheduling."""
+
+    request_class: str = "voice"
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        self.objective()  # validates the class and the numbers
+
+    @property
+    def klass(self) -> RequestClass:
+        return RequestClass.parse(self.request_class)
+
+    def objective(self) -> RequestSLO:
+        default = DEFAULT_SLOS[self.klass]
+        return RequestSLO(
+            ttft_ms=default.ttft_ms if self.ttft_ms is None else self.ttft_ms,
+            itl_ms=default.itl_ms if self.itl_ms is None else self.itl_ms,
+        )
+
+
+@dataclass(frozen=True)
 class AssistantStageConfig:
     """A multi-turn assistant: on the shared LLM engine (``backend: local``), on a remote
     OpenAI-compatible server (``backend: openai`` with ``base_url``, ``api_key_env`` and
@@ -79,8 +105,7 @@ class AssistantStageConfig:
     top_p: float = 1.0
     context_tokens: int | None = None  # None: the backend's own context length
     priority: int = 0
-    # Reserved for SLO-aware scheduling: carried to the engine's request, not yet read by it.
-    deadline_ms: int | None = None
+    slo: SloConfig = field(default_factory=SloConfig)
     backend: str = "local"
     base_url: str | None = None
     api_key_env: str | None = None
@@ -129,6 +154,7 @@ class TranslateStageConfig:
     # LLM backends. "chat": an instruction in the model's chat template (instruct models);
     # "few-shot": raw text with example pairs, cut at the end of the line (base models, Gemma 3 270M).
     prompt: Literal["chat", "few-shot"] = "chat"
+    slo: SloConfig = field(default_factory=lambda: SloConfig("translation"))
 
     def __post_init__(self) -> None:
         if self.prompt not in ("chat", "few-shot"):

@@ -247,6 +247,21 @@ class EngineCollector(Collector):
             "kv_total": GaugeMetricFamily(
                 "edge_rtgi_engine_kv_blocks_total", "KV cache blocks in the pool", labels=["model"]
             ),
+            "row_deferrals": CounterMetricFamily(
+                "edge_rtgi_engine_row_deferrals",
+                "Admissions held back so that running decodes keep their ITL SLO (scheduling: slo)",
+                labels=["model"],
+            ),
+            "step_model": GaugeMetricFamily(
+                "edge_rtgi_engine_step_model_ms",
+                "Fitted step-time model: ms per unit of each term (term label)",
+                labels=["model", "term"],
+            ),
+            "step_model_error": GaugeMetricFamily(
+                "edge_rtgi_engine_step_model_error_ms",
+                "Mean absolute error of the step-time model's predictions, measured before each step",
+                labels=["model"],
+            ),
         }
         for name, engine in self._engines().items():
             s = engine.stats()
@@ -263,6 +278,15 @@ class EngineCollector(Collector):
                 ("kv_used", s.kv_blocks_used),
                 ("kv_cached", s.kv_blocks_cached),
                 ("kv_total", s.kv_blocks_total),
+                ("row_deferrals", s.num_row_deferrals),
+                ("step_model_error", s.step_model_error_ms),
             ):
                 fams[key].add_metric([name], float(value))
+            for term, ms in (
+                ("fixed", s.step_model_fixed_ms),
+                ("per_decode_row", s.step_model_per_decode_row_ms),
+                ("per_prefill_token", s.step_model_per_prefill_token_ms),
+                ("per_context_ktoken", s.step_model_per_context_ktoken_ms),
+            ):
+                fams["step_model"].add_metric([name, term], ms)
         yield from fams.values()

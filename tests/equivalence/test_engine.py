@@ -166,3 +166,34 @@ def test_switches_off_give_the_same_output(llama):
     ):
         got = engine_for(llama, **overrides).generate(prompts, p)
         assert [r.token_ids for r in got] == want, overrides
+
+
+def test_slo_scheduling_computes_the_same_tokens(llama):
+    """The slo policy changes only when tokens are computed: row caps, small prefill chunks and a
+    bulk request preempted for voice ones still give each request the reference's greedy text."""
+    from edge_rtgi.llm.request import RequestClass
+    from tests.unit.test_scheduler_slo import trained_model
+
+    class Frozen(type(trained_model())):  # the synthetic costs, not this machine's
+        def observe(self, shape, run_ms):
+            pass
+
+    engine = engine_for(llama, scheduling="slo", min_prefill_chunk_tokens=4, max_num_batched_tokens=64)
+    model = Frozen()
+    model.__dict__.update(trained_model(fixed=5.0, per_row=10.0, per_token=0.5).__dict__)
+    engine.step_model = engine.scheduler.step_model = model  # 3 rows fit a 50 ms ITL, a 4th does not
+    tok = llama.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=10 + 2 * i, ignore_eos=True) for i in range(8)]
+    classes = [RequestClass.BULK, RequestClass.BULK, *[RequestClass.VOICE] * 3, *[RequestClass.DIALOGUE] * 3]
+    results = [GenerationResult() for _ in prompts]
+    for i in range(len(prompts)):
+        engine.submit(prompts[i], params[i], results[i].add, request_id=f"r{i}", request_class=classes[i])
+        engine.step()
+    for _ in range(2000):
+        if not engine.step():
+            break
+    for prompt, p, got in zip(prompts, params, results, strict=True):
+        assert got.token_ids == reference(llama, prompt, p).token_ids
+    stats = engine.stats()
+    assert stats.num_preemptions >= 1 and stats.num_row_deferrals >= 1 and stats.kv_blocks_used == 0

@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from edge_rtgi.llm.request import RequestClass, RequestSLO
+
 
 @dataclass(frozen=True)
 class Message:
@@ -30,7 +32,8 @@ class BackendRequest:
     """One generation: chat ``messages``, or a raw completion prompt ``text`` (code).
 
     ``logprobs`` asks for per-token entropies (``BackendDelta.entropies_nats``); only local
-    engines report them. ``priority`` and ``deadline_ms`` go to a local engine's scheduler.
+    engines report them. ``priority``, ``request_class`` and ``slo`` go to a local engine's
+    scheduler (a remote engine schedules by its own rules).
     ``stop`` strings end the generation (not included in the text); ``add_special_tokens`` lets
     a local tokenizer put its BOS before a raw ``text`` prompt (base models expect it).
     """
@@ -42,7 +45,8 @@ class BackendRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     priority: int = 0
-    deadline_ms: float | None = None
+    request_class: RequestClass = RequestClass.DIALOGUE
+    slo: RequestSLO | None = None
     logprobs: bool = False
     stop: tuple[str, ...] = ()
     add_special_tokens: bool = False

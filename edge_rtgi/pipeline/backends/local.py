@@ -89,7 +89,8 @@ class LocalBackend:
             params,
             request_id=request.request_id,
             priority=request.priority,
-            deadline_ms=request.deadline_ms,
+            request_class=request.request_class,
+            slo=request.slo,
         )
         finished = False
         try:

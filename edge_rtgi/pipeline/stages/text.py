@@ -222,7 +222,8 @@ class AssistantStage(Stage[F.ResponseRequest]):
             temperature=cfg.temperature if req.temperature is None else req.temperature,
             top_p=cfg.top_p,
             priority=cfg.priority,
-            deadline_ms=cfg.deadline_ms,
+            request_class=cfg.slo.klass,
+            slo=cfg.slo.objective(),
         )
         await self.ctx.forward(self, await stream_backend(self, self.backend, request))
 
@@ -263,7 +264,13 @@ class TranslateStage(Stage[F.ResponseRequest]):
         if cfg.prompt == "few-shot":  # a base model continues the pattern; the line ends it
             prompt = translation_few_shot_prompt(req.source_text, cfg.source_language, cfg.target_language)
             request = BackendRequest(
-                request_id=rid, max_tokens=budget, text=prompt, stop=("\n",), add_special_tokens=True
+                request_id=rid,
+                max_tokens=budget,
+                text=prompt,
+                stop=("\n",),
+                add_special_tokens=True,
+                request_class=cfg.slo.klass,
+                slo=cfg.slo.objective(),
             )
         else:
             messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
@@ -271,6 +278,8 @@ class TranslateStage(Stage[F.ResponseRequest]):
                 request_id=rid,
                 max_tokens=budget,
                 messages=tuple(Message(m["role"], m["content"]) for m in messages),
+                request_class=cfg.slo.klass,
+                slo=cfg.slo.objective(),
             )
         done = await stream_backend(self, self.backend, request)
         await self.ctx.forward(self, F.TextDone(rid, done.text, req.source_text, done.usage, done.llm))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from edge_rtgi.errors import EdgeRtgiError
+from edge_rtgi.llm.request import RequestClass
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.pipeline.config import AssistantStageConfig, TranslateStageConfig
 from edge_rtgi.server.admission import Refusal
@@ -140,7 +141,7 @@ class TextApi:
             req = parse_request(kind, raw, served_models(self.daemon))
             engine = await asyncio.to_thread(self.daemon.resources.llm, req.model)
             ids, params = await self._prepare(engine, req)
-            stream = engine.add_request(ids, params)
+            stream = engine.add_request(ids, params, request_class=RequestClass.DIALOGUE)
             if req.stream:
                 response = await self._sse(request, req, stream)
             else:

@@ -1,0 +1,197 @@
+"""The slo scheduling policy and the step-time model, with fake runner outputs and no model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edge_rtgi.config import from_dict
+from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.request import DEFAULT_SLOS, Request, RequestClass, RequestSLO, RequestStatus
+from edge_rtgi.llm.scheduler import Scheduler, SchedulerConfig
+from edge_rtgi.llm.step_model import StepShape, StepTimeModel
+from edge_rtgi.pipeline.config import AssistantStageConfig, SloConfig
+from tests.unit.test_scheduler import EOS, Params, step
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def trained_model(fixed=5.0, per_row=10.0, per_token=0.5, per_ktoken=0.0, n=64, seed=0) -> StepTimeModel:
+    """A step-time model fitted on exact synthetic costs of varied step shapes."""
+    rng = random.Random(seed)
+    model = StepTimeModel()
+    for _ in range(n):
+        shape = StepShape(rng.randint(0, 8), rng.choice([0, 0, 16, 64, 200]), rng.randint(0, 4000))
+        model.observe(shape, fixed + per_row * shape.decode_rows + per_token * shape.prefill_tokens)
+    return model
+
+
+def make(policy="slo", model=None, clock=None, num_blocks=64, block_size=4, budget=64, max_seqs=8):
+    kv = KVCacheManager(num_blocks, block_size)
+    cfg = SchedulerConfig(budget, max_seqs, 512, True, policy=policy)
+    return Scheduler(cfg, kv, model, clock or Clock())
+
+
+def req(rid, n_prompt, klass=RequestClass.DIALOGUE, t=100.0, max_tokens=4, slo=None, base=1):
+    return Request(
+        rid,
+        list(range(base, base + n_prompt)),
+        Params(max_tokens),
+        request_class=klass,
+        slo=slo,
+        eos_token_ids=frozenset({EOS}),
+        arrival_time_s=t,
+    )
+
+
+def test_slo_defaults_and_bad_values():
+    r = req("a", 4, RequestClass.VOICE, t=10.0)
+    assert r.objective == DEFAULT_SLOS[RequestClass.VOICE] and r.ttft_deadline_s == pytest.approx(10.5)
+    for bad in (0, -5, float("nan"), True):
+        with pytest.raises(ValueError, match="ttft_ms"):
+            RequestSLO(ttft_ms=bad, itl_ms=50)
+    with pytest.raises(ValueError, match="choose one of voice, translation, dialogue, bulk"):
+        RequestClass.parse("urgent")
+
+
+def test_bad_pipeline_slo_is_a_config_error_naming_the_key():
+    with pytest.raises(ConfigError, match="itl_ms"):
+        from_dict(AssistantStageConfig, {"slo": {"request_class": "voice", "itl_ms": 0}})
+    with pytest.raises(ConfigError, match="unknown request class 'urgent'"):
+        from_dict(AssistantStageConfig, {"slo": {"request_class": "urgent"}})
+    cfg = from_dict(AssistantStageConfig, {"slo": {"request_class": "bulk", "ttft_ms": 2000}})
+    assert cfg.slo.klass is RequestClass.BULK and cfg.slo.objective() == RequestSLO(2000, 250)
+    assert SloConfig().klass is RequestClass.VOICE
+
+
+def test_waiting_order_is_class_then_earliest_deadline():
+    s = make(budget=4, max_seqs=1)  # one request admitted per step
+    s.add_request(req("bulk", 4, RequestClass.BULK, t=1.0))
+    s.add_request(req("dialogue-late", 4, RequestClass.DIALOGUE, t=3.0))
+    # an earlier arrival with a looser objective has the later deadline
+    s.add_request(req("dialogue-loose", 4, RequestClass.DIALOGUE, t=2.0, slo=RequestSLO(5000, 50)))
+    s.add_request(req("voice", 4, RequestClass.VOICE, t=4.0))
+    assert [r.request_id for r in s.waiting] == ["voice", "dialogue-late", "dialogue-loose", "bulk"]
+    fcfs = make(policy="fcfs")
+    for r in ("bulk", "dialogue-late", "voice"):
+        fcfs.add_request(req(r, 4, t={"bulk": 1.0, "dialogue-late": 3.0, "voice": 4.0}[r]))
+    assert [r.request_id for r in fcfs.waiting] == ["bulk", "dialogue-late", "voice"]
+
+
+def test_decodes_closest_to_their_deadline_go_first_when_the_budget_is_short():
+    clock = Clock()
+    s = make(clock=clock, budget=2, max_seqs=4)
+    for rid, itl in (("relaxed", 200.0), ("tight", 20.0), ("middle", 50.0)):
+        s.add_request(req(rid, 1, slo=RequestSLO(1000, itl), max_tokens=8))
+    s.config = SchedulerConfig(8, 4, 512, True, policy="slo")
+    step(s)  # all three prefill (one token each) and sample
+    s.config = SchedulerConfig(2, 4, 512, True, policy="slo")
+    clock.now_s += 0.01
+    out, _ = step(s)
+    assert [r.request_id for r in out.scheduled] == ["tight", "middle"]
+
+
+def test_prefill_is_sized_so_running_decodes_keep_their_itl():
+    clock = Clock()
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5)  # 15 ms for one decode row
+    s = make(model=model, clock=clock, budget=256, num_blocks=256)
+    s.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=50))
+    step(s)  # prefill + first token: now decoding, next token due in 50 ms
+    s.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
+    out, _ = step(s)
+    chunks = {r.request_id: len(r.token_ids) for r in out.scheduled}
+    # (50 ms slack - 15 ms for the decode row) / 0.5 ms per token = 70 tokens of prompt
+    assert chunks == {"voice": 1, "long": 70}
+    clock.now_s += 0.045  # the voice row is now 5 ms from its deadline: only the minimum chunk
+    out, _ = step(s)
+    assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 16
+    # the same step under fcfs takes the whole budget
+    f = make(policy="fcfs", model=model, clock=clock, budget=256, num_blocks=256)
+    f.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=50))
+    step(f)
+    f.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
+    out, _ = step(f)
+    assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 255
+
+
+def test_admission_stops_where_one_more_row_would_break_the_tightest_itl():
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.0)  # k rows: 5 + 10 k ms
+    s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
+    for i in range(6):
+        s.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
+    step(s)
+    # 4 rows: 45 ms <= 50 ms; a 5th would be 55 ms
+    assert len(s.running) == 4 and len(s.waiting) == 2 and s.num_row_deferrals == 1
+    f = make(policy="fcfs", model=model, budget=64, max_seqs=8, num_blocks=128)
+    for i in range(6):
+        f.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
+    step(f)
+    assert len(f.running) == 6
+
+
+def test_an_urgent_request_preempts_a_lower_class_for_a_row():
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.0)
+    s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
+    for i in range(4):
+        s.add_request(req(f"bulk{i}", 2, RequestClass.BULK, t=100.0 + i, base=10 * i + 1, max_tokens=20))
+    step(s)
+    assert len(s.running) == 4
+    s.add_request(req("voice", 2, RequestClass.VOICE, t=105.0, base=90, max_tokens=20))
+    out, _ = step(s)
+    running = {r.request_id for r in s.running}
+    assert "voice" in running and "bulk3" not in running  # the newest bulk request gave way
+    assert s.requests["bulk3"].status is RequestStatus.PREEMPTED and out.preempted_ids == ["bulk3"]
+    # a request of the same class does not preempt: it waits
+    s.add_request(req("voice2", 2, RequestClass.VOICE, t=106.0, base=95, max_tokens=20))
+    s.add_request(req("voice3", 2, RequestClass.VOICE, t=107.0, base=97, max_tokens=20))
+    step(s)
+    step(s)
+    classes = sorted(r.request_class.value for r in s.running)
+    assert classes.count("voice") >= 2 and len(s.running) == 4
+
+
+def test_preemption_for_blocks_takes_a_lower_class_and_everything_finishes():
+    s = make(model=None, num_blocks=8, block_size=4, budget=64, max_seqs=8)
+    s.add_request(req("bulk", 20, RequestClass.BULK, max_tokens=8))
+    step(s)
+    s.add_request(req("voice", 12, RequestClass.VOICE, base=50, max_tokens=4))
+    out, _ = step(s)
+    assert "voice" in {r.request_id for r in s.running} and "bulk" in out.preempted_ids
+    done = set()
+    for _ in range(100):
+        _, updates = step(s)
+        done |= {u.request_id for u in updates if u.finish_reason}
+        if not s.has_unfinished():
+            break
+    assert done == {"voice", "bulk"} and s.kv.pool.num_used_blocks == 0
+
+
+def test_step_model_fits_synthetic_costs_and_reports_its_error():
+    rng = random.Random(1)
+    model = StepTimeModel(min_observations=16)
+    assert model.predict_ms(StepShape(1, 0, 10)) is None  # still learning
+    true = (4.0, 9.0, 0.3, 2.0)
+    for _ in range(400):
+        shape = StepShape(rng.randint(0, 12), rng.choice([0, 16, 64, 128, 256]), rng.randint(0, 6000))
+        cost = sum(c * f for c, f in zip(true, shape.features(), strict=True))
+        model.observe(shape, cost * rng.uniform(0.95, 1.05))  # 5 % noise
+    snap = model.snapshot()
+    for fitted, want in zip(snap.coefficients_ms, true, strict=True):
+        assert fitted == pytest.approx(want, rel=0.15, abs=0.5)
+    assert snap.ready and 0.5 < snap.error_pct < 6.0 and snap.error_ms > 0
+    assert model.predict_ms(StepShape(4, 64, 1000)) == pytest.approx(4 + 36 + 19.2 + 2, rel=0.05)
+
+
+def test_step_model_follows_a_machine_that_slows_down():
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5, n=100)
+    for _ in range(600):  # twice as slow from now on
+        model.observe(StepShape(3, 0, 500), 2 * (5.0 + 30.0))
+    assert model.predict_ms(StepShape(3, 0, 500)) == pytest.approx(70.0, rel=0.05)
