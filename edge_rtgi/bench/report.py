@@ -448,6 +448,53 @@ def _ablations(results: dict) -> list[str]:
     ]
 
 
+def _mixed(results: dict) -> list[str]:
+    mixed = results.get("mixed")
+    if not mixed:
+        return []
+    policies = mixed["summary"]["policies"]
+    ratios = mixed["summary"]["slo_over_fcfs"]
+    rows = []
+    for policy, table in policies.items():
+        for key, row in table["scales"].items():
+            per_class = "; ".join(
+                f"{name} {_pct(c['attainment'])} ({_f(c['ttft_p95_ms'])} / {_f(c['itl_p95_ms'], 1)})"
+                for name, c in row["classes"].items()
+            )
+            ratio = ratios.get(key, {}).get("attainment") if policy == "slo" else None
+            rows.append(
+                [
+                    policy,
+                    f"x{row['rate_scale']:g} ({row['offered_rps']:.2g} req/s)",
+                    _pct(row["attainment"]),
+                    _f(ratio, 2) if ratio is not None else "",
+                    _f(row["goodput_rps"], 2),
+                    per_class,
+                ]
+            )
+    sustained = ", ".join(
+        f"{p} x{t['highest_sustained_scale']:g}" if t["highest_sustained_scale"] is not None else f"{p} none"
+        for p, t in policies.items()
+    )
+    header = [
+        "scheduling",
+        "rate scale",
+        "meet SLO",
+        "slo / fcfs",
+        "goodput (req/s)",
+        "per workload: meet SLO",
+    ]
+    return [
+        "## Mixed load: every workload at once",
+        "",
+        f"{mixed['rounds']} run(s) of {mixed['duration_s']:g} s of arrivals per policy and scale, policies "
+        "alternating; per workload: attainment (p95 TTFT ms / p95 ITL ms, medians over runs). Highest "
+        f"scale with at least 90 % meeting the SLO: {sustained}.",
+        "",
+        *_table(header, rows),
+    ]
+
+
 def _peers(results: dict) -> list[str]:
     peers = results.get("peers")
     if not peers:
@@ -553,7 +600,7 @@ def _daemon(results: dict) -> list[str]:
 def render_markdown(results: dict, image_prefix: str = "") -> str:
     """The report as markdown; figure links are ``image_prefix + name``."""
     lines = ["# edge-rtgi benchmark report", ""]
-    for part in (_conditions, _targets, _workloads, _rtiq, _ramp, _ablations, _peers, _daemon):
+    for part in (_conditions, _targets, _workloads, _rtiq, _ramp, _ablations, _mixed, _peers, _daemon):
         lines += part(results)
     return "\n".join(lines).replace("IMG/", image_prefix)
 

@@ -23,12 +23,13 @@ from edge_rtgi.bench.suite import (
     run_ablations,
     run_ramp_section,
     run_workload,
+    warm_up,
 )
 from edge_rtgi.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-SECTIONS = ("workloads", "ramp", "ablations", "peers")
+SECTIONS = ("workloads", "ramp", "ablations", "peers", "mixed")
 ENV_RECORDED = (
     "OMP_NUM_THREADS",
     "OMP_WAIT_POLICY",
@@ -123,16 +124,6 @@ def check_sections(sections: list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(s for s in SECTIONS if s in sections)
 
 
-def warm_up(engine: Any, tokenizer: Any) -> None:
-    """A few short batched requests so the first measured run does not pay one-off start-up costs."""
-    from edge_rtgi.bench.workloads import system_prompt
-    from edge_rtgi.llm.sampling import SamplingParams
-
-    prompts = [tokenizer.encode(system_prompt())[: 48 + 8 * i] for i in range(3)]
-    engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine.reset_prefix_cache()
-
-
 async def run_suite(
     cfg: BenchConfig,
     sections: tuple[str, ...] = SECTIONS,
@@ -184,6 +175,11 @@ async def run_suite(
     if "ablations" in sections:
         log.info("bench: ablations on %s", cfg.ablation_workload)
         results["ablations"] = await run_ablations(models, cfg)
+        done_section()
+    if "mixed" in sections:
+        from edge_rtgi.bench.mixed import run_mixed_section
+
+        results["mixed"] = await run_mixed_section(models, cfg)
     done_section()
     return results
 

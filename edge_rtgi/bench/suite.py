@@ -58,10 +58,13 @@ class Optimisations:
     dtype: str = "auto"
     kv_dtype: str = "auto"
     quant: str | None = "auto"  # as the engine ships
+    scheduling: str = "fcfs"  # or "slo" (llm.scheduler): classes, deadlines, a step-time model
 
     def __post_init__(self) -> None:
         if isinstance(self.quant, str) and self.quant.lower() in ("none", ""):
             object.__setattr__(self, "quant", None)  # "none" from a flag or YAML: full precision
+        if self.scheduling not in ("fcfs", "slo"):
+            raise ConfigError(f"scheduling must be fcfs or slo, got {self.scheduling!r}")
 
     def engine_config(self, model: str, num_threads: int | None) -> Any:
         from edge_rtgi.llm.engine_config import EngineConfig
@@ -74,6 +77,7 @@ class Optimisations:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.chunked_prefill,
+            scheduling=self.scheduling,
             num_threads=num_threads,
         )
 
@@ -131,6 +135,11 @@ class BenchConfig:
     ramp_workload: str = "voice"
     ramp_rates_rps: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0)
     ramp_requests: int = 16
+    # the mixed load (bench.mixed): scales of the workloads' summed offered rates, seconds of
+    # arrivals per run, runs per policy and scale
+    mixed_rate_scales: tuple[float, ...] = (0.125, 0.25, 0.5)
+    mixed_duration_s: float = 20.0
+    mixed_rounds: int = 2
     ablation_workload: str = "dialogue"
     ablations: tuple[str, ...] = DEFAULT_ABLATIONS
     peers: tuple[str, ...] = PEER_NAMES
@@ -204,6 +213,16 @@ def model_for(models: Models, opt: Optimisations, base: Optimisations) -> Any | 
     if opt.quant is None and opt.dtype in ("fp32", "float32"):
         return models.full
     return None
+
+
+def warm_up(engine: Any, tokenizer: Any) -> None:
+    """A few short batched requests so the first measured run does not pay one-off start-up costs."""
+    from edge_rtgi.bench.workloads import system_prompt
+    from edge_rtgi.llm.sampling import SamplingParams
+
+    prompts = [tokenizer.encode(system_prompt())[: 48 + 8 * i] for i in range(3)]
+    engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.reset_prefix_cache()
 
 
 def make_engine(loaded: Any, opt: Optimisations, cfg: BenchConfig) -> Any:

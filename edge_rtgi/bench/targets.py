@@ -34,8 +34,17 @@ class EngineTarget:
         self.name = name
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[Chunk]:
+        from edge_rtgi.llm.request import RequestClass, RequestSLO
+
         params = {"max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": request.ignore_eos}
-        async with self.engine.add_request(list(request.prompt_token_ids), params) as deltas:
+        slo = RequestSLO(request.slo.ttft_ms, request.slo.itl_ms) if request.slo else None
+        stream = self.engine.add_request(
+            list(request.prompt_token_ids),
+            params,
+            request_class=RequestClass(request.request_class),
+            slo=slo,
+        )
+        async with stream as deltas:
             async for delta in deltas:
                 usage = delta.usage
                 if delta.finish_reason == "error":

@@ -70,6 +70,7 @@ class Workload:
     slo: SLO
     load: LoadSpec
     budget_from_source: bool = False  # translation: budget = ratio * source tokens + extra, capped
+    request_class: str = "dialogue"  # llm.request.RequestClass: whom the engine serves first
 
     def with_overrides(
         self,
@@ -105,6 +106,9 @@ class PreparedRequest:
     source_text: str | None = None
     ignore_eos: bool = False  # generate exactly max_tokens (speed measurements)
     extra: dict[str, Any] = field(default_factory=dict)
+    # what the engine's slo scheduling reads (llm.request): the workload's class and SLO
+    request_class: str = "dialogue"
+    slo: SLO | None = None
 
 
 # --- Data -------------------------------------------------------------------------------------
@@ -216,6 +220,7 @@ def _all_workloads() -> dict[str, Workload]:
             _translation_items(),
             max_tokens=64,
             budget_from_source=True,
+            request_class="translation",
             slo=SLO(ttft_ms=500.0, itl_ms=50.0),
             load=LoadSpec(pattern="poisson", rate_rps=1.0, num_requests=16, max_duration_s=45.0, seed=3),
         ),
@@ -224,6 +229,7 @@ def _all_workloads() -> dict[str, Workload]:
             "short spoken questions; TTFT is critical",
             _voice_items(),
             max_tokens=32,
+            request_class="voice",
             slo=SLO(ttft_ms=500.0, itl_ms=50.0),
             load=LoadSpec(pattern="poisson", rate_rps=4.0, num_requests=24, max_duration_s=45.0, seed=4),
         ),
@@ -270,6 +276,8 @@ def prepare_item(workload: Workload, item: WorkloadItem, tokenizer: ChatTokenize
         max_tokens=budget,
         reference=item.reference,
         source_text=item.source_text,
+        request_class=workload.request_class,
+        slo=workload.slo,
     )
 
 

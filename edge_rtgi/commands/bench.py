@@ -29,6 +29,10 @@ SUBCOMMANDS = {
     "ramp": ("Poisson stages at rising rates to find the saturation point", ("ramp",)),
     "ablations": ("one workload with each optimisation switched off in turn", ("ablations",)),
     "peers": ("batch-1 and under-load speed against HF transformers, CTranslate2, llama.cpp", ("peers",)),
+    "mixed": (
+        "all four workloads at once at rising rate scales, scheduling fcfs against slo",
+        ("mixed",),
+    ),
     "all": ("every section above, in one run", ("workloads", "ramp", "ablations", "peers")),
 }
 _BENCH_SUBPARSERS: argparse._SubParsersAction | None = None
@@ -68,6 +72,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=int, help="batching switch: most sequences per step (1 = no batching)"
     )
     p.add_argument("--max-num-batched-tokens", type=int, help="chunked-prefill size: tokens per step")
+    p.add_argument("--scheduling", choices=("fcfs", "slo"), help="engine scheduling policy switch")
+    p.add_argument(
+        "--mixed-scales",
+        type=lambda v: tuple(float(x) for x in _split(v)),
+        metavar="S1,S2,...",
+        help="mixed load: scales of the workloads' summed offered rates",
+    )
+    p.add_argument(
+        "--mixed-duration", type=float, metavar="S", help="mixed load: seconds of arrivals per run"
+    )
+    p.add_argument("--mixed-rounds", type=int, help="mixed load: runs per policy and scale")
     p.add_argument("--threads", type=int, help="threads for every engine (default 2)")
     p.add_argument("--seed", type=int, help="load-generator seed offset")
     p.add_argument("--ramp-requests", type=int, help="requests per ramp stage")
@@ -131,6 +146,9 @@ def quick_config(cfg: BenchConfig) -> BenchConfig:
         kl_prompts=2,
         ramp_rates_rps=(2.0, 8.0),
         ramp_requests=3,
+        mixed_rate_scales=(0.25,),
+        mixed_duration_s=4.0,
+        mixed_rounds=1,
         ablations=("prefix_caching=false", "max_num_seqs=1"),
         decode_new_tokens=16,
         decode_runs=1,
@@ -162,6 +180,9 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             ("seed", args.seed),
             ("ramp_rates_rps", args.ramp_rates),
             ("ramp_requests", args.ramp_requests),
+            ("mixed_rate_scales", args.mixed_scales),
+            ("mixed_duration_s", args.mixed_duration),
+            ("mixed_rounds", args.mixed_rounds),
         )
         if v is not None
     }
@@ -173,6 +194,7 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             ("quant", args.quant),
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
+            ("scheduling", args.scheduling),
         )
         if v is not None
     }

@@ -54,3 +54,36 @@ async def test_suite_runs_every_local_section_and_reports(tiny_folder, tmp_path,
     assert "## RTIQ per workload" in text and "## Ablations" in text and "## Ramp" in text
     assert "peers section not run" in text
     assert (tmp_path / "out" / "latency_cdf.png").is_file() and not (tmp_path / "out" / "peers.png").exists()
+
+
+async def test_mixed_load_runs_both_policies_and_reports(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_RTGI_BENCH_CACHE", str(tmp_path / "full-outputs"))
+    cfg = BenchConfig(
+        model=str(tiny_folder),
+        optimisations=Optimisations(dtype="fp32", quant=None),
+        mixed_rate_scales=(1.0,),
+        mixed_duration_s=1.5,
+        mixed_rounds=2,
+    )
+    results = await run_suite(cfg, ("mixed",))
+    mixed = results["mixed"]
+    runs = mixed["runs"]
+    assert len(runs) == 2 * 2 and {r["policy"] for r in runs} == {"fcfs", "slo"}
+    # policies alternate round by round, so neither always runs first
+    firsts = [runs[i]["policy"] for i in range(0, len(runs), 2)]
+    assert firsts[:2] == ["fcfs", "slo"]
+    for run in runs:
+        assert {c["workload"] for c in run["classes"]} == {"dialogue", "code", "translation", "voice"}
+        assert run["sent"] == sum(c["sent"] for c in run["classes"]) > 0
+        assert 0.0 <= run["attainment"] <= 1.0
+        classes = {c["workload"]: c["request_class"] for c in run["classes"]}
+        assert classes == {
+            "dialogue": "dialogue",
+            "code": "dialogue",
+            "translation": "translation",
+            "voice": "voice",
+        }
+    table = mixed["summary"]["policies"]
+    assert set(table["slo"]["scales"]) == {"1"} and mixed["step_model"]["slo"]["num_observations"] > 0
+    report = write_report(json.loads(json.dumps(results, default=str)), tmp_path / "out")
+    assert "## Mixed load: every workload at once" in report.read_text()

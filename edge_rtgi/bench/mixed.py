@@ -1,0 +1,194 @@
+"""The mixed load: all four workloads arriving at once, as a busy daemon sees them.
+
+Each workload keeps its own arrival pattern (code comes in bursts), SLO and request class, at
+its offered rate times a scale; the runs are bounded by time, not count. Every scale is run
+under each scheduling policy on its own engine (the same loaded model), the policies
+alternating run by run so that load from elsewhere hits them alike. Reported per policy and
+scale: SLO attainment over all requests and per class, goodput, p95 TTFT and ITL per class,
+and the highest scale sustained at ``SUSTAINED_ATTAINMENT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from edge_rtgi.bench.loadgen import LoadResult, run_load
+from edge_rtgi.bench.suite import BenchConfig, Models, make_engine, warm_up
+from edge_rtgi.bench.targets import EngineTarget
+from edge_rtgi.bench.workloads import Workload, get_workload, prepare
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("fcfs", "slo")
+SUSTAINED_ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True)
+class ClassResult:
+    """One workload's share of a mixed run."""
+
+    workload: str
+    request_class: str
+    sent: int
+    met_slo: int
+    ttft_p95_ms: float | None
+    itl_p95_ms: float | None
+    goodput_rps: float
+
+
+@dataclass(frozen=True)
+class MixedRun:
+    """One mixed run: a policy at a rate scale."""
+
+    policy: str
+    rate_scale: float
+    round: int
+    offered_rps: float
+    sent: int
+    met_slo: int
+    goodput_rps: float
+    classes: tuple[ClassResult, ...]
+
+    @property
+    def attainment(self) -> float:
+        return self.met_slo / self.sent if self.sent else 0.0
+
+
+def mixed_workloads(cfg: BenchConfig, rate_scale: float, seed: int) -> list[Workload]:
+    """The four workloads at ``rate_scale`` times their rates, enough requests for the duration."""
+    out = []
+    for name in cfg.workloads:
+        w = get_workload(name)
+        rate = w.load.rate_rps * rate_scale
+        count = max(1, math.ceil(rate * cfg.mixed_duration_s))
+        out.append(
+            w.with_overrides(
+                num_requests=count,
+                rate_rps=rate,
+                max_duration_s=cfg.mixed_duration_s,
+                seed=w.load.seed + seed,
+            )
+        )
+    return out
+
+
+async def run_mixed_once(engine: Any, models: Models, workloads: list[Workload]) -> list[LoadResult]:
+    """Every workload driven at once against ``engine``; one result each."""
+    engine.reset_prefix_cache()
+    target = EngineTarget(engine)
+    return list(
+        await asyncio.gather(
+            *(
+                run_load(target, prepare(w, models.optimised.tokenizer), w.load, workload=w.name)
+                for w in workloads
+            )
+        )
+    )
+
+
+def summarise_run(
+    policy: str, rate_scale: float, rnd: int, workloads: list[Workload], results: list[LoadResult]
+) -> MixedRun:
+    classes = []
+    for w, result in zip(workloads, results, strict=True):
+        m = result.metrics(w.slo)
+        classes.append(
+            ClassResult(
+                workload=w.name,
+                request_class=w.request_class,
+                sent=m.num_requests,
+                met_slo=round(m.slo_attainment * m.num_requests),
+                ttft_p95_ms=m.ttft_ms.p95,
+                itl_p95_ms=m.itl_ms.p95,
+                goodput_rps=m.goodput_rps,
+            )
+        )
+    return MixedRun(
+        policy=policy,
+        rate_scale=rate_scale,
+        round=rnd,
+        offered_rps=sum(w.load.rate_rps for w in workloads),
+        sent=sum(c.sent for c in classes),
+        met_slo=sum(c.met_slo for c in classes),
+        goodput_rps=sum(c.goodput_rps for c in classes),
+        classes=tuple(classes),
+    )
+
+
+async def run_mixed_section(models: Models, cfg: BenchConfig) -> dict:
+    """Each scale under each policy, ``cfg.mixed_rounds`` times, policies alternating."""
+    engines = {
+        p: make_engine(models.optimised, cfg.optimisations.changed(f"scheduling={p}"), cfg) for p in POLICIES
+    }
+    runs: list[MixedRun] = []
+    try:
+        for engine in engines.values():
+            warm_up(engine, models.optimised.tokenizer)
+        for scale in cfg.mixed_rate_scales:
+            for rnd in range(cfg.mixed_rounds):
+                order = POLICIES if rnd % 2 == 0 else POLICIES[::-1]
+                for policy in order:
+                    workloads = mixed_workloads(cfg, scale, seed=cfg.seed + rnd)
+                    log.info("bench: mixed load x%.3g, %s, round %d", scale, policy, rnd + 1)
+                    results = await run_mixed_once(engines[policy], models, workloads)
+                    runs.append(summarise_run(policy, scale, rnd, workloads, results))
+        step_models = {p: asdict(e.step_model.snapshot()) for p, e in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {
+        "duration_s": cfg.mixed_duration_s,
+        "rounds": cfg.mixed_rounds,
+        "runs": [{**asdict(r), "attainment": r.attainment} for r in runs],
+        "summary": summarise_policies(runs),
+        "step_model": step_models,
+    }
+
+
+def summarise_policies(runs: list[MixedRun]) -> dict:
+    """Per policy and scale: attainment over all rounds pooled, median goodput, per-class p95;
+    the highest scale sustained at ``SUSTAINED_ATTAINMENT``; slo / fcfs ratios per scale."""
+    table: dict[str, dict[str, Any]] = {}
+    for policy in POLICIES:
+        rows: dict[str, dict[str, Any]] = {}
+        for scale in sorted({r.rate_scale for r in runs}):
+            mine = [r for r in runs if r.policy == policy and r.rate_scale == scale]
+            if not mine:
+                continue
+            per_class = {}
+            for name in [c.workload for c in mine[0].classes]:
+                cs = [c for r in mine for c in r.classes if c.workload == name]
+                per_class[name] = {
+                    "request_class": cs[0].request_class,
+                    "attainment": sum(c.met_slo for c in cs) / max(1, sum(c.sent for c in cs)),
+                    "ttft_p95_ms": _median([c.ttft_p95_ms for c in cs]),
+                    "itl_p95_ms": _median([c.itl_p95_ms for c in cs]),
+                }
+            rows[f"{scale:g}"] = {
+                "rate_scale": scale,
+                "offered_rps": mine[0].offered_rps,
+                "attainment": sum(r.met_slo for r in mine) / max(1, sum(r.sent for r in mine)),
+                "goodput_rps": statistics.median(r.goodput_rps for r in mine),
+                "classes": per_class,
+            }
+        sustained = [row["rate_scale"] for row in rows.values() if row["attainment"] >= SUSTAINED_ATTAINMENT]
+        table[policy] = {"scales": rows, "highest_sustained_scale": max(sustained) if sustained else None}
+    ratios = {}
+    for key, row in table.get("slo", {}).get("scales", {}).items():
+        base = table["fcfs"]["scales"].get(key)
+        if base:
+            ratios[key] = {
+                "attainment": row["attainment"] / base["attainment"] if base["attainment"] else None,
+                "goodput": row["goodput_rps"] / base["goodput_rps"] if base["goodput_rps"] else None,
+            }
+    return {"policies": table, "slo_over_fcfs": ratios}
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
