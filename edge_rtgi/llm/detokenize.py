@@ -106,3 +106,46 @@ class StopStringMatcher:
             return ""
         held, self._held = self._held, ""
         return held
+
+
+# Marks that end a clause or a sentence; a cut is made only where whitespace follows one, so
+# "3.14", "e.g.," inside a word or a URL never end a reply.
+CLAUSE_END_MARKS = frozenset(".!?;:,…。！？；：，")
+
+
+class BoundaryStopper:
+    """Ends a reply cleanly once it is past its token budget or deadline ("armed").
+
+    Armed, it cuts at the first whitespace that follows a clause or sentence mark; if none comes
+    within ``grace_tokens`` tokens, at the next word boundary. It never cuts inside a word, so
+    the text it lets through is whole words, and a voice reply ends on something TTS can say.
+    """
+
+    def __init__(self, grace_tokens: int = 16):
+        if grace_tokens < 0:
+            raise ValueError(f"grace_tokens must be >= 0, got {grace_tokens}")
+        self.grace_tokens = grace_tokens
+        self._last_char = ""
+        self._armed_tokens: int | None = None  # tokens pushed since arming
+
+    @property
+    def armed(self) -> bool:
+        return self._armed_tokens is not None
+
+    def arm(self) -> None:
+        if self._armed_tokens is None:
+            self._armed_tokens = 0
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """One token's text; return (text to emit, whether the reply ends here)."""
+        if self._armed_tokens is not None:
+            self._armed_tokens += 1
+            anywhere = self._armed_tokens > self.grace_tokens
+            prev = self._last_char
+            for i, ch in enumerate(text):
+                if ch.isspace() and prev and not prev.isspace() and (anywhere or prev in CLAUSE_END_MARKS):
+                    return text[:i], True
+                prev = ch
+        if text:
+            self._last_char = text[-1]
+        return text, False

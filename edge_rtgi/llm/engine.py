@@ -29,7 +29,7 @@ import torch
 from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, RequestError
-from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
+from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
@@ -77,6 +77,11 @@ class _Stream:
     stops: StopStringMatcher | None = None
     stop_hit: bool = False
     token_times_ms: list[float] = field(default_factory=list)
+    # dynamic stopping (SamplingParams.token_budget / deadline_ms) and why it was armed
+    boundary: BoundaryStopper | None = None
+    token_budget: int | None = None
+    deadline_s: float | None = None
+    cut_reason: RequestStatus | None = None
 
 
 # Commands from callers' threads to the engine thread, applied in the order they were sent.
@@ -345,8 +350,15 @@ class LLMEngine:
         if self.tokenizer is not None:
             stream.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
             stream.stops = StopStringMatcher(params.stop) if params.stop else None
-        elif params.stop:
-            raise RequestError("stop strings need a tokenizer; this engine has none")
+        elif params.stop or params.stops_at_boundaries:
+            raise RequestError(
+                "stop strings, token budgets and deadlines need a tokenizer; this engine has none"
+            )
+        if params.stops_at_boundaries:
+            stream.boundary = BoundaryStopper(params.boundary_grace_tokens)
+            stream.token_budget = params.token_budget
+            if params.deadline_ms is not None:
+                stream.deadline_s = arrival + params.deadline_ms / 1e3
         return stream
 
     def add_request(
@@ -516,12 +528,18 @@ class LLMEngine:
         text, finish = "", update.finish_reason
         if update.new_token_ids:
             stream.token_times_ms.append((time.monotonic() - stream.arrival_s) * 1e3)
+        cut = False
         # A stop token (EOS or a stop id) ends the stream without showing its text.
         if update.new_token_ids and finish != "stop" and stream.detok is not None:
             text = "".join(stream.detok.push(tok) for tok in update.new_token_ids)
             if stream.stops is not None:
                 text, stream.stop_hit = stream.stops.push(text)
-        if stream.stop_hit:
+            if stream.boundary is not None and not stream.stop_hit and finish is None:
+                text, cut = self._boundary(stream, text)
+        if cut and stream.cut_reason is not None:  # past the budget or deadline, at a boundary
+            self.scheduler.finish_request(update.request_id, stream.cut_reason)
+            finish = stream.cut_reason.value
+        elif stream.stop_hit:
             if finish is None:
                 self.scheduler.finish_request(update.request_id, RequestStatus.FINISHED_STOPPED)
             finish = "stop"
@@ -534,6 +552,30 @@ class LLMEngine:
             del self._streams[update.request_id]
             self.runner.release(update.request_id)
             self._notify_finish(finish, usage)
+        self._deliver(stream, update, text, finish, usage, logprob)
+
+    def _boundary(self, stream: _Stream, text: str) -> tuple[str, bool]:
+        """Arm the stream's boundary stopper once past its budget or deadline; cut if due."""
+        boundary = stream.boundary
+        assert boundary is not None
+        if not boundary.armed:
+            if stream.token_budget is not None and len(stream.token_times_ms) >= stream.token_budget:
+                stream.cut_reason = RequestStatus.FINISHED_BUDGET
+            elif stream.deadline_s is not None and time.monotonic() >= stream.deadline_s:
+                stream.cut_reason = RequestStatus.FINISHED_DEADLINE
+            if stream.cut_reason is not None:
+                boundary.arm()
+        return boundary.push(text)
+
+    def _deliver(
+        self,
+        stream: _Stream,
+        update: RequestUpdate,
+        text: str,
+        finish: str | None,
+        usage: Usage | None,
+        logprob: TokenLogprob | None,
+    ) -> None:
         try:
             stream.sink(
                 RequestDelta(

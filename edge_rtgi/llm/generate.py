@@ -15,13 +15,13 @@ from typing import Literal
 import torch
 
 from edge_rtgi.errors import RequestError
-from edge_rtgi.llm.detokenize import IncrementalDetokenizer, StopStringMatcher
+from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.model import ContiguousKVCache, Transformer
 from edge_rtgi.llm.sampling import SamplingParams, sample_token
 from edge_rtgi.llm.tokenizer import Tokenizer
 from edge_rtgi.llm.weights import LoadedModel
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "budget"]
 
 
 @dataclass
@@ -76,7 +76,8 @@ def generate_stream(
     """Generate a continuation of ``prompt_ids``, yielding one delta per sampled token.
 
     The last delta carries ``finish_reason``: "stop" (EOS, a stop token or a stop string;
-    neither is included in the text) or "length" (max_tokens or the context window).
+    neither is included in the text), "length" (max_tokens or the context window) or "budget"
+    (past ``params.token_budget``, at a boundary; ``deadline_ms`` is the engine's alone).
     """
     model, tokenizer = _unpack(loaded)
     cfg = model.config
@@ -86,6 +87,7 @@ def generate_stream(
     generator = params.make_generator(model.device)
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
     stops = StopStringMatcher(params.stop)
+    boundary = BoundaryStopper(params.boundary_grace_tokens) if params.token_budget is not None else None
     cache = ContiguousKVCache(cfg, len(prompt_ids) + budget_tokens, model.dtype, model.device)
 
     def forward(ids: Sequence[int]) -> torch.Tensor:
@@ -107,6 +109,13 @@ def generate_stream(
             if hit:
                 yield GenerationDelta(text, [token], "stop")
                 return
+            if boundary is not None and params.token_budget is not None:
+                if step + 1 >= params.token_budget:
+                    boundary.arm()
+                text, cut = boundary.push(text)
+                if cut:
+                    yield GenerationDelta(text, [token], "budget")
+                    return
             if step == budget_tokens - 1:
                 tail, hit = stops.push(detok.flush())
                 yield GenerationDelta(

@@ -95,6 +95,8 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"  # blocks taken back; waits to be recomputed from scratch
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context window reached
+    FINISHED_BUDGET = "budget"  # past the token budget, at a clause or word boundary
+    FINISHED_DEADLINE = "deadline"  # past the end-to-end deadline, at a clause or word boundary
     FINISHED_ABORTED = "abort"  # the caller aborted or stopped reading
     FINISHED_ERROR = "error"  # this request failed; the others go on
 
@@ -104,11 +106,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style finish reason ("stop", "length", "abort", "error") or None."""
+        """The finish reason ("stop", "length", "budget", "deadline", "abort", "error") or None."""
         return self.value if self.finished else None
 
 
-_FINISHED = {"stop", "length", "abort", "error"}
+_FINISHED = {"stop", "length", "budget", "deadline", "abort", "error"}
 
 
 @dataclass(eq=False)

@@ -25,6 +25,12 @@ class SamplingParams:
     ``ignore_eos``. ``logprobs`` asks for each sampled token's log-probability and the
     entropy of the distribution it came from (``RequestDelta.logprobs``); it never changes
     which tokens are picked.
+
+    Dynamic stopping: past ``token_budget`` generated tokens (a soft budget, below the hard
+    ``max_tokens``), or ``deadline_ms`` after the request arrived (the engine only), the reply
+    ends at the next clause or sentence boundary, or after ``boundary_grace_tokens`` more tokens
+    at the next word boundary (``detokenize.BoundaryStopper``), with finish reason "budget" or
+    "deadline". Never mid-word.
     """
 
     max_tokens: int = 256
@@ -36,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: bool = False
+    token_budget: int | None = None
+    deadline_ms: float | None = None
+    boundary_grace_tokens: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +67,19 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise RequestError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.token_budget is not None and (
+            not isinstance(self.token_budget, int) or self.token_budget < 1
+        ):
+            raise RequestError(f"token_budget must be a positive integer or None, got {self.token_budget!r}")
+        if self.deadline_ms is not None and not self.deadline_ms > 0:
+            raise RequestError(f"deadline_ms must be > 0 or None, got {self.deadline_ms!r}")
+        if self.boundary_grace_tokens < 0:
+            raise RequestError(f"boundary_grace_tokens must be >= 0, got {self.boundary_grace_tokens!r}")
+
+    @property
+    def stops_at_boundaries(self) -> bool:
+        """Whether a budget or deadline may end the reply at a boundary."""
+        return self.token_budget is not None or self.deadline_ms is not None
 
     @property
     def greedy(self) -> bool:

@@ -197,3 +197,34 @@ def test_slo_scheduling_computes_the_same_tokens(llama):
         assert got.token_ids == reference(llama, prompt, p).token_ids
     stats = engine.stats()
     assert stats.num_preemptions >= 1 and stats.num_row_deferrals >= 1 and stats.kv_blocks_used == 0
+
+
+def test_token_budget_stops_the_engine_where_the_plain_path_stops(llama):
+    """Budgets end replies at the same token, with the same text and reason, batched or alone."""
+    tok = llama.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [
+        SamplingParams(max_tokens=40, token_budget=4 + i, boundary_grace_tokens=i % 3, ignore_eos=True)
+        for i in range(8)
+    ]
+    results = run_staggered(engine_for(llama), prompts, params)
+    reasons = set()
+    for prompt, p, got in zip(prompts, params, results, strict=True):
+        want = reference(llama, prompt, p)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        reasons.add(got.finish_reason)
+        if (
+            got.finish_reason == "budget"
+        ):  # past the budget, up to the next whitespace (the hard cap bounds it)
+            assert p.token_budget <= len(got.token_ids) < p.max_tokens
+    assert "budget" in reasons
+
+
+def test_a_deadline_ends_the_reply_at_a_boundary(llama):
+    engine = engine_for(llama)
+    prompt = llama.tokenizer.encode(TEXTS[1])
+    got = engine.generate([prompt], SamplingParams(max_tokens=200, deadline_ms=1e-3, ignore_eos=True))[0]
+    want = reference(llama, prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+    assert got.finish_reason == "deadline" and len(got.token_ids) < 200
+    assert want.text.startswith(got.text) and got.usage.completion_tokens == len(got.token_ids)
+    assert engine.stats().kv_blocks_used == 0
