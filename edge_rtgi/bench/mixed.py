@@ -17,6 +17,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import LoadResult, run_load
 from edge_rtgi.bench.suite import BenchConfig, Models, make_engine, warm_up
 from edge_rtgi.bench.targets import EngineTarget
@@ -77,10 +78,12 @@ def mixed_workloads(cfg: BenchConfig, rate_scale: float, seed: int) -> list[Work
     return out
 
 
-async def run_mixed_once(engine: Any, models: Models, workloads: list[Workload]) -> list[LoadResult]:
+async def run_mixed_once(
+    engine: Any, models: Models, workloads: list[Workload], budgets: BudgetPolicy | None = None
+) -> list[LoadResult]:
     """Every workload driven at once against ``engine``; one result each."""
     engine.reset_prefix_cache()
-    target = EngineTarget(engine)
+    target = EngineTarget(engine, budgets=budgets)
     return list(
         await asyncio.gather(
             *(
@@ -135,7 +138,9 @@ async def run_mixed_section(models: Models, cfg: BenchConfig) -> dict:
                 for policy in order:
                     workloads = mixed_workloads(cfg, scale, seed=cfg.seed + rnd)
                     log.info("bench: mixed load x%.3g, %s, round %d", scale, policy, rnd + 1)
-                    results = await run_mixed_once(engines[policy], models, workloads)
+                    results = await run_mixed_once(
+                        engines[policy], models, workloads, cfg.optimisations.budgets
+                    )
                     runs.append(summarise_run(policy, scale, rnd, workloads, results))
         step_models = {p: asdict(e.step_model.snapshot()) for p, e in engines.items()}
     finally:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import LoadSpec, run_load, run_ramp
 from edge_rtgi.bench.metrics import SLO, RunMetrics
 from edge_rtgi.bench.peers import PEER_NAMES
@@ -59,12 +60,19 @@ class Optimisations:
     kv_dtype: str = "auto"
     quant: str | None = "auto"  # as the engine ships
     scheduling: str = "fcfs"  # or "slo" (llm.scheduler): classes, deadlines, a step-time model
+    token_budget: str = "off"  # or "predicted" (bench.budgets): a budget per reply
+    stopping: str = "eos"  # or "clause": a budget is soft and ends the reply at a clause
 
     def __post_init__(self) -> None:
         if isinstance(self.quant, str) and self.quant.lower() in ("none", ""):
             object.__setattr__(self, "quant", None)  # "none" from a flag or YAML: full precision
         if self.scheduling not in ("fcfs", "slo"):
             raise ConfigError(f"scheduling must be fcfs or slo, got {self.scheduling!r}")
+        BudgetPolicy(self.token_budget, self.stopping)  # validates both
+
+    @property
+    def budgets(self) -> BudgetPolicy:
+        return BudgetPolicy(self.token_budget, self.stopping)
 
     def engine_config(self, model: str, num_threads: int | None) -> Any:
         from edge_rtgi.llm.engine_config import EngineConfig
@@ -84,7 +92,12 @@ class Optimisations:
     @property
     def lossy(self) -> bool:
         """Whether outputs may differ from the fp32 full model (beyond float rounding)."""
-        return self.quant is not None or self.dtype not in ("fp32", "float32") or self.kv_dtype != "auto"
+        return (
+            self.quant is not None
+            or self.dtype not in ("fp32", "float32")
+            or self.kv_dtype != "auto"
+            or self.token_budget != "off"
+        )
 
     def changed(self, spec: str) -> Optimisations:
         """Apply one ``field=value`` change (an ablation), with the value parsed by field type."""
@@ -262,15 +275,17 @@ async def measure_quality(
     workload: Workload,
     requests: list[PreparedRequest],
     cfg: BenchConfig,
+    budgets: BudgetPolicy | None = None,
 ) -> dict:
-    """Task retention of ``engine`` (running ``optimised``) on the workload's graded task set,
-    against the full model (``bench.task_eval``), with KL on the workload's prompts beside it."""
+    """Task retention of ``engine`` (running ``optimised``, its replies bounded by ``budgets``) on
+    the workload's graded task set, against the full model (``bench.task_eval``), with KL on the
+    workload's prompts beside it."""
     task_set = load_task_set(workload.name)
     context = shared_context_tokens(engine, models.full)
     full_outputs = await asyncio.to_thread(
         run_full_model, models.full, task_set, cfg.task_items, FullOutputCache.default(), context
     )
-    opt_outputs = await asyncio.to_thread(run_on_engine, engine, task_set, cfg.task_items, context)
+    opt_outputs = await asyncio.to_thread(run_on_engine, engine, task_set, cfg.task_items, context, budgets)
     task = task_retention(task_set, opt_outputs, full_outputs, seed=cfg.seed)
     kl = None
     if optimised is not models.full:
@@ -309,9 +324,12 @@ async def run_workload(models: Models, engine: Any, workload: Workload, cfg: Ben
     """One workload at its offered load; metrics, quality retention and RTIQ."""
     requests = prepare(workload, models.optimised.tokenizer)
     engine.reset_prefix_cache()
-    result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
+    budgets = cfg.optimisations.budgets
+    result = await run_load(
+        EngineTarget(engine, budgets=budgets), requests, workload.load, workload=workload.name
+    )
     metrics = result.metrics(workload.slo)
-    quality = await measure_quality(models, models.optimised, engine, workload, requests, cfg)
+    quality = await measure_quality(models, models.optimised, engine, workload, requests, cfg, budgets)
     index = rtiq(workload.name, quality["retention"], metrics)
     return {
         "name": workload.name,
@@ -366,9 +384,10 @@ async def run_ablations(models: Models, cfg: BenchConfig) -> dict:
             loaded, _ = load_optimised(models.source, opt)
         engine = make_engine(loaded, opt, cfg)
         try:
-            result = await run_load(EngineTarget(engine), requests, workload.load, workload=workload.name)
+            target = EngineTarget(engine, budgets=opt.budgets)
+            result = await run_load(target, requests, workload.load, workload=workload.name)
             stats = engine.stats()
-            quality = await measure_quality(models, loaded, engine, workload, requests, cfg)
+            quality = await measure_quality(models, loaded, engine, workload, requests, cfg, opt.budgets)
         finally:
             engine.shutdown()
         metrics = result.metrics(workload.slo)

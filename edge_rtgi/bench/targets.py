@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import Chunk
 from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.errors import EdgeRtgiError
@@ -29,14 +30,15 @@ TokenStreamFn = Callable[[PreparedRequest, threading.Event], Iterator[tuple[tupl
 class EngineTarget:
     """The edge-rtgi engine, in-process. Greedy decoding so outputs are comparable."""
 
-    def __init__(self, engine: Any, name: str = "edge-rtgi engine"):
+    def __init__(self, engine: Any, name: str = "edge-rtgi engine", budgets: BudgetPolicy | None = None):
         self.engine = engine
         self.name = name
+        self.budgets = budgets or BudgetPolicy()
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[Chunk]:
         from edge_rtgi.llm.request import RequestClass, RequestSLO
 
-        params = {"max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": request.ignore_eos}
+        params = self.budgets.sampling(request, self.engine.tokenizer)
         slo = RequestSLO(request.slo.ttft_ms, request.slo.itl_ms) if request.slo else None
         stream = self.engine.add_request(
             list(request.prompt_token_ids),

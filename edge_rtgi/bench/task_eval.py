@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.tasks import (
     DIALOGUE_DISTANCES,
     AnswerScore,
@@ -100,17 +101,23 @@ def prepare_items(
 
 
 def run_on_engine(
-    engine: LLMEngine, task_set: TaskSet, limit: int | None = None, context_tokens: int | None = None
+    engine: LLMEngine,
+    task_set: TaskSet,
+    limit: int | None = None,
+    context_tokens: int | None = None,
+    budgets: BudgetPolicy | None = None,
 ) -> TaskOutputs:
     """Greedy outputs of ``engine`` (as configured: quantised, windowed, speculative...) on the
-    items, all submitted at once so the engine batches them as it would under load."""
+    items, all submitted at once so the engine batches them as it would under load; ``budgets``
+    bounds each reply as the harness's token-budget switches say."""
     from edge_rtgi.llm.sampling import SamplingParams
 
     if engine.tokenizer is None:
         raise ValueError("task sets need an engine with a tokenizer")
     items = select_items(task_set, limit)
     requests = prepare_items(items, engine.tokenizer, context_tokens)
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0) for r in requests]
+    policy = budgets or BudgetPolicy()
+    params = [SamplingParams(**policy.sampling(r, engine.tokenizer)) for r in requests]
     results = engine.generate([list(r.prompt_token_ids) for r in requests], params)
     failed = [
         (r.key, res.error) for r, res in zip(requests, results, strict=True) if res.finish_reason == "error"
@@ -351,8 +358,10 @@ def evaluate(
     names: Sequence[str],
     limit: int | None = None,
     cache: FullOutputCache | None = None,
+    budgets: BudgetPolicy | None = None,
 ) -> dict[str, TaskRetention]:
-    """Task retention of ``engine`` on each named task set (the full model's outputs cached)."""
+    """Task retention of ``engine`` on each named task set (the full model's outputs cached);
+    ``budgets``: the engine side's token budgets (the full model never has any)."""
     context = shared_context_tokens(engine, full)
     out = {}
     for name in names:
@@ -363,7 +372,8 @@ def evaluate(
                 "no %s item fits a %d-token context window: its retention is not measured", name, context
             )
             continue
-        out[name] = task_retention(task_set, run_on_engine(engine, task_set, limit, context), full_outputs)
+        opt_outputs = run_on_engine(engine, task_set, limit, context, budgets)
+        out[name] = task_retention(task_set, opt_outputs, full_outputs)
     return out
 
 

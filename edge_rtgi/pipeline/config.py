@@ -67,6 +67,13 @@ class WakeStageConfig:
             raise ValueError(f"probability_cutoff must be in (0, 1), got {self.probability_cutoff}")
 
 
+def check_budget_settings(token_budget: str, reply_deadline_ms: int | None) -> None:
+    if token_budget not in ("off", "predicted"):
+        raise ValueError(f"token_budget must be 'off' or 'predicted', got {token_budget!r}")
+    if reply_deadline_ms is not None and reply_deadline_ms < 1:
+        raise ValueError(f"reply_deadline_ms must be >= 1 ms, got {reply_deadline_ms}")
+
+
 @dataclass(frozen=True)
 class SloConfig:
     """A text stage's requests to the engine: their class (``voice``, ``translation``,
@@ -106,6 +113,10 @@ class AssistantStageConfig:
     context_tokens: int | None = None  # None: the backend's own context length
     priority: int = 0
     slo: SloConfig = field(default_factory=SloConfig)
+    # "predicted": a soft budget per reply from the length predictor (llm.budget); past it, or
+    # past reply_deadline_ms after the request, the reply ends at the next clause (local engine)
+    token_budget: Literal["off", "predicted"] = "off"
+    reply_deadline_ms: int | None = None
     backend: str = "local"
     base_url: str | None = None
     api_key_env: str | None = None
@@ -115,6 +126,7 @@ class AssistantStageConfig:
     def __post_init__(self) -> None:
         if self.max_reply_tokens < 1:
             raise ValueError("max_reply_tokens must be >= 1")
+        check_budget_settings(self.token_budget, self.reply_deadline_ms)
         if self.context_tokens is not None and self.context_tokens < 64:
             raise ValueError("context_tokens must be >= 64")
         if self.router is None:
@@ -155,8 +167,11 @@ class TranslateStageConfig:
     # "few-shot": raw text with example pairs, cut at the end of the line (base models, Gemma 3 270M).
     prompt: Literal["chat", "few-shot"] = "chat"
     slo: SloConfig = field(default_factory=lambda: SloConfig("translation"))
+    # "predicted": a soft budget from the source length and the pair's ratio (llm.budget)
+    token_budget: Literal["off", "predicted"] = "off"
 
     def __post_init__(self) -> None:
+        check_budget_settings(self.token_budget, None)
         if self.prompt not in ("chat", "few-shot"):
             raise ValueError(f"prompt must be 'chat' or 'few-shot', got {self.prompt!r}")
         if self.backend not in TRANSLATE_BACKENDS:

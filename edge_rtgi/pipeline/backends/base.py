@@ -47,6 +47,9 @@ class BackendRequest:
     priority: int = 0
     request_class: RequestClass = RequestClass.DIALOGUE
     slo: RequestSLO | None = None
+    # dynamic stopping on a local engine (SamplingParams.token_budget / deadline_ms)
+    token_budget: int | None = None
+    deadline_ms: float | None = None
     logprobs: bool = False
     stop: tuple[str, ...] = ()
     add_special_tokens: bool = False

@@ -77,6 +77,8 @@ class LocalBackend:
             top_p=request.top_p,
             logprobs=request.logprobs,
             stop=request.stop,
+            token_budget=request.token_budget,
+            deadline_ms=request.deadline_ms,
         )
         try:  # a long chat prompt takes milliseconds to render: not on the event loop
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from edge_rtgi import frames as F
 from edge_rtgi.errors import RequestError
+from edge_rtgi.llm.budget import default_predictor
 from edge_rtgi.pipeline.backends.base import BackendRequest, BackendResult, LlmBackend, Message
 from edge_rtgi.pipeline.config import AssistantStageConfig, TranslateStageConfig
 from edge_rtgi.pipeline.stage import Stage, StageContext
@@ -191,6 +192,14 @@ def trim_history(
     return fit_history(counter, system, turns, budget_tokens).messages
 
 
+def _reply_budget(mode: str, messages: Sequence[Message], cap: int) -> int | None:
+    """The predicted soft budget of a reply to the last user turn (None when off)."""
+    if mode != "predicted":
+        return None
+    user = next((m.content for m in reversed(messages) if m.role == "user"), "")
+    return default_predictor().budget(user, cap)
+
+
 class AssistantStage(Stage[F.ResponseRequest]):
     name = "assistant"
 
@@ -224,6 +233,8 @@ class AssistantStage(Stage[F.ResponseRequest]):
             priority=cfg.priority,
             request_class=cfg.slo.klass,
             slo=cfg.slo.objective(),
+            token_budget=_reply_budget(cfg.token_budget, prompt.messages, max_tokens),
+            deadline_ms=cfg.reply_deadline_ms,
         )
         await self.ctx.forward(self, await stream_backend(self, self.backend, request))
 
@@ -261,6 +272,10 @@ class TranslateStage(Stage[F.ResponseRequest]):
             raise RequestError("the translate stage has no LLM backend")
         source_tokens = await asyncio.to_thread(self.backend.count_tokens, req.source_text)  # off the loop
         budget = translation_budget_tokens(source_tokens, cfg.budget_ratio, cfg.min_budget_tokens)
+        soft: int | None = None
+        if cfg.token_budget == "predicted":  # soft: the reply ends at a clause past it
+            pair = f"{cfg.source_language}-{cfg.target_language}"
+            soft = default_predictor().translation_budget(source_tokens, pair, budget)
         if cfg.prompt == "few-shot":  # a base model continues the pattern; the line ends it
             prompt = translation_few_shot_prompt(req.source_text, cfg.source_language, cfg.target_language)
             request = BackendRequest(
@@ -271,6 +286,7 @@ class TranslateStage(Stage[F.ResponseRequest]):
                 add_special_tokens=True,
                 request_class=cfg.slo.klass,
                 slo=cfg.slo.objective(),
+                token_budget=soft,
             )
         else:
             messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
@@ -280,6 +296,7 @@ class TranslateStage(Stage[F.ResponseRequest]):
                 messages=tuple(Message(m["role"], m["content"]) for m in messages),
                 request_class=cfg.slo.klass,
                 slo=cfg.slo.objective(),
+                token_budget=soft,
             )
         done = await stream_backend(self, self.backend, request)
         await self.ctx.forward(self, F.TextDone(rid, done.text, req.source_text, done.usage, done.llm))
