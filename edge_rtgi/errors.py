@@ -54,5 +54,15 @@ class BackendError(RequestError):
         self.code = code
 
 
+class EngineBusy(BackendError):
+    """The local engine refused a request it could not serve within its SLO: more work of its
+    class or above is queued than it finishes in that time (``scheduling: slo`` admission).
+    ``retry_after_ms``: the estimated wait, a fair time to try again."""
+
+    def __init__(self, message: str, retry_after_ms: float):
+        super().__init__(message, f"retry in {retry_after_ms / 1e3:.1f} s", code="busy")
+        self.retry_after_ms = retry_after_ms
+
+
 class AudioError(EdgeRtgiError):
     """Audio input is malformed or in an unsupported format."""

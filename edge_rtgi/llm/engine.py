@@ -28,7 +28,7 @@ import torch
 
 from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.device import release_cpu_workers
-from edge_rtgi.errors import EdgeRtgiError, RequestError
+from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
 from edge_rtgi.llm.kv.manager import KVCacheManager
@@ -152,6 +152,7 @@ class LLMEngine:
                 self.config.enable_chunked_prefill,
                 policy=self.config.scheduling,
                 min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
+                admission_wait_factor=self.config.admission_wait_factor,
             ),
             self.kv,
             self.step_model,
@@ -479,7 +480,18 @@ class LLMEngine:
                 try:
                     self.scheduler.add_request(req)
                 except EdgeRtgiError as exc:
-                    stream.sink(RequestDelta(req.request_id, "", (), "error", error=str(exc)))
+                    busy = exc if isinstance(exc, EngineBusy) else None
+                    stream.sink(
+                        RequestDelta(
+                            req.request_id,
+                            "",
+                            (),
+                            "error",
+                            error=str(exc),
+                            error_code=busy.code if busy else None,
+                            retry_after_ms=busy.retry_after_ms if busy else None,
+                        )
+                    )
                     self._notify_finish("error", None)
                     return
                 stream.request = req

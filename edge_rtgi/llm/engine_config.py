@@ -48,6 +48,9 @@ class EngineConfig:
     kv_dtype: str = "auto"
     scheduling: str = "fcfs"
     min_prefill_chunk_tokens: int = 16
+    # slo: a dialogue or bulk request whose estimated queue wait passes this many times its TTFT
+    # SLO is refused as busy, with a retry estimate (0: never); voice and translation always queue
+    admission_wait_factor: float = 4.0
     num_threads: int | None = None
     # "auto" (on a bf16 CPU: GGUF Q4_1 blocks as int4-g32, other weights int8; see
     # edge_rtgi.llm.quant.policy), "none",
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
+        if not self.admission_wait_factor >= 0:
+            raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
 
     def with_(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again by ``__post_init__``)."""
@@ -123,6 +128,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_row_deferrals: int = 0  # admissions the slo policy held back for running decodes' ITL
+    num_refused_busy: int = 0  # requests the slo admission refused as busy
     # the step-time model (edge_rtgi.llm.step_model): fitted ms per unit, and its prediction error
     step_model_fixed_ms: float = 0.0
     step_model_per_decode_row_ms: float = 0.0
@@ -162,6 +168,7 @@ class EngineStats:
         snap = replace(
             self,
             num_row_deferrals=scheduler.num_row_deferrals,
+            num_refused_busy=scheduler.num_refused_busy,
             num_preemptions=scheduler.num_preemptions,
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_cached=kv.pool.num_cached_blocks,

@@ -254,6 +254,10 @@ class RequestDelta:
     usage: Usage | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    # "busy" when the engine refused the request for load (errors.EngineBusy); then
+    # ``retry_after_ms`` is its estimate of when to try again
+    error_code: str | None = None
+    retry_after_ms: float | None = None
 
     @property
     def finished(self) -> bool:

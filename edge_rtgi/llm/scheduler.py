@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from edge_rtgi.errors import RequestError
+from edge_rtgi.errors import EngineBusy, RequestError
 from edge_rtgi.llm.kv.manager import KVCacheManager
-from edge_rtgi.llm.request import Request, RequestStatus, TokenLogprob
+from edge_rtgi.llm.request import Request, RequestClass, RequestStatus, TokenLogprob
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 
 POLICIES = ("fcfs", "slo")
@@ -54,6 +55,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     min_prefill_chunk_tokens: int = 16
+    # slo admission: refuse a dialogue or bulk request whose estimated queue wait exceeds this
+    # many times its TTFT SLO (0: never refuse); voice and translation are never refused
+    admission_wait_factor: float = 4.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
@@ -62,6 +66,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
+        if not self.admission_wait_factor >= 0:
+            raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Otherwise a long prompt could never be scheduled in one piece.
             raise ValueError(
@@ -182,6 +188,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
+        self.num_refused_busy = 0
+        self._finish_times_s: deque[float] = deque(maxlen=64)  # recent completions: the drain rate
 
     # --- intake ----------------------------------------------------------------------------
 
@@ -207,11 +215,41 @@ class Scheduler:
                 hint="lower max_tokens, shorten the prompt, or give the engine more kv blocks",
             )
 
+    def check_admission(self, request: Request) -> None:
+        """Under ``slo``, raise EngineBusy for a dialogue or bulk request that would wait longer
+        than ``admission_wait_factor`` times its TTFT SLO: the requests queued at its class or
+        above, drained at the recent completion rate. Voice and translation always queue."""
+        factor = self.config.admission_wait_factor
+        if not self.slo or factor == 0 or request.request_class.rank > RequestClass.DIALOGUE.rank:
+            return
+        rate = self._drain_rate_per_s()
+        ahead = sum(1 for r in list(self.waiting) if r.request_class.rank >= request.request_class.rank)
+        if rate is None or ahead == 0:
+            return
+        wait_ms = 1e3 * ahead / rate
+        limit_ms = factor * request.objective.ttft_ms
+        if wait_ms > limit_ms:
+            self.num_refused_busy += 1
+            raise EngineBusy(
+                f"busy: {ahead} requests are queued ahead of this {request.request_class.value} request, "
+                f"an estimated {wait_ms / 1e3:.1f} s wait against its {request.objective.ttft_ms:.0f} ms "
+                "time-to-first-token objective",
+                retry_after_ms=wait_ms,
+            )
+
+    def _drain_rate_per_s(self) -> float | None:
+        times = list(self._finish_times_s)
+        if len(times) < 4:
+            return None  # too little history to estimate
+        span = self.clock() - times[0]
+        return len(times) / span if span > 0 else None
+
     def add_request(self, request: Request) -> None:
-        """Queue a request (raises RequestError if it can never fit)."""
+        """Queue a request (raises RequestError if it can never fit, EngineBusy if refused)."""
         if request.request_id in self.requests:
             raise RequestError(f"duplicate request id {request.request_id!r}")
         self.check_fits(request)
+        self.check_admission(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._enqueue_waiting(request)
@@ -431,3 +469,5 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         del self.requests[req.request_id]
+        if status is not RequestStatus.FINISHED_ABORTED and status is not RequestStatus.FINISHED_ERROR:
+            self._finish_times_s.append(self.clock())

@@ -378,6 +378,48 @@ async def test_a_failing_stage_ends_only_its_own_response(daemon, caplog):
     assert [r for r in caplog.records if r.exc_info and "injected TTS fault" in str(r.exc_info[1])]
 
 
+async def test_a_busy_engine_refusal_reaches_native_and_realtime_clients(daemon, model, monkeypatch):
+    """The engine's slo admission refusing a turn (its estimate is unit-tested with the
+    scheduler): the native client gets error code busy with a retry hint, the Realtime client
+    its error shape, the turns fail alone, and both sessions answer once the engine accepts."""
+    from edge_rtgi.errors import EngineBusy
+
+    engine = daemon.resources.llm(model)
+
+    def refuse(request):
+        raise EngineBusy("busy: 9 requests are queued ahead of this dialogue request", retry_after_ms=2500.0)
+
+    monkeypatch.setattr(engine.scheduler, "check_admission", refuse)
+    a = await NativeClient.open(daemon.port, "?pipeline=tiny-voice")
+    ws = await realtime(daemon.port)
+    try:
+        await a.wait_type("session.created")
+        await a.send(type="text.input", text="Hello there.")
+        done = await a.wait_type("response.done")
+        err = a.of("error")[-1]
+        assert done["status"] == "failed" and err["code"] == "busy"
+        assert "queued ahead" in err["message"] and err["hint"] == "retry in 2.5 s"
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "Hello there."}],
+        }
+        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        await ws.send(json.dumps({"type": "response.create"}))
+        error = (await next_of(ws, "error"))["error"]
+        assert (error["type"], error["code"]) == ("server_error", "busy") and "retry in 2.5 s" in error[
+            "message"
+        ]
+        assert (await next_of(ws, "response.done"))["response"]["status"] == "failed"
+        monkeypatch.undo()
+        assert (await native_turn_works(a))["status"] == "completed"
+        await ws.send(json.dumps({"type": "response.create"}))
+        assert (await next_of(ws, "response.done"))["response"]["status"] == "completed"
+    finally:
+        await a.close()
+        await ws.close()
+
+
 async def test_a_dead_engine_thread_turns_healthz_to_503_with_the_reason(daemon, model):
     from edge_rtgi.llm.engine import _Wake
 

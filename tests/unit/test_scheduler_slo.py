@@ -195,3 +195,32 @@ def test_step_model_follows_a_machine_that_slows_down():
     for _ in range(600):  # twice as slow from now on
         model.observe(StepShape(3, 0, 500), 2 * (5.0 + 30.0))
     assert model.predict_ms(StepShape(3, 0, 500)) == pytest.approx(70.0, rel=0.05)
+
+
+def test_admission_refuses_text_and_bulk_work_that_would_wait_too_long_but_never_voice():
+    from edge_rtgi.errors import EngineBusy
+
+    clock = Clock()
+    s = make(clock=clock, budget=8, max_seqs=1, num_blocks=256)
+    s.add_request(req("warm", 1, max_tokens=1))
+    for k in range(4):  # four completions in 2 s: the queue drains at 2 requests/s
+        step(s)
+        clock.now_s += 0.5
+        s.add_request(req(f"done{k}", 1, base=10 + k, max_tokens=1))
+    # "done3" waits; at 2 per second a 4 x 500 ms objective allows 4 requests ahead, not 5
+    for i in range(4):
+        s.add_request(req(f"queued{i}", 4, RequestClass.DIALOGUE, t=clock.now_s, base=50 + 5 * i))
+    with pytest.raises(EngineBusy, match="5 requests are queued ahead") as refused:
+        s.add_request(req("late", 4, RequestClass.DIALOGUE, t=clock.now_s, base=200))
+    assert refused.value.code == "busy" and refused.value.retry_after_ms == pytest.approx(2500)
+    assert refused.value.hint == "retry in 2.5 s"
+    assert s.num_refused_busy == 1 and "late" not in s.requests
+    # bulk work is judged by its own, looser objective (10 s): 2.5 s is fine, 5 s with a 1 s one is not
+    s.add_request(req("background", 4, RequestClass.BULK, t=clock.now_s, base=220))
+    with pytest.raises(EngineBusy, match="6 requests"):
+        s.add_request(req("tight", 4, RequestClass.BULK, t=clock.now_s, base=230, slo=RequestSLO(500, 250)))
+    s.add_request(req("voice", 4, RequestClass.VOICE, t=clock.now_s, base=300))  # voice always queues
+    s.add_request(req("live", 4, RequestClass.TRANSLATION, t=clock.now_s, base=310))
+    fcfs = make(policy="fcfs", clock=clock)
+    for i in range(20):
+        fcfs.add_request(req(f"q{i}", 2, RequestClass.BULK, base=2 * i + 1))  # fcfs never refuses

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
 
-from edge_rtgi.errors import ConfigError, RequestError
+from edge_rtgi.errors import ConfigError, EngineBusy, RequestError
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.pipeline.backends.base import BackendDelta, BackendRequest, BackendResult, Message
 
@@ -98,6 +98,8 @@ class LocalBackend:
         try:
             async for delta in stream:
                 if delta.finish_reason == "error":
+                    if delta.error_code == "busy":
+                        raise EngineBusy(delta.error or "busy", delta.retry_after_ms or 1000.0)
                     raise RequestError(f"the engine failed this request: {delta.error}")
                 result = None
                 if delta.finished:

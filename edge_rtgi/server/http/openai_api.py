@@ -318,6 +318,8 @@ def _engine_error(delta: RequestDelta | None, started: bool) -> ApiError:
     """An error delta as an answer: the engine refusing a request before its first token is
     about the request (400); a failure after tokens came is the server's (500)."""
     message = (delta.error if delta is not None else None) or "the engine failed this request"
+    if delta is not None and delta.error_code == "busy":  # refused for load: try again later
+        return ApiError(message, None, "busy", HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
     if not started:
         return ApiError(message, None, "engine_refused")
     return ApiError(message, None, "engine_error", HTTPStatus.INTERNAL_SERVER_ERROR, "server_error")

@@ -132,7 +132,11 @@ def core_settings(config: RealtimeSessionConfig) -> dict[str, Any]:
 
 def _frame_error(event: F.ErrorEvent) -> dict:
     message = f"{event.message} ({event.hint})" if event.hint else event.message
-    kind = "server_error" if event.code in ("internal_error", "stage_failed") else "invalid_request_error"
+    kind = (
+        "server_error"
+        if event.code in ("internal_error", "stage_failed", "busy")
+        else "invalid_request_error"
+    )
     return {"type": kind, "code": event.code, "message": message, "param": None, "event_id": None}
 
 
