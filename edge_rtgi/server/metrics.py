@@ -252,6 +252,11 @@ class EngineCollector(Collector):
                 "Admissions held back so that running decodes keep their ITL SLO (scheduling: slo)",
                 labels=["model"],
             ),
+            "refused_busy": CounterMetricFamily(
+                "edge_rtgi_engine_refused_busy",
+                "Requests refused as busy by the slo admission (their queue wait would pass their SLO)",
+                labels=["model"],
+            ),
             "step_model": GaugeMetricFamily(
                 "edge_rtgi_engine_step_model_ms",
                 "Fitted step-time model: ms per unit of each term (term label)",
@@ -279,6 +284,7 @@ class EngineCollector(Collector):
                 ("kv_cached", s.kv_blocks_cached),
                 ("kv_total", s.kv_blocks_total),
                 ("row_deferrals", s.num_row_deferrals),
+                ("refused_busy", s.num_refused_busy),
                 ("step_model_error", s.step_model_error_ms),
             ):
                 fams[key].add_metric([name], float(value))
