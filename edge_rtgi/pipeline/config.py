@@ -111,6 +111,9 @@ class AssistantStageConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     context_tokens: int | None = None  # None: the backend's own context length
+    # > 0: exchanges dropped to fit context_tokens leave a note of this many words of what the
+    # user said in them (pipeline.stages.text.summary_line); 0: they go without a trace
+    history_summary_words: int = 0
     priority: int = 0
     slo: SloConfig = field(default_factory=SloConfig)
     # "predicted": a soft budget per reply from the length predictor (llm.budget); past it, or
@@ -127,6 +130,8 @@ class AssistantStageConfig:
         if self.max_reply_tokens < 1:
             raise ValueError("max_reply_tokens must be >= 1")
         check_budget_settings(self.token_budget, self.reply_deadline_ms)
+        if self.history_summary_words < 0:
+            raise ValueError(f"history_summary_words must be >= 0, got {self.history_summary_words}")
         if self.context_tokens is not None and self.context_tokens < 64:
             raise ValueError("context_tokens must be >= 64")
         if self.router is None:

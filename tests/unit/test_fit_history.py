@@ -103,3 +103,35 @@ def test_each_turn_is_counted_once_and_counts_stay_bounded(tok):
     assert len(calls) - first == 1  # only the new turn
     fit_history(counting, "Be brief.", turns[-4:], 10_000, counts)
     assert len(counts._texts) <= 5  # the forgotten turns' counts are gone (system prompt too)
+
+
+def test_dropped_exchanges_leave_a_one_line_note_of_what_the_user_said(tok):
+    from edge_rtgi.pipeline.stages.text import summary_line
+
+    turns = [
+        ChatTurn(1, "user", "hello there"),
+        ChatTurn(2, "assistant", "hi"),
+        ChatTurn(3, "user", "my sister Alice lives in Lisbon and works at the harbour"),
+        ChatTurn(4, "assistant", "nice"),
+        ChatTurn(5, "user", "the weather is nice and the sea is wide and blue today"),
+        ChatTurn(6, "assistant", "indeed"),
+        ChatTurn(7, "user", "where does my sister live"),
+    ]
+    line = summary_line(turns[:6], max_words=12)
+    # the turn with names comes first when words are short; the note keeps spoken order
+    assert line.startswith("Earlier in this conversation the user said: my sister Alice lives in Lisbon")
+    assert len(line.split(":", 1)[1].split()) <= 12
+    assert summary_line([ChatTurn(1, "assistant", "only me")], 10) == ""
+    counter = TokenizerCounter(tok)
+    full = counter.count_tokens(
+        (Message("system", "Be brief."),) + tuple(Message(t.role, t.text) for t in turns)
+    )
+    budget = full - 12
+    plain = fit_history(counter, "Be brief.", turns, budget)
+    noted = fit_history(counter, "Be brief.", turns, budget, summary_words=12)
+    assert plain.messages[0].content == "Be brief." and noted.prompt_tokens <= budget
+    assert noted.messages[0].content.startswith("Be brief.\nEarlier in this conversation the user said:")
+    assert noted.messages[-1] == Message("user", "where does my sister live")
+    assert fit_history(counter, "Be brief.", turns, full, summary_words=12).messages == plain_trim(
+        counter, "Be brief.", turns, full
+    )  # nothing dropped: no note

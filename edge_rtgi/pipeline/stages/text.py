@@ -10,6 +10,7 @@ request (its KV blocks are freed) or closes the remote's HTTP stream.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Sequence
 from contextlib import aclosing
@@ -136,16 +137,55 @@ def fit_history(
     turns: Sequence[F.ChatTurn],
     budget_tokens: int,
     counts: TurnTokenCounts | None = None,
+    summary_words: int = 0,
 ) -> ChatPrompt:
     """The system prompt always, then as many of the latest turns as fit ``budget_tokens`` (as
     ``counter``, the backend that runs the turn, counts a whole prompt).
 
     Dropping whole old exchanges keeps the system prompt a stable prefix, so the prefix cache
-    keeps serving it. CPU-bound: call it from a worker thread, never on the event loop.
+    keeps serving it. With ``summary_words``, the dropped exchanges leave a one-line note of what
+    the user said in them (``summary_line``) after the system prompt, within the same budget.
+    CPU-bound: call it from a worker thread, never on the event loop.
     """
     counts = counts or TurnTokenCounts(counter)
     with counts.lock:
-        return _fit(counter, system, turns, budget_tokens, counts)
+        prompt = _fit(counter, system, turns, budget_tokens, counts)
+        for _ in range(2):  # the note may push one more exchange out: note that one too
+            dropped = turns[: len(turns) - (len(prompt.messages) - 1)]
+            line = summary_line(dropped, summary_words) if summary_words > 0 else ""
+            if not line:
+                return prompt
+            try:
+                noted = _fit(counter, f"{system}\n{line}", turns, budget_tokens, counts)
+            except RequestError:  # the note leaves no room for the latest turn: go without it
+                return prompt
+            if len(noted.messages) == len(prompt.messages):
+                return noted
+            prompt = noted
+        return prompt
+
+
+_FACT = re.compile(r"\d|\b[A-Z][a-z]+\b")
+
+
+def summary_line(turns: Sequence[F.ChatTurn], max_words: int) -> str:
+    """A one-line note of what the user said in ``turns``, at most ``max_words`` words: user
+    turns holding numbers or names first (the facts a later question asks for), then the
+    latest, each cut to its first 16 words, written in the order they were said."""
+    said = [(i, t.text.split()) for i, t in enumerate(turns) if t.role == "user" and t.text.strip()]
+    if not said:
+        return ""
+    ranked = sorted(said, key=lambda it: (not _FACT.search(" ".join(it[1][1:])), -it[0]))
+    chosen, left = [], max_words
+    for i, words in ranked:  # facts first, the latest first among equals; each to its first words
+        if left < 3:
+            break
+        piece = words[: min(16, left)]
+        chosen.append((i, " ".join(piece).rstrip(",;.")))
+        left -= len(piece)
+    if not chosen:
+        return ""
+    return "Earlier in this conversation the user said: " + "; ".join(t for _, t in sorted(chosen)) + "."
 
 
 def _fit(
@@ -223,6 +263,7 @@ class AssistantStage(Stage[F.ResponseRequest]):
             req.messages,
             context - max_tokens,
             self.counts,
+            cfg.history_summary_words,
         )
         request = BackendRequest(
             request_id=req.response_id,
