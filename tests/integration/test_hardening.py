@@ -51,6 +51,13 @@ async def realtime(port: int, query: str = "", **kwargs):
     return ws
 
 
+async def realtime_text_turn(ws, text: str) -> None:
+    """A typed user item, then a response request."""
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send(json.dumps({"type": "response.create"}))
+
+
 async def next_of(ws, kind: str, timeout_s: float = 60) -> dict:
     async def find():
         while True:
@@ -157,13 +164,7 @@ async def test_a_lone_surrogate_never_poisons_later_replies(daemon):
             r' "content": [{"type": "input_text", "text": "hi \ud800"}]}}'
         )
         assert (await next_of(ws, "error"))["error"]["code"] == "invalid_json"
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": "Hello there."}],
-        }
-        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
-        await ws.send(json.dumps({"type": "response.create"}))
+        await realtime_text_turn(ws, "Hello there.")
         done = await next_of(ws, "response.done")
         assert done["response"]["status"] == "completed", done
     finally:
@@ -399,13 +400,7 @@ async def test_a_busy_engine_refusal_reaches_native_and_realtime_clients(daemon,
         err = a.of("error")[-1]
         assert done["status"] == "failed" and err["code"] == "busy"
         assert "queued ahead" in err["message"] and err["hint"] == "retry in 2.5 s"
-        item = {
-            "type": "message",
-            "role": "user",
-            "content": [{"type": "input_text", "text": "Hello there."}],
-        }
-        await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
-        await ws.send(json.dumps({"type": "response.create"}))
+        await realtime_text_turn(ws, "Hello there.")
         error = (await next_of(ws, "error"))["error"]
         assert (error["type"], error["code"]) == ("server_error", "busy") and "retry in 2.5 s" in error[
             "message"
