@@ -484,6 +484,7 @@ def _mixed(results: dict) -> list[str]:
         "goodput (req/s)",
         "per workload: meet SLO",
     ]
+    models = [_step_model_line(p, m) for p, m in mixed.get("step_model", {}).items()]
     return [
         "## Mixed load: every workload at once",
         "",
@@ -492,7 +493,18 @@ def _mixed(results: dict) -> list[str]:
         f"scale with at least 90 % meeting the SLO: {sustained}.",
         "",
         *_table(header, rows),
+        "Step-time model at the end (fitted online; error measured before each step): " + "; ".join(models),
+        "",
     ]
+
+
+def _step_model_line(policy: str, m: dict) -> str:
+    c = m["coefficients_ms"]
+    return (
+        f"{policy}: {_f(c[0], 1)} ms + {_f(c[1], 2)} ms/decode row + {_f(c[2], 3)} ms/prefill token + "
+        f"{_f(c[3], 2)} ms/1k context tokens, error {_f(m['error_ms'], 1)} ms ({_f(m['error_pct'], 0)} %) "
+        f"over {m['num_observations']} steps"
+    )
 
 
 def _peers(results: dict) -> list[str]:
