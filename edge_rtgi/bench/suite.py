@@ -100,7 +100,13 @@ class Optimisations:
         )
 
     def changed(self, spec: str) -> Optimisations:
-        """Apply one ``field=value`` change (an ablation), with the value parsed by field type."""
+        """Apply an ablation: one ``field=value`` change, or several joined by commas
+        (``scheduling=slo,token_budget=predicted``), each value parsed by its field's type."""
+        if "," in spec:
+            out = self
+            for part in spec.split(","):
+                out = out.changed(part.strip())
+            return out
         key, sep, raw = spec.partition("=")
         types = {f.name: f.type for f in fields(self)}
         if not sep or key not in types:

@@ -73,6 +73,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-num-batched-tokens", type=int, help="chunked-prefill size: tokens per step")
     p.add_argument("--scheduling", choices=("fcfs", "slo"), help="engine scheduling policy switch")
+    p.add_argument("--token-budget", choices=("off", "predicted"), help="token budget switch (bench.budgets)")
+    p.add_argument("--stopping", choices=("eos", "clause"), help="budgets hard (eos) or ending at a clause")
     p.add_argument(
         "--mixed-scales",
         type=lambda v: tuple(float(x) for x in _split(v)),
@@ -195,6 +197,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
             ("max_num_seqs", args.max_num_seqs),
             ("max_num_batched_tokens", args.max_num_batched_tokens),
             ("scheduling", args.scheduling),
+            ("token_budget", args.token_budget),
+            ("stopping", args.stopping),
         )
         if v is not None
     }

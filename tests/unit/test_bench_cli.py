@@ -24,6 +24,10 @@ def test_each_optimisation_is_a_switch():
     assert base.changed("max_num_seqs=1").max_num_seqs == 1
     assert base.changed("quant=int8").quant == "int8"
     assert base.changed("quant=none").quant is None
+    both = base.changed("scheduling=slo, token_budget=predicted,stopping=clause")
+    assert (both.scheduling, both.token_budget, both.stopping) == ("slo", "predicted", "clause")
+    with pytest.raises(ConfigError, match="stopping must be one of eos, clause"):
+        base.changed("stopping=sentence")
     cfg = base.changed("max_num_batched_tokens=64").engine_config("m", 2)
     assert (cfg.max_num_batched_tokens, cfg.enable_prefix_caching, cfg.num_threads) == (64, True, 2)
     with pytest.raises(ConfigError, match="bad ablation"):
