@@ -102,9 +102,14 @@ class Transcript:
     final: bool
     language: str | None = None
     t_s: float = field(default_factory=now_s)
-    # Set on finals: when the user stopped speaking and when VAD declared it.
+    # Set on finals: when the user stopped speaking and when the turn was declared over (by
+    # the VAD's silence timer, or by the semantic model: then also what its verdict cost).
     speech_end_t_s: float | None = None
     endpoint_t_s: float | None = None
+    turn_decision_ms: float | None = None
+    # A final heard over a reply that only said "mm-hm", "yes"...: shown, but not a turn (it
+    # neither cuts the reply nor gets an answer).
+    backchannel: bool = False
     # Set on partials: the leading words that will not change any more (LocalAgreement).
     committed_text: str | None = None
 
@@ -261,7 +266,8 @@ class ResponseInterrupted:
 class TurnStats:
     """Per-turn latencies in milliseconds; ``None`` where a part did not happen."""
 
-    endpointing_ms: float | None = None  # user stopped speaking -> VAD declared end of turn
+    endpointing_ms: float | None = None  # user stopped speaking -> end of turn declared
+    turn_decision_ms: float | None = None  # of that, the semantic model's verdict on the pause
     asr_final_ms: float | None = None  # end of turn -> final transcript
     llm_ttft_ms: float | None = None  # final transcript -> first text delta
     first_clause_ms: float | None = None  # first text delta -> first speakable clause

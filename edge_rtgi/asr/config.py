@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edge_rtgi.asr.turn import TurnDetectionConfig
+
 # Phrases whisper is known to invent on silence, music or noise (it was trained on subtitled
 # video). Only used as a last resort: an utterance whose *whole* text is one of these and
 # that whisper itself was unsure about is dropped. The VAD gate and the no-speech/log-prob
@@ -103,6 +105,8 @@ class AsrConfig:
     compression_ratio_threshold: float = 2.4
     hallucination_blocklist: tuple[str, ...] = DEFAULT_HALLUCINATIONS
     vad: VadConfig = field(default_factory=VadConfig)
+    # How a pause ends the turn: the VAD's silence timer, or the smart-turn model (edge_rtgi.asr.turn).
+    turn_detection: TurnDetectionConfig = field(default_factory=TurnDetectionConfig)
 
     def __post_init__(self) -> None:
         if self.task not in ("transcribe", "translate"):

@@ -56,7 +56,11 @@ class SpeechEnded:
     utterance_id: int
     speech_end_audio_s: float
     endpoint_audio_s: float
-    reason: str = "silence"  # "silence" | "max_length" | "commit" | "finish"
+    reason: str = "silence"  # "silence" | "semantic" | "max_length" | "commit" | "finish"
+    # Semantic turn detection: when the model ended the turn (time.monotonic(); None when the
+    # silence timer or anything else did) and what its verdict on the last pause cost.
+    decided_t_s: float | None = None
+    turn_decision_ms: float | None = None
     t_s: float = field(default_factory=_now)
 
 
@@ -65,7 +69,8 @@ class FinalTranscript:
     """The text of one utterance: every committed word, then the tail decoded at the end.
 
     ``final_decode_ms`` is the time spent decoding after the endpoint (0 when a decode made
-    during the trailing silence could be reused).
+    during the trailing silence could be reused). ``decided_t_s`` and ``turn_decision_ms`` are
+    ``SpeechEnded``'s.
     """
 
     utterance_id: int
@@ -76,6 +81,8 @@ class FinalTranscript:
     endpoint_audio_s: float
     language: str | None
     final_decode_ms: float
+    decided_t_s: float | None = None
+    turn_decision_ms: float | None = None
     t_s: float = field(default_factory=_now)
 
 

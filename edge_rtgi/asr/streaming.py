@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +38,7 @@ from edge_rtgi.asr.events import (
     TranscriptSegment,
 )
 from edge_rtgi.asr.split import choose_split
+from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision
 from edge_rtgi.asr.vad import SileroVad, VadEvent
 from edge_rtgi.asr.whisper import Hypothesis, WhisperAsr
 from edge_rtgi.audio.pcm import Resampler
@@ -68,6 +69,16 @@ class _SpeculativeFinal:
 
 
 @dataclass(frozen=True)
+class _PendingSpeculation:
+    """A speculative decode running on the decode thread while the worker scores the turn."""
+
+    silence_start_index: int
+    end_index: int
+    num_committed_words: int
+    future: Future[Hypothesis]
+
+
+@dataclass(frozen=True)
 class _SplitFinal:
     """Long speech cut at its quietest gap: the final's words, the decode they came from, its cost."""
 
@@ -88,6 +99,8 @@ class _Utterance:
     endpoint_index: int | None = None
     reason: str = "silence"
     speculative: _SpeculativeFinal | None = None
+    pending: _PendingSpeculation | None = None  # semantic mode: a speculative decode in flight
+    decision: TurnDecision | None = None  # semantic mode: the model's verdict on the latest pause
     split: _SplitFinal | None = None  # set when long speech was cut
     partial_key: tuple[str, str] = field(default=("", ""))
 
@@ -95,8 +108,22 @@ class _Utterance:
 class StreamingTranscriber:
     """Turns a 16 kHz float32 stream into ``AsrEvent``s (see module docstring)."""
 
-    def __init__(self, asr: WhisperAsr, config: AsrConfig | None = None, vad: SileroVad | None = None):
+    def __init__(
+        self,
+        asr: WhisperAsr,
+        config: AsrConfig | None = None,
+        vad: SileroVad | None = None,
+        endpointer: SemanticEndpointer | None = None,
+    ):
+        """``endpointer``: semantic turn detection (the ``vad`` then carries the silence cap as its
+        ``min_silence_ms``); None: the VAD's silence timer alone ends turns."""
         self.asr = asr
+        self.endpointer = endpointer
+        # Semantic mode decodes the likely final on its own thread, so that the model's verdict
+        # on the pause and the final's decode overlap instead of queueing on the worker.
+        self._decode_pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="asr-final") if endpointer is not None else None
+        )
         self.config = config or asr.config
         self.vad = vad or SileroVad(self.config.vad)
         self.vad.reset()  # the VAD's sample indices must match the ring's
@@ -113,6 +140,11 @@ class StreamingTranscriber:
         self._active: _Utterance | None = None
         self._ended: list[_Utterance] = []
         self._next_id = 0
+
+    def close(self) -> None:
+        """Stop the decode thread of semantic mode (a decode in flight finishes on its own)."""
+        if self._decode_pool is not None:
+            self._decode_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def audio_s(self) -> float:
@@ -180,9 +212,7 @@ class StreamingTranscriber:
 
     def process_iter(self) -> list[AsrEvent]:
         """Decode what is due and return the events since the last call. Blocking."""
-        for ended in self._ended:
-            self._events.extend(self._finalize(ended))
-        self._ended.clear()
+        self._finalize_ended()
         if self.split_due:
             self._split_long_utterance()
         utt = self._active
@@ -192,15 +222,89 @@ class StreamingTranscriber:
             if silence_start is not None:
                 # After a forced split the silence may have begun before this utterance did.
                 silence_start = max(silence_start, utt.start_index)
-                # Speech may be over: no partial decode now (it would delay the final); once the
-                # pad has arrived, decode the likely final while the endpoint timer runs.
-                fresh = utt.speculative is None or utt.speculative.silence_start_index != silence_start
-                if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
-                    self._speculate(utt, silence_start)
-            elif now - utt.last_decode_end >= max(self._min_chunk, self.partial_interval_samples):
-                self._partial(utt, now)
+                if self.endpointer is not None:
+                    self._semantic_pause(utt, silence_start, now)
+                else:
+                    # Speech may be over: no partial decode now (it would delay the final); once
+                    # the pad has arrived, decode the likely final while the endpoint timer runs.
+                    fresh = utt.speculative is None or utt.speculative.silence_start_index != silence_start
+                    if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
+                        self._speculate(utt, silence_start)
+            else:
+                self._collect_pending(utt, wait=True)  # speech resumed: that decode is stale
+                if now - utt.last_decode_end >= max(self._min_chunk, self.partial_interval_samples):
+                    self._partial(utt, now)
+        self._finalize_ended()
         events, self._events = self._events, []
         return events
+
+    def _finalize_ended(self) -> None:
+        for ended in self._ended:
+            self._events.extend(self._finalize(ended))
+        self._ended.clear()
+
+    # -- semantic end of turn -------------------------------------------------------------
+
+    def _semantic_pause(self, utt: _Utterance, silence_start: int, now: int) -> None:
+        """A pause in semantic mode: start the likely final's decode once the end pad is in (on
+        the decode thread), and when ``min_silence_ms`` has passed, ask the model on this thread
+        whether the turn is over; if so, end it here instead of at the VAD's silence cap."""
+        endpointer = self.endpointer
+        if endpointer is None:
+            return
+        self._collect_pending(utt, wait=False)
+        fresh = utt.speculative is None or utt.speculative.silence_start_index != silence_start
+        pending_here = utt.pending is not None and utt.pending.silence_start_index == silence_start
+        pad_in = now - silence_start >= self._end_pad
+        if self.config.speculative_final and fresh and not pending_here and pad_in:
+            self._collect_pending(utt, wait=True)  # at most one decode in flight
+            self._speculate_async(utt, silence_start)
+        decided = utt.decision is not None and utt.decision.silence_start_index == silence_start
+        if decided or now - silence_start < endpointer.check_samples:
+            return
+        audio = self._ring.read(max(self._ring.oldest_index, utt.start_index, now - WINDOW_SAMPLES), now)
+        utt.decision = endpointer.decide(audio, silence_start)
+        if utt.decision.complete:
+            self.vad.force_end()
+            self._end_active(silence_start, "semantic")
+
+    def _speculate_async(self, utt: _Utterance, silence_start: int) -> None:
+        if self._decode_pool is None:
+            return
+        end = min(silence_start + self._end_pad, self._ring.total_written)
+        audio = self._ring.read(utt.start_index, end)
+        prefix, language = utt.agreement.committed_text or None, utt.language
+        future = self._decode_pool.submit(
+            self.asr.transcribe,
+            audio,
+            prefix=prefix,
+            language=language,
+            timestamps=True,
+            beam_size=self.config.final_beam_size,
+        )
+        utt.pending = _PendingSpeculation(silence_start, end, len(utt.agreement.committed), future)
+
+    def _collect_pending(self, utt: _Utterance, wait: bool) -> None:
+        """Take a finished (or, with ``wait``, the) speculative decode into the utterance."""
+        pending = utt.pending
+        if pending is None or not (wait or pending.future.done()):
+            return
+        utt.pending = None
+        try:
+            hyp = pending.future.result()
+        except Exception as exc:  # noqa: BLE001 - the final decodes again in _finalize
+            log.warning("speculative final decode failed: %s", exc)
+            return
+        if pending.num_committed_words != len(utt.agreement.committed):
+            return
+        heard = pending.end_index - utt.start_index
+        if utt.language is None and hyp.language and heard >= _LANGUAGE_LOCK_SAMPLES:
+            utt.language = hyp.language
+        utt.speculative = _SpeculativeFinal(pending.silence_start_index, pending.num_committed_words, hyp)
+        utt.last_decode_end = max(utt.last_decode_end, pending.end_index)
+        if utt.end_index is None:  # still open: show the likely tail as a partial
+            tail = utt.agreement.final_words(split_words(hyp.text))[len(utt.agreement.committed) :]
+            self._emit_partial(utt, " ".join(tail), pending.end_index)
 
     def finish(self) -> list[AsrEvent]:
         """End of stream: finalise the utterance in progress and return all remaining events."""
@@ -315,8 +419,9 @@ class StreamingTranscriber:
                         utt.id, end_index / SAMPLE_RATE_HZ, endpoint_index / SAMPLE_RATE_HZ, utt.reason
                     )
                 ]
-            spec = utt.speculative
             t0 = time.perf_counter()
+            self._collect_pending(utt, wait=True)
+            spec = utt.speculative
             if spec is not None and spec.matches(end_index, len(utt.agreement.committed)):
                 hyp, reused = spec.hypothesis, True
             else:
@@ -330,7 +435,12 @@ class StreamingTranscriber:
         text = " ".join(words)
         start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, end_index / SAMPLE_RATE_HZ
         endpoint_s, end_s = endpoint_index / SAMPLE_RATE_HZ, end / SAMPLE_RATE_HZ
-        events: list[AsrEvent] = [SpeechEnded(utt.id, speech_end_s, endpoint_s, utt.reason)]
+        decision = utt.decision if utt.reason == "semantic" else None
+        decided_t_s = decision.decided_t_s if decision else None
+        turn_decision_ms = utt.decision.model_ms if utt.decision is not None else None
+        events: list[AsrEvent] = [
+            SpeechEnded(utt.id, speech_end_s, endpoint_s, utt.reason, decided_t_s, turn_decision_ms)
+        ]
         if not text or (not utt.agreement.committed and self._is_hallucination(text, hyp)):
             if text:
                 log.info("dropped a likely hallucination (%d characters)", len(text))
@@ -354,6 +464,8 @@ class StreamingTranscriber:
                 endpoint_s,
                 utt.language or hyp.language,
                 decode_ms,
+                decided_t_s,
+                turn_decision_ms,
             )
         )
         return events

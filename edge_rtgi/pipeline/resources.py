@@ -18,8 +18,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.asr.turn import TurnModelLoad
 from edge_rtgi.cpu_priority import freeze_heap
 from edge_rtgi.device import release_cpu_workers
+from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.pipeline.backends.base import BackendObserver, BackendResult, LlmBackend, RouteDecision
 from edge_rtgi.pipeline.backends.config import LlmBackendConfig
@@ -66,8 +68,9 @@ log = logging.getLogger(__name__)
 
 
 def _whisper_key(cfg: AsrConfig) -> AsrConfig:
-    # Decoding options live on the shared WhisperAsr; the VAD is per session, so ignore it.
-    return dataclasses.replace(cfg, vad=type(cfg.vad)())
+    # Decoding options live on the shared WhisperAsr; the VAD and turn detection are per
+    # session, so ignore them.
+    return dataclasses.replace(cfg, vad=type(cfg.vad)(), turn_detection=type(cfg.turn_detection)())
 
 
 class ObserverList:
@@ -98,6 +101,7 @@ class Resources:
         self._engines: dict[str, LLMEngine] = {}
         self._whispers: dict[AsrConfig, WhisperAsr] = {}
         self._voices: dict[str, TtsEngine] = {}
+        self._turn_models: dict[str, TurnModelLoad] = {}
         self._lock = threading.Lock()
         self._warmed: set[tuple[str, object]] = set()
         self._request_listeners: list[RequestListener] = []
@@ -160,6 +164,25 @@ class Resources:
                 self._whispers[key] = WhisperAsr(key, num_workers=2)
             return self._whispers[key]
 
+    def turn_model(self, name: str) -> TurnModelLoad:
+        """The shared smart-turn model, or why it cannot be had (blocking: a worker thread).
+
+        A missing or corrupt file is not fatal: sessions fall back to the silence timer. The
+        failure is logged as one warning per model per daemon, and remembered, so that each
+        session can say so without retrying the load.
+        """
+        with self._lock:
+            if name not in self._turn_models:
+                from edge_rtgi.asr.turn import load_turn_model
+
+                try:
+                    self._turn_models[name] = TurnModelLoad(load_turn_model(name), None)
+                except EdgeRtgiError as exc:
+                    reason = exc.message
+                    log.warning("semantic turn detection is off, turns end on silence only: %s", reason)
+                    self._turn_models[name] = TurnModelLoad(None, reason)
+            return self._turn_models[name]
+
     def voice(self, name: str) -> TtsEngine:
         """The shared TTS voice: a catalogue Piper voice or ``espeak:<language>``."""
         with self._lock:
@@ -183,6 +206,8 @@ class Resources:
                     functools.partial(self.whisper, stage),
                     _run_whisper_once,
                 )
+                if stage.turn_detection.mode == "semantic":  # loading runs the model once
+                    await asyncio.to_thread(self.turn_model, stage.turn_detection.model)
             elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
                 # warming with the system prompt also puts it in the prefix cache
                 prompt: Prompt = "Hello"

@@ -86,6 +86,7 @@ class ResponseState:
         llm = self.llm
         return F.TurnStats(
             endpointing_ms=_ms(speech_end, endpoint),
+            turn_decision_ms=round(t.turn_decision_ms, 1) if t and t.turn_decision_ms is not None else None,
             asr_final_ms=_ms(endpoint, final if t else None),
             llm_ttft_ms=_ms(final, m.get("first_delta")),
             first_clause_ms=_ms(m.get("first_delta"), m.get("first_clause")),

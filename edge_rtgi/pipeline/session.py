@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 
 from edge_rtgi import frames as F
+from edge_rtgi.asr.config import AsrConfig
+from edge_rtgi.asr.turn import TurnDetectionConfig, TurnDetectionUpdate, TurnStatus
 from edge_rtgi.config import from_dict
 from edge_rtgi.errors import BackendError, ConfigError, EdgeRtgiError, RequestError
 from edge_rtgi.pipeline.config import AssistantStageConfig, PipelineConfig, TranslateStageConfig
@@ -62,6 +64,12 @@ class SessionSettings:
     vad_threshold: float | None = None
     vad_min_silence_ms: int | None = None
     vad_prefix_padding_ms: int | None = None
+    # How a pause ends the turn (edge_rtgi.asr.turn); on the native wire also as one object,
+    # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold}``.
+    turn_mode: str | None = None
+    turn_min_silence_ms: int | None = None
+    turn_max_silence_ms: int | None = None
+    turn_threshold: float | None = None
     # each microphone chunk comes with the audio being played (stereo on the native protocol)
     echo_reference: bool = False
 
@@ -81,10 +89,27 @@ class SessionSettings:
             ms = getattr(self, name)
             if ms is not None and not low <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [{low}, 10000] ms, got {ms}")
+        TurnDetectionUpdate(
+            self.turn_mode, self.turn_min_silence_ms, self.turn_max_silence_ms, self.turn_threshold
+        )
+
+    def turn_config(self, pipeline: TurnDetectionConfig) -> TurnDetectionConfig:
+        """The pipeline's turn detection with these settings on top (ValueError names the key)."""
+        return pipeline.with_overrides(
+            self.turn_mode, self.turn_min_silence_ms, self.turn_max_silence_ms, self.turn_threshold
+        )
 
     def merged(self, changes: dict) -> SessionSettings:
         """These settings with ``changes`` applied strictly (unknown key -> ConfigError)."""
         base = {k: v for k, v in dataclasses.asdict(self).items()}
+        changes = dict(changes)
+        if isinstance(changes.get("turn_detection"), dict):
+            # the object form: VAD turn detection stays on, with these settings
+            update = from_dict(TurnDetectionUpdate, changes["turn_detection"], "session.turn_detection")
+            changes["turn_detection"] = True
+            for key in ("mode", "min_silence_ms", "max_silence_ms", "threshold"):
+                if getattr(update, key) is not None:
+                    changes[f"turn_{key}"] = getattr(update, key)
         checked = from_dict(SessionSettings, changes, "session")  # validates keys and types
         base.update({k: getattr(checked, k) for k in changes})
         return SessionSettings(**base)
@@ -163,6 +188,7 @@ class Session:
         Closes what was started when it fails or is cancelled."""
         session = self
         try:
+            session._check_turn(session.settings, session.pipeline)
             await session._build_stages()
         except BaseException:
             await asyncio.shield(session.close())
@@ -210,6 +236,15 @@ class Session:
         return self.pipeline.name
 
     @property
+    def turn_detection_status(self) -> dict[str, object] | None:
+        """How pauses end turns in this session (the ASR stage's ``TurnStatus``), JSON-ready."""
+        for stage in self._stages:
+            status = getattr(stage, "turn_status", None)
+            if isinstance(status, TurnStatus):
+                return status.to_wire()
+        return None
+
+    @property
     def input_sample_rate_hz(self) -> int:
         return self.settings.input_sample_rate_hz or self.pipeline.input_sample_rate_hz
 
@@ -239,6 +274,8 @@ class Session:
             barge_in=self.barge_in,
             stages=[type(s).__name__ for s in self._stages],
         )
+        if (status := self.turn_detection_status) is not None:  # as the ASR stage could set it up
+            d["turn_detection_status"] = status
         text = self.pipeline.text_stage
         if isinstance(text, TranslateStageConfig):
             d.update(
@@ -389,6 +426,7 @@ class Session:
     async def update(self, changes: dict) -> None:
         """Apply ``session.update`` settings; a pipeline change rebuilds the stages (keeps history)."""
         new = self.settings.merged(changes)
+        self._check_turn(new, self._pick_pipeline(new.pipeline) if new.pipeline else self.pipeline)
         if new.pipeline is not None and new.pipeline != self.pipeline.name:
             pipeline = self._pick_pipeline(new.pipeline)
             await self.cancel_response(reason="client_cancel")
@@ -402,6 +440,19 @@ class Session:
                 if hasattr(stage, "apply_settings"):
                     stage.apply_settings(new)
         self.outbox.put_control(F.SessionUpdated(self.describe()))
+
+    @staticmethod
+    def _check_turn(settings: SessionSettings, pipeline: PipelineConfig) -> None:
+        """Refuse turn settings that do not fit the pipeline's own (a max below its min...)."""
+        asr = next((s for s in pipeline.stages if isinstance(s, AsrConfig)), None)
+        if asr is None:
+            return
+        try:
+            settings.turn_config(asr.turn_detection)
+        except ValueError as exc:
+            raise ConfigError(
+                f"session.turn_detection: {exc}", hint="min_silence_ms <= max_silence_ms, threshold in [0, 1]"
+            ) from None
 
     # ------------------------------------------------------------------ control
 
@@ -528,12 +579,22 @@ class Session:
 
     # --- called by the ASR stage (control path: not queued behind data)
 
-    def on_speech_started(self, event: F.SpeechStarted) -> None:
-        """User speech began: report it, and barge in on any reply that is still playing."""
+    def on_speech_started(self, event: F.SpeechStarted, barge_in: bool = True) -> None:
+        """User speech began: report it, and barge in on any reply that is still playing
+        (unless the ASR stage defers that until it knows the speech is more than a backchannel)."""
         self.outbox.put_control(event)
         if (gate := self._wake_gate) is not None:
             gate.speech_started()
-        self._barge_in(event.t_s)
+        if barge_in:
+            self._barge_in(event.t_s)
+
+    def confirm_barge_in(self, t_s: float) -> None:
+        """The user is taking the turn over a reply: cut it (the deferred half of speech start)."""
+        self._barge_in(t_s)
+
+    def reply_active(self, t_s: float | None = None) -> bool:
+        """A reply is being generated or (by the estimate) still playing, and barge-in is on."""
+        return self.barge_in and any(st.active(t_s) for st in self.responses.values())
 
     def on_speech_stopped(self, event: F.SpeechStopped) -> None:
         self.outbox.put_control(event)
@@ -557,7 +618,7 @@ class Session:
     async def on_final_transcript(self, event: F.Transcript) -> None:
         """A finished user utterance: report it, remember it, and respond if asked to."""
         await self.outbox.put(event)
-        if not event.text.strip():
+        if not event.text.strip() or event.backchannel:
             return
         if isinstance(self.pipeline.text_stage, AssistantStageConfig):
             self.remember("user", event.text, turn_id=event.turn_id)

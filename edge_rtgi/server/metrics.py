@@ -39,6 +39,8 @@ ITL_BUCKETS_MS = (2, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 200, 500)
 VOICE_TO_VOICE_BUCKETS_MS = (250, 500, 750, 1000, 1250, 1500, 2000, 2500, 3000, 4000, 6000, 10000)
 ASR_FINAL_BUCKETS_MS = (50, 100, 150, 200, 300, 400, 500, 750, 1000, 1500, 2000, 3000, 5000)
 TTS_FIRST_AUDIO_BUCKETS_MS = (25, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000)
+ENDPOINTING_BUCKETS_MS = (50, 100, 150, 200, 250, 300, 400, 500, 750, 1000, 1500, 2000)
+TURN_DECISION_BUCKETS_MS = (5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500)
 
 
 class Metrics:
@@ -72,6 +74,18 @@ class Metrics:
             "edge_rtgi_voice_to_voice_ms",
             "End of user speech to first reply audio sent, per turn (ms)",
             buckets=VOICE_TO_VOICE_BUCKETS_MS,
+            registry=r,
+        )
+        self.endpointing_ms = Histogram(
+            "edge_rtgi_endpointing_ms",
+            "End of user speech to end of turn declared, per turn (ms)",
+            buckets=ENDPOINTING_BUCKETS_MS,
+            registry=r,
+        )
+        self.turn_decision_ms = Histogram(
+            "edge_rtgi_turn_decision_ms",
+            "Semantic turn detection: the model's verdict on a pause, per turn (ms)",
+            buckets=TURN_DECISION_BUCKETS_MS,
             registry=r,
         )
         self.asr_final_ms = Histogram(
@@ -152,6 +166,8 @@ class Metrics:
             stats = event.stats
             for value, histogram in (
                 (stats.voice_to_voice_ms, self.voice_to_voice_ms),
+                (stats.endpointing_ms, self.endpointing_ms),
+                (stats.turn_decision_ms, self.turn_decision_ms),
                 (stats.asr_final_ms, self.asr_final_ms),
                 (stats.tts_first_chunk_ms, self.tts_first_audio_ms),
             ):

@@ -222,6 +222,8 @@ def encode_server(event: F.SessionEvent, ms: Callable[[float], int]) -> list[str
         }
         if e.language:
             body["language"] = e.language
+        if e.backchannel:
+            body["backchannel"] = True
     elif isinstance(e, F.AudioCommitted):
         body = {"type": "input_audio.committed"}
     elif isinstance(e, F.ResponseStarted):

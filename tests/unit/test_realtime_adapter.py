@@ -31,6 +31,7 @@ class ScriptedCore:
     def __init__(self) -> None:
         self.session_id = "sess_test"
         self.pipeline_name = "voice-assistant"
+        self.turn_detection_status: dict[str, object] | None = {"mode": "silence", "requested": "silence"}
         self.calls: list[tuple] = []
         self.history: dict[int, tuple[str, str]] = {}  # entry id -> (role, text), as the core keeps it
         self.entries_by_response: dict[str, int] = {}
@@ -188,7 +189,8 @@ async def test_session_created_and_update_maps_to_core_settings(h):
     updated = h.take()[-1]
     assert updated["type"] == "session.updated"
     assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
-    assert updated["session"]["edge_rtgi"] == {"pipeline": "translate-en-es"}
+    assert updated["session"]["edge_rtgi"]["pipeline"] == "translate-en-es"
+    assert updated["session"]["edge_rtgi"]["turn_detection_status"]["mode"] == "silence"
     # null turn detection: manual commits, no automatic responses
     await h.client(
         {

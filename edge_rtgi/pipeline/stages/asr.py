@@ -8,6 +8,15 @@ Barge-in needs speech *start* fast, but a step may also decode a partial (hundre
 So the worker checks the VAD after inserting each chunk and reports a rising edge to the
 loop at once (``call_soon_threadsafe``), before any decoding in the same step.
 
+Turn detection (``edge_rtgi.asr.turn``): in semantic mode the VAD's silence timer is the cap
+and the transcriber asks the smart-turn model, on this same worker thread, whether a pause ends
+the turn. The model comes from the shared resources; when it cannot be loaded the stage runs
+on the silence timer alone and says so in ``turn_status`` (sent in ``session.created``).
+
+Barge-in in semantic mode: speech that starts over a reply does not cut it at once. It cuts it
+once it has lasted ``barge_in_min_speech_ms``, or when its final turns out to be more than a
+backchannel ("mm-hm", "yes"); a backchannel's final is shown to the client but is not a turn.
+
 Latency marks: the stage remembers when each input chunk arrived, so the positions in the
 audio stream that the transcriber reports (speech end, endpoint) map back to wall-clock
 times. With real-time input, "speech end" is when the user's last word reached the daemon.
@@ -20,7 +29,7 @@ import bisect
 import dataclasses
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -28,6 +37,13 @@ from edge_rtgi import frames as F
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.asr.events import AsrEvent, FinalTranscript, PartialTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
+from edge_rtgi.asr.turn import (
+    SemanticEndpointer,
+    TurnDetectionConfig,
+    TurnModelLoad,
+    TurnStatus,
+    is_backchannel,
+)
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.asr.whisper import WhisperAsr
 from edge_rtgi.audio.pcm import Resampler
@@ -58,11 +74,33 @@ class _ArrivalClock:
 AsrInput = F.AudioIn | F.CommitAudio | F.ClearAudio
 
 
+class TurnModelSource(Protocol):
+    """Where the stage gets the shared smart-turn model (``Resources``); blocking."""
+
+    def turn_model(self, name: str) -> TurnModelLoad: ...
+
+
 class AsrStage(Stage[AsrInput]):
     name = "asr"
 
-    def __init__(self, ctx: AsrContext, config: AsrConfig, whisper: WhisperAsr, inbox_frames: int):
+    def __init__(
+        self,
+        ctx: AsrContext,
+        config: AsrConfig,
+        whisper: WhisperAsr,
+        inbox_frames: int,
+        turn_models: TurnModelSource | None = None,
+    ):
         super().__init__(ctx, inbox_frames)
+        self._turn_models = turn_models
+        self.turn_status: TurnStatus | None = None
+        self._endpointer: SemanticEndpointer | None = None
+        self._turn_cfg = config.turn_detection
+        self.transcriber: StreamingTranscriber | None = None
+        # semantic barge-in: the turn that started over a reply and has not cut it yet, and
+        # (worker side) where its speech began
+        self._talkover_turn: int | None = None
+        self._talkover_start: int | None = None
         self.ctx: AsrContext = ctx
         self.config = config
         self.whisper = whisper
@@ -86,14 +124,55 @@ class AsrStage(Stage[AsrInput]):
             if s.vad_prefix_padding_ms is None
             else s.vad_prefix_padding_ms,
         )
+        turn = self._effective_turn()
+        status, endpointer = self._turn_setup(turn, vad_cfg.min_silence_ms)
+        vad_cfg = dataclasses.replace(vad_cfg, min_silence_ms=status.silence_ms)
         cfg = dataclasses.replace(self.config, vad=vad_cfg)
-        self.transcriber = StreamingTranscriber(self.whisper, cfg, SileroVad(vad_cfg))
+        old = self.transcriber
+        self.transcriber = StreamingTranscriber(self.whisper, cfg, SileroVad(vad_cfg), endpointer)
+        if old is not None:
+            old.close()
+        self._turn_cfg, self._endpointer, self.turn_status = turn, endpointer, status
         self.clock = _ArrivalClock()
         self._in_speech = False
+        self._talkover_start = None
+
+    def _effective_turn(self) -> TurnDetectionConfig:
+        try:
+            return self.ctx.settings.turn_config(self.config.turn_detection)
+        except ValueError:  # the session refuses such settings before they get here
+            return self.config.turn_detection
+
+    def _turn_setup(
+        self, turn: TurnDetectionConfig, vad_min_silence_ms: int
+    ) -> tuple[TurnStatus, SemanticEndpointer | None]:
+        """What ends a pause: the model with its silence cap, or the silence timer alone (also
+        when the model cannot be had: then ``fallback`` says why)."""
+        if turn.mode != "semantic":
+            return TurnStatus("silence", turn.mode, turn.silence_ms(vad_min_silence_ms)), None
+        load = (
+            self._turn_models.turn_model(turn.model)
+            if self._turn_models is not None
+            else TurnModelLoad(None, "no model source in this process")
+        )
+        if load.model is None:
+            fallback = TurnStatus("silence", "semantic", vad_min_silence_ms, fallback=load.error)
+            return fallback, None
+        endpointer = SemanticEndpointer(load.model, turn.threshold, turn.semantic_min_ms)
+        status = TurnStatus(
+            "semantic",
+            "semantic",
+            turn.semantic_max_ms,
+            check_ms=turn.semantic_min_ms,
+            threshold=turn.threshold,
+            model=turn.model,
+        )
+        return status, endpointer
 
     def apply_settings(self, settings: SessionSettings) -> None:
-        """New VAD settings: a fresh transcriber, queued behind the steps already running (it
-        reads ``settings`` through the context, which already holds them)."""
+        """New VAD or turn settings: a fresh transcriber, queued behind the steps already running
+        (it reads ``settings`` through the context, which already holds them; loading the turn
+        model, if that is new, happens there too, off the event loop)."""
         if self._loop is not None and not self._in_speech:
             self._loop.run_in_executor(self._executor, self._new_transcriber)
 
@@ -104,6 +183,8 @@ class AsrStage(Stage[AsrInput]):
     async def close(self) -> None:
         await super().close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.transcriber is not None:
+            self.transcriber.close()
 
     # ------------------------------------------------------------------ event loop side
 
@@ -145,9 +226,19 @@ class AsrStage(Stage[AsrInput]):
         return samples
 
     def _rising_edge(self, audio_ms: int, t_s: float) -> None:
-        """On the loop: user speech started. Control path, ahead of any queued data."""
+        """On the loop: user speech started. Control path, ahead of any queued data.
+
+        Over a reply, in semantic mode, the barge-in waits: a backchannel must not cut it."""
         self._early_turn = self.ctx.new_turn_id()
-        self.ctx.on_speech_started(F.SpeechStarted(self._early_turn, audio_ms, t_s=t_s))
+        defer = self._endpointer is not None and self.ctx.reply_active(t_s)
+        self._talkover_turn = self._early_turn if defer else None
+        self.ctx.on_speech_started(F.SpeechStarted(self._early_turn, audio_ms, t_s=t_s), barge_in=not defer)
+
+    def _talkover_long(self, t_s: float) -> None:
+        """On the loop: speech over a reply has gone on past a backchannel's length."""
+        if self._talkover_turn is not None:
+            self._talkover_turn = None
+            self.ctx.confirm_barge_in(t_s)
 
     async def _handle_events(self, events: list[AsrEvent], committed: bool) -> None:
         partials = self.ctx.settings.partials is not False
@@ -189,6 +280,17 @@ class AsrStage(Stage[AsrInput]):
     async def _final(self, ev: FinalTranscript) -> None:
         turn = self._pop_turn(ev.utterance_id)
         self._speech_ended.pop(ev.utterance_id, None)
+        backchannel = False
+        if self._talkover_turn is not None and self._talkover_turn == turn:
+            self._talkover_turn = None
+            backchannel = is_backchannel(ev.text)
+            if not backchannel:  # the user is taking the turn after all
+                self.ctx.confirm_barge_in(F.now_s())
+        endpoint_t_s = (
+            ev.decided_t_s
+            if ev.decided_t_s is not None
+            else self.clock.time_of(int(ev.endpoint_audio_s * SAMPLE_RATE_HZ))
+        )
         final = F.Transcript(
             turn,
             ev.text,
@@ -196,7 +298,9 @@ class AsrStage(Stage[AsrInput]):
             language=ev.language,
             t_s=ev.t_s,
             speech_end_t_s=self.clock.time_of(int(ev.speech_end_audio_s * SAMPLE_RATE_HZ)),
-            endpoint_t_s=self.clock.time_of(int(ev.endpoint_audio_s * SAMPLE_RATE_HZ)),
+            endpoint_t_s=endpoint_t_s,
+            turn_decision_ms=ev.turn_decision_ms,
+            backchannel=backchannel,
         )
         if self.ctx.settings.turn_detection:
             await self.ctx.on_final_transcript(final)
@@ -226,6 +330,8 @@ class AsrStage(Stage[AsrInput]):
 
     def _step(self, chunks: list[tuple[np.ndarray, float]], commit: bool) -> list[AsrEvent]:
         tr, loop = self.transcriber, self._loop
+        if tr is None:
+            raise RuntimeError("the ASR stage has no transcriber")
         if loop is None:
             raise RuntimeError("the ASR stage steps only after start()")
         events: list[AsrEvent] = []
@@ -236,6 +342,15 @@ class AsrStage(Stage[AsrInput]):
             if tr.vad.in_speech and not self._in_speech:
                 audio_ms = int(tr.audio_s * 1000)
                 loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s())
+                self._talkover_start = total
+            elif not tr.vad.in_speech:
+                self._talkover_start = None
+            elif self._talkover_start is not None and self._endpointer is not None:
+                long_ms = self._turn_cfg.barge_in_min_speech_ms
+                if total - self._talkover_start >= long_ms * SAMPLE_RATE_HZ // 1000:
+                    # once per utterance; the loop ignores it unless the speech is over a reply
+                    self._talkover_start = None
+                    loop.call_soon_threadsafe(self._talkover_long, F.now_s())
             self._in_speech = tr.vad.in_speech
             if tr.split_due:  # after a stall: cut long speech before the ring forgets where it began
                 events.extend(tr.process_iter())

@@ -41,7 +41,12 @@ from edge_rtgi.server.openai_realtime.events import (
     require,
 )
 from edge_rtgi.server.openai_realtime.response import ResponseStream, usage_from_pipeline
-from edge_rtgi.server.openai_realtime.session_config import RealtimeSessionConfig, apply_session_update
+from edge_rtgi.server.openai_realtime.session_config import (
+    RealtimeSessionConfig,
+    SemanticVad,
+    ServerVad,
+    apply_session_update,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,8 @@ class RealtimeCore(Protocol):
 
     @property
     def pipeline_name(self) -> str: ...
+    @property
+    def turn_detection_status(self) -> dict[str, object] | None: ...
 
     async def push_audio(self, pcm: np.ndarray, sample_rate_hz: int | None = None) -> None: ...
     async def commit_audio(self) -> None: ...
@@ -119,11 +126,21 @@ def core_settings(config: RealtimeSessionConfig) -> dict[str, Any]:
         "system_prompt": config.instructions,
         "max_reply_tokens": config.max_output_tokens,
     }
-    if vad is not None:
+    if isinstance(vad, ServerVad):  # the silence timer alone, as OpenAI's server_vad
         settings.update(
             vad_threshold=vad.threshold,
             vad_min_silence_ms=vad.silence_duration_ms,
             vad_prefix_padding_ms=vad.prefix_padding_ms,
+            turn_mode="silence",
+            turn_min_silence_ms=vad.silence_duration_ms,
+        )
+    elif isinstance(vad, SemanticVad):  # the smart-turn model, at the eagerness's settings
+        turn = vad.turn
+        settings.update(
+            turn_mode="semantic",
+            turn_min_silence_ms=turn.min_silence_ms,
+            turn_max_silence_ms=turn.max_silence_ms,
+            turn_threshold=turn.threshold,
         )
     if config.pipeline is not None:
         settings["pipeline"] = config.pipeline
@@ -193,7 +210,9 @@ class RealtimeAdapter:
         config = self.config
         if config.pipeline is None:  # show what is running
             config = dataclasses.replace(config, pipeline=self.session.pipeline_name)
-        return config.to_wire(self.session.session_id, self.model)
+        wire = config.to_wire(self.session.session_id, self.model)
+        wire["edge_rtgi"]["turn_detection_status"] = self.session.turn_detection_status
+        return wire
 
     # ================================================================== client -> core
 

@@ -54,6 +54,48 @@ class ServerVad:
         return {"type": "server_vad", **dataclasses.asdict(self)}
 
 
+EAGERNESS = ("low", "medium", "high", "auto")
+
+
+@dataclass(frozen=True)
+class SemanticTurn:
+    """Our turn detection settings for one ``semantic_vad`` eagerness (edge_rtgi.asr.turn)."""
+
+    min_silence_ms: int  # silence before the model is asked
+    max_silence_ms: int  # silence that ends the turn whatever the model says
+    threshold: float  # probability of a finished turn that ends it
+
+
+# "high" answers as soon as a pause looks final; "low" lets the user take their time (a higher
+# bar for the model and a longer cap); "auto" is "medium", as in OpenAI's API.
+SEMANTIC_EAGERNESS = {
+    "high": SemanticTurn(min_silence_ms=100, max_silence_ms=800, threshold=0.3),
+    "medium": SemanticTurn(min_silence_ms=150, max_silence_ms=1200, threshold=0.5),
+    "auto": SemanticTurn(min_silence_ms=150, max_silence_ms=1200, threshold=0.5),
+    "low": SemanticTurn(min_silence_ms=300, max_silence_ms=2500, threshold=0.7),
+}
+
+
+@dataclass(frozen=True)
+class SemanticVad:
+    """``turn_detection: {"type": "semantic_vad", "eagerness": ...}``: the smart-turn model
+    decides whether a pause ends the turn (``SEMANTIC_EAGERNESS`` maps the levels)."""
+
+    eagerness: str = "auto"
+    create_response: bool = True
+    interrupt_response: bool = True
+
+    def to_wire(self) -> dict:
+        return {"type": "semantic_vad", **dataclasses.asdict(self)}
+
+    @property
+    def turn(self) -> SemanticTurn:
+        return SEMANTIC_EAGERNESS[self.eagerness]
+
+
+TurnDetection = ServerVad | SemanticVad
+
+
 @dataclass(frozen=True)
 class InputTranscription:
     """``audio.input.transcription``: the ASR is always ours; ``model`` is only echoed."""
@@ -75,7 +117,7 @@ class RealtimeSessionConfig:
     output_modalities: tuple[str, ...] = ("audio",)
     input_format: AudioFormat = field(default_factory=AudioFormat)
     output_format: AudioFormat = field(default_factory=AudioFormat)
-    turn_detection: ServerVad | None = field(default_factory=ServerVad)
+    turn_detection: TurnDetection | None = field(default_factory=ServerVad)
     transcription: InputTranscription | None = field(default_factory=InputTranscription)  # ours is free: on
     max_output_tokens: int | None = None  # None: "inf", the pipeline's own budget
     pipeline: str | None = None  # our extension: session.edge_rtgi.pipeline
@@ -110,19 +152,48 @@ class RealtimeSessionConfig:
         return session
 
 
-def _parse_turn_detection(value: object, old: ServerVad | None, param: str) -> ServerVad | None:
+def _parse_semantic_vad(value: dict, old: TurnDetection | None, param: str) -> SemanticVad:
+    known = {f.name for f in dataclasses.fields(SemanticVad)} | {"type"}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise RealtimeProtocolError(
+            "unknown_parameter", f"unknown field {unknown[0]!r} in {param}", f"{param}.{unknown[0]}"
+        )
+    base = old if isinstance(old, SemanticVad) else SemanticVad()
+    eagerness = optional(value, "eagerness", str, f"{param}.eagerness", base.eagerness)
+    if eagerness not in EAGERNESS:
+        raise RealtimeProtocolError(
+            "invalid_value",
+            f"{param}.eagerness must be one of {', '.join(EAGERNESS)}, got {eagerness!r}",
+            f"{param}.eagerness",
+        )
+    return SemanticVad(
+        eagerness=eagerness,
+        create_response=optional(
+            value, "create_response", bool, f"{param}.create_response", base.create_response
+        ),
+        interrupt_response=optional(
+            value, "interrupt_response", bool, f"{param}.interrupt_response", base.interrupt_response
+        ),
+    )
+
+
+def _parse_turn_detection(value: object, old: TurnDetection | None, param: str) -> TurnDetection | None:
     if value is None:
         return None
     if not isinstance(value, dict):
         raise RealtimeProtocolError("invalid_type", f"{param} must be an object or null", param)
     kind = value.get("type", "server_vad")
+    if kind == "semantic_vad":
+        return _parse_semantic_vad(value, old, param)
     if kind != "server_vad":
         raise RealtimeProtocolError(
             "invalid_value",
-            f"turn detection {kind!r} is not supported; use 'server_vad' or null "
+            f"turn detection {kind!r} is not supported; use 'server_vad', 'semantic_vad' or null "
             "(manual input_audio_buffer.commit)",
             f"{param}.type",
         )
+    old = old if isinstance(old, ServerVad) else None
     known = {f.name for f in dataclasses.fields(ServerVad)} | {"type"}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -1,0 +1,335 @@
+"""Semantic end-of-turn detection: pipecat's smart-turn v3.2 ONNX model on the ASR worker.
+
+A fixed silence timer must choose between cutting people off at a pause ("add milk, | eggs
+and two lemons") and making every turn wait. In ``semantic`` mode the VAD's timer is set to
+``max_silence_ms`` (the cap), and once ``min_silence_ms`` of silence has passed the
+transcriber asks the model whether the utterance is finished: at or above ``threshold`` the
+turn ends there, otherwise it waits for the cap. ``silence`` mode is the plain timer.
+
+The model reads the last 8 s of 16 kHz audio as Whisper log-mel features, ``[batch, 80,
+800]``, shorter audio zero-padded at the *front* (the end of the turn is what matters, and
+it stays at the right edge), the waveform normalised to zero mean and unit variance over
+the whole padded window before the spectrogram. Its ``logits`` output is already a
+probability (the graph ends in a sigmoid). This mirrors pipecat's own inference path; the
+features come from faster-whisper's ``FeatureExtractor``, which computes the same Whisper
+log-mel as the transformers extractor pipecat vendors.
+
+Backchannels: during a reply, a short "mm-hm" or "yes" is the user listening, not taking
+the turn. ``is_backchannel`` tells them apart by their words; the ASR stage uses it, with
+``barge_in_min_speech_ms``, to decide when speech over a reply cuts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from edge_rtgi.errors import ModelFileError
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE_HZ = 16000
+WINDOW_S = 8
+WINDOW_SAMPLES = WINDOW_S * SAMPLE_RATE_HZ
+N_MELS = 80
+N_FRAMES = 800
+_NORM_EPS = 1e-7  # as in the Whisper feature extractor's waveform normalisation
+MODES = ("semantic", "silence")
+DEFAULT_MODEL = "smart-turn-v3.2"
+# semantic mode without explicit times: ask the model early, and cap the wait well above the
+# length of an ordinary pause inside a sentence
+DEFAULT_SEMANTIC_MIN_SILENCE_MS = 150
+DEFAULT_SEMANTIC_MAX_SILENCE_MS = 1200
+
+# Words a listener says to show they are following, not to take the turn. Compared after
+# lower-casing and removing punctuation and hyphens ("Mm-hmm." -> "mmhmm").
+BACKCHANNEL_WORDS = frozenset(
+    {
+        "mm",
+        "mmm",
+        "mhm",
+        "mmhm",
+        "mmhmm",
+        "hm",
+        "hmm",
+        "uh",
+        "uhhuh",
+        "uhuh",
+        "um",
+        "ah",
+        "oh",
+        "yeah",
+        "yes",
+        "yep",
+        "yup",
+        "ok",
+        "okay",
+        "right",
+        "sure",
+        "alright",
+        "i",
+        "see",
+        "got",
+        "it",
+        "true",
+        "exactly",
+        "cool",
+        "nice",
+        "wow",
+    }
+)
+_BACKCHANNEL_MAX_WORDS = 3
+
+
+def is_backchannel(text: str) -> bool:
+    """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see")."""
+    words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
+    words = [w for w in words if w]
+    return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(w in BACKCHANNEL_WORDS for w in words)
+
+
+@dataclass(frozen=True)
+class TurnDetectionConfig:
+    """``asr.turn_detection`` in a pipeline (and ``turn_detection`` in ``session.update``).
+
+    ``mode`` "silence": the turn ends after ``min_silence_ms`` of silence (unset: the VAD's own
+    ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the
+    turn; it ends if the probability is at least ``threshold``, else at ``max_silence_ms``
+    (unset: 1200). ``barge_in_min_speech_ms``: in semantic mode, speech over a reply cuts it
+    once it has lasted this long, or when its words turn out not to be a backchannel.
+    """
+
+    mode: str = "silence"
+    min_silence_ms: int | None = None
+    max_silence_ms: int | None = None
+    threshold: float = 0.5
+    model: str = DEFAULT_MODEL
+    barge_in_min_speech_ms: int = 700
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be 'semantic' or 'silence', got {self.mode!r}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        for name in ("min_silence_ms", "max_silence_ms"):
+            ms = getattr(self, name)
+            if ms is not None and not 32 <= ms <= 10_000:
+                raise ValueError(f"{name} must be in [32, 10000] ms, got {ms}")
+        if not 0 <= self.barge_in_min_speech_ms <= 10_000:
+            raise ValueError(
+                f"barge_in_min_speech_ms must be in [0, 10000] ms, got {self.barge_in_min_speech_ms}"
+            )
+        if self.mode == "semantic" and self.semantic_max_ms < self.semantic_min_ms:
+            raise ValueError(
+                f"max_silence_ms ({self.semantic_max_ms}) must not be below "
+                f"min_silence_ms ({self.semantic_min_ms})"
+            )
+
+    @property
+    def semantic_min_ms(self) -> int:
+        return self.min_silence_ms if self.min_silence_ms is not None else DEFAULT_SEMANTIC_MIN_SILENCE_MS
+
+    @property
+    def semantic_max_ms(self) -> int:
+        return self.max_silence_ms if self.max_silence_ms is not None else DEFAULT_SEMANTIC_MAX_SILENCE_MS
+
+    def with_overrides(
+        self,
+        mode: str | None = None,
+        min_silence_ms: int | None = None,
+        max_silence_ms: int | None = None,
+        threshold: float | None = None,
+    ) -> TurnDetectionConfig:
+        """This config with a session's settings on top (None keeps the pipeline's); ValueError
+        names the key when the result is inconsistent."""
+        return dataclasses.replace(
+            self,
+            mode=self.mode if mode is None else mode,
+            min_silence_ms=self.min_silence_ms if min_silence_ms is None else min_silence_ms,
+            max_silence_ms=self.max_silence_ms if max_silence_ms is None else max_silence_ms,
+            threshold=self.threshold if threshold is None else threshold,
+        )
+
+    def silence_ms(self, vad_min_silence_ms: int) -> int:
+        """Silence after which the turn ends without asking the model (the VAD's timer)."""
+        if self.mode == "semantic":
+            return self.semantic_max_ms
+        return self.min_silence_ms if self.min_silence_ms is not None else vad_min_silence_ms
+
+
+@dataclass(frozen=True)
+class TurnDetectionUpdate:
+    """``turn_detection`` as an object in a native ``session.update``: any of the keys, the rest
+    unchanged. Checked here so an error names ``turn_detection.<key>``."""
+
+    mode: str | None = None
+    min_silence_ms: int | None = None
+    max_silence_ms: int | None = None
+    threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"mode must be 'semantic' or 'silence', got {self.mode!r}")
+        # the keys given, checked alone and against each other; the session checks them again
+        # on top of its pipeline's own settings
+        TurnDetectionConfig(
+            min_silence_ms=self.min_silence_ms,
+            max_silence_ms=self.max_silence_ms,
+            threshold=0.5 if self.threshold is None else self.threshold,
+        )
+        if self.max_silence_ms is not None and self.min_silence_ms is not None:
+            if self.max_silence_ms < self.min_silence_ms:
+                raise ValueError(
+                    f"max_silence_ms ({self.max_silence_ms}) must not be below "
+                    f"min_silence_ms ({self.min_silence_ms})"
+                )
+
+
+class TurnScorer(Protocol):
+    """Anything that says how likely the audio ends a finished turn (the model, or a test double)."""
+
+    def probability(self, audio: np.ndarray) -> float: ...
+
+
+def turn_features(audio: np.ndarray, extractor: object | None = None) -> np.ndarray:
+    """``[1, 80, 800]`` float32 Whisper log-mel of the last 8 s of 16 kHz ``audio``."""
+    from faster_whisper.feature_extractor import FeatureExtractor
+
+    fe = extractor if isinstance(extractor, FeatureExtractor) else FeatureExtractor(chunk_length=WINDOW_S)
+    x = np.asarray(audio, dtype=np.float32).reshape(-1)[-WINDOW_SAMPLES:]
+    if len(x) < WINDOW_SAMPLES:  # the model was trained with silence before short turns
+        x = np.concatenate([np.zeros(WINDOW_SAMPLES - len(x), np.float32), x])
+    x = (x - x.mean()) / np.sqrt(x.var() + _NORM_EPS)
+    mel = np.asarray(fe(x, padding=0), dtype=np.float32)[:, :N_FRAMES]
+    return mel[None, :, :]
+
+
+class SmartTurnModel:
+    """The smart-turn ONNX model on onnxruntime (CPU). ``probability`` blocks: call it from the
+    ASR worker thread, never the event loop. One instance may serve every session (an
+    onnxruntime session accepts concurrent ``run`` calls)."""
+
+    def __init__(self, path: str | Path, threads: int = 1):
+        import onnxruntime
+        from faster_whisper.feature_extractor import FeatureExtractor
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFileError(
+                f"turn detection model not found: {self.path}",
+                hint="run `edge-rtgi models pull smart-turn-v3.2`",
+            )
+        opts = onnxruntime.SessionOptions()
+        # It runs beside the whisper decode of the same turn, which has the other cores.
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 4
+        try:
+            self._session = onnxruntime.InferenceSession(
+                str(self.path), sess_options=opts, providers=["CPUExecutionProvider"]
+            )
+            inputs = {i.name: i.shape for i in self._session.get_inputs()}
+            shape = inputs.get("input_features")
+            if shape is None or list(shape[1:]) != [N_MELS, N_FRAMES]:
+                raise ValueError(f"expected input_features [batch, 80, 800], found {inputs}")
+            self._extractor = FeatureExtractor(chunk_length=WINDOW_S)
+            self._lock = threading.Lock()  # the extractor's buffers are per instance
+            self.probability(np.zeros(SAMPLE_RATE_HZ, np.float32))  # a broken graph fails here, not mid-turn
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise ModelFileError(
+                f"cannot load turn detection model {self.path}: {exc}",
+                hint="re-pull it with `edge-rtgi models pull smart-turn-v3.2 --force`",
+            ) from None
+
+    def probability(self, audio: np.ndarray) -> float:
+        """Probability that ``audio`` (16 kHz float32, newest last) ends a finished turn."""
+        with self._lock:
+            features = turn_features(audio, self._extractor)
+        (out,) = self._session.run(["logits"], {"input_features": features})
+        return float(np.asarray(out).reshape(-1)[0])
+
+
+def load_turn_model(name_or_path: str) -> SmartTurnModel:
+    """A catalogue name (pulled if missing) or an .onnx path; ``ModelFileError`` when unusable."""
+    from edge_rtgi.catalog import resolve_model
+
+    path = resolve_model(name_or_path, role="turn")
+    if path.is_dir():
+        found = sorted(path.glob("*.onnx"))
+        if not found:
+            raise ModelFileError(
+                f"no .onnx file in {path}", hint="run `edge-rtgi models pull smart-turn-v3.2`"
+            )
+        path = found[0]
+    return SmartTurnModel(path)
+
+
+@dataclass(frozen=True)
+class TurnStatus:
+    """How a session's pauses end turns, as set up: ``mode`` is what runs, ``requested`` what
+    was asked for; they differ when the model could not be loaded (``fallback`` says why)."""
+
+    mode: str
+    requested: str
+    silence_ms: int  # the silence that ends a turn without the model (semantic: the cap)
+    check_ms: int | None = None  # semantic: the silence after which the model is asked
+    threshold: float | None = None
+    model: str | None = None
+    fallback: str | None = None
+
+    def to_wire(self) -> dict[str, object]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class TurnModelLoad:
+    """A loaded model, or (``model`` None) why it could not be loaded."""
+
+    model: SmartTurnModel | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class TurnDecision:
+    """What the model said about one pause: ``probability`` None when scoring failed."""
+
+    silence_start_index: int
+    probability: float | None
+    complete: bool
+    model_ms: float
+    decided_t_s: float  # time.monotonic() when the decision was made
+
+
+class SemanticEndpointer:
+    """The decision at one pause: score the audio, compare with the threshold.
+
+    A model that fails at run time (it loaded, so this is rare) is logged once and the turn
+    falls back to the silence cap; the session goes on.
+    """
+
+    def __init__(self, scorer: TurnScorer, threshold: float, check_ms: int):
+        self.scorer = scorer
+        self.threshold = threshold
+        self.check_samples = check_ms * SAMPLE_RATE_HZ // 1000
+        self._warned = False
+
+    def decide(self, audio: np.ndarray, silence_start_index: int) -> TurnDecision:
+        t0 = time.perf_counter()
+        try:
+            p: float | None = self.scorer.probability(audio)
+        except Exception as exc:  # noqa: BLE001 - a failed score must not end the session
+            if not self._warned:
+                log.warning("turn detection model failed (%s); waiting for the silence cap", exc)
+                self._warned = True
+            p = None
+        model_ms = (time.perf_counter() - t0) * 1000.0
+        complete = p is not None and p >= self.threshold
+        return TurnDecision(silence_start_index, p, complete, model_ms, time.monotonic())

@@ -1,0 +1,122 @@
+"""Semantic end of turn through the ASR stage, on fixed Piper renders and the real smart-turn model.
+
+Audio is pushed into a session at real time (the model is asked during the pause, so the
+pause must pass on the clock). A complete question ends with the model's verdict, well
+before the silence cap; a sentence paused after "and" is held through the pause and ends as
+one turn. A session whose model file is corrupt runs on the silence timer and says so in its
+description (what ``session.created`` carries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edge_rtgi import frames as F
+from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
+from edge_rtgi.pipeline.config import parse_pipeline
+from edge_rtgi.pipeline.resources import Resources
+from edge_rtgi.pipeline.session import Session
+from edge_rtgi.tts import make_tts
+from tests.integration.native_client import steady_voice
+
+pytestmark = pytest.mark.slow
+
+CAP_MS = 1500
+
+
+def _pipeline(model: str = "smart-turn-v3.2"):
+    return parse_pipeline(
+        "name: t\nstages:\n  - asr:\n      model: whisper-tiny.en\n      language: en\n"
+        "      vad: {min_silence_ms: 300, speech_pad_ms: 100, end_pad_ms: 64}\n"
+        f"      turn_detection: {{mode: semantic, min_silence_ms: 100, max_silence_ms: {CAP_MS}, "
+        f"model: '{model}'}}\n",
+        "t.yaml",
+    )
+
+
+@pytest.fixture(scope="module")
+def voice():
+    return steady_voice(make_tts("piper-en_US-joe-medium"))
+
+
+def _say(voice, text: str) -> np.ndarray:
+    pcm = np.concatenate(list(voice.synthesize_stream(text)))
+    audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
+    loud = np.flatnonzero(np.abs(audio) > 0.02 * np.abs(audio).max())
+    return audio[: int(loud[-1]) + 1]
+
+
+def _paused(voice, prefix: str, rest: str, pause_s: float) -> np.ndarray:
+    """``prefix rest`` rendered as one sentence (so the prefix keeps its unfinished intonation),
+    with ``pause_s`` of silence spliced in at the quietest point near where the prefix ends."""
+    full, n = _say(voice, f"{prefix} {rest}"), len(_say(voice, prefix))
+    lo, hi, frame = max(0, n - 3200), min(len(full) - 320, n + 3200), 320
+    energy = [float(np.mean(full[i : i + frame] ** 2)) for i in range(lo, hi, 80)]
+    cut = lo + 80 * int(np.argmin(energy)) + frame // 2
+    return np.concatenate([full[:cut], np.zeros(int(pause_s * 16000), np.float32), full[cut:]])
+
+
+async def _play(session: Session, audio: np.ndarray, tail_s: float = 2.0) -> list[F.SessionEvent]:
+    """Push ``audio`` and ``tail_s`` of silence at real time; the events the session sent."""
+    pcm = float32_to_pcm16(np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(int(tail_s * 16000))]))
+    events: list[F.SessionEvent] = []
+
+    async def read():
+        while (e := await session.next_event()) is not None:
+            events.append(e)
+
+    reader = asyncio.create_task(read())
+    loop = asyncio.get_running_loop()
+    start, step = loop.time(), 320
+    for i in range(0, len(pcm), step):
+        await session.push_audio(pcm[i : i + step])
+        await asyncio.sleep(max(0.0, start + (i + step) / 16000 - loop.time()))
+    await asyncio.sleep(0.5)
+    await session.close()
+    await reader
+    return events
+
+
+@pytest.fixture(scope="module")
+def resources():
+    return Resources()
+
+
+def _finals(events):
+    return [e for e in events if isinstance(e, F.Transcript) and e.final and e.text]
+
+
+async def test_a_complete_question_ends_on_the_models_verdict(voice, resources):
+    session = await Session.open({"t": _pipeline()}, resources)
+    assert session.describe()["turn_detection_status"]["mode"] == "semantic"
+    events = await _play(session, _say(voice, "What is the weather like in Paris today?"))
+    finals = _finals(events)
+    assert len(finals) == 1 and "paris" in finals[0].text.lower()
+    f = finals[0]
+    endpointing_ms = (f.endpoint_t_s - f.speech_end_t_s) * 1000
+    assert f.turn_decision_ms is not None and f.turn_decision_ms > 0
+    assert endpointing_ms < CAP_MS / 2  # ended by the model, not by the silence cap
+
+
+async def test_a_pause_after_and_does_not_end_the_turn(voice, resources):
+    session = await Session.open({"t": _pipeline()}, resources)
+    audio = _paused(voice, "I need to buy bread and", "some cheese for tonight.", pause_s=0.6)
+    events = await _play(session, audio)
+    finals = _finals(events)
+    assert len(finals) == 1, [f.text for f in finals]
+    assert "bread" in finals[0].text.lower() and "cheese" in finals[0].text.lower()
+
+
+async def test_a_corrupt_model_file_falls_back_to_silence_and_says_so(tmp_path, voice, caplog):
+    bad = tmp_path / "smart-turn.onnx"
+    bad.write_bytes(b"not an onnx model" * 64)
+    session = await Session.open({"t": _pipeline(str(bad))}, Resources())
+    status = session.describe()["turn_detection_status"]
+    assert (status["mode"], status["requested"], status["silence_ms"]) == ("silence", "semantic", 300)
+    assert "cannot load turn detection model" in status["fallback"]
+    events = await _play(session, _say(voice, "Turn off the lights in the kitchen."), tail_s=1.0)
+    assert len(_finals(events)) == 1  # turns still end, on the VAD's silence timer
+    assert len([r for r in caplog.records if "silence only" in r.getMessage()]) == 1

@@ -1,0 +1,172 @@
+"""Semantic turn detection without the model: settings, errors, the Realtime mapping, features,
+the decision rule and the fallback when the model file is missing or corrupt."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from edge_rtgi.asr.turn import (
+    SemanticEndpointer,
+    TurnDetectionConfig,
+    is_backchannel,
+    turn_features,
+)
+from edge_rtgi.errors import ConfigError
+from edge_rtgi.pipeline.config import parse_pipeline
+from edge_rtgi.pipeline.resources import Resources
+from edge_rtgi.pipeline.session import SessionSettings
+from edge_rtgi.server.openai_realtime.adapter import core_settings
+from edge_rtgi.server.openai_realtime.errors import RealtimeProtocolError
+from edge_rtgi.server.openai_realtime.session_config import RealtimeSessionConfig, apply_session_update
+
+
+def _asr_pipeline(turn: str) -> str:
+    return f"name: t\nstages:\n  - asr:\n      model: whisper-tiny.en\n      turn_detection: {turn}\n"
+
+
+def test_pipeline_yaml_takes_turn_detection():
+    p = parse_pipeline(_asr_pipeline("{mode: semantic, min_silence_ms: 120, max_silence_ms: 900}"), "t.yaml")
+    turn = p.stages[0].turn_detection
+    assert (turn.mode, turn.semantic_min_ms, turn.semantic_max_ms, turn.threshold) == (
+        "semantic",
+        120,
+        900,
+        0.5,
+    )
+    assert turn.silence_ms(300) == 900  # the VAD's timer becomes the cap
+    assert TurnDetectionConfig().silence_ms(300) == 300  # silence mode: the VAD's own timer
+
+
+@pytest.mark.parametrize(
+    ("turn", "key"),
+    [
+        ("{mode: semantic, threshold: 1.5}", "threshold"),
+        ("{mode: semantic, threshold: -0.1}", "threshold"),
+        ("{mode: semantic, min_silence_ms: 400, max_silence_ms: 200}", "max_silence_ms"),
+        ("{mode: smart}", "mode"),
+    ],
+)
+def test_bad_turn_settings_in_a_pipeline_name_the_key(turn, key):
+    with pytest.raises(ConfigError, match=key) as err:
+        parse_pipeline(_asr_pipeline(turn), "t.yaml")
+    assert "turn_detection" in str(err.value)
+
+
+def test_session_update_takes_the_object_and_names_bad_keys():
+    s = SessionSettings().merged({"turn_detection": {"mode": "semantic", "threshold": 0.7}})
+    assert (s.turn_detection, s.turn_mode, s.turn_threshold) == (True, "semantic", 0.7)
+    assert s.turn_config(TurnDetectionConfig()).mode == "semantic"
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*threshold"):
+        SessionSettings().merged({"turn_detection": {"threshold": 2}})
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*max_silence_ms"):
+        SessionSettings().merged({"turn_detection": {"min_silence_ms": 500, "max_silence_ms": 100}})
+    with pytest.raises(ConfigError, match="unknown key 'eagerness'"):
+        SessionSettings().merged({"turn_detection": {"eagerness": "high"}})
+    # a max below the pipeline's own min is caught against the pipeline's settings
+    with pytest.raises(ValueError, match="max_silence_ms"):
+        s.merged({"turn_max_silence_ms": 100}).turn_config(
+            TurnDetectionConfig(mode="semantic", min_silence_ms=200)
+        )
+    assert SessionSettings().merged({"turn_detection": False}).turn_detection is False
+
+
+def test_realtime_semantic_vad_maps_eagerness():
+    cfg = apply_session_update(
+        RealtimeSessionConfig(), {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}
+    )
+    wire = cfg.to_wire("s", "m")["audio"]["input"]["turn_detection"]
+    assert wire == {
+        "type": "semantic_vad",
+        "eagerness": "auto",
+        "create_response": True,
+        "interrupt_response": True,
+    }
+    settings = {}
+    for level in ("low", "medium", "high", "auto"):
+        c = apply_session_update(cfg, {"turn_detection": {"type": "semantic_vad", "eagerness": level}})
+        settings[level] = core_settings(c)
+        assert settings[level]["turn_mode"] == "semantic" and settings[level]["turn_detection"] is True
+        SessionSettings(**core_settings(c))  # valid session settings
+    lo, med, hi = settings["low"], settings["medium"], settings["high"]
+    # eager ends sooner and on a lower bar; low lets the user take their time
+    assert hi["turn_min_silence_ms"] <= med["turn_min_silence_ms"] <= lo["turn_min_silence_ms"]
+    assert hi["turn_max_silence_ms"] < med["turn_max_silence_ms"] < lo["turn_max_silence_ms"]
+    assert hi["turn_threshold"] < med["turn_threshold"] < lo["turn_threshold"]
+    assert settings["auto"] == med
+    # server_vad is the silence timer, with its own silence_duration_ms
+    sv = core_settings(
+        apply_session_update(cfg, {"turn_detection": {"type": "server_vad", "silence_duration_ms": 400}})
+    )
+    assert (sv["turn_mode"], sv["turn_min_silence_ms"], sv["vad_min_silence_ms"]) == ("silence", 400, 400)
+    with pytest.raises(RealtimeProtocolError, match="eagerness"):
+        apply_session_update(cfg, {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}})
+    with pytest.raises(RealtimeProtocolError, match="silence_duration_ms"):
+        apply_session_update(cfg, {"turn_detection": {"type": "semantic_vad", "silence_duration_ms": 3}})
+
+
+def test_features_are_the_last_8_s_zero_padded_at_the_front():
+    rng = np.random.default_rng(0)
+    short = rng.standard_normal(16000).astype(np.float32) * 0.1
+    f = turn_features(short)
+    assert f.shape == (1, 80, 800) and f.dtype == np.float32
+    # the audio sits at the right edge: the first 7 s are the (normalised) padding, the same
+    # frame over and over
+    assert np.ptp(f[0, :, :600], axis=1).max() < 1e-3 < np.ptp(f[0, :, -90:], axis=1).max()
+    long = rng.standard_normal(16000 * 10).astype(np.float32) * 0.1
+    np.testing.assert_allclose(turn_features(long), turn_features(long[-16000 * 8 :]), atol=1e-5)
+
+
+class _Scorer:
+    def __init__(self, p: float | Exception):
+        self.p = p
+
+    def probability(self, audio: np.ndarray) -> float:
+        if isinstance(self.p, Exception):
+            raise self.p
+        return self.p
+
+
+def test_decision_uses_the_threshold_and_survives_a_failing_model(caplog):
+    audio = np.zeros(16000, np.float32)
+    assert SemanticEndpointer(_Scorer(0.6), 0.5, 100).decide(audio, 0).complete
+    assert not SemanticEndpointer(_Scorer(0.4), 0.5, 100).decide(audio, 0).complete
+    broken = SemanticEndpointer(_Scorer(RuntimeError("boom")), 0.5, 100)
+    with caplog.at_level(logging.WARNING):
+        d1, d2 = broken.decide(audio, 0), broken.decide(audio, 5)
+    assert (d1.complete, d1.probability, d2.complete) == (False, None, False)
+    assert len([r for r in caplog.records if "turn detection model failed" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("kind", ["missing", "corrupt"])
+def test_missing_or_corrupt_model_falls_back_with_one_warning(tmp_path, caplog, kind):
+    path = tmp_path / "smart-turn.onnx"
+    if kind == "corrupt":
+        path.write_bytes(b"\x08\x07not an onnx graph" * 100)
+    resources = Resources()
+    with caplog.at_level(logging.WARNING):
+        first, second = resources.turn_model(str(path)), resources.turn_model(str(path))
+    assert first.model is None and first.error and second is first
+    warnings = [
+        r for r in caplog.records if r.levelno == logging.WARNING and "silence only" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Mm-hmm.", True),
+        ("Yeah, right.", True),
+        ("Okay", True),
+        ("I see.", True),
+        ("Uh-huh", True),
+        ("Stop.", False),
+        ("Yes, but what about Paris?", False),
+        ("", False),
+    ],
+)
+def test_backchannels(text, expected):
+    assert is_backchannel(text) is expected
