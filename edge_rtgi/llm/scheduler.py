@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -43,6 +42,9 @@ from edge_rtgi.llm.request import Request, RequestClass, RequestStatus, TokenLog
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 
 POLICIES = ("fcfs", "slo")
+# A request's ITL objective is judged on its 95th percentile, so a step that carries prefill may
+# take a little longer than one ITL: up to this many ITL objectives.
+PREFILL_STALL_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
         self.num_refused_busy = 0
-        self._finish_times_s: deque[float] = deque(maxlen=64)  # recent completions: the drain rate
 
     # --- intake ----------------------------------------------------------------------------
 
@@ -217,32 +218,32 @@ class Scheduler:
 
     def check_admission(self, request: Request) -> None:
         """Under ``slo``, raise EngineBusy for a dialogue or bulk request that would wait longer
-        than ``admission_wait_factor`` times its TTFT SLO: the requests queued at its class or
-        above, drained at the recent completion rate. Voice and translation always queue."""
+        than ``admission_wait_factor`` times its TTFT SLO: the prompt work queued ahead of it (at
+        its class or above) at the step-time model's cost per prefill token. A capacity estimate:
+        the rate requests happen to finish at says nothing about an engine that is not full.
+        Voice and translation always queue."""
         factor = self.config.admission_wait_factor
-        if not self.slo or factor == 0 or request.request_class.rank > RequestClass.DIALOGUE.rank:
+        model = self.step_model
+        if (
+            not self.slo
+            or factor == 0
+            or request.request_class.rank > RequestClass.DIALOGUE.rank
+            or model is None
+            or not model.ready
+        ):
             return
-        rate = self._drain_rate_per_s()
-        ahead = sum(1 for r in list(self.waiting) if r.request_class.rank >= request.request_class.rank)
-        if rate is None or ahead == 0:
-            return
-        wait_ms = 1e3 * ahead / rate
-        limit_ms = factor * request.objective.ttft_ms
-        if wait_ms > limit_ms:
+        rank = request.request_class.rank
+        ahead = [r for r in self.waiting if r.request_class.rank >= rank]
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in ahead) + request.num_prompt_tokens
+        wait_ms = tokens * model.marginal_ms("per_prefill_token")
+        if wait_ms > factor * request.objective.ttft_ms:
             self.num_refused_busy += 1
             raise EngineBusy(
-                f"busy: {ahead} requests are queued ahead of this {request.request_class.value} request, "
-                f"an estimated {wait_ms / 1e3:.1f} s wait against its {request.objective.ttft_ms:.0f} ms "
-                "time-to-first-token objective",
+                f"busy: {len(ahead)} requests ({tokens} prompt tokens with this one) are queued ahead "
+                f"of this {request.request_class.value} request, an estimated {wait_ms / 1e3:.1f} s "
+                f"against its {request.objective.ttft_ms:.0f} ms time-to-first-token objective",
                 retry_after_ms=wait_ms,
             )
-
-    def _drain_rate_per_s(self) -> float | None:
-        times = list(self._finish_times_s)
-        if len(times) < 4:
-            return None  # too little history to estimate
-        span = self.clock() - times[0]
-        return len(times) / span if span > 0 else None
 
     def add_request(self, request: Request) -> None:
         """Queue a request (raises RequestError if it can never fit, EngineBusy if refused)."""
@@ -362,8 +363,10 @@ class Scheduler:
     # --- the slo policy's step sizing --------------------------------------------------------
 
     def _prefill_allowance(self, now: float) -> int | None:
-        """Prefill tokens this step may carry without the running decodes missing their next
-        token (None: no limit, under ``fcfs``, with no decode running, or a model still learning)."""
+        """Prefill tokens this step may carry so that the running decodes' step stays within
+        ``PREFILL_STALL_FACTOR`` times their tightest ITL objective (None: no limit, under
+        ``fcfs``, with no decode running, a model still learning, or a prompt whose first token
+        is due before it could be prefilled at that pace: TTFT comes first then)."""
         model = self.step_model
         if not self.slo or model is None or not model.ready:
             return None
@@ -371,10 +374,17 @@ class Scheduler:
         per_token_ms = model.marginal_ms("per_prefill_token")
         if not decodes or per_token_ms <= 0.0:
             return None
-        slack_ms = min(r.itl_slack_s(now) for r in decodes) * 1e3
+        target_ms = PREFILL_STALL_FACTOR * min(r.objective.itl_ms for r in decodes)
         base_ms = model.predict_ms(StepShape(len(decodes), 0, sum(r.num_tokens for r in decodes))) or 0.0
-        room = int((slack_ms - base_ms) / per_token_ms)
-        return max(self.config.min_prefill_chunk_tokens, room)
+        room = max(self.config.min_prefill_chunk_tokens, int((target_ms - base_ms) / per_token_ms))
+        step_ms = base_ms + room * per_token_ms
+        for r in (*self.running, *self.waiting[:4]):
+            left = r.num_tokens - r.num_computed_tokens
+            if r.last_token_time_s is None and left > 1:
+                steps = -(-left // room)  # ceil: steps this prompt needs at the capped pace
+                if (r.ttft_deadline_s - now) * 1e3 < steps * step_ms:
+                    return None
+        return room
 
     def _row_fits(self, req: Request, num_new: dict[str, int]) -> bool:
         """Whether one more decoding request keeps the predicted decode step within the tightest
@@ -469,5 +479,3 @@ class Scheduler:
         self.kv.free(req)
         req.status = status
         del self.requests[req.request_id]
-        if status is not RequestStatus.FINISHED_ABORTED and status is not RequestStatus.FINISHED_ERROR:
-            self._finish_times_s.append(self.clock())
