@@ -40,6 +40,7 @@ class ClassResult:
     ttft_p95_ms: float | None
     itl_p95_ms: float | None
     goodput_rps: float
+    duration_s: float
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ def summarise_run(
                 ttft_p95_ms=m.ttft_ms.p95,
                 itl_p95_ms=m.itl_ms.p95,
                 goodput_rps=m.goodput_rps,
+                duration_s=m.duration_s,
             )
         )
     return MixedRun(
@@ -118,7 +120,8 @@ def summarise_run(
         offered_rps=sum(w.load.rate_rps for w in workloads),
         sent=sum(c.sent for c in classes),
         met_slo=sum(c.met_slo for c in classes),
-        goodput_rps=sum(c.goodput_rps for c in classes),
+        # the workloads start together: the run lasts as long as its longest workload
+        goodput_rps=sum(c.met_slo for c in classes) / max(max(c.duration_s for c in classes), 1e-9),
         classes=tuple(classes),
     )
 
