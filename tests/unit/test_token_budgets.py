@@ -68,3 +68,11 @@ def test_the_harness_budget_switches(monkeypatch):
     assert BudgetPolicy("predicted", "clause").budget(code, None) is None
     with pytest.raises(ConfigError, match="stopping must be one of eos, clause"):
         BudgetPolicy("predicted", "sentence")
+
+
+def test_the_shipped_predictor_loads_with_its_training_record():
+    from edge_rtgi.llm.budget import default_predictor
+
+    p = default_predictor()
+    assert p.meta["model"] == "smollm2-135m-instruct" and p.meta["held_out"]["voice"]["n"] > 0
+    assert "en-es" in p.translation_ratios and 1 <= p.budget("what is the capital of france", 48) <= 48
