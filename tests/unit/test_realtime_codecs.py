@@ -102,8 +102,15 @@ def test_session_update_ga_and_errors():
     assert wire["audio"]["input"]["transcription"] is None and wire["max_output_tokens"] == 40
     bad = [
         (
-            {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}},
+            {"type": "realtime", "audio": {"input": {"turn_detection": {"type": "magic_vad"}}}},
             "session.audio.input.turn_detection.type",
+        ),
+        (
+            {
+                "type": "realtime",
+                "audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}},
+            },
+            "session.audio.input.turn_detection.eagerness",
         ),
         (
             {"type": "realtime", "audio": {"input": {"turn_detection": {"threshold": 1.5}}}},
