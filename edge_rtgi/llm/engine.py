@@ -262,12 +262,14 @@ class LLMEngine:
         priority: int = 0,
         request_class: RequestClass = RequestClass.DIALOGUE,
         slo: RequestSLO | None = None,
+        always_queue: bool = False,
     ) -> str:
         """Queue a request whose deltas go to ``sink`` (called from the engine thread).
 
         ``request_class`` and ``slo`` (None: the class default) are what the ``slo`` scheduling
-        policy orders and protects. Bad input does not raise: ``sink`` receives one error
-        delta. Returns the request id.
+        policy orders and protects; ``always_queue`` exempts it from the busy refusal (a batch
+        caller that waits for every result, like ``generate``). Bad input does not raise:
+        ``sink`` receives one error delta. Returns the request id.
         """
         rid = request_id or f"req-{next(self._ids)}"
         arrival = time.monotonic()
@@ -283,6 +285,7 @@ class LLMEngine:
                 priority=priority,
                 request_class=request_class,
                 slo=slo,
+                may_refuse=not always_queue,
                 eos_token_ids=self._stop_ids(params),
                 arrival_time_s=arrival,
             )
@@ -454,7 +457,7 @@ class LLMEngine:
                 if delta.finished:
                     done.put(True)
 
-            self.submit(prompt, prompt_params, sink)
+            self.submit(prompt, prompt_params, sink, always_queue=True)
         for _ in batch:
             if self.running_in_thread:
                 done.get()

@@ -131,6 +131,7 @@ class Request:
     priority: int = 0
     request_class: RequestClass = RequestClass.DIALOGUE
     slo: RequestSLO | None = None
+    may_refuse: bool = True  # False: exempt from the slo policy's busy refusal (batch callers)
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time_s: float = field(default_factory=time.monotonic)
 

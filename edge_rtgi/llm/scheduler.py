@@ -226,6 +226,7 @@ class Scheduler:
         model = self.step_model
         if (
             not self.slo
+            or not request.may_refuse
             or factor == 0
             or request.request_class.rank > RequestClass.DIALOGUE.rank
             or model is None

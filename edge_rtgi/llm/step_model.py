@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FEATURES = ("fixed", "per_decode_row", "per_prefill_token", "per_context_ktoken")
+RESIDUAL_CLIP = 4.0  # a residual counts at most this many mean absolute errors
+RESIDUAL_FLOOR_MS = 2.0
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,13 @@ class StepTimeModel:
         self.min_observations = min_observations
         self._theta = [0.0] * n
         # inverse information matrix of recursive least squares, started wide (weak prior at 0)
+        self._prior_var = prior_var
         self._p = [[prior_var if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.num_observations = 0
         self._abs_err_ms = 0.0
         self._abs_err_rel = 0.0
         self._err_weight = 0.0
+        self._clip_scale_ms = 0.0
 
     @property
     def ready(self) -> bool:
@@ -67,22 +71,33 @@ class StepTimeModel:
         """Predicted run time of a step of this shape, or None while the model is still learning."""
         if not self.ready:
             return None
-        return self._dot(shape.features())
+        return max(0.0, self._dot(shape.features()))
 
     def marginal_ms(self, feature: str) -> float:
         """Fitted cost of one more unit of ``feature`` (ms), never below 0."""
         return max(0.0, self._theta[FEATURES.index(feature)])
 
     def observe(self, shape: StepShape, run_ms: float) -> None:
-        """Learn from one measured step."""
+        """Learn from one measured step.
+
+        A step stalled by something outside the engine (another process, a page fault storm)
+        would drag a least-squares fit far off, so a residual counts at most a few times the
+        typical error (a Huber-style clip) once the model is ready.
+        """
         x = shape.features()
         predicted = self._dot(x)
+        residual = run_ms - predicted
         if self.ready:  # errors only of predictions the scheduler would have used
             decay = self.forgetting
-            self._abs_err_ms = decay * self._abs_err_ms + abs(run_ms - predicted)
-            self._abs_err_rel = decay * self._abs_err_rel + abs(run_ms - predicted) / max(run_ms, 1e-3)
+            self._abs_err_ms = decay * self._abs_err_ms + abs(residual)
+            self._abs_err_rel = decay * self._abs_err_rel + abs(residual) / max(run_ms, 1e-3)
             self._err_weight = decay * self._err_weight + 1.0
-        self._rls_update(x, run_ms - predicted)
+            # the clip's scale follows the clipped residuals, so stalls cannot widen it
+            scale = self._clip_scale_ms / self._err_weight if self._err_weight else 0.0
+            bound = max(RESIDUAL_FLOOR_MS, RESIDUAL_CLIP * scale)
+            residual = max(-bound, min(bound, residual))
+            self._clip_scale_ms = decay * self._clip_scale_ms + abs(residual)
+        self._rls_update(x, residual)
         self.num_observations += 1
 
     def snapshot(self) -> StepModelSnapshot:
@@ -104,5 +119,14 @@ class StepTimeModel:
         denom = lam + sum(x[i] * px[i] for i in range(n))
         gain = [v / denom for v in px]
         self._theta = [t + g * residual for t, g in zip(self._theta, gain, strict=True)]
-        # P <- (P - k x^T P) / lambda; P stays symmetric, so x^T P = (P x)^T
-        self._p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        # P <- (P - k x^T P) / lambda; P stays symmetric, so x^T P = (P x)^T. Forgetting inflates
+        # P along directions the steps do not excite; capping its diagonal at the prior keeps
+        # those from winding up into wild coefficients at the next unusual step.
+        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        for i in range(n):
+            if new_p[i][i] > self._prior_var:
+                scale = (self._prior_var / new_p[i][i]) ** 0.5
+                for j in range(n):
+                    new_p[i][j] *= scale
+                    new_p[j][i] *= scale
+        self._p = new_p

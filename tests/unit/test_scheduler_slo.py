@@ -210,6 +210,9 @@ def test_admission_refuses_text_and_bulk_work_that_would_wait_too_long_but_never
     assert refused.value.code == "busy" and refused.value.retry_after_ms == pytest.approx(2145, rel=0.01)
     assert refused.value.hint == "retry in 2.1 s"
     assert s.num_refused_busy == 1 and "late" not in s.requests
+    batch = req("batch", 390, t=112.0, base=9500)
+    batch.may_refuse = False  # a caller that waits for every result (LLMEngine.generate) queues
+    s.add_request(batch)
     # bulk work is judged by its own, looser objective (10 s); with a tight one it is refused too
     s.add_request(req("background", 400, RequestClass.BULK, base=10000))
     with pytest.raises(EngineBusy, match="bulk request"):
@@ -219,3 +222,14 @@ def test_admission_refuses_text_and_bulk_work_that_would_wait_too_long_but_never
     fcfs = make(policy="fcfs", model=model, num_blocks=4096)
     for i in range(20):
         fcfs.add_request(req(f"q{i}", 400, RequestClass.BULK, base=1 + 400 * i))  # fcfs never refuses
+
+
+def test_step_model_shrugs_off_stalls_from_outside_the_engine():
+    rng = random.Random(2)
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5, n=200)
+    for i in range(400):
+        shape = StepShape(rng.randint(1, 8), rng.choice([0, 0, 64, 200]), rng.randint(0, 3000))
+        cost = 5.0 + 10.0 * shape.decode_rows + 0.5 * shape.prefill_tokens
+        model.observe(shape, cost + (2000.0 if i % 50 == 0 else 0.0))  # a 2 s stall now and then
+    for got, want in zip(model.snapshot().coefficients_ms, (5.0, 10.0, 0.5, 0.0), strict=True):
+        assert got == pytest.approx(want, abs=1.0)
