@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import LoadSpec, run_load, run_ramp
@@ -36,9 +37,13 @@ from edge_rtgi.bench.task_eval import (
 )
 from edge_rtgi.bench.tasks import load_task_set
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
+from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -270,8 +275,22 @@ async def _full_outputs(models: Models, requests: list[PreparedRequest]) -> dict
                 )
                 models.full_outputs[(req.key, req.max_tokens)] = (res.token_ids, res.text)
 
-    await asyncio.to_thread(run)
+    await _torch_in_worker(run)
     return {r.key: models.full_outputs[(r.key, r.max_tokens)] for r in requests}
+
+
+async def _torch_in_worker(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread that frees its OpenMP pool when done: a pool left
+    spinning in an idle worker slows every op of the engine thread in the load runs that follow
+    (``edge_rtgi.device``), which made the workloads measured after a quality pass look slower."""
+
+    def run() -> T:
+        try:
+            return fn(*args)
+        finally:
+            release_cpu_workers()
+
+    return await asyncio.to_thread(run)
 
 
 async def measure_quality(
@@ -288,7 +307,7 @@ async def measure_quality(
     workload's prompts beside it."""
     task_set = load_task_set(workload.name)
     context = shared_context_tokens(engine, models.full)
-    full_outputs = await asyncio.to_thread(
+    full_outputs = await _torch_in_worker(
         run_full_model, models.full, task_set, cfg.task_items, FullOutputCache.default(), context
     )
     opt_outputs = await asyncio.to_thread(run_on_engine, engine, task_set, cfg.task_items, context, budgets)
@@ -299,7 +318,7 @@ async def measure_quality(
         by_key = {r.key: r for r in requests}
         full = await _full_outputs(models, [by_key[k] for k in keys])
         sequences = [(list(by_key[k].prompt_token_ids), full[k][0]) for k in keys]
-        kl = await asyncio.to_thread(
+        kl = await _torch_in_worker(
             kl_along_continuations,
             model_logits_fn(models.full.model),
             model_logits_fn(optimised.model),
