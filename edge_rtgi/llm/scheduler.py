@@ -27,6 +27,8 @@ Two policies (``SchedulerConfig.policy``):
   row stays within the tightest ITL SLO, so those running keep their SLO instead of all
   missing it together. A waiting request may preempt a running one of a strictly lower class
   (for blocks or for a row); that can only move work to lower classes, so it cannot cycle.
+  A waiting request whose first-token deadline has passed goes behind those that can still
+  make theirs, so an overload sheds the late ones instead of making everyone late.
 """
 
 from __future__ import annotations
@@ -271,6 +273,8 @@ class Scheduler:
         num_new: dict[str, int] = {}
         preempted: list[Request] = []
         now = self.clock()
+        if self.slo:  # a request that can no longer make its first-token deadline goes last
+            self.waiting.sort(key=lambda r: (r.ttft_deadline_s < now, *self._key(r)))
         prefill = _PrefillAllowance(self._prefill_allowance(now))
         budget = self._schedule_running(budget, num_new, preempted, now, prefill)
         if not preempted:  # after a preemption, blocks are scarce: admit nobody this step
@@ -381,7 +385,9 @@ class Scheduler:
         step_ms = base_ms + room * per_token_ms
         for r in (*self.running, *self.waiting[:4]):
             left = r.num_tokens - r.num_computed_tokens
-            if r.last_token_time_s is None and left > 1:
+            # only a first token that can still be on time lifts the cap: under overload a
+            # late one would only take the running streams down with it
+            if r.last_token_time_s is None and left > 1 and r.ttft_deadline_s > now:
                 steps = -(-left // room)  # ceil: steps this prompt needs at the capped pace
                 if (r.ttft_deadline_s - now) * 1e3 < steps * step_ms:
                     return None

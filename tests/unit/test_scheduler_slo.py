@@ -233,3 +233,12 @@ def test_step_model_shrugs_off_stalls_from_outside_the_engine():
         model.observe(shape, cost + (2000.0 if i % 50 == 0 else 0.0))  # a 2 s stall now and then
     for got, want in zip(model.snapshot().coefficients_ms, (5.0, 10.0, 0.5, 0.0), strict=True):
         assert got == pytest.approx(want, abs=1.0)
+
+
+def test_a_request_past_its_first_token_deadline_goes_behind_those_still_on_time():
+    clock = Clock()
+    s = make(clock=clock, budget=4, max_seqs=1)
+    s.add_request(req("late", 4, RequestClass.VOICE, t=99.0))  # due at 99.5: already late
+    s.add_request(req("on-time", 4, RequestClass.DIALOGUE, t=100.0, base=20))
+    out, _ = step(s)
+    assert [r.request_id for r in out.scheduled] == ["on-time"]
