@@ -20,12 +20,20 @@ ROOT = Path(__file__).resolve().parents[2]
 class DaemonProcess:
     """A daemon child process; ``port`` is known once it prints its serving line."""
 
-    def __init__(self, checkout: Path, pipelines: list[str], default_pipeline: str, label: str):
+    def __init__(
+        self,
+        checkout: Path,
+        pipelines: list[str],
+        default_pipeline: str,
+        label: str,
+        server_settings: str = "",
+    ):
         self.checkout, self.label = Path(checkout).resolve(), label
         self._dir = tempfile.TemporaryDirectory(prefix=f"edge-rtgi-{label}-")
         cfg = Path(self._dir.name) / "daemon.yaml"
         files = ", ".join(str(ROOT / "pipelines" / f"{p}.yaml") for p in pipelines)
-        cfg.write_text(f"pipelines: [{files}]\ndefault_pipeline: {default_pipeline}\nserver: {{port: 0}}\n")
+        server = ", ".join(x for x in ("port: 0", server_settings) if x)  # e.g. "max_messages_per_s: 1e6"
+        cfg.write_text(f"pipelines: [{files}]\ndefault_pipeline: {default_pipeline}\nserver: {{{server}}}\n")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edge_rtgi.cli", "serve", "--config", str(cfg)],
             cwd=self.checkout,
