@@ -277,7 +277,10 @@ async def test_translation_session_extension(daemon, piper):
         )
         while (event := await asyncio.wait_for(conn.recv(), EVENT_TIMEOUT_S)).type != "session.updated":
             pass
-        assert event.to_dict()["session"]["edge_rtgi"] == {"pipeline": "translate-en-es"}
+        extension = event.to_dict()["session"]["edge_rtgi"]
+        assert extension["pipeline"] == "translate-en-es"
+        # the pipeline's own turn detection, reported beside it (issue 23): the silence timer here
+        assert extension["turn_detection_status"]["mode"] == "silence"
         await stream_audio(conn, speech)
         await conn.input_audio_buffer.commit()
         await conn.response.create()
