@@ -103,7 +103,7 @@ async def main() -> int:
     args = ap.parse_args()
     # this checkout's per-connection message-rate limit (issue 18) would drop the pipelined pings;
     # a checkout from before that limit knows no such key, so only this one gets it raised
-    daemons = [DaemonProcess(ROOT, ["transcribe"], "transcribe", "this", "max_messages_per_s: 1.0e9")]
+    daemons = [DaemonProcess(ROOT, ["transcribe"], "transcribe", "this", "max_messages_per_s: 1000000000.0")]
     if args.against:
         daemons.append(DaemonProcess(Path(args.against), ["transcribe"], "transcribe", "other"))
     loads = [os.getloadavg()[0]]

@@ -32,7 +32,8 @@ class DaemonProcess:
         self._dir = tempfile.TemporaryDirectory(prefix=f"edge-rtgi-{label}-")
         cfg = Path(self._dir.name) / "daemon.yaml"
         files = ", ".join(str(ROOT / "pipelines" / f"{p}.yaml") for p in pipelines)
-        server = ", ".join(x for x in ("port: 0", server_settings) if x)  # e.g. "max_messages_per_s: 1e6"
+        # server_settings: more "key: value" pairs, e.g. "max_messages_per_s: 1000000.0"
+        server = ", ".join(x for x in ("port: 0", server_settings) if x)
         cfg.write_text(f"pipelines: [{files}]\ndefault_pipeline: {default_pipeline}\nserver: {{{server}}}\n")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edge_rtgi.cli", "serve", "--config", str(cfg)],
