@@ -22,6 +22,7 @@ from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import Chunk
 from edge_rtgi.bench.workloads import PreparedRequest
 from edge_rtgi.errors import EdgeRtgiError
+from edge_rtgi.llm.request import RequestClass, RequestSLO
 
 # (token ids, text) pieces from a blocking generator; it must stop soon after ``cancel`` is set.
 TokenStreamFn = Callable[[PreparedRequest, threading.Event], Iterator[tuple[tuple[int, ...], str]]]
@@ -36,8 +37,6 @@ class EngineTarget:
         self.budgets = budgets or BudgetPolicy()
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[Chunk]:
-        from edge_rtgi.llm.request import RequestClass, RequestSLO
-
         params = self.budgets.sampling(request, self.engine.tokenizer)
         slo = RequestSLO(request.slo.ttft_ms, request.slo.itl_ms) if request.slo else None
         stream = self.engine.add_request(

@@ -150,8 +150,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
-        if self.slo is None:
-            self.slo = DEFAULT_SLOS[self.request_class]
 
     @property
     def objective(self) -> RequestSLO:

@@ -337,7 +337,7 @@ class Scheduler:
             req = self.waiting[0]
             if self.slo and not self._row_fits(req, num_new):
                 if self._preempt_lower_class(req, num_new, preempted):
-                    budget = self.config.max_num_batched_tokens - sum(num_new.values())
+                    budget = self._budget_left(num_new)
                     continue
                 self.num_row_deferrals += 1
                 break
@@ -352,7 +352,7 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hits):
                 prefill.give_back(n)
                 if self.slo and self._preempt_lower_class(req, num_new, preempted):
-                    budget = self.config.max_num_batched_tokens - sum(num_new.values())
+                    budget = self._budget_left(num_new)
                     continue
                 break  # strict priority order: no overtaking by smaller requests
             self.waiting.pop(0)
@@ -364,6 +364,10 @@ class Scheduler:
                 self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit_tokens)
             num_new[req.request_id] = n
             budget -= n
+
+    def _budget_left(self, num_new: dict[str, int]) -> int:
+        """The step's token budget not yet handed out (after a preemption took some back)."""
+        return self.config.max_num_batched_tokens - sum(num_new.values())
 
     # --- the slo policy's step sizing --------------------------------------------------------
 
