@@ -26,6 +26,7 @@ inside ``disabled()``) the fallbacks run.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import logging
 import operator
@@ -74,18 +75,21 @@ _disabled_depth = 0  # disabled() blocks currently open, in any thread
 def build_dir() -> Path:
     """Where the compiled extension lives: ``$EDGE_RTGI_KERNEL_DIR``, else
     ``$XDG_CACHE_HOME/edge-rtgi/kernels`` or ``~/.cache/edge-rtgi/kernels``; one folder per torch
-    version (the library links against torch) and CPU (it is built with -march=native, so a
-    cache shared between different CPUs must not hand one CPU another's instructions)."""
+    version (the library links against torch), CPU (it is built with -march=native, so a
+    cache shared between different CPUs must not hand one CPU another's instructions) and
+    source checkout (torch's loader rebuilds whenever the source path in its build file changes,
+    so two checkouts sharing one folder would rebuild each other's library on every start)."""
     root = os.environ.get("EDGE_RTGI_KERNEL_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = str(Path(xdg).expanduser() if xdg else Path.home() / ".cache") + "/edge-rtgi/kernels"
     folder = _cpu_fingerprint() if target_arch() == "native" else f"march-{target_arch()}"
-    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '-')}" / folder
+    checkout = hashlib.sha256(str(SOURCE.resolve().parent).encode()).hexdigest()[:8]
+    torch_version = torch.__version__.replace("+", "-")
+    return Path(root).expanduser() / f"torch-{torch_version}" / f"{folder}-src{checkout}"
 
 
 def _cpu_fingerprint() -> str:
-    import hashlib
     import platform
 
     try:

@@ -200,12 +200,16 @@ def test_switch_off_by_environment(monkeypatch):
     assert "switched off" in cpu_ops.failure()
 
 
-def test_build_dir_is_per_torch_and_cpu(monkeypatch, tmp_path):
+def test_build_dir_is_per_torch_cpu_and_checkout(monkeypatch, tmp_path):
     monkeypatch.setenv("EDGE_RTGI_KERNEL_DIR", str(tmp_path))
     monkeypatch.delenv(cpu_ops.ENV_MARCH, raising=False)
     path = cpu_ops.build_dir()
     assert path.parent == tmp_path / f"torch-{torch.__version__.replace('+', '-')}"
     assert path.name.startswith(__import__("platform").machine())
+    # Another checkout of the source gets a folder of its own.
+    monkeypatch.setattr(cpu_ops, "SOURCE", tmp_path / "elsewhere" / "csrc" / "cpu_ops.cpp")
+    assert cpu_ops.build_dir() != path
+    assert cpu_ops.build_dir().parent == path.parent
 
 
 def test_a_stale_build_lock_is_removed(monkeypatch, tmp_path):
@@ -277,7 +281,9 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
         timeout=600,
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.split() == ["portable", "march-x86-64-v3"]
+    info, folder = probe.stdout.split()
+    assert info == "portable"
+    assert folder.startswith("march-x86-64-v3-src")
     tests = subprocess.run(
         [
             sys.executable,
