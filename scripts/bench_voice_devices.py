@@ -13,7 +13,7 @@ microphone at -6 dB with 50-150 ms of delay. Reported, with and without AEC: fal
 user's question spoken over the reply: barge-in within 300 ms of its start; the ASR WER
 (whisper tiny.en) of that question after AEC, against the clean question.
 
-    python scripts/bench_voice_devices.py [--minutes 10] [--seed 0] [--json out.json]
+    python scripts/bench_voice_devices.py [--minutes 10] [--seed 0] [--json out.json] [--peaks]
 """
 
 from __future__ import annotations
@@ -46,6 +46,15 @@ WAKE_TEXTS = {
 }
 PIPER_SPEEDS = (0.85, 1.0, 1.2)  # length_scale: faster, normal, slower
 ESPEAK_VOICES = (("en-us", 150), ("en-us", 190), ("en-gb", 170), ("en-us+f3", 165), ("en-gb-x-rp", 175))
+# --peaks also tries voices the detection-rate trials do not use, to tell a voice from a rendering.
+EXTRA_VOICES = (
+    "espeak:en-sc@160",
+    "espeak:en-us+m3@170",
+    "espeak:en-029@165",
+    "espeak:en-gb+f2@160",
+    "piper@0.9",
+    "piper@1.1",
+)
 CHUNK = 320  # 20 ms
 
 
@@ -155,6 +164,40 @@ def bench_wake(voices: Voices, rng: np.random.Generator, questions: list[str]) -
     return trials
 
 
+def _peak_probability(word: str, pcm: np.ndarray, start_ms: float, end_ms: float) -> float:
+    """The highest averaged probability ``word``'s model reaches between two stream positions."""
+    from pymicro_wakeword import MicroWakeWord, MicroWakeWordFeatures
+
+    model = MicroWakeWord.from_config(available_wake_words()[word].config_path)
+    features = MicroWakeWordFeatures()
+    peak, step = 0.0, 0
+    try:
+        for feature in features.process_streaming(pcm.astype("<i2").tobytes()):
+            step += 1
+            probability = model.process_streaming_prob(feature) or 0.0
+            if start_ms <= step * 10 + 20 <= end_ms:
+                peak = max(peak, probability)
+    finally:
+        model.close()
+    return peak
+
+
+def wake_peaks(voices: Voices, rng: np.random.Generator, questions: list[str]) -> None:
+    """Print each trial's peak averaged probability beside the model's cut-off (why a trial missed)."""
+    names = voices.names() + list(EXTRA_VOICES)
+    for word, text in WAKE_TEXTS.items():
+        cutoff = available_wake_words()[word].probability_cutoff
+        for k, voice in enumerate(names):
+            wake = voices.say(voice, text)
+            question = voices.say(voice, questions[k % len(questions)])
+            lead = np.zeros(RATE_HZ, np.float32)
+            clean = np.concatenate([lead, wake, np.zeros(RATE_HZ // 3, np.float32), question, lead])
+            pcm = float32_to_pcm16(_mix(clean, _noise(rng, len(clean)), SNR_DB, _active_rms(wake)))
+            wake_end_ms = 1000 * (len(lead) + _end_of_speech(wake)) / RATE_HZ
+            peak = _peak_probability(word, pcm, 1000 * len(lead) / RATE_HZ, wake_end_ms + 1000)
+            print(f"  {word:12s} {voice:22s} peak {peak:.3f} (cut-off {cutoff})", flush=True)
+
+
 def bench_false_wakes(voices: Voices, rng: np.random.Generator, texts: list[str], minutes: float) -> tuple:
     """Other speech in noise, about ``minutes`` long; detections of any wake word."""
     parts: list[np.ndarray] = []
@@ -255,6 +298,7 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="length of the false-wake audio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the trials here")
+    ap.add_argument("--peaks", action="store_true", help="only print each wake trial's peak probability")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     load_before = os.getloadavg()
@@ -262,6 +306,9 @@ def main() -> int:
     questions = json.loads((ROOT / "edge_rtgi/bench/data/voice_questions.json").read_text())
     sentences = (ROOT / "tests/data/sentences_en.txt").read_text().splitlines()
     questions = [q[0].upper() + q[1:] + "?" for q in questions]
+    if args.peaks:
+        wake_peaks(voices, rng, questions)
+        return 0
 
     print("wake words:", flush=True)
     wake = bench_wake(voices, rng, questions)
