@@ -383,8 +383,13 @@ class Scheduler:
         per_token_ms = model.marginal_ms("per_prefill_token")
         if not decodes or per_token_ms <= 0.0:
             return None
-        target_ms = PREFILL_STALL_FACTOR * min(r.objective.itl_ms for r in decodes)
+        itl_ms = min(r.objective.itl_ms for r in decodes)
         base_ms = model.predict_ms(StepShape(len(decodes), 0, sum(r.num_tokens for r in decodes))) or 0.0
+        if base_ms > itl_ms:
+            # the decodes miss their ITL with no prefill at all (a machine slowed by other work):
+            # holding prompts back cannot save them and would only starve every first token
+            return None
+        target_ms = PREFILL_STALL_FACTOR * itl_ms
         room = max(self.config.min_prefill_chunk_tokens, int((target_ms - base_ms) / per_token_ms))
         step_ms = base_ms + room * per_token_ms
         for r in (*self.running, *self.waiting[:4]):
@@ -399,14 +404,17 @@ class Scheduler:
 
     def _row_fits(self, req: Request, num_new: dict[str, int]) -> bool:
         """Whether one more decoding request keeps the predicted decode step within the tightest
-        ITL SLO of those running and of ``req`` (always true with nothing running)."""
+        ITL SLO of those running and of ``req`` (always true with nothing running, and when the
+        rows running already miss it: deferring the newcomer would not bring them back)."""
         model = self.step_model
         rows = [r for r in self.running if r.status is RequestStatus.RUNNING]
         if model is None or not model.ready or not rows:
             return True
-        context = sum(r.num_tokens for r in rows) + req.num_tokens
-        predicted = model.predict_ms(StepShape(len(rows) + 1, 0, context)) or 0.0
         tightest_ms = min(r.objective.itl_ms for r in (*rows, req))
+        context = sum(r.num_tokens for r in rows)
+        if (model.predict_ms(StepShape(len(rows), 0, context)) or 0.0) > tightest_ms:
+            return True
+        predicted = model.predict_ms(StepShape(len(rows) + 1, 0, context + req.num_tokens)) or 0.0
         return predicted <= tightest_ms
 
     def _preempt_lower_class(self, req: Request, num_new: dict[str, int], preempted: list[Request]) -> bool:

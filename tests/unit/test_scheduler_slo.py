@@ -137,6 +137,23 @@ def test_admission_stops_where_one_more_row_would_break_the_tightest_itl():
     assert len(f.running) == 6
 
 
+def test_no_cap_or_row_deferral_when_the_itl_objective_is_out_of_reach():
+    """On a machine slowed past the ITL objective (other work on the cores), the caps cannot keep
+    it; holding prompts and rows back would only add their waits, so slo steps as fcfs does."""
+    slow = trained_model(fixed=120.0, per_row=10.0, per_token=0.5)  # one decode row: 130 ms > 50
+    s = make(model=slow, budget=256, num_blocks=512)
+    s.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=50))
+    step(s)
+    s.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
+    out, _ = step(s)
+    assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 255
+    rows = make(model=slow, budget=64, max_seqs=8, num_blocks=128)
+    for i in range(6):
+        rows.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
+    step(rows)
+    assert len(rows.running) == 6 and rows.num_row_deferrals == 0
+
+
 def test_an_urgent_request_preempts_a_lower_class_for_a_row():
     model = trained_model(fixed=5.0, per_row=10.0, per_token=0.0)
     s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
