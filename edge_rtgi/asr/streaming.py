@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_rtgi.asr.agreement import LocalAgreement, normalize_word, split_words, tail_after
+from edge_rtgi.asr.batch import PartialSkipped
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.asr.events import (
     AsrEvent,
@@ -40,7 +41,7 @@ from edge_rtgi.asr.events import (
 from edge_rtgi.asr.split import choose_split
 from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision
 from edge_rtgi.asr.vad import SileroVad, VadEvent
-from edge_rtgi.asr.whisper import Hypothesis, WhisperAsr
+from edge_rtgi.asr.whisper import Hypothesis, Transcriber
 from edge_rtgi.audio.pcm import Resampler
 from edge_rtgi.audio.ring import RingBuffer
 from edge_rtgi.errors import AudioError
@@ -110,7 +111,7 @@ class StreamingTranscriber:
 
     def __init__(
         self,
-        asr: WhisperAsr,
+        asr: Transcriber,
         config: AsrConfig | None = None,
         vad: SileroVad | None = None,
         endpointer: SemanticEndpointer | None = None,
@@ -388,7 +389,11 @@ class StreamingTranscriber:
 
     def _partial(self, utt: _Utterance, end: int) -> None:
         t0 = time.perf_counter()
-        hyp = self._decode(utt, end, timestamps=False)
+        try:
+            hyp = self._decode(utt, end, timestamps=False)
+        except PartialSkipped:  # the shared engine is behind on finals: try again next step
+            self.last_partial_decode_s = time.perf_counter() - t0
+            return
         self.last_partial_decode_s = time.perf_counter() - t0
         utt.last_decode_end = end
         utt.agreement.update(split_words(hyp.text))
@@ -406,6 +411,7 @@ class StreamingTranscriber:
         if utt.end_index is None or utt.endpoint_index is None:  # _end_active sets both
             raise RuntimeError(f"utterance {utt.id} is finalised before it ended")
         end_index, endpoint_index = utt.end_index, utt.endpoint_index
+        queue_ms = 0.0  # of the time after the endpoint, waiting for a shared engine's step
         if utt.split is not None:
             # Cut off long speech: the words were chosen with the cut; no pad after it, that
             # audio belongs to the next utterance.
@@ -429,8 +435,11 @@ class StreamingTranscriber:
                     self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size),
                     False,
                 )
+                timing = self.asr.last_timing()
+                queue_ms = timing.queue_wait_ms if timing is not None else 0.0
             words, final_hyp = self._final_words(utt, hyp, end)
             decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
+            decode_ms = max(0.0, decode_ms - queue_ms)
             hyp = final_hyp
         text = " ".join(words)
         start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, end_index / SAMPLE_RATE_HZ
@@ -466,6 +475,7 @@ class StreamingTranscriber:
                 decode_ms,
                 decided_t_s,
                 turn_decision_ms,
+                final_queue_ms=round(queue_ms, 1),
             )
         )
         return events
@@ -527,7 +537,7 @@ class AsrSession:
 
     def __init__(
         self,
-        asr: WhisperAsr,
+        asr: Transcriber,
         config: AsrConfig | None = None,
         vad: SileroVad | None = None,
         executor: ThreadPoolExecutor | None = None,
