@@ -470,7 +470,9 @@ class AsrClient:
         finally:
             with self._lock:
                 self._jobs.discard(job)
-        self._local.timing = DecodeTiming(job.queue_wait_ms, hyp.decode_ms)
+        self._local.timing = DecodeTiming(
+            job.queue_wait_ms, hyp.decode_ms, job.submitted_s + job.queue_wait_ms / 1000.0
+        )
         return hyp
 
     def last_timing(self) -> DecodeTiming | None:

@@ -69,6 +69,7 @@ class DecodeTiming:
 
     queue_wait_ms: float
     decode_ms: float
+    started_s: float  # time.monotonic() when the decode itself began (after any queue wait)
 
 
 class Transcriber(Protocol):
@@ -209,7 +210,7 @@ class WhisperAsr:
         lang = language if language is not None else cfg.language
         if not self.multilingual:
             lang = "en"
-        t0 = time.perf_counter()
+        t0, started_s = time.perf_counter(), time.monotonic()
         segments, info = self._model.transcribe(
             audio,
             language=lang,
@@ -240,7 +241,7 @@ class WhisperAsr:
         text = " ".join(s.text for s in decoded if s.text).strip()
         words = tuple(w for s in segments for w in _timed_words(s)) if word_timestamps else ()
         decode_ms = (time.perf_counter() - t0) * 1000.0
-        self._local.timing = DecodeTiming(0.0, decode_ms)
+        self._local.timing = DecodeTiming(0.0, decode_ms, started_s)
         return Hypothesis(text, decoded, info.language, decode_ms, words)
 
     async def transcribe_async(self, audio: np.ndarray, **kwargs) -> Hypothesis:
