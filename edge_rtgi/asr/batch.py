@@ -261,6 +261,13 @@ class SharedWhisper:
                 tuple(j.final for j in step),
                 (time.monotonic() - t0) * 1000.0,
             )
+            log.debug(
+                "ASR step: %d jobs (%d finals), waits %s ms, %.0f ms",
+                stats.batch_size,
+                stats.finals,
+                [round(w) for w in stats.queue_wait_ms],
+                stats.step_ms,
+            )
             for listener in self._listeners:
                 try:
                     listener(stats)
@@ -392,6 +399,14 @@ class WindowDecoder:
             )
             results.update(zip(idx, out, strict=True))
         generate_ms = (time.perf_counter() - t0) * 1000.0
+        if log.isEnabledFor(logging.DEBUG):  # the per-step picture, for a slow-turn hunt
+            log.debug(
+                "ASR generate: %d windows, encodes %s ms, generate %.0f ms, tokens %s",
+                len(windows),
+                [round(w.encode_ms) for w in windows],
+                generate_ms,
+                [len(results[i].sequences_ids[0]) for i in range(len(windows))],
+            )
         return [self._hypothesis(w, results[i], w.encode_ms + generate_ms) for i, w in enumerate(windows)]
 
     def _hypothesis(self, window: PreparedWindow, result, decode_ms: float) -> Hypothesis | None:

@@ -84,15 +84,16 @@ class AsrConfig:
 
     ``shared``: in a daemon, every session's decodes go to one engine per model that runs them
     in batched steps of at most ``batch_size`` windows, finals first (``edge_rtgi.asr.batch``);
-    false: each session decodes on its own thread (the path before issue 27). ``cpu_threads``
-    is whisper's thread budget (CTranslate2 intra-op threads).
+    false (the default until the many-speaker benchmark shows it wins; docs/speech.md): each
+    session decodes on its own thread. ``cpu_threads`` is whisper's thread budget (CTranslate2
+    intra-op threads).
     """
 
     model: str = "whisper-tiny.en"
     device: str = "auto"
     compute_type: str = "auto"
     cpu_threads: int = 2
-    shared: bool = True
+    shared: bool = False
     batch_size: int = 8
     language: str | None = "en"
     task: str = "transcribe"

@@ -184,3 +184,25 @@ def test_batch_size_below_one_is_a_config_error_naming_the_key():
     for key in ("batch_size", "cpu_threads"):
         with pytest.raises(ConfigError, match=key):
             from_dict(AsrConfig, {key: 0})
+
+
+def test_the_daemon_shares_one_engine_per_model(clips):
+    """``Resources.asr``: ``shared: true`` sessions get clients of one engine, whose steps reach the
+    daemon's listeners (its /metrics); ``shared: false`` sessions get the model itself."""
+    from edge_rtgi.asr.batch import AsrClient
+    from edge_rtgi.pipeline.resources import Resources
+
+    resources = Resources()
+    seen: list[tuple[str, StepStats]] = []
+    resources.add_asr_step_listener(lambda model, stats: seen.append((model, stats)))
+    try:
+        cfg = AsrConfig(model="whisper-tiny.en", shared=True)
+        a, b = resources.asr(cfg), resources.asr(cfg)
+        assert isinstance(a, AsrClient) and isinstance(b, AsrClient) and a.engine is b.engine
+        assert a.transcribe(clips[0]).text
+        assert seen and seen[-1][0] == "whisper-tiny.en" and seen[-1][1].batch_size == 1
+        timing = a.last_timing()
+        assert timing is not None and timing.queue_wait_ms >= 0 and timing.decode_ms > 0
+        assert isinstance(resources.asr(AsrConfig(model="whisper-tiny.en")), WhisperAsr)
+    finally:
+        resources.close()
