@@ -107,6 +107,9 @@ class Transcript:
     speech_end_t_s: float | None = None
     endpoint_t_s: float | None = None
     turn_decision_ms: float | None = None
+    # Of the final's time after the endpoint: waiting for the shared ASR engine, then decoding.
+    asr_queue_ms: float | None = None
+    asr_decode_ms: float | None = None
     # A final heard over a reply that only said "mm-hm", "yes"...: shown, but not a turn (it
     # neither cuts the reply nor gets an answer).
     backchannel: bool = False
@@ -269,6 +272,9 @@ class TurnStats:
     endpointing_ms: float | None = None  # user stopped speaking -> end of turn declared
     turn_decision_ms: float | None = None  # of that, the semantic model's verdict on the pause
     asr_final_ms: float | None = None  # end of turn -> final transcript
+    # of that, with the shared ASR engine: waiting for its step, and decoding after the endpoint
+    asr_queue_ms: float | None = None
+    asr_decode_ms: float | None = None
     llm_ttft_ms: float | None = None  # final transcript -> first text delta
     first_clause_ms: float | None = None  # first text delta -> first speakable clause
     tts_first_chunk_ms: float | None = None  # first clause -> first audio chunk

@@ -22,6 +22,16 @@ medians, p95 and the ratio streaming / baseline.
 utterances, the load average sampled during the run, the commit) for docs/daemon.md.
 ``--no-baseline`` skips the non-streaming cascade (quicker while iterating).
 
+``--speakers 1,2,4,8`` measures many people at once instead (issue 27): in each round N
+sessions speak at the same moment (their speech ends together) or staggered (each end moved
+by a random 0-2 s), ``--rounds`` times each, against daemons with the shared ASR engine and
+with the old per-session ASR (``asr: shared: false``), both running in this process, the order
+alternating per round. It prints p50/p95 of voice-to-voice and its parts per mode, speaker
+count and arrival, and the streaming WER of each mode's transcripts. ``--tts-concurrency
+1,4,8`` measures Piper's first-chunk latency with that many replies synthesised at once.
+
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_voice.py --speakers 1,2,4,8 --rounds 3
+
 ``--against PATH`` compares two checkouts instead, in one sitting: this one and PATH (for
 example the commit before a change, from ``git worktree add``) each run ``edge-rtgi serve`` as
 a child process on the same models, and every utterance is played to both, the order
@@ -58,6 +68,7 @@ PARTS = (
     "tts_first_chunk_ms",
     "voice_to_voice_ms",
 )
+ASR_SPLIT = ("asr_queue_ms", "asr_decode_ms")  # the ASR final's wait for the shared engine, its decode
 LABELS = {
     "client_voice_to_voice_ms": (
         "**voice-to-voice** (client clock: acoustic end of speech -> first reply audio received)"
@@ -135,6 +146,7 @@ async def one_turn(port: int, pcm: np.ndarray, speech_end: int) -> dict:
         done = await c.wait_type("response.done", timeout=120)
         final = c.of("transcript.final")[0]["text"]
         row = {k: done["stats"].get(k) for k in PARTS}
+        row.update({k: done["stats"].get(k) for k in ASR_SPLIT})
         row.update(
             client_voice_to_voice_ms=(first_audio_t - sent_speech_end) * 1000.0,
             transcript=final,
@@ -189,9 +201,17 @@ async def main() -> int:
         help="the LLM engine's torch threads (engine: num_threads); default: all cores",
     )
     ap.add_argument("--against", metavar="PATH", help="another checkout: A/B in one sitting (see above)")
+    ap.add_argument("--speakers", help="many at once (issue 27): speaker counts, e.g. 1,2,4,8")
+    ap.add_argument("--rounds", type=int, default=3, help="with --speakers: rounds per count and arrival")
+    ap.add_argument("--arrivals", default="together,staggered", help="with --speakers")
+    ap.add_argument("--asr-modes", default="shared,unshared", help="with --speakers: ASR engines to compare")
+    ap.add_argument("--seed", type=int, default=0, help="with --speakers: the staggered arrivals' seed")
+    ap.add_argument("--tts-concurrency", help="Piper first-chunk latency at these concurrent replies")
     args = ap.parse_args()
     if args.against:
         return await compare(args)
+    if args.speakers or args.tts_concurrency:
+        return await many_speakers(args)
     questions = json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "voice_questions.json").read_text())
     questions = [questions[i % len(questions)] for i in range(args.utterances)]
     load_start = os.getloadavg()[0]
@@ -301,6 +321,190 @@ async def compare(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"summary": result, "rows": rows}, indent=2))
     return 0
+
+
+# ---------------------------------------------------------------- many speakers at once (issue 27)
+
+MANY_KEYS = ("client_voice_to_voice_ms", "asr_final_ms", "asr_queue_ms", "asr_decode_ms", *PARTS[2:5])
+
+
+async def start_mode_daemon(mode: str):
+    """An in-process daemon on the voice-assistant pipeline with the shared ASR engine or without."""
+    import dataclasses
+
+    from edge_rtgi.asr.config import AsrConfig
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+    from edge_rtgi.pipeline.resources import Resources
+    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+
+    base = load_pipelines([builtin_pipelines_dir()])["voice-assistant"]
+    stages = tuple(
+        dataclasses.replace(s, shared=mode == "shared") if isinstance(s, AsrConfig) else s
+        for s in base.stages
+    )
+    pipeline = dataclasses.replace(base, stages=stages)
+    server = ServerConfig(port=0, max_sessions=32)
+    daemon = Daemon(DaemonConfig(server=server), {"voice-assistant": pipeline}, Resources())
+    await daemon.resources.prepare(pipeline)
+    await daemon.start()
+    return daemon
+
+
+async def speakers_round(
+    port: int, spoken: list[tuple[np.ndarray, int]], offsets_s: list[float]
+) -> list[dict]:
+    """Every utterance in its own session, the ends of speech ``offsets_s`` after the first."""
+    ends_s = [end / 16000 for _, end in spoken]
+    starts = [max(ends_s) - e + off for e, off in zip(ends_s, offsets_s, strict=True)]
+
+    async def one(i: int) -> dict:
+        await asyncio.sleep(starts[i])
+        return await one_turn(port, *spoken[i])
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(spoken)))))
+
+
+def tts_first_chunk(voice, texts: list[str]) -> list[float]:
+    """First-chunk latency (ms) of each text, all synthesised at once on their own threads."""
+    import threading
+
+    out: list[float] = [0.0] * len(texts)
+    barrier = threading.Barrier(len(texts))
+
+    def run(i: int) -> None:
+        barrier.wait()
+        t0 = time.perf_counter()
+        for _ in voice.synthesize_stream(texts[i]):
+            out[i] = (time.perf_counter() - t0) * 1000.0
+            break
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+async def many_speakers(args: argparse.Namespace) -> int:
+    """``--speakers`` / ``--tts-concurrency`` (see the module docstring)."""
+    import random
+
+    from edge_rtgi.asr.evaluation import word_error_rate
+
+    rng = random.Random(args.seed)
+    questions = load_questions(64)
+    loads = [os.getloadavg()[0]]
+    result: dict = {"commit": _commit(), "cpus": os.cpu_count(), "rounds": args.rounds, "rows": []}
+    modes = [m for m in args.asr_modes.split(",") if m]
+    daemons = {m: await start_mode_daemon(m) for m in modes} if args.speakers else {}
+    try:
+        from edge_rtgi.pipeline.config import TtsStageConfig
+
+        voice_name = "piper-en_US-joe-medium"
+        if daemons:
+            first = next(iter(daemons.values()))
+            voice_name = first.pipelines["voice-assistant"].stage(TtsStageConfig).voice
+        from edge_rtgi.pipeline.resources import Resources
+
+        voice = (
+            next(iter(daemons.values())).resources.voice(voice_name)
+            if daemons
+            else Resources().voice(voice_name)
+        )
+        spoken = {q: speak(voice, q) for q in questions}
+        q_next = 0
+        for n in [int(x) for x in (args.speakers or "").split(",") if x]:
+            for arrival in args.arrivals.split(","):
+                for r in range(args.rounds):
+                    qs = [questions[(q_next + k) % len(questions)] for k in range(n)]
+                    q_next += n
+                    offsets = [0.0] * n if arrival == "together" else [rng.uniform(0, 2.0) for _ in range(n)]
+                    order = modes if r % 2 == 0 else modes[::-1]
+                    for mode in order:
+                        rows = await speakers_round(daemons[mode].port, [spoken[q] for q in qs], offsets)
+                        loads.append(os.getloadavg()[0])
+                        for q, row in zip(qs, rows, strict=True):
+                            row.update(mode=mode, speakers=n, arrival=arrival, round=r, question=q)
+                            row["load_average_1m"] = loads[-1]
+                            result["rows"].append(row)
+                        v2v = sorted(row["client_voice_to_voice_ms"] for row in rows)
+                        print(
+                            f"  {n} {arrival:9s} round {r} {mode:8s} v2v p50 {statistics.median(v2v):6.0f} "
+                            f"max {v2v[-1]:6.0f} ms (load {loads[-1]:.1f})",
+                            flush=True,
+                        )
+        if args.tts_concurrency:
+            result["tts"] = {}
+            for n in [int(x) for x in args.tts_concurrency.split(",") if x]:
+                firsts: list[float] = []
+                for r in range(args.rounds):
+                    firsts += tts_first_chunk(
+                        voice, [questions[(r * n + k) % len(questions)] for k in range(n)]
+                    )
+                loads.append(os.getloadavg()[0])
+                result["tts"][n] = {
+                    "p50": statistics.median(firsts),
+                    "p95": pct(firsts, 0.95),
+                    "n": len(firsts),
+                }
+                print(
+                    f"  Piper first chunk, {n} at once: p50 {result['tts'][n]['p50']:.0f} ms, "
+                    f"p95 {result['tts'][n]['p95']:.0f} ms (n={len(firsts)}, load {loads[-1]:.1f})",
+                    flush=True,
+                )
+    finally:
+        for d in daemons.values():
+            await d.drain(timeout_s=1)
+            d.resources.close()
+    result["load_average_1m"] = {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}
+    result["summary"] = many_summary(result["rows"])
+    result["wer"] = {
+        m: word_error_rate(
+            [r["question"] for r in result["rows"] if r["mode"] == m],
+            [r["transcript"] for r in result["rows"] if r["mode"] == m],
+        )
+        for m in modes
+    }
+    print_many(result)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def many_summary(rows: list[dict]) -> list[dict]:
+    """p50/p95 of each part per (speakers, arrival, mode)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["speakers"], r["arrival"], r["mode"]), []).append(r)
+    out = []
+    for (n, arrival, mode), rs in sorted(groups.items()):
+        entry: dict = {"speakers": n, "arrival": arrival, "mode": mode, "n": len(rs)}
+        for key in MANY_KEYS:
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            entry[key] = {"p50": statistics.median(vals) if vals else None, "p95": pct(vals, 0.95)}
+        out.append(entry)
+    return out
+
+
+def print_many(result: dict) -> None:
+    load = result["load_average_1m"]
+    print(
+        f"\nmany speakers (ms, p50 / p95; load average {load['min']:.1f}-{load['max']:.1f}, "
+        f"median {load['median']:.1f}, {result['cpus']} CPUs, commit {result['commit']}):"
+    )
+    print(
+        "| speakers | arrival | ASR | n | voice-to-voice | ASR final | of it queue | of it decode "
+        "| LLM TTFT | "
+        "first clause | TTS first |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for e in result["summary"]:
+        cells = " | ".join(f"{_f(e[k]['p50']).strip()} / {_f(e[k]['p95']).strip()}" for k in MANY_KEYS)
+        print(f"| {e['speakers']} | {e['arrival']} | {e['mode']} | {e['n']} | {cells} |")
+    for mode, wer in result["wer"].items():
+        print(f"streaming WER, {mode}: {100 * wer:.1f} %")
 
 
 def summarize(rows: list[dict], base: list[dict], load_start: float) -> dict:

@@ -81,12 +81,20 @@ class AsrConfig:
     words (see ``edge_rtgi.asr.split``).
     Partials decode greedily (``beam_size``); the final decode of each utterance uses
     ``final_beam_size`` (beam 5 cut tiny.en's WER on the project sentences from about 5 % to 1-3 %).
+
+    ``shared``: in a daemon, every session's decodes go to one engine per model that runs them
+    in batched steps of at most ``batch_size`` windows, finals first (``edge_rtgi.asr.batch``);
+    false (the default until the many-speaker benchmark shows it wins; docs/speech.md): each
+    session decodes on its own thread. ``cpu_threads`` is whisper's thread budget (CTranslate2
+    intra-op threads).
     """
 
     model: str = "whisper-tiny.en"
     device: str = "auto"
     compute_type: str = "auto"
     cpu_threads: int = 2
+    shared: bool = False
+    batch_size: int = 8
     language: str | None = "en"
     task: str = "transcribe"
     beam_size: int = 1
@@ -117,8 +125,11 @@ class AsrConfig:
             raise ValueError(
                 f"max_utterance_s must be in [2, 28] (whisper sees 30 s), got {self.max_utterance_s}"
             )
-        if self.min_chunk_ms < 50 or self.cpu_threads < 1 or self.beam_size < 1 or self.final_beam_size < 1:
-            raise ValueError("min_chunk_ms >= 50, cpu_threads >= 1 and beam sizes >= 1 are required")
+        if self.min_chunk_ms < 50:
+            raise ValueError(f"min_chunk_ms must be >= 50, got {self.min_chunk_ms}")
+        for name in ("cpu_threads", "batch_size", "beam_size", "final_beam_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.partial_interval_factor < 0:
             raise ValueError(f"partial_interval_factor must be >= 0, got {self.partial_interval_factor}")
         if self.holdback_words < 0:

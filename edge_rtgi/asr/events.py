@@ -83,6 +83,9 @@ class FinalTranscript:
     final_decode_ms: float
     decided_t_s: float | None = None
     turn_decision_ms: float | None = None
+    # With the shared ASR engine (edge_rtgi.asr.batch): of the time after the endpoint, how
+    # long the final's decode waited for a step (``final_decode_ms`` then excludes it).
+    final_queue_ms: float = 0.0
     t_s: float = field(default_factory=_now)
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_rtgi.asr.agreement import LocalAgreement, normalize_word, split_words, tail_after
+from edge_rtgi.asr.batch import PartialSkipped
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.asr.events import (
     AsrEvent,
@@ -40,7 +41,7 @@ from edge_rtgi.asr.events import (
 from edge_rtgi.asr.split import choose_split
 from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision
 from edge_rtgi.asr.vad import SileroVad, VadEvent
-from edge_rtgi.asr.whisper import Hypothesis, WhisperAsr
+from edge_rtgi.asr.whisper import DecodeTiming, Hypothesis, Transcriber
 from edge_rtgi.audio.pcm import Resampler
 from edge_rtgi.audio.ring import RingBuffer
 from edge_rtgi.errors import AudioError
@@ -63,6 +64,7 @@ class _SpeculativeFinal:
     silence_start_index: int
     num_committed_words: int
     hypothesis: Hypothesis
+    timing: DecodeTiming | None = None  # semantic mode: when its decode began, after any queue
 
     def matches(self, end_index: int, num_committed_words: int) -> bool:
         return self.silence_start_index == end_index and self.num_committed_words == num_committed_words
@@ -75,7 +77,7 @@ class _PendingSpeculation:
     silence_start_index: int
     end_index: int
     num_committed_words: int
-    future: Future[Hypothesis]
+    future: Future[tuple[Hypothesis, DecodeTiming | None]]
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class StreamingTranscriber:
 
     def __init__(
         self,
-        asr: WhisperAsr,
+        asr: Transcriber,
         config: AsrConfig | None = None,
         vad: SileroVad | None = None,
         endpointer: SemanticEndpointer | None = None,
@@ -275,7 +277,7 @@ class StreamingTranscriber:
         audio = self._ring.read(utt.start_index, end)
         prefix, language = utt.agreement.committed_text or None, utt.language
         future = self._decode_pool.submit(
-            self.asr.transcribe,
+            self._timed_transcribe,
             audio,
             prefix=prefix,
             language=language,
@@ -284,6 +286,10 @@ class StreamingTranscriber:
         )
         utt.pending = _PendingSpeculation(silence_start, end, len(utt.agreement.committed), future)
 
+    def _timed_transcribe(self, audio: np.ndarray, **kwargs) -> tuple[Hypothesis, DecodeTiming | None]:
+        hyp = self.asr.transcribe(audio, **kwargs)
+        return hyp, self.asr.last_timing()
+
     def _collect_pending(self, utt: _Utterance, wait: bool) -> None:
         """Take a finished (or, with ``wait``, the) speculative decode into the utterance."""
         pending = utt.pending
@@ -291,7 +297,7 @@ class StreamingTranscriber:
             return
         utt.pending = None
         try:
-            hyp = pending.future.result()
+            hyp, timing = pending.future.result()
         except Exception as exc:  # noqa: BLE001 - the final decodes again in _finalize
             log.warning("speculative final decode failed: %s", exc)
             return
@@ -300,7 +306,9 @@ class StreamingTranscriber:
         heard = pending.end_index - utt.start_index
         if utt.language is None and hyp.language and heard >= _LANGUAGE_LOCK_SAMPLES:
             utt.language = hyp.language
-        utt.speculative = _SpeculativeFinal(pending.silence_start_index, pending.num_committed_words, hyp)
+        utt.speculative = _SpeculativeFinal(
+            pending.silence_start_index, pending.num_committed_words, hyp, timing
+        )
         utt.last_decode_end = max(utt.last_decode_end, pending.end_index)
         if utt.end_index is None:  # still open: show the likely tail as a partial
             tail = utt.agreement.final_words(split_words(hyp.text))[len(utt.agreement.committed) :]
@@ -388,7 +396,11 @@ class StreamingTranscriber:
 
     def _partial(self, utt: _Utterance, end: int) -> None:
         t0 = time.perf_counter()
-        hyp = self._decode(utt, end, timestamps=False)
+        try:
+            hyp = self._decode(utt, end, timestamps=False)
+        except PartialSkipped:  # the shared engine is behind on finals: try again next step
+            self.last_partial_decode_s = time.perf_counter() - t0
+            return
         self.last_partial_decode_s = time.perf_counter() - t0
         utt.last_decode_end = end
         utt.agreement.update(split_words(hyp.text))
@@ -406,6 +418,7 @@ class StreamingTranscriber:
         if utt.end_index is None or utt.endpoint_index is None:  # _end_active sets both
             raise RuntimeError(f"utterance {utt.id} is finalised before it ended")
         end_index, endpoint_index = utt.end_index, utt.endpoint_index
+        queue_ms = 0.0  # of the time after the endpoint, waiting for a shared engine's step
         if utt.split is not None:
             # Cut off long speech: the words were chosen with the cut; no pad after it, that
             # audio belongs to the next utterance.
@@ -419,18 +432,23 @@ class StreamingTranscriber:
                         utt.id, end_index / SAMPLE_RATE_HZ, endpoint_index / SAMPLE_RATE_HZ, utt.reason
                     )
                 ]
-            t0 = time.perf_counter()
+            t0, endpoint_s = time.perf_counter(), time.monotonic()
             self._collect_pending(utt, wait=True)
             spec = utt.speculative
             if spec is not None and spec.matches(end_index, len(utt.agreement.committed)):
                 hyp, reused = spec.hypothesis, True
+                if spec.timing is not None:  # a speculative decode still queued at the endpoint
+                    queue_ms = max(0.0, (min(spec.timing.started_s, time.monotonic()) - endpoint_s) * 1000.0)
             else:
                 hyp, reused = (
                     self._decode(utt, end, timestamps=True, beam_size=self.config.final_beam_size),
                     False,
                 )
+                timing = self.asr.last_timing()
+                queue_ms = timing.queue_wait_ms if timing is not None else 0.0
             words, final_hyp = self._final_words(utt, hyp, end)
             decode_ms = 0.0 if reused and final_hyp is hyp else (time.perf_counter() - t0) * 1000.0
+            decode_ms = max(0.0, decode_ms - queue_ms)
             hyp = final_hyp
         text = " ".join(words)
         start_s, speech_end_s = utt.start_index / SAMPLE_RATE_HZ, end_index / SAMPLE_RATE_HZ
@@ -466,6 +484,7 @@ class StreamingTranscriber:
                 decode_ms,
                 decided_t_s,
                 turn_decision_ms,
+                final_queue_ms=round(queue_ms, 1),
             )
         )
         return events
@@ -527,7 +546,7 @@ class AsrSession:
 
     def __init__(
         self,
-        asr: WhisperAsr,
+        asr: Transcriber,
         config: AsrConfig | None = None,
         vad: SileroVad | None = None,
         executor: ThreadPoolExecutor | None = None,

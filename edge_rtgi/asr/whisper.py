@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -59,6 +61,41 @@ class Hypothesis:
     language: str | None
     decode_ms: float
     words: tuple[TimedWord, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """Where one decode's time went: waiting for a shared engine's step, then decoding."""
+
+    queue_wait_ms: float
+    decode_ms: float
+    started_s: float  # time.monotonic() when the decode itself began (after any queue wait)
+
+
+class Transcriber(Protocol):
+    """What streaming ASR needs of a model: ``WhisperAsr`` (decodes on the calling thread) or
+    ``edge_rtgi.asr.batch.SharedWhisper`` (one engine thread batching every session's decodes)."""
+
+    config: AsrConfig
+    multilingual: bool
+
+    def transcribe(
+        self,
+        audio: np.ndarray,
+        prefix: str | None = None,
+        language: str | None = None,
+        timestamps: bool = False,
+        beam_size: int | None = None,
+        word_timestamps: bool = False,
+    ) -> Hypothesis: ...
+
+    def last_timing(self) -> DecodeTiming | None:
+        """Queue wait and decode time of the calling thread's latest ``transcribe``."""
+        ...
+
+    def detach(self) -> None:
+        """The session using this handle is closing: drop its queued decodes, refuse new ones."""
+        ...
 
 
 def _timed_words(segment) -> list[TimedWord]:
@@ -143,7 +180,15 @@ class WhisperAsr:
                 f"task 'translate' needs a multilingual whisper model; {self.config.model} is English-only",
                 hint="use model whisper-base",
             )
+        self._local = threading.local()
         log.info("whisper %s on %s/%s", self.model_path, self.device, self.compute_type)
+
+    def last_timing(self) -> DecodeTiming | None:
+        """The calling thread's latest ``transcribe``: no queue here, it decodes at once."""
+        return getattr(self._local, "timing", None)
+
+    def detach(self) -> None:
+        """Nothing to drop: this model queues nothing (each session decodes on its own thread)."""
 
     def transcribe(
         self,
@@ -165,7 +210,7 @@ class WhisperAsr:
         lang = language if language is not None else cfg.language
         if not self.multilingual:
             lang = "en"
-        t0 = time.perf_counter()
+        t0, started_s = time.perf_counter(), time.monotonic()
         segments, info = self._model.transcribe(
             audio,
             language=lang,
@@ -195,7 +240,9 @@ class WhisperAsr:
         )
         text = " ".join(s.text for s in decoded if s.text).strip()
         words = tuple(w for s in segments for w in _timed_words(s)) if word_timestamps else ()
-        return Hypothesis(text, decoded, info.language, (time.perf_counter() - t0) * 1000.0, words)
+        decode_ms = (time.perf_counter() - t0) * 1000.0
+        self._local.timing = DecodeTiming(0.0, decode_ms, started_s)
+        return Hypothesis(text, decoded, info.language, decode_ms, words)
 
     async def transcribe_async(self, audio: np.ndarray, **kwargs) -> Hypothesis:
         """``transcribe`` in a worker thread, so the event loop keeps running."""

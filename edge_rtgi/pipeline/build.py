@@ -37,7 +37,7 @@ async def build_stages(session: Session, pipeline: PipelineConfig, resources: Re
         elif isinstance(cfg, AsrConfig):
             if session.settings.turn_mode == "semantic":  # the pipeline's own mode: prepare loaded it
                 await asyncio.to_thread(resources.turn_model, cfg.turn_detection.model)
-            stages.append(AsrStage(session, cfg, resources.whisper(cfg), queue, resources))
+            stages.append(AsrStage(session, cfg, resources.asr(cfg), queue, resources))
         elif isinstance(cfg, AssistantStageConfig):
             backend = await asyncio.to_thread(resources.text_backend, cfg)  # loaded by prepare
             if backend is None:

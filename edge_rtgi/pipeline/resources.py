@@ -33,7 +33,8 @@ from edge_rtgi.pipeline.config import (
 )
 
 if TYPE_CHECKING:
-    from edge_rtgi.asr.whisper import WhisperAsr
+    from edge_rtgi.asr.batch import SharedWhisper, StepStats
+    from edge_rtgi.asr.whisper import Transcriber, WhisperAsr
     from edge_rtgi.llm.engine import LLMEngine, Prompt
     from edge_rtgi.llm.request import Usage
     from edge_rtgi.tts.base import TtsEngine
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 _Model = TypeVar("_Model")
 
 
-def _run_whisper_once(model: WhisperAsr) -> None:
+def _run_whisper_once(model: Transcriber) -> None:
     import numpy as np
 
     silence = np.zeros(16000, dtype=np.float32)
@@ -100,6 +101,8 @@ class Resources:
         self.engine_config = engine_config or EngineConfig()
         self._engines: dict[str, LLMEngine] = {}
         self._whispers: dict[AsrConfig, WhisperAsr] = {}
+        self._shared_asr: dict[AsrConfig, SharedWhisper] = {}
+        self._asr_step_listeners: list[Callable[[str, StepStats], None]] = []
         self._voices: dict[str, TtsEngine] = {}
         self._turn_models: dict[str, TurnModelLoad] = {}
         self._lock = threading.Lock()
@@ -154,15 +157,42 @@ class Resources:
         return RouterBackend(stage.router, [self.llm_backend(spec) for spec in specs], self.backend_observers)
 
     def whisper(self, cfg: AsrConfig) -> WhisperAsr:
-        """The shared ``WhisperAsr`` for this model and decoding setup."""
+        """The loaded ``WhisperAsr`` for this model and decoding setup (sessions decode on it
+        directly when ``cfg.shared`` is false)."""
         key = _whisper_key(cfg)
         with self._lock:
             if key not in self._whispers:
                 from edge_rtgi.asr.whisper import WhisperAsr
 
                 log.info("loading whisper %s", cfg.model)
-                self._whispers[key] = WhisperAsr(key, num_workers=2)
+                # one CTranslate2 worker when an engine serialises the decodes: concurrent
+                # ones would only split the same cores (issue 27)
+                self._whispers[key] = WhisperAsr(key, num_workers=1 if cfg.shared else 2)
             return self._whispers[key]
+
+    def asr(self, cfg: AsrConfig) -> Transcriber:
+        """What a session's ASR decodes on: the daemon's shared batching engine for this model
+        (``edge_rtgi.asr.batch``), or with ``shared: false`` the model itself."""
+        whisper = self.whisper(cfg)
+        if not cfg.shared:
+            return whisper
+        key = _whisper_key(cfg)
+        with self._lock:
+            if key not in self._shared_asr:
+                from edge_rtgi.asr.batch import SharedWhisper
+
+                engine = SharedWhisper(whisper, cfg.batch_size)
+                for listener in self._asr_step_listeners:
+                    engine.add_step_listener(functools.partial(listener, cfg.model))
+                self._shared_asr[key] = engine
+            return self._shared_asr[key].session()
+
+    def add_asr_step_listener(self, listener: Callable[[str, StepStats], None]) -> None:
+        """``listener(model, stats)`` after every step of every shared ASR engine, now or later."""
+        with self._lock:
+            self._asr_step_listeners.append(listener)
+            for key, engine in self._shared_asr.items():
+                engine.add_step_listener(functools.partial(listener, key.model))
 
     def turn_model(self, name: str) -> TurnModelLoad:
         """The shared smart-turn model, or why it cannot be had (blocking: a worker thread).
@@ -203,7 +233,7 @@ class Resources:
                 await asyncio.to_thread(
                     self._warm,
                     ("asr", _whisper_key(stage)),
-                    functools.partial(self.whisper, stage),
+                    functools.partial(self.asr, stage),
                     _run_whisper_once,
                 )
                 if stage.turn_detection.mode == "semantic":  # loading runs the model once
@@ -288,3 +318,6 @@ class Resources:
         for engine in self._engines.values():
             engine.shutdown()
         self._engines.clear()
+        for asr in self._shared_asr.values():
+            asr.close()
+        self._shared_asr.clear()

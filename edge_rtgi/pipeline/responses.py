@@ -88,6 +88,8 @@ class ResponseState:
             endpointing_ms=_ms(speech_end, endpoint),
             turn_decision_ms=round(t.turn_decision_ms, 1) if t and t.turn_decision_ms is not None else None,
             asr_final_ms=_ms(endpoint, final if t else None),
+            asr_queue_ms=t.asr_queue_ms if t else None,
+            asr_decode_ms=t.asr_decode_ms if t else None,
             llm_ttft_ms=_ms(final, m.get("first_delta")),
             first_clause_ms=_ms(m.get("first_delta"), m.get("first_clause")),
             tts_first_chunk_ms=_ms(m.get("first_clause"), m.get("first_audio")),

@@ -85,6 +85,7 @@ class Daemon:
         self.metrics = Metrics()
         self.metrics.add_engines(resources.engines)
         resources.add_request_listener(self.metrics.observe_request)
+        resources.add_asr_step_listener(self.metrics.observe_asr_step)
         resources.backend_observers.observers.append(self.metrics)
         self.sessions: set[Session] = set()
         self.connections: set[ClientSocket] = set()

@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from edge_rtgi import frames as F
 
 if TYPE_CHECKING:
+    from edge_rtgi.asr.batch import StepStats
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.request import Usage
     from edge_rtgi.pipeline.backends.base import BackendResult, RouteDecision
@@ -41,6 +42,8 @@ ASR_FINAL_BUCKETS_MS = (50, 100, 150, 200, 300, 400, 500, 750, 1000, 1500, 2000,
 TTS_FIRST_AUDIO_BUCKETS_MS = (25, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000)
 ENDPOINTING_BUCKETS_MS = (50, 100, 150, 200, 250, 300, 400, 500, 750, 1000, 1500, 2000)
 TURN_DECISION_BUCKETS_MS = (5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500)
+ASR_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
+ASR_QUEUE_BUCKETS_MS = (1, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 2000, 5000)
 
 
 class Metrics:
@@ -92,6 +95,26 @@ class Metrics:
             "edge_rtgi_asr_final_ms",
             "End of turn to final transcript, per turn (ms)",
             buckets=ASR_FINAL_BUCKETS_MS,
+            registry=r,
+        )
+        self.asr_batch_size = Histogram(
+            "edge_rtgi_asr_batch_size",
+            "Decodes per step of the shared ASR engine, per step",
+            ["model"],
+            buckets=ASR_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.asr_queue_wait_ms = Histogram(
+            "edge_rtgi_asr_queue_wait_ms",
+            "Shared ASR engine: a decode asked for -> its step began, per decode (ms)",
+            ["model", "kind"],
+            buckets=ASR_QUEUE_BUCKETS_MS,
+            registry=r,
+        )
+        self.asr_turn_queue_ms = Histogram(
+            "edge_rtgi_asr_final_queue_ms",
+            "Of the ASR final's time after the endpoint, the wait for a shared-engine step, per turn (ms)",
+            buckets=ASR_QUEUE_BUCKETS_MS,
             registry=r,
         )
         self.tts_first_audio_ms = Histogram(
@@ -169,12 +192,19 @@ class Metrics:
                 (stats.endpointing_ms, self.endpointing_ms),
                 (stats.turn_decision_ms, self.turn_decision_ms),
                 (stats.asr_final_ms, self.asr_final_ms),
+                (stats.asr_queue_ms, self.asr_turn_queue_ms),
                 (stats.tts_first_chunk_ms, self.tts_first_audio_ms),
             ):
                 if value is not None:
                     histogram.observe(value)
         elif isinstance(event, F.ErrorEvent):
             self.errors.labels(code=event.code).inc()
+
+    def observe_asr_step(self, model: str, stats: StepStats) -> None:
+        """A shared ASR engine step finished (called on its thread; the client is thread-safe)."""
+        self.asr_batch_size.labels(model=model).observe(stats.batch_size)
+        for wait_ms, final in zip(stats.queue_wait_ms, stats.job_finals, strict=True):
+            self.asr_queue_wait_ms.labels(model=model, kind="final" if final else "partial").observe(wait_ms)
 
     def observe_request(self, model: str, finish_reason: str, usage: Usage | None) -> None:
         """An engine request finished (called on the engine's thread; the client is thread-safe)."""

@@ -49,3 +49,21 @@ def test_each_daemon_has_its_own_registry():
     a.sessions.inc()
     assert samples(a)[("edge_rtgi_sessions_total", ())] == 1
     assert samples(b)[("edge_rtgi_sessions_total", ())] == 0
+
+
+def test_asr_steps_and_turn_queue_wait_move_their_series():
+    from edge_rtgi.asr.batch import StepStats
+
+    m = Metrics()
+    m.observe_asr_step("whisper-tiny.en", StepStats(3, 2, 1, (12.0, 40.0, 250.0), (True, True, False), 400.0))
+    m.observe_event(
+        F.ResponseDone("r", "completed", "Hi.", F.TurnStats(asr_queue_ms=40.0, asr_decode_ms=300.0))
+    )
+    s = samples(m)
+    model = ("model", "whisper-tiny.en")
+    assert s[("edge_rtgi_asr_batch_size_sum", (model,))] == 3
+    assert s[("edge_rtgi_asr_batch_size_count", (model,))] == 1
+    finals = (("kind", "final"), model)
+    assert s[("edge_rtgi_asr_queue_wait_ms_count", finals)] == 2
+    assert s[("edge_rtgi_asr_queue_wait_ms_sum", (("kind", "partial"), model))] == 250.0
+    assert s[("edge_rtgi_asr_final_queue_ms_sum", ())] == 40.0

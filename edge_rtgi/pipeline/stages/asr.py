@@ -45,7 +45,7 @@ from edge_rtgi.asr.turn import (
     is_backchannel,
 )
 from edge_rtgi.asr.vad import SileroVad
-from edge_rtgi.asr.whisper import WhisperAsr
+from edge_rtgi.asr.whisper import Transcriber
 from edge_rtgi.audio.pcm import Resampler
 from edge_rtgi.pipeline.stage import AsrContext, Stage
 
@@ -87,7 +87,7 @@ class AsrStage(Stage[AsrInput]):
         self,
         ctx: AsrContext,
         config: AsrConfig,
-        whisper: WhisperAsr,
+        whisper: Transcriber,
         inbox_frames: int,
         turn_models: TurnModelSource | None = None,
     ):
@@ -182,6 +182,7 @@ class AsrStage(Stage[AsrInput]):
 
     async def close(self) -> None:
         await super().close()
+        self.whisper.detach()  # a decode still queued in the shared engine frees its slot now
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.transcriber is not None:
             self.transcriber.close()
@@ -300,6 +301,8 @@ class AsrStage(Stage[AsrInput]):
             speech_end_t_s=self.clock.time_of(int(ev.speech_end_audio_s * SAMPLE_RATE_HZ)),
             endpoint_t_s=endpoint_t_s,
             turn_decision_ms=ev.turn_decision_ms,
+            asr_queue_ms=ev.final_queue_ms,
+            asr_decode_ms=round(ev.final_decode_ms, 1),
             backchannel=backchannel,
         )
         if self.ctx.settings.turn_detection:
