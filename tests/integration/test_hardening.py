@@ -11,6 +11,7 @@ import base64
 import gc
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -214,6 +215,72 @@ async def test_closed_sessions_are_freed(daemon):
     gc.collect()
     alive = [r for r in refs if r() is not None]
     assert not alive, f"{len(alive)} of {len(refs)} closed sessions are still in memory"
+
+
+def process_resources() -> tuple[int, int]:
+    """(threads, open descriptors) of this process, native threads included (/proc)."""
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+async def mixed_round(daemon, clients: int = 8) -> None:
+    """``clients`` sessions at once over every light pipeline and Realtime, each with a turn;
+    one native client leaves mid-reply."""
+
+    async def native(pipeline: str, leave_mid_reply: bool) -> None:
+        c = await NativeClient.open(daemon.port, f"?pipeline={pipeline}")
+        try:
+            await c.wait_type("session.created")
+            await c.ws.send(np.zeros(8000, np.int16).tobytes())
+            await c.send(type="input_audio.commit")
+            await c.wait_type("input_audio.committed")
+            await c.send(type="text.input", text="The weather is nice today.")
+            await c.wait_type("response.created" if leave_mid_reply else "response.done")
+        finally:
+            await c.close()
+
+    async def over_realtime() -> None:
+        ws = await realtime(daemon.port)
+        try:
+            await realtime_text_turn(ws, "Hello there.")
+            await next_of(ws, "response.done")
+        finally:
+            await ws.close()
+
+    kinds = [
+        lambda: native("tiny-voice", False),
+        lambda: native("tiny-chat", False),
+        lambda: native("tiny-translate", False),
+        over_realtime,
+        lambda: native("tiny-voice", True),
+    ]
+    await asyncio.gather(*(kinds[i % len(kinds)]() for i in range(clients)))
+
+
+async def test_threads_descriptors_and_kv_blocks_return_to_idle_after_sessions(daemon, model):
+    """The soak's idle check, in CI: after a warm-up round, rounds of 8 concurrent sessions
+    (voice, chat, translation, Realtime, one leaving mid-reply) leave no thread, descriptor, KV
+    block or session behind. Without ``start_worker_pool`` it fails: the loop's default executor
+    grew by a thread with a busier moment (docs/reliability.md, "Soak")."""
+    from edge_rtgi.server.app import start_worker_pool
+
+    start_worker_pool(asyncio.get_running_loop())  # as ``edge-rtgi serve`` does
+    engine = daemon.resources.llm(model)
+    await mixed_round(daemon)  # warm-up: what is made once, on first use, is part of idle
+
+    async def settled() -> tuple[int, int]:
+        assert await wait_until(lambda: not daemon.sessions and engine.stats().kv_blocks_used == 0)
+        await asyncio.sleep(0.5)  # closed sessions' ASR threads end just after the close
+        gc.collect()
+        return process_resources()
+
+    idle = await settled()
+    for _ in range(2):
+        await mixed_round(daemon)
+    after = await settled()
+    if after != idle:  # a thread may still be ending: give it a moment before judging
+        await wait_until(lambda: process_resources() == idle, timeout_s=10.0)
+        after = process_resources()
+    assert after == idle, f"(threads, descriptors) idle {idle}, after the sessions {after}"
 
 
 async def test_history_is_bounded_and_tokenized_off_the_event_loop(daemon, model, monkeypatch):
