@@ -12,9 +12,11 @@ questions are streamed at real time, one voice turn at a time, in three interlea
 - ``unlimited`` (the baseline the limit is judged against): the same flood with the limit off.
 
 It prints the median and p95 client-side voice-to-voice latency per condition, their ratios to
-``idle`` from the same run, the text requests completed and refused, and the load average.
+``idle`` from the same run, the text requests completed and refused, the load average, and the
+issue's verdict: the ``flood`` p95 within ``--max-p95-ratio`` (1.5) of ``idle`` (exit status 1
+when not). The issue asks for at least 20 voice rounds per condition.
 
-    PYTHONPATH=. python scripts/bench_overload.py --rounds 8 [--json out.json]
+    PYTHONPATH=. flock /tmp/bench.lock python scripts/bench_overload.py --rounds 20 [--json out.json]
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ def set_text_slots(daemon, slots: int) -> None:
 
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=8, help="voice turns per condition")
+    ap.add_argument("--rounds", type=int, default=20, help="voice turns per condition")
+    ap.add_argument("--max-p95-ratio", type=float, default=1.5, help="flood p95 / idle p95 allowed")
     ap.add_argument("--text-slots", type=int, default=1, help="server.max_text_requests")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -115,10 +118,16 @@ async def main() -> int:
             for cond, v in rows.items()
         },
     }
+    flood_ratio = pct(rows["flood"], 0.95) / idle_p95
+    report["verdict"] = {
+        "flood_p95_ratio_to_idle": round(flood_ratio, 3),
+        "max_p95_ratio": args.max_p95_ratio,
+        "voice_keeps_its_latency": flood_ratio <= args.max_p95_ratio,
+    }
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0
+    return 0 if flood_ratio <= args.max_p95_ratio else 1
 
 
 if __name__ == "__main__":

@@ -67,9 +67,10 @@ def _load(args: argparse.Namespace) -> tuple[Any, dict]:
 
 async def _serve(config: Any, pipelines: dict) -> int:
     from edge_rtgi.pipeline.resources import Resources
-    from edge_rtgi.server.app import Daemon
+    from edge_rtgi.server.app import Daemon, start_worker_pool
 
     config.server.check_bind()  # refuse an unsafe bind before spending time on models
+    start_worker_pool(asyncio.get_running_loop())
     if config.wyoming.uri is not None:
         config.wyoming.check_bind()
     resources = Resources(config.engine)

@@ -25,7 +25,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +48,7 @@ from edge_rtgi.server.metrics import CONTENT_TYPE, Metrics
 if TYPE_CHECKING:
     from edge_rtgi.server.wyoming import WyomingServer
 
-__all__ = ["Daemon", "origin_allowed"]
+__all__ = ["Daemon", "origin_allowed", "start_worker_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,26 @@ SHUTDOWN_GRACE_S = 1.0
 FLUSH_S = 1.0
 
 SocketHandler = Callable[["Daemon", ClientSocket], Awaitable[None]]
+
+# Python's own size for the default executor (short blocking work: tokenizing, prompt rendering)
+WORKER_THREADS = min(32, (os.cpu_count() or 1) + 4)
+
+
+def start_worker_pool(loop: asyncio.AbstractEventLoop, workers: int = WORKER_THREADS) -> ThreadPoolExecutor:
+    """Give ``loop`` a default executor of ``workers`` threads, all started now.
+
+    ``ThreadPoolExecutor`` adds a thread only when a task finds none idle and never ends one, so
+    the daemon's thread count crept up with its busiest moment and looked like a leak in the
+    soak. Started at once, the idle thread count is the working one (docs/reliability.md, "Soak").
+    Call it before serving: it waits (milliseconds) for every thread to be running.
+    """
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="edge-rtgi-worker")
+    # each task waits for all the others, so no thread is idle when the next is submitted
+    barrier = threading.Barrier(workers)
+    for started in [pool.submit(barrier.wait, 30.0) for _ in range(workers)]:
+        started.result()
+    loop.set_default_executor(pool)
+    return pool
 
 
 def text_response(status: HTTPStatus, body: str, content_type: str = "text/plain") -> web.Response:

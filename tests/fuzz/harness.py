@@ -178,6 +178,9 @@ class FuzzClient:
 
 
 async def _serve_forever(folder: Path, default_pipeline: str, max_sessions: int) -> None:
+    from edge_rtgi.server.app import start_worker_pool
+
+    start_worker_pool(asyncio.get_running_loop())  # as ``edge-rtgi serve`` does
     d = light_daemon(tiny_model(folder), default_pipeline=default_pipeline, max_sessions=max_sessions)
     for pipeline in d.pipelines.values():
         await d.resources.prepare(pipeline)

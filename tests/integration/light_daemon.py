@@ -1,8 +1,8 @@
 """A light daemon for the hardening and fuzzing tests: whisper tiny.en, a tiny seeded LLM and
 espeak-ng, so a module starts in seconds and turns take a fraction of a second.
 
-Two pipelines: ``tiny-voice`` (ASR -> assistant -> espeak TTS, the default) and
-``tiny-chat`` (ASR -> assistant, text only).
+Three pipelines: ``tiny-voice`` (ASR -> assistant -> espeak TTS, the default),
+``tiny-chat`` (ASR -> assistant, text only) and ``tiny-translate`` (ASR -> Apertium en-es).
 """
 
 from __future__ import annotations
@@ -36,7 +36,12 @@ def light_pipelines(model: str) -> dict:
         f"  - assistant:\n      model: {model}\n      max_reply_tokens: 12\n",
         "tiny-chat.yaml",
     )
-    return {"tiny-voice": voice, "tiny-chat": chat}
+    translate = parse_pipeline(
+        "name: tiny-translate\nstages:\n  - asr: {model: whisper-tiny.en, language: en}\n"
+        "  - translate: {source_language: en, target_language: es, backend: apertium}\n",
+        "tiny-translate.yaml",
+    )
+    return {"tiny-voice": voice, "tiny-chat": chat, "tiny-translate": translate}
 
 
 def light_daemon(

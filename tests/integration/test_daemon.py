@@ -122,3 +122,19 @@ async def test_serve_notifies_systemd_and_drains_on_sigterm(tmp_path):
             proc.kill()
             await proc.wait()
         notify.close()
+
+
+def test_onnxruntime_keeps_no_device_id_and_queues_no_telemetry(tmp_path):
+    """Found by the soak: the first ONNX model load opened a telemetry event database (three
+    descriptors) and wrote a device id under ~/.cache/Microsoft; onnxruntime's Linux builds
+    upload those events. Importing edge_rtgi opts out before onnxruntime starts."""
+    from edge_rtgi.catalog.cache import cache_dir
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ORT_DISABLE_TELEMETRY", "XDG_CACHE_HOME")}
+    env.update(HOME=str(tmp_path), EDGE_RTGI_MODEL_DIR=str(cache_dir()))
+    load = "from edge_rtgi.asr.vad import SileroVad; SileroVad().reset(); print('loaded')"
+    out = subprocess.run(
+        [sys.executable, "-c", load], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
+    )
+    assert out.returncode == 0 and "loaded" in out.stdout, out.stderr
+    assert not (tmp_path / ".cache" / "Microsoft").exists()

@@ -7,10 +7,13 @@ history that froze the event loop, per-session memory, auth and exposure, and th
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import json
 import logging
+import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -214,6 +217,72 @@ async def test_closed_sessions_are_freed(daemon):
     assert not alive, f"{len(alive)} of {len(refs)} closed sessions are still in memory"
 
 
+def process_resources() -> tuple[int, int]:
+    """(threads, open descriptors) of this process, native threads included (/proc)."""
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+async def mixed_round(daemon, clients: int = 8) -> None:
+    """``clients`` sessions at once over every light pipeline and Realtime, each with a turn;
+    one native client leaves mid-reply."""
+
+    async def native(pipeline: str, leave_mid_reply: bool) -> None:
+        c = await NativeClient.open(daemon.port, f"?pipeline={pipeline}")
+        try:
+            await c.wait_type("session.created")
+            await c.ws.send(np.zeros(8000, np.int16).tobytes())
+            await c.send(type="input_audio.commit")
+            await c.wait_type("input_audio.committed")
+            await c.send(type="text.input", text="The weather is nice today.")
+            await c.wait_type("response.created" if leave_mid_reply else "response.done")
+        finally:
+            await c.close()
+
+    async def over_realtime() -> None:
+        ws = await realtime(daemon.port)
+        try:
+            await realtime_text_turn(ws, "Hello there.")
+            await next_of(ws, "response.done")
+        finally:
+            await ws.close()
+
+    kinds = [
+        lambda: native("tiny-voice", False),
+        lambda: native("tiny-chat", False),
+        lambda: native("tiny-translate", False),
+        over_realtime,
+        lambda: native("tiny-voice", True),
+    ]
+    await asyncio.gather(*(kinds[i % len(kinds)]() for i in range(clients)))
+
+
+async def test_threads_descriptors_and_kv_blocks_return_to_idle_after_sessions(daemon, model):
+    """The soak's idle check, in CI: after a warm-up round, rounds of 8 concurrent sessions
+    (voice, chat, translation, Realtime, one leaving mid-reply) leave no thread, descriptor, KV
+    block or session behind. Without ``start_worker_pool`` it fails: the loop's default executor
+    grew by a thread with a busier moment (docs/reliability.md, "Soak")."""
+    from edge_rtgi.server.app import start_worker_pool
+
+    start_worker_pool(asyncio.get_running_loop())  # as ``edge-rtgi serve`` does
+    engine = daemon.resources.llm(model)
+    await mixed_round(daemon)  # warm-up: what is made once, on first use, is part of idle
+
+    async def settled() -> tuple[int, int]:
+        assert await wait_until(lambda: not daemon.sessions and engine.stats().kv_blocks_used == 0)
+        await asyncio.sleep(0.5)  # closed sessions' ASR threads end just after the close
+        gc.collect()
+        return process_resources()
+
+    idle = await settled()
+    for _ in range(2):
+        await mixed_round(daemon)
+    after = await settled()
+    if after != idle:  # a thread may still be ending: give it a moment before judging
+        await wait_until(lambda: process_resources() == idle, timeout_s=10.0)
+        after = process_resources()
+    assert after == idle, f"(threads, descriptors) idle {idle}, after the sessions {after}"
+
+
 async def test_history_is_bounded_and_tokenized_off_the_event_loop(daemon, model, monkeypatch):
     """The probe: a client with a long history froze every session for seconds, because each
     turn re-tokenized the whole history, repeatedly, on the event loop."""
@@ -379,6 +448,154 @@ async def test_a_failing_stage_ends_only_its_own_response(daemon, caplog):
     assert [r for r in caplog.records if r.exc_info and "injected TTS fault" in str(r.exc_info[1])]
 
 
+def session_of(daemon, c: NativeClient):
+    """The daemon's session behind native client ``c``."""
+    sid = c.of("session.created")[0]["session_id"]
+    return next(s for s in daemon.sessions if s.session_id == sid)
+
+
+def logged_bug(caplog, text: str) -> bool:
+    """The injected fault was logged once, with its traceback, as a server fault."""
+    return any(r.exc_info and text in str(r.exc_info[1]) for r in caplog.records)
+
+
+async def test_a_failing_asr_step_reaches_only_its_own_session(daemon, caplog):
+    """A bug on one session's ASR worker thread: that session gets an error event, the other
+    session's turn completes, and the same session's ASR goes on once the fault is gone."""
+    caplog.set_level(logging.INFO)
+    a = await NativeClient.open(daemon.port, "?pipeline=tiny-chat")
+    b = await NativeClient.open(daemon.port, "?pipeline=tiny-chat")
+    try:
+        await a.wait_type("session.created")
+        await b.wait_type("session.created")
+        asr = session_of(daemon, a)._stages[0]
+        assert asr.name == "asr"
+        worker_threads: list[str] = []
+
+        def broken(*args):
+            worker_threads.append(threading.current_thread().name)
+            raise RuntimeError("injected ASR fault")
+
+        asr._step = broken
+        await a.ws.send(np.zeros(8000, np.int16).tobytes())
+        err = await a.wait_type("error")
+        assert err["code"] == "internal_error" and "asr" in err["message"]
+        assert "RuntimeError" not in err["message"] and "injected" not in err["message"]
+        assert worker_threads and worker_threads[0] != threading.current_thread().name
+        assert (await native_turn_works(b))["status"] == "completed"
+        del asr._step  # the fault is gone: the same session's ASR takes audio and a commit again
+        await a.ws.send(np.zeros(8000, np.int16).tobytes())
+        await a.send(type="input_audio.commit")
+        await a.wait_type("input_audio.committed")
+        assert (await native_turn_works(a))["status"] == "completed"
+        assert len(a.of("error")) == 1 and not b.of("error")
+    finally:
+        await a.close()
+        await b.close()
+    assert logged_bug(caplog, "injected ASR fault")
+
+
+async def test_a_failing_translate_stage_ends_only_its_own_response(daemon, caplog):
+    caplog.set_level(logging.INFO)
+    a = await NativeClient.open(daemon.port, "?pipeline=tiny-translate")
+    b = await NativeClient.open(daemon.port, "?pipeline=tiny-translate")
+    try:
+        await a.wait_type("session.created")
+        await b.wait_type("session.created")
+        translate = session_of(daemon, a)._stages[1]
+        assert translate.name == "translate" and translate.apertium is not None
+
+        async def broken(text: str) -> str:
+            raise RuntimeError("injected translate fault")
+
+        translate.apertium.translate = broken
+        await a.send(type="text.input", text="The weather is nice today.")
+        done = await a.wait_type("response.done")
+        err = a.of("error")[-1]
+        assert done["status"] == "failed" and err["code"] == "internal_error"
+        assert "translate" in err["message"] and "RuntimeError" not in err["message"]
+        other = await native_turn_works(b, "The weather is nice today.")
+        assert other["status"] == "completed" and other["text"] and "weather" not in other["text"]
+        del translate.apertium.translate
+        again = await native_turn_works(a, "The weather is nice today.")
+        assert again["status"] == "completed" and again["text"] == other["text"]
+        assert not b.of("error")
+    finally:
+        await a.close()
+        await b.close()
+    assert logged_bug(caplog, "injected translate fault")
+
+
+async def test_one_requests_engine_fault_fails_only_that_response(daemon, model, monkeypatch):
+    """NaN logits for one session's request, in a step it shares with another session's: only
+    that response fails (an error event), the other completes, the KV blocks come back, and
+    both sessions answer afterwards."""
+    engine = daemon.resources.llm(model)
+    a = await NativeClient.open(daemon.port, "?pipeline=tiny-chat")
+    b = await NativeClient.open(daemon.port, "?pipeline=tiny-chat")
+    try:
+        await a.wait_type("session.created")
+        await b.wait_type("session.created")
+        victim = session_of(daemon, a)
+        sample = engine.runner._sample
+        shared_steps: list[int] = []
+
+        def poisoned(request_ids, logits, params):  # on the engine thread, inside a real step
+            rows = [i for i, rid in enumerate(request_ids) if rid in victim.responses]
+            if rows:
+                shared_steps.append(len(request_ids))
+                logits = logits.clone()
+                logits[rows] = float("nan")
+            return sample(request_ids, logits, params)
+
+        monkeypatch.setattr(engine.runner, "_sample", poisoned)
+        await asyncio.gather(
+            a.send(type="text.input", text="Hello there."), b.send(type="text.input", text="Hi.")
+        )
+        failed, completed = await asyncio.gather(a.wait_type("response.done"), b.wait_type("response.done"))
+        assert failed["status"] == "failed" and completed["status"] == "completed"
+        err = a.of("error")[-1]
+        assert err["code"] == "stage_failed" and "NaN" in err["message"] and not b.of("error")
+        assert shared_steps
+        monkeypatch.undo()
+        assert await wait_until(lambda: engine.stats().kv_blocks_used == 0)
+        assert (await native_turn_works(a))["status"] == "completed"
+        assert (await native_turn_works(b))["status"] == "completed"
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_crashed_engine_step_fails_its_requests_and_the_engine_goes_on(
+    daemon, model, monkeypatch, caplog
+):
+    caplog.set_level(logging.INFO)
+    engine = daemon.resources.llm(model)
+    execute = engine.runner.execute
+    crashes: list[int] = []
+
+    def crash_once(output, params):
+        if not crashes:
+            crashes.append(len(output.scheduled))
+            raise RuntimeError("injected engine step fault")
+        return execute(output, params)
+
+    monkeypatch.setattr(engine.runner, "execute", crash_once)
+    a = await NativeClient.open(daemon.port, "?pipeline=tiny-chat")
+    try:
+        await a.wait_type("session.created")
+        await a.send(type="text.input", text="Hello there.")
+        done = await a.wait_type("response.done")
+        assert done["status"] == "failed" and a.of("error")[-1]["code"] == "stage_failed"
+        assert crashes and engine.running_in_thread
+        assert (await http_get(daemon.port, "/healthz"))[0] == 200
+        assert await wait_until(lambda: engine.stats().kv_blocks_used == 0)
+        assert (await native_turn_works(a))["status"] == "completed"
+    finally:
+        await a.close()
+    assert logged_bug(caplog, "injected engine step fault")
+
+
 async def test_a_busy_engine_refusal_reaches_native_and_realtime_clients(daemon, model, monkeypatch):
     """The engine's slo admission refusing a turn (its estimate is unit-tested with the
     scheduler): the native client gets error code busy with a retry hint, the Realtime client
@@ -457,6 +674,56 @@ async def test_message_floods_and_audio_faster_than_real_time_are_dropped_with_w
         await c.wait_type("pong", id="still")
     finally:
         await c.close()
+        await d.drain(timeout_s=0.5)
+
+
+async def test_realtime_audio_faster_than_real_time_is_dropped_with_a_warning(model, daemon):
+    """The Realtime endpoint has the native protocol's audio limit: past ``max_audio_speed``
+    (with 30 s of slack) appended audio is dropped with an error event, never buffered."""
+    d = light_daemon(model, daemon.resources, max_audio_speed=1.0)
+    await d.start()
+    ws = await realtime(d.port)
+    try:
+        three_s = base64.b64encode(np.zeros(3 * 24000, np.int16).tobytes()).decode()
+        (sock,) = d.connections
+        start_s = time.monotonic()
+        for _ in range(20):  # 60 s of audio at once
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": three_s}))
+        await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": "nope"}))
+        error = (await next_of(ws, "error"))["error"]
+        assert error["code"] == "audio_too_fast" and "faster than real time" in error["message"]
+        # the marker sent after the audio is answered: every append has been handled, and the
+        # connection is still served
+        assert (await next_of(ws, "error"))["error"]["code"] == "item_not_found"
+        elapsed_s = time.monotonic() - start_s
+        admitted_s = 60.0 - sock.limits.dropped_audio_s
+        assert sock.limits.dropped_audio_s > 0 and admitted_s <= 30.0 + elapsed_s + 3.0
+    finally:
+        await ws.close()
+        await d.drain(timeout_s=0.5)
+
+
+async def test_past_max_sessions_a_connection_gets_a_clear_refusal(model, daemon):
+    d = light_daemon(model, daemon.resources, max_sessions=2)
+    await d.start()
+    a = await NativeClient.open(d.port, "?pipeline=tiny-chat")
+    ws = await realtime(d.port)
+    try:
+        await a.wait_type("session.created")
+        for url in (f"ws://127.0.0.1:{d.port}/v1/native", f"ws://127.0.0.1:{d.port}/v1/realtime"):
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(url)
+            assert refused.value.response.status_code == 503
+            assert b"session limit reached (2)" in refused.value.response.body
+        assert (await native_turn_works(a))["status"] == "completed"  # the admitted go on
+        await ws.close()
+        assert await wait_until(lambda: len(d.connections) == 1)
+        b = await NativeClient.open(d.port, "?pipeline=tiny-chat")  # a freed place is taken again
+        await b.wait_type("session.created")
+        await b.close()
+    finally:
+        await a.close()
+        await ws.close()
         await d.drain(timeout_s=0.5)
 
 

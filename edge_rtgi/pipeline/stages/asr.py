@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
@@ -47,10 +48,13 @@ from edge_rtgi.asr.turn import (
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.asr.whisper import Transcriber
 from edge_rtgi.audio.pcm import Resampler
+from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.pipeline.stage import AsrContext, Stage
 
 if TYPE_CHECKING:
     from edge_rtgi.pipeline.session import SessionSettings
+
+log = logging.getLogger(__name__)
 
 
 class _ArrivalClock:
@@ -197,7 +201,13 @@ class AsrStage(Stage[AsrInput]):
                 frames.append(self.inbox.get_nowait())
             try:
                 await self._batch(loop, frames)
-            except Exception as exc:  # noqa: BLE001 - a failed decode loses one step, not the session
+            except EdgeRtgiError as exc:  # a step we cannot serve: said to the client, no traceback
+                log.info("stage %s refused a step: %.200s", self.name, exc.message)
+                self.ctx.stage_failed(self, frames[-1], exc)
+            except Exception as exc:  # a failed decode loses one step, not the session
+                # a bug of ours: the operator gets the traceback (stage_failed tells the client
+                # without internals), as every other stage does
+                log.exception("stage %s failed on a step of %d frames", self.name, len(frames))
                 self.ctx.stage_failed(self, frames[-1], exc)
 
     async def _batch(self, loop: asyncio.AbstractEventLoop, frames: list[AsrInput]) -> None:
