@@ -33,6 +33,7 @@ from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, St
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
+from edge_rtgi.llm.kv.window import windowed_groups
 from edge_rtgi.llm.model import Transformer
 from edge_rtgi.llm.request import (
     Request,
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
     from edge_rtgi.llm.weights import LoadedModel
 
 log = logging.getLogger(__name__)
+
+# max_model_len under kv_window when none is set: a request is bounded by its max_tokens alone
+UNBOUNDED_MODEL_LEN = 1 << 30
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DeltaSink = Callable[[RequestDelta], None]
@@ -121,11 +125,16 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         mcfg = model.config
-        self.max_model_len = min(
-            self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
+        window = self.config.kv_window
+        if window is None:
+            self.max_model_len = min(
+                self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+            )
+        else:  # positions stay in range however long a request runs (kv.window)
+            window.check_positions(mcfg.max_position_embeddings, self.config.max_num_batched_tokens)
+            self.max_model_len = self.config.max_model_len or UNBOUNDED_MODEL_LEN
         num_blocks = self.config.resolve_num_blocks(mcfg, model.dtype)
-        groups = mcfg.kv_groups()
+        groups = windowed_groups(mcfg.kv_groups(), window)
         self.kv = KVCacheManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching, groups
         )

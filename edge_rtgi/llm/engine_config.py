@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edge_rtgi.llm.kv.window import KVWindow
+
 if TYPE_CHECKING:  # pragma: no cover
     from edge_rtgi.llm.kv.manager import KVCacheManager
     from edge_rtgi.llm.model import ModelConfig
@@ -26,6 +28,11 @@ class EngineConfig:
     ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
     gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
     ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales.
+    ``kv_window``: attention sinks plus a sliding window for every layer (StreamingLLM,
+    ``kv.window``): each query sees the first ``sink_tokens`` and the last ``window_tokens``
+    tokens, the blocks between are freed, and a request may then run past the model's context
+    window (``max_model_len`` is no longer capped by it; unset, a request is bounded only by its
+    ``max_tokens``). None: every layer sees the whole context (the model's own windows apply).
     ``scheduling``: "fcfs" (priority, then arrival) or "slo" (classes, deadlines and a fitted
     step-time model; ``edge_rtgi.llm.scheduler``); ``min_prefill_chunk_tokens`` is the least
     prefill a step carries under "slo" while decodes run.
@@ -46,6 +53,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
+    kv_window: KVWindow | None = None
     scheduling: str = "fcfs"
     min_prefill_chunk_tokens: int = 16
     # slo: a dialogue or bulk request whose estimated queue wait passes this many times its TTFT
@@ -71,6 +79,11 @@ class EngineConfig:
             raise ValueError(f"decode_mode must be 'padded' or 'per_seq', got {self.decode_mode!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_window is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                "kv_window needs enable_chunked_prefill: true (a prompt longer than the context "
+                "window must be computed in steps)"
+            )
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.min_prefill_chunk_tokens < 1:
