@@ -31,6 +31,7 @@ from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
+from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import windowed_groups
@@ -138,7 +139,16 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching, groups
         )
-        storage_cls = Int8PagedKVStorage if self.config.kv_dtype == "int8" else PagedKVStorage
+        storage_cls: type[PagedKVStorage] = PagedKVStorage
+        if self.config.kv_dtype == "int8":
+            storage_cls = Int8PagedKVStorage
+        elif self.config.kv_dtype == "int4":
+            if len(groups) > 1:  # its open-block bookkeeping is per step, for one slot mapping
+                raise ValueError(
+                    f"kv_dtype int4 needs a model with one KV group; {mcfg.arch} has {len(groups)} "
+                    "(per-layer windows): use kv_dtype auto or int8"
+                )
+            storage_cls = Int4KIVIPagedKVStorage
         self.storage = storage_cls(
             layers_per_block(mcfg),
             num_blocks,

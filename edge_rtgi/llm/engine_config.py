@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from edge_rtgi.llm.scheduler import Scheduler, SchedulerOutput
     from edge_rtgi.llm.step_model import StepModelSnapshot
 
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "slo")  # edge_rtgi.llm.scheduler.POLICIES (kept torch-free there)
 
 
@@ -27,7 +27,8 @@ class EngineConfig:
     ``max_model_len`` (tokens) defaults to the model's context window.
     ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
     gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
-    ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales.
+    ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales, "int4"
+    KIVI-style (keys per channel over a block, values per token in groups; ``kv.int4``).
     ``kv_window``: attention sinks plus a sliding window for every layer (StreamingLLM,
     ``kv.window``): each query sees the first ``sink_tokens`` and the last ``window_tokens``
     tokens, the blocks between are freed, and a request may then run past the model's context
@@ -99,10 +100,12 @@ class EngineConfig:
         """Blocks in the pool: ``num_kv_blocks``, or what ``kv_cache_memory_mb`` holds."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
+        from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
         from edge_rtgi.llm.kv.storage import PagedKVStorage
 
         elem_dtype = torch.int8 if self.kv_dtype == "int8" else dtype
-        per_block = PagedKVStorage.bytes_per_block(
+        storage_cls = Int4KIVIPagedKVStorage if self.kv_dtype == "int4" else PagedKVStorage
+        per_block = storage_cls.bytes_per_block(
             layers_per_block(model_config),
             self.block_size,
             model_config.num_kv_heads,
