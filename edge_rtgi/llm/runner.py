@@ -165,14 +165,38 @@ class ModelRunner:
         new = slots.gather(1, (ctx_len - 1)[:, None]).squeeze(1)
         # Released blocks (sliding window) inside a sequence's own context must be masked out.
         holes = any(-1 in t[: -(-c // bs)] for t, c in zip(tables, ctx, strict=True))
-        if min(ctx) == longest and window is None and not holes:
+        if holes:
+            return self._live_decodes(tables, ctx, window, sinks)
+        if min(ctx) == longest and window is None:
             return slots, None, new
         positions = torch.arange(longest, device=self.device)[None, :]
         allowed = positions < ctx_len[:, None]
         if window is not None:
             allowed &= (positions > (ctx_len - 1 - window)[:, None]) | (positions < sinks)
-        if holes:
-            allowed &= (table >= 0).repeat_interleave(bs, dim=1)[:, :longest]
+        return slots, allowed[:, None, None, :], new
+
+    def _live_decodes(
+        self, tables: list[list[int]], ctx: list[int], window: int | None, sinks: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``_padded_decodes`` where blocks were released: only live blocks are gathered, so a
+        windowed sequence's attention costs its sinks and window, not its whole history."""
+        bs = self.block_size
+        live = [
+            [(i, b) for i, b in enumerate(t[: -(-c // bs)]) if b >= 0]
+            for t, c in zip(tables, ctx, strict=True)
+        ]
+        width = max(len(row) for row in live)
+        logical = [[i for i, _ in row] + [-1] * (width - len(row)) for row in live]
+        ids = [[b for _, b in row] + [-1] * (width - len(row)) for row in live]
+        table = torch.tensor(ids, dtype=torch.long, device=self.device)  # [B, w]
+        index = torch.tensor(logical, dtype=torch.long, device=self.device)
+        slots = (table.clamp_min(0)[:, :, None] * bs + self._offsets).flatten(1)  # [B, w * bs]
+        positions = (index[:, :, None] * bs + self._offsets).flatten(1)  # -1 blocks: negative
+        ctx_len = torch.tensor(ctx, device=self.device)[:, None]
+        allowed = (index >= 0).repeat_interleave(bs, dim=1) & (positions < ctx_len)
+        if window is not None:
+            allowed &= (positions > ctx_len - 1 - window) | (positions < sinks)
+        new = slots.gather(1, (positions == ctx_len - 1).int().argmax(dim=1, keepdim=True)).squeeze(1)
         return slots, allowed[:, None, None, :], new
 
     # --- the step --------------------------------------------------------------------------
