@@ -10,8 +10,8 @@ full-KV engine, every figure measured in the same run.
   nothing in the engine changes). Full cache vs sinks + window vs the same window without
   sinks, overall and per 1,000-token stretch. --past-context-tokens adds a sinks + window run
   longer than the model's 8,192 positions.
-- **Decode tok/s** at 2k and 8k context: 32 greedy tokens after the 2k prompt and after the long
-  text, rate = (n - 1) / (last token time - first token time).
+- **Decode tok/s** at 2k and 8k context: 32 greedy tokens after a 2k prompt and after the long
+  text (no scoring hook), rate = (n - 1) / (last token time - first token time).
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
   full-KV engine's replies against sinks + window with windows of a quarter and an eighth of
   the items' mean prompt length, and int4 KV alone; task retention per distance
@@ -306,11 +306,13 @@ def main() -> int:
             out["long_text"]["sinks_window_past_context"] = res
             print(f"past the context: ppl {res['ppl']:.3f}, per 1000 {res['ppl_per_1000']}", flush=True)
     if "decode" not in skip:
-        out["decode_2k"] = {}
-        for name in ("full", "sinks_window"):
-            result, _ = run_one(engine_for(loaded, configs[name], 256), text[:2000], args.decode_tokens)
-            out["decode_2k"][name] = decode_rate(result)
-            print(f"decode at 2k {name}: {out['decode_2k'][name]:.1f} tok/s", flush=True)
+        out["decode"] = {}
+        for length in (2000, args.text_tokens):
+            for name in ("full", "sinks_window"):
+                engine = engine_for(loaded, configs[name], -(-length // 16) + 64)
+                result, _ = run_one(engine, text[:length], args.decode_tokens)
+                out["decode"][f"{name}_{length}"] = decode_rate(result)
+                print(f"decode at {length} {name}: {decode_rate(result):.1f} tok/s", flush=True)
         load.append(os.getloadavg()[0])
     if "session" not in skip:
         out["session"] = {}
