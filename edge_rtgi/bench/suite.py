@@ -54,7 +54,8 @@ class Optimisations:
     size (tokens per step); ``dtype``/``kv_dtype`` choose the numerics; ``quant`` is the engine's
     ``quant`` setting: "auto" (the engine default, ``edge_rtgi.llm.quant.apply_engine_quant``),
     None for full-precision weights, or an ``apply_quant`` spec (a scheme such as "int8", a plan
-    YAML, or a quantised checkpoint). Later optimisations add fields here.
+    YAML, or a quantised checkpoint). ``kv_window`` is the engine's attention sinks plus sliding
+    window as ``SINKS:WINDOW`` tokens (``4:1024``), or "off". Later optimisations add fields here.
     """
 
     prefix_caching: bool = True
@@ -63,6 +64,7 @@ class Optimisations:
     chunked_prefill: bool = True
     dtype: str = "auto"
     kv_dtype: str = "auto"
+    kv_window: str = "off"  # "SINKS:WINDOW" tokens, e.g. "4:1024" (llm.kv.window)
     quant: str | None = "auto"  # as the engine ships
     scheduling: str = "fcfs"  # or "slo" (llm.scheduler): classes, deadlines, a step-time model
     token_budget: str = "off"  # or "predicted" (bench.budgets): a budget per reply
@@ -74,6 +76,21 @@ class Optimisations:
         if self.scheduling not in ("fcfs", "slo"):
             raise ConfigError(f"scheduling must be fcfs or slo, got {self.scheduling!r}")
         BudgetPolicy(self.token_budget, self.stopping)  # validates both
+        self.window()  # validates kv_window
+
+    def window(self) -> Any:
+        """``kv_window`` as an ``llm.kv.window.KVWindow`` (None when "off")."""
+        from edge_rtgi.llm.kv.window import KVWindow
+
+        if self.kv_window in ("off", "none", ""):
+            return None
+        sinks, sep, window = self.kv_window.partition(":")
+        if not sep or not sinks.strip().isdigit() or not window.strip().isdigit():
+            raise ConfigError(f"kv_window must be off or SINKS:WINDOW (e.g. 4:1024), got {self.kv_window!r}")
+        try:
+            return KVWindow(int(sinks), int(window))
+        except ValueError as exc:
+            raise ConfigError(f"kv_window {self.kv_window!r}: {exc}") from None
 
     @property
     def budgets(self) -> BudgetPolicy:
@@ -86,6 +103,7 @@ class Optimisations:
             model=model,
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
+            kv_window=self.window(),
             enable_prefix_caching=self.prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -101,6 +119,7 @@ class Optimisations:
             self.quant is not None
             or self.dtype not in ("fp32", "float32")
             or self.kv_dtype != "auto"
+            or self.window() is not None
             or self.token_budget != "off"
         )
 

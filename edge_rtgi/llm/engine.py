@@ -31,8 +31,10 @@ from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
+from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
+from edge_rtgi.llm.kv.window import windowed_groups
 from edge_rtgi.llm.model import Transformer
 from edge_rtgi.llm.request import (
     Request,
@@ -59,6 +61,9 @@ if TYPE_CHECKING:
     from edge_rtgi.llm.weights import LoadedModel
 
 log = logging.getLogger(__name__)
+
+# max_model_len under kv_window when none is set: a request is bounded by its max_tokens alone
+UNBOUNDED_MODEL_LEN = 1 << 30
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 DeltaSink = Callable[[RequestDelta], None]
@@ -121,15 +126,29 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         mcfg = model.config
-        self.max_model_len = min(
-            self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
-        )
+        window = self.config.kv_window
+        if window is None:
+            self.max_model_len = min(
+                self.config.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings
+            )
+        else:  # positions stay in range however long a request runs (kv.window)
+            window.check_positions(mcfg.max_position_embeddings, self.config.max_num_batched_tokens)
+            self.max_model_len = self.config.max_model_len or UNBOUNDED_MODEL_LEN
         num_blocks = self.config.resolve_num_blocks(mcfg, model.dtype)
-        groups = mcfg.kv_groups()
+        groups = windowed_groups(mcfg.kv_groups(), window)
         self.kv = KVCacheManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching, groups
         )
-        storage_cls = Int8PagedKVStorage if self.config.kv_dtype == "int8" else PagedKVStorage
+        storage_cls: type[PagedKVStorage] = PagedKVStorage
+        if self.config.kv_dtype == "int8":
+            storage_cls = Int8PagedKVStorage
+        elif self.config.kv_dtype == "int4":
+            if len(groups) > 1:  # its open-block bookkeeping is per step, for one slot mapping
+                raise ValueError(
+                    f"kv_dtype int4 needs a model with one KV group; {mcfg.arch} has {len(groups)} "
+                    "(per-layer windows): use kv_dtype auto or int8"
+                )
+            storage_cls = Int4KIVIPagedKVStorage
         self.storage = storage_cls(
             layers_per_block(mcfg),
             num_blocks,

@@ -7,13 +7,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edge_rtgi.llm.kv.window import KVWindow
+
 if TYPE_CHECKING:  # pragma: no cover
     from edge_rtgi.llm.kv.manager import KVCacheManager
     from edge_rtgi.llm.model import ModelConfig
     from edge_rtgi.llm.scheduler import Scheduler, SchedulerOutput
     from edge_rtgi.llm.step_model import StepModelSnapshot
 
-KV_DTYPES = ("auto", "int8")
+KV_DTYPES = ("auto", "int8", "int4")
 SCHEDULING_POLICIES = ("fcfs", "slo")  # edge_rtgi.llm.scheduler.POLICIES (kept torch-free there)
 
 
@@ -25,7 +27,13 @@ class EngineConfig:
     ``max_model_len`` (tokens) defaults to the model's context window.
     ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
     gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
-    ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales.
+    ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales, "int4"
+    KIVI-style (keys per channel over a block, values per token in groups; ``kv.int4``).
+    ``kv_window``: attention sinks plus a sliding window for every layer (StreamingLLM,
+    ``kv.window``): each query sees the first ``sink_tokens`` and the last ``window_tokens``
+    tokens, the blocks between are freed, and a request may then run past the model's context
+    window (``max_model_len`` is no longer capped by it; unset, a request is bounded only by its
+    ``max_tokens``). None: every layer sees the whole context (the model's own windows apply).
     ``scheduling``: "fcfs" (priority, then arrival) or "slo" (classes, deadlines and a fitted
     step-time model; ``edge_rtgi.llm.scheduler``); ``min_prefill_chunk_tokens`` is the least
     prefill a step carries under "slo" while decodes run.
@@ -46,6 +54,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
+    kv_window: KVWindow | None = None
     scheduling: str = "fcfs"
     min_prefill_chunk_tokens: int = 16
     # slo: a dialogue or bulk request whose estimated queue wait passes this many times its TTFT
@@ -71,6 +80,11 @@ class EngineConfig:
             raise ValueError(f"decode_mode must be 'padded' or 'per_seq', got {self.decode_mode!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_window is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                "kv_window needs enable_chunked_prefill: true (a prompt longer than the context "
+                "window must be computed in steps)"
+            )
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.min_prefill_chunk_tokens < 1:
@@ -86,10 +100,12 @@ class EngineConfig:
         """Blocks in the pool: ``num_kv_blocks``, or what ``kv_cache_memory_mb`` holds."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
+        from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
         from edge_rtgi.llm.kv.storage import PagedKVStorage
 
         elem_dtype = torch.int8 if self.kv_dtype == "int8" else dtype
-        per_block = PagedKVStorage.bytes_per_block(
+        storage_cls = Int4KIVIPagedKVStorage if self.kv_dtype == "int4" else PagedKVStorage
+        per_block = storage_cls.bytes_per_block(
             layers_per_block(model_config),
             self.block_size,
             model_config.num_kv_heads,

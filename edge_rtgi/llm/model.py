@@ -398,11 +398,15 @@ class Transformer(nn.Module):
 # --- Attention over a contiguous cache (the plain path every optimisation is checked against) ---
 
 
-def causal_window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
-    """Boolean mask [Tq, Tk]: True where query at q_pos may attend key at k_pos."""
+def causal_window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None, sink_tokens: int = 0) -> Tensor:
+    """Boolean mask [Tq, Tk]: True where query at q_pos may attend key at k_pos (within the
+    window, or one of the first ``sink_tokens`` positions)."""
     allowed = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
+        in_window = k_pos[None, :] > q_pos[:, None] - window
+        if sink_tokens:
+            in_window |= k_pos[None, :] < sink_tokens
+        allowed &= in_window
     return allowed
 
 

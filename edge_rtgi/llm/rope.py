@@ -75,6 +75,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.attention_scaling = rope_inverse_frequencies(spec)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Past the trained range (only a kv_window session gets there) fp32 angles lose precision
+        # (0.06 rad at a million tokens): those are reduced modulo 2 pi in fp64 first.
+        self.exact_from_position = spec.max_position_embeddings
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [T] -> (cos, signed_sin), each [T, 1, D], computed in fp32 like HF, then cast.
@@ -82,8 +85,25 @@ class RotaryEmbedding(nn.Module):
         The sine's first half is negated here, once per forward pass, so that ``apply_rope``
         needs no negation or concatenation in each of the model's layers.
         """
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        if positions.numel() and int(positions.max()) >= self.exact_from_position:
+            wide = positions.double()[:, None] * self.inv_freq.double()[None, :]
+            freqs = torch.remainder(wide, 2 * math.pi).float()
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        return torch.cat((cos, cos), dim=-1)[:, None].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None].to(
+            dtype
+        )
+
+    def shift(self, offsets: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, signed_sin) [N, 1, D] that move already rotated keys ``offsets`` [N] positions on.
+
+        RoPE rotations compose by adding angles, so ``apply_rope`` with these turns a key rotated
+        for position p into the key for p + offset. No attention scaling (the key has it once
+        already); angles in fp64, since offsets of a long session are large.
+        """
+        freqs = offsets.double()[:, None] * self.inv_freq.double()[None, :]  # [N, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
         return torch.cat((cos, cos), dim=-1)[:, None].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None].to(
             dtype
         )

@@ -15,11 +15,18 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from edge_rtgi.llm.kv.attention import ChunkAttention, PagedAttentionBackend, PagedAttentionMetadata
+from edge_rtgi.llm.kv.attention import (
+    ChunkAttention,
+    PagedAttentionBackend,
+    PagedAttentionMetadata,
+    SinkRope,
+)
 from edge_rtgi.llm.kv.manager import KVGroupSpec
 from edge_rtgi.llm.kv.storage import PagedKVStorage
+from edge_rtgi.llm.kv.window import sink_shift
 from edge_rtgi.llm.model import Transformer, causal_window_mask
 from edge_rtgi.llm.request import TokenLogprob
+from edge_rtgi.llm.rope import RotaryEmbedding
 from edge_rtgi.llm.sampling import SamplingParams, sample_token
 from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -50,6 +57,7 @@ class ModelRunner:
         self.device = model.device
         self.groups = groups if groups is not None else model.config.kv_groups()
         self.layer_map = _layer_map(self.groups, model.config.num_layers)
+        self._rotary = [_rotary_of(model, g) for g in self.groups]  # moves sinks (kv_window)
         self.decode_mode = decode_mode
         self._offsets = torch.arange(self.block_size, device=self.device)
         self._generators: dict[str, torch.Generator | None] = {}
@@ -79,6 +87,7 @@ class ModelRunner:
         self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest], group: int
     ) -> PagedAttentionMetadata:
         window = self.groups[group].window_tokens
+        sinks = self.groups[group].sink_tokens if window is not None else 0
         new_slots: list[Tensor] = []
         padded = mask = per_seq = None
         if decodes and self.decode_mode == "padded":
@@ -90,7 +99,7 @@ class ModelRunner:
                 slots, positions = self._key_slots(sr, group)
                 new_slots.append(slots[-1:])
                 if window is not None:
-                    slots = slots[positions > sr.start_position - window]
+                    slots = slots[(positions > sr.start_position - window) | (positions < sinks)]
                 per_seq.append(slots)
         chunk_md = []
         q_start = len(decodes)
@@ -98,13 +107,23 @@ class ModelRunner:
             slots, positions = self._key_slots(sr, group)
             n = len(sr.token_ids)
             new_slots.append(slots[-n:])
-            plain_causal = window is None and sr.start_position == 0 and len(slots) == n
+            # a window at least as long as the context hides nothing: plain causal, as without one
+            unwindowed = window is None or sr.start_position + n <= window
+            plain_causal = unwindowed and sr.start_position == 0 and len(slots) == n
             chunk_mask = None
             if not plain_causal:
                 q_pos = torch.arange(sr.start_position, sr.start_position + n, device=self.device)
-                chunk_mask = causal_window_mask(q_pos, positions, window)
-            chunk_md.append(ChunkAttention(q_start, n, slots, chunk_mask, plain_causal))
+                chunk_mask = causal_window_mask(q_pos, positions, window, sinks)
+            shift = sink_shift(sr.start_position, window, sinks) if window is not None and sinks else 0
+            rope = self._sink_rope(group, [shift]) if shift else None
+            chunk_md.append(ChunkAttention(q_start, n, slots, chunk_mask, plain_causal, rope))
             q_start += n
+        decode_rope = None
+        if decodes and window is not None and sinks:
+            shifts = [sink_shift(sr.start_position, window, sinks) for sr in decodes]
+            if any(shifts):
+                rope = self._sink_rope(group, shifts)
+                decode_rope = SinkRope(rope.cos[:, None], rope.sin[:, None])  # [B, 1, 1, D]
         return PagedAttentionMetadata(
             slot_mapping=torch.cat(new_slots) if len(new_slots) > 1 else new_slots[0],
             num_decodes=len(decodes),
@@ -112,7 +131,15 @@ class ModelRunner:
             decode_mask=mask,
             decode_seq_slots=per_seq,
             chunks=chunk_md,
+            num_sinks=sinks,
+            decode_sink_rope=decode_rope,
         )
+
+    def _sink_rope(self, group: int, shifts: list[int]) -> SinkRope:
+        """Rotation by ``shifts`` [N] positions -> [N, 1, D] cos/sin (``RotaryEmbedding.shift``)."""
+        offsets = torch.tensor(shifts, dtype=torch.long, device=self.device)
+        cos, sin = self._rotary[group].shift(offsets, self.model.dtype)
+        return SinkRope(cos, sin)
 
     def _padded_decodes(
         self, decodes: list[ScheduledRequest], group: int
@@ -124,8 +151,11 @@ class ModelRunner:
         batch must not grow with a Python loop of small tensor ops.
         """
         bs, window = self.block_size, self.groups[group].window_tokens
+        sinks = self.groups[group].sink_tokens
         ctx = [sr.start_position + 1 for sr in decodes]
         longest = max(ctx)
+        if window is not None and longest <= window:
+            window = None  # no key is outside any sequence's window yet
         num_blocks = -(-longest // bs)
         tables = [sr.block_ids[group][:num_blocks] for sr in decodes]
         rows = [t + [-1] * (num_blocks - len(t)) for t in tables]
@@ -135,14 +165,38 @@ class ModelRunner:
         new = slots.gather(1, (ctx_len - 1)[:, None]).squeeze(1)
         # Released blocks (sliding window) inside a sequence's own context must be masked out.
         holes = any(-1 in t[: -(-c // bs)] for t, c in zip(tables, ctx, strict=True))
-        if min(ctx) == longest and window is None and not holes:
+        if holes:
+            return self._live_decodes(tables, ctx, window, sinks)
+        if min(ctx) == longest and window is None:
             return slots, None, new
         positions = torch.arange(longest, device=self.device)[None, :]
         allowed = positions < ctx_len[:, None]
         if window is not None:
-            allowed &= positions > (ctx_len - 1 - window)[:, None]
-        if holes:
-            allowed &= (table >= 0).repeat_interleave(bs, dim=1)[:, :longest]
+            allowed &= (positions > (ctx_len - 1 - window)[:, None]) | (positions < sinks)
+        return slots, allowed[:, None, None, :], new
+
+    def _live_decodes(
+        self, tables: list[list[int]], ctx: list[int], window: int | None, sinks: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``_padded_decodes`` where blocks were released: only live blocks are gathered, so a
+        windowed sequence's attention costs its sinks and window, not its whole history."""
+        bs = self.block_size
+        live = [
+            [(i, b) for i, b in enumerate(t[: -(-c // bs)]) if b >= 0]
+            for t, c in zip(tables, ctx, strict=True)
+        ]
+        width = max(len(row) for row in live)
+        logical = [[i for i, _ in row] + [-1] * (width - len(row)) for row in live]
+        ids = [[b for _, b in row] + [-1] * (width - len(row)) for row in live]
+        table = torch.tensor(ids, dtype=torch.long, device=self.device)  # [B, w]
+        index = torch.tensor(logical, dtype=torch.long, device=self.device)
+        slots = (table.clamp_min(0)[:, :, None] * bs + self._offsets).flatten(1)  # [B, w * bs]
+        positions = (index[:, :, None] * bs + self._offsets).flatten(1)  # -1 blocks: negative
+        ctx_len = torch.tensor(ctx, device=self.device)[:, None]
+        allowed = (index >= 0).repeat_interleave(bs, dim=1) & (positions < ctx_len)
+        if window is not None:
+            allowed &= (positions > ctx_len - 1 - window) | (positions < sinks)
+        new = slots.gather(1, (positions == ctx_len - 1).int().argmax(dim=1, keepdim=True)).squeeze(1)
         return slots, allowed[:, None, None, :], new
 
     # --- the step --------------------------------------------------------------------------
@@ -232,6 +286,13 @@ def _logprobs(
         request_ids[i]: TokenLogprob(tokens[request_ids[i]], chosen[k], entropies[k])
         for k, i in enumerate(rows)
     }
+
+
+def _rotary_of(model: Transformer, group: KVGroupSpec) -> RotaryEmbedding:
+    """The rotary embedding the layers of ``group`` use (Gemma 3's local layers have their own)."""
+    layers = group.layers or range(model.config.num_layers)
+    local = any(getattr(model.layers[i], "local_rope", False) for i in layers)
+    return model.rotary_local if local and model.rotary_local is not None else model.rotary
 
 
 def _layer_map(groups: tuple[KVGroupSpec, ...], num_layers: int) -> list[tuple[int, int]] | None:

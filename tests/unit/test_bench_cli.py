@@ -34,6 +34,14 @@ def test_each_optimisation_is_a_switch():
         base.changed("speculative=true")
     with pytest.raises(ConfigError, match="integer"):
         base.changed("max_num_seqs=many")
+    windowed = base.changed("kv_window=4:1024")
+    window = windowed.engine_config("m", 2).kv_window
+    assert (window.sink_tokens, window.window_tokens) == (4, 1024) and windowed.lossy
+    assert base.engine_config("m", 2).kv_window is None
+    with pytest.raises(ConfigError, match="SINKS:WINDOW"):
+        base.changed("kv_window=1024")
+    with pytest.raises(ConfigError, match=r"window_tokens must be > kv_window\.sink_tokens"):
+        base.changed("kv_window=8:4")
 
 
 def test_bench_config_loads_strictly_from_yaml(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edge_rtgi.llm.kv.block_pool import BlockPool, hash_block_tokens
-from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.kv.manager import KVCacheManager, KVGroupSpec
 from edge_rtgi.llm.request import Request
 
 
@@ -122,3 +122,39 @@ def test_release_outside_window_keeps_sinks_and_window():
     assert kv.num_free_blocks == 8 - 3
     kv.free(r)
     assert kv.num_free_blocks == 8
+
+
+def test_windowed_prefix_hit_needs_only_the_sinks_and_the_window():
+    """A windowed session's next turn reuses its sink and recent blocks after the blocks behind
+    its window were handed to someone else; a group without a window would need them all."""
+    kv = KVCacheManager(16, 4, groups=(KVGroupSpec((), window_tokens=8, sink_tokens=4),))
+    turn = _req("t1", list(range(40)))
+    for start in range(0, 40, 8):  # computed in steps of 8, released behind the window after each
+        assert kv.allocate_slots(turn, 8)
+        turn.num_computed_tokens = start + 8
+        kv.cache_computed_blocks(turn)
+        kv.release_outside_windows(turn)
+    kept = kv.block_ids("t1")[0]
+    assert kept[0] != -1 and kept[1:8] == [-1] * 7 and -1 not in kept[8:]
+    kv.free(turn)
+    other = _req("x", list(range(1000, 1000 + 4 * 13)))
+    assert kv.allocate_slots(other, 4 * 13)  # every free block but the session's last 3
+    kv.free(other)  # uncached blocks go to the front of the free queue; the session's stay cached
+    nxt = _req("t2", list(range(40)) + [77, 78])
+    hits = kv.get_computed_blocks(nxt)
+    # 10 full blocks: the sink block and blocks 8, 9 are needed; 1..7 are not (and are gone)
+    assert hits.num_tokens == 40
+    ids = [-1 if b is None else b.block_id for b in hits.blocks[0]]
+    assert ids[0] == kept[0] and ids[8:] == kept[8:10] and ids[1:8] == [-1] * 7
+    assert kv.allocate_slots(nxt, 2, hits)
+    assert kv.num_held_blocks("t2") == [4]  # sink block, 2 hit blocks, 1 new
+    kv.free(nxt)
+    assert kv.num_free_blocks == 16
+    # without a window the same misses end the hit at the first missing block
+    plain = KVCacheManager(16, 4)
+    first = _req("p", list(range(40)))
+    assert plain.allocate_slots(first, 40)
+    first.num_computed_tokens = 40
+    plain.cache_computed_blocks(first)
+    plain.pool.uncache(plain.pool.blocks[plain.block_ids("p")[0][3]])
+    assert plain.get_computed_blocks(_req("q", list(range(41)))).num_tokens == 12

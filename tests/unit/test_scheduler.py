@@ -256,9 +256,18 @@ def test_prefix_hits_need_every_group_and_do_not_cross_groups():
     hit = kv.get_computed_blocks(req("b", 13))
     assert hit.num_tokens == 12 and [len(h) for h in hit.blocks] == [3, 3]
     ids = kv.block_ids("a")
-    assert [[b.block_id for b in h] for h in hit.blocks] == [ids[0][:3], ids[1][:3]]
-    # a released local block that is then evicted ends the hit for both groups there
+    # the local group's block 0 is behind the next query's window (it sees (4, 12]): not taken
+    assert [[-1 if b is None else b.block_id for b in h] for h in hit.blocks] == [
+        ids[0][:3],
+        [-1, *ids[1][1:3]],
+    ]
+    # a local block behind the window that is then evicted is not needed: the hit stands
     kv.release_outside_window(a, 8, group=1)  # next query at 13 sees (5, 13]: block 0 released
     kv.free(a)
     kv.pool.uncache(kv.pool.blocks[ids[1][0]])
-    assert kv.get_computed_blocks(req("c", 13)).num_tokens == 0
+    hit = kv.get_computed_blocks(req("c", 13))  # next query at 12 sees (4, 12]: blocks 1, 2
+    assert hit.num_tokens == 12 and hit.blocks[1][0] is None
+    assert [b.block_id for b in hit.blocks[0]] == ids[0][:3]
+    # an evicted local block inside the window ends the hit for both groups there
+    kv.pool.uncache(kv.pool.blocks[ids[1][2]])
+    assert kv.get_computed_blocks(req("d", 13)).num_tokens == 0

@@ -11,6 +11,10 @@ The runner lays out a step's tokens with all decodes first (one token each, toke
    writes step 1 and reads the keys at their slots without gathering them;
 3. prefill chunks: gathers each sequence's slots and runs one SDPA per chunk, causal.
 
+Under ``kv_window`` with sinks (``kv.window``), a sequence whose window has slid past its sinks
+gets its gathered sink keys rotated next to the window (``SinkRope``); such a step skips the
+fused decode kernel, which reads keys where they are stored.
+
 Everything a layer needs (slot mapping, gather indices, masks) is built once per step and per
 KV group in ``PagedAttentionMetadata`` and shared by all layers of the group; ``layer_map``
 says which group and storage layer a model layer uses (Gemma 3's local and global layers
@@ -29,6 +33,17 @@ from torch import Tensor
 
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.kv.storage import PagedKVStorage
+from edge_rtgi.llm.rope import apply_rope
+
+
+@dataclass(frozen=True)
+class SinkRope:
+    """Rotation that moves gathered sink keys next to the window (``kv.window.sink_shift``):
+    (cos, signed_sin) [1, 1, D] for a chunk, [B, 1, 1, D] for the decodes (identity rows where a
+    sequence has not slid)."""
+
+    cos: Tensor
+    sin: Tensor
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,7 @@ class ChunkAttention:
     slots: Tensor  # [S] int64 slots of all keys this chunk may see (including its own)
     mask: Tensor | None  # [q_len, S] bool, or None when plain causal from position 0 applies
     causal: bool
+    sink_rope: SinkRope | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +68,9 @@ class PagedAttentionMetadata:
     decode_mask: Tensor | None  # [B, 1, 1, S_max] bool, None when no padding/window applies
     decode_seq_slots: list[Tensor] | None  # per-sequence [S_b] in "per_seq" mode
     chunks: list[ChunkAttention]
+    # attention sinks (kv_window): the first num_sinks gathered keys of a sequence are its sinks
+    num_sinks: int = 0
+    decode_sink_rope: SinkRope | None = None  # None: no decode of the step has slid
 
 
 class PagedAttentionBackend:
@@ -79,7 +98,7 @@ class PagedAttentionBackend:
             md = self.groups[group]
         else:
             md = self.md
-        if not md.chunks and md.decode_slots is not None:
+        if not md.chunks and md.decode_slots is not None and md.decode_sink_rope is None:
             k_store = self.storage.k[layer]
             if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
                 # Writes the new keys/values too; an int8 store (other dtype) never gets here.
@@ -102,6 +121,9 @@ class PagedAttentionBackend:
             out[: md.num_decodes] = self._decodes(md, layer, q[: md.num_decodes])
         for c in md.chunks:
             keys, values = self.storage.gather(layer, c.slots)  # [S, Hkv, D]
+            if c.sink_rope is not None:
+                s = md.num_sinks
+                keys[:s] = apply_rope(keys[:s], c.sink_rope.cos, c.sink_rope.sin)
             # 4-D inputs ([1, H, T, D]) select PyTorch's fused CPU flash kernel; 3-D ones fall
             # back to the unfused math path.
             o = F.scaled_dot_product_attention(
@@ -123,6 +145,7 @@ class PagedAttentionBackend:
             len(self.groups) != 1
             or md.chunks
             or md.decode_slots is None
+            or md.decode_sink_rope is not None
             or type(self.storage) is not PagedKVStorage
         ):
             return None
@@ -132,10 +155,13 @@ class PagedAttentionBackend:
 
     def _decodes(self, md: PagedAttentionMetadata, layer: int, q: Tensor) -> Tensor:
         # q: [B, Hq, D], one query per sequence -> [B, Hq, D]
+        rope, s = md.decode_sink_rope, md.num_sinks
         if md.decode_seq_slots is not None:
             outs = []
             for b, slots in enumerate(md.decode_seq_slots):
                 keys, values = self.storage.gather(layer, slots)  # [S, Hkv, D]
+                if rope is not None:
+                    keys[:s] = apply_rope(keys[:s], rope.cos[b], rope.sin[b])
                 outs.append(
                     F.scaled_dot_product_attention(
                         q[b, None, :, None],
@@ -148,6 +174,8 @@ class PagedAttentionBackend:
         if md.decode_slots is None:  # the runner sets one of the two for every decode step
             raise RuntimeError("a decode step without key slots")
         keys, values = self.storage.gather(layer, md.decode_slots)  # [B, S, Hkv, D]
+        if rope is not None:
+            keys[:, :s] = apply_rope(keys[:, :s], rope.cos, rope.sin)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             keys.transpose(1, 2),

@@ -49,9 +49,12 @@ class KVGroupSpec:
 
 @dataclass(frozen=True)
 class ComputedBlocks:
-    """A prefix-cache hit: per group, the cached blocks that start the request, and their tokens."""
+    """A prefix-cache hit: per group, the cached blocks that start the request, and their tokens.
 
-    blocks: tuple[tuple[KVBlock, ...], ...]
+    None marks a block a windowed group does not need (behind its window, after its sinks).
+    """
+
+    blocks: tuple[tuple[KVBlock | None, ...], ...]
     num_tokens: int
 
 
@@ -122,25 +125,52 @@ class KVCacheManager:
     # --- admission -------------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> ComputedBlocks:
-        """Longest run of cached full blocks that prefixes the request in every group.
+        """Most cached full blocks that can stand for the start of the request in every group.
 
-        At least the last token is always left to compute, because its logits are needed.
-        Blocks are not referenced yet; pass the result to ``allocate_slots``.
+        A group without a window needs every block of the hit; a windowed group only its sink
+        blocks and those the next query's window reaches (so a long windowed session finds its
+        recent blocks even after the ones behind its window were reused). At least the last
+        token is always left to compute, because its logits are needed. Blocks are not
+        referenced yet; pass the result to ``allocate_slots``.
         """
         if not self.enable_prefix_caching:
             return ComputedBlocks(tuple(() for _ in self.groups), 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        per_group: list[list[KVBlock]] = []
-        for g in range(self.num_groups):
-            hits: list[KVBlock] = []
+        found: list[list[KVBlock | None]] = []
+        usable = [True] * (max_blocks + 1)  # usable[n]: a hit of n blocks serves every group
+        for g, spec in enumerate(self.groups):
+            blocks: list[KVBlock | None] = []
             for i in range(max_blocks):
                 block = self.pool.lookup(self._group_key(g, self._block_hash(request, i)))
-                if block is None:
-                    break
-                hits.append(block)
-            per_group.append(hits)
-            max_blocks = min(max_blocks, len(hits))
-        return ComputedBlocks(tuple(tuple(h[:max_blocks]) for h in per_group), max_blocks * self.block_size)
+                if block is None and spec.window_tokens is None:
+                    break  # nothing past a miss can be used
+                blocks.append(block)
+            found.append(blocks)
+            misses = [0]  # misses[i]: blocks[:i] that are not cached
+            for b in blocks:
+                misses.append(misses[-1] + (b is None))
+            for n in range(max_blocks + 1):
+                if n > len(blocks):
+                    usable[n] = False
+                    continue
+                usable[n] = usable[n] and all(
+                    misses[stop] == misses[start] for start, stop in self._needed(spec, n)
+                )
+        n = max(i for i, ok in enumerate(usable) if ok)
+        hits = []
+        for spec, blocks in zip(self.groups, found, strict=True):
+            needed = {i for start, stop in self._needed(spec, n) for i in range(start, stop)}
+            hits.append(tuple(b if i in needed else None for i, b in enumerate(blocks[:n])))
+        return ComputedBlocks(tuple(hits), n * self.block_size)
+
+    def _needed(self, spec: KVGroupSpec, num_blocks: int) -> list[tuple[int, int]]:
+        """The index ranges [start, stop) of the blocks a group needs from a hit of ``num_blocks``."""
+        if spec.window_tokens is None:
+            return [(0, num_blocks)]
+        sinks = min(cdiv(spec.sink_tokens, self.block_size), num_blocks)
+        computed = num_blocks * self.block_size
+        first = max(0, computed - spec.window_tokens + 1) // self.block_size  # as release_outside_window
+        return [(0, sinks), (max(first, sinks), num_blocks)]
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries_tokens += num_tokens
@@ -164,13 +194,13 @@ class KVCacheManager:
         hits_of = [hit_blocks[g] if hit_blocks else () for g in range(self.num_groups)]
         needed = [max(0, total_blocks - len(t) - len(h)) for t, h in zip(tables, hits_of, strict=True)]
         # A hit on a free cached block removes it from the free queue, so it cannot count twice.
-        revived = sum(1 for hits in hits_of for b in hits if b.ref_count == 0)
+        revived = sum(1 for hits in hits_of for b in hits if b is not None and b.ref_count == 0)
         if sum(needed) > self.pool.num_free_blocks - revived:
             if not any(tables):
                 del self._tables[request.request_id]
             return False
         for table, hits, n in zip(tables, hits_of, needed, strict=True):
-            self.pool.touch(hits)
+            self.pool.touch(b for b in hits if b is not None)
             table.extend(hits)
             if n > 0:
                 table.extend(self.pool.allocate(n))
