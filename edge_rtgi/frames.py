@@ -107,6 +107,8 @@ class Transcript:
     speech_end_t_s: float | None = None
     endpoint_t_s: float | None = None
     turn_decision_ms: float | None = None
+    # Set on finals: what ended the turn (silence, semantic, max_length, commit, finish).
+    end_reason: str | None = None
     # A final heard over a reply that only said "mm-hm", "yes"...: shown, but not a turn (it
     # neither cuts the reply nor gets an answer).
     backchannel: bool = False
