@@ -324,6 +324,7 @@ async def compare(args: argparse.Namespace) -> int:
 # off) and the silence timer (``session.update`` turn_detection mode silence); backchannels
 # semantic and silence only. Even items are spoken by Piper with its prosody noise off, odd ones by espeak-ng.
 #   complete     finished requests: endpointing, voice-to-voice, the model's cost per decision
+#                (replies capped at REPLY_TOKENS: only their first audio is timed)
 #   paused       a pause of 300-700 ms of silence inside the request: premature cut-offs
 #   backchannel  a question, then a backchannel ("mm-hm") 400 ms into the spoken reply: interruptions
 # ``--turn-items A:B`` takes a slice of the part's items (to keep each locked run short);
@@ -334,6 +335,8 @@ TURN_MODES = ("semantic", "model-only", "silence")
 TURN_PAUSES_MS = (300, 400, 500, 600, 700)
 BACKCHANNEL_OFFSET_S = 0.4  # from the first reply audio received to the backchannel's start
 TURN_TAIL_S = 2.0  # silence after an item's speech: more than the semantic cap (1200 ms)
+PAUSED_TAIL_S = 1.0  # the paused set commits after this (a turn still open ends then, as one)
+REPLY_TOKENS = 20  # complete set: short replies (the first audio is what is timed)
 
 
 def load_turn_set() -> dict:
@@ -428,7 +431,7 @@ async def turn_complete_item(port: int, mode: str, audio: np.ndarray) -> dict:
     lead_s = 0.3
     pcm = _with_silence(audio, lead_s, TURN_TAIL_S)
     speech_end = int(lead_s * 16000) + len(audio)
-    c = await _turn_session(port, mode)
+    c = await _turn_session(port, mode, max_reply_tokens=REPLY_TOKENS)
     try:
         sent_t = await _stream_realtime_until_reply(c, pcm, speech_end)
         first = await c.wait_type("response.audio", timeout=60)
@@ -477,7 +480,7 @@ async def turn_paused_item(port: int, mode: str, audio: np.ndarray) -> dict:
     turns end matters); cut off prematurely when it came out as more than one final."""
     c = await _turn_session(port, mode, auto_response=False)
     try:
-        await _stream_realtime(c, _with_silence(audio, 0.3, TURN_TAIL_S))
+        await _stream_realtime(c, _with_silence(audio, 0.3, PAUSED_TAIL_S))
         await c.send(type="input_audio.commit")
         await c.wait_type("input_audio.committed", timeout=60)
         finals = [f["text"] for f in _finals(c)]
