@@ -268,12 +268,17 @@ class TurnDetectionConfig:
         text_check: bool | None = None,
     ) -> TurnDetectionConfig:
         """This config with a session's settings on top (None keeps the pipeline's); ValueError
-        names the key when the result is inconsistent."""
+        names the key when the result is inconsistent. A switch to the other mode drops the
+        pipeline's times: they were set for its own mode (semantic's 100 ms check would
+        otherwise become silence mode's timer)."""
+        other_mode = mode is not None and mode != self.mode
+        base_min = None if other_mode else self.min_silence_ms
+        base_max = None if other_mode else self.max_silence_ms
         return dataclasses.replace(
             self,
             mode=self.mode if mode is None else mode,
-            min_silence_ms=self.min_silence_ms if min_silence_ms is None else min_silence_ms,
-            max_silence_ms=self.max_silence_ms if max_silence_ms is None else max_silence_ms,
+            min_silence_ms=base_min if min_silence_ms is None else min_silence_ms,
+            max_silence_ms=base_max if max_silence_ms is None else max_silence_ms,
             threshold=self.threshold if threshold is None else threshold,
             text_check=self.text_check if text_check is None else text_check,
         )

@@ -72,6 +72,12 @@ def test_session_update_takes_the_object_and_names_bad_keys():
             TurnDetectionConfig(mode="semantic", min_silence_ms=200)
         )
     assert SessionSettings().merged({"turn_detection": False}).turn_detection is False
+    # a switch to silence mode runs the VAD's timer, not the semantic check time of the pipeline
+    pipeline_turn = TurnDetectionConfig(mode="semantic", min_silence_ms=100, max_silence_ms=1200)
+    silence = SessionSettings().merged({"turn_detection": {"mode": "silence"}}).turn_config(pipeline_turn)
+    assert silence.silence_ms(300) == 300
+    timed = SessionSettings().merged({"turn_detection": {"mode": "silence", "min_silence_ms": 500}})
+    assert timed.turn_config(pipeline_turn).silence_ms(300) == 500
     off = SessionSettings().merged({"turn_detection": {"text_check": False}})
     assert off.turn_config(TurnDetectionConfig(mode="semantic")).text_check is False
     assert s.turn_config(TurnDetectionConfig(mode="semantic")).text_check is True  # the default
