@@ -110,6 +110,8 @@ class Transcript:
     # Of the final's time after the endpoint: waiting for the shared ASR engine, then decoding.
     asr_queue_ms: float | None = None
     asr_decode_ms: float | None = None
+    # Set on finals: what ended the turn (silence, semantic, max_length, commit, finish).
+    end_reason: str | None = None
     # A final heard over a reply that only said "mm-hm", "yes"...: shown, but not a turn (it
     # neither cuts the reply nor gets an answer).
     backchannel: bool = False

@@ -207,7 +207,20 @@ async def main() -> int:
     ap.add_argument("--asr-modes", default="shared,unshared", help="with --speakers: ASR engines to compare")
     ap.add_argument("--seed", type=int, default=0, help="with --speakers: the staggered arrivals' seed")
     ap.add_argument("--tts-concurrency", help="Piper first-chunk latency at these concurrent replies")
+    ap.add_argument(
+        "--turn-taking",
+        choices=("complete", "paused", "backchannel"),
+        help="semantic end of turn against the silence timer on one part of the turn-taking set (see below)",
+    )
+    ap.add_argument("--turn-items", metavar="A:B", help="with --turn-taking: a slice of the part's items")
+    ap.add_argument(
+        "--turn-merge", nargs="+", metavar="JSON", help="summarise --turn-taking --out files together"
+    )
     args = ap.parse_args()
+    if args.turn_merge:
+        return merge_turn_results(args.turn_merge, args.out)
+    if args.turn_taking:
+        return await run_turn_taking(args)
     if args.against:
         return await compare(args)
     if args.speakers or args.tts_concurrency:
@@ -505,6 +518,400 @@ def print_many(result: dict) -> None:
         print(f"| {e['speakers']} | {e['arrival']} | {e['mode']} | {e['n']} | {cells} |")
     for mode, wer in result["wer"].items():
         print(f"streaming WER, {mode}: {100 * wer:.1f} %")
+
+
+# -- turn taking (issue 23): semantic end of turn against the silence timer -------------------
+#
+# ``--turn-taking PART`` plays the set in edge_rtgi/bench/data/turn_taking.json through the
+# in-process daemon, every item once in each mode, the order rotating from item to item:
+# semantic (the pipeline's: the model and the words check), model-only (``text_check``
+# off) and the silence timer (``session.update`` turn_detection mode silence); backchannels
+# semantic and silence only. Even items are spoken by Piper with its prosody noise off, odd ones by espeak-ng.
+#   complete     finished requests: endpointing, voice-to-voice, the model's cost per decision
+#                (replies capped at REPLY_TOKENS: only their first audio is timed)
+#   paused       a pause of 300-700 ms of silence inside the request: premature cut-offs
+#   backchannel  a question, then a backchannel ("mm-hm") 400 ms into the spoken reply: interruptions
+# ``--turn-items A:B`` takes a slice of the part's items (to keep each locked run short);
+# ``--turn-merge FILE...`` sums the JSON of several runs into one summary.
+
+# semantic: the pipeline's (model + words check); model-only: the model's verdict alone
+TURN_MODES = ("semantic", "model-only", "silence")
+TURN_PAUSES_MS = (300, 400, 500, 600, 700)
+BACKCHANNEL_OFFSET_S = 0.4  # from the first reply audio received to the backchannel's start
+TURN_TAIL_S = 2.0  # silence after an item's speech: more than the semantic cap (1200 ms)
+PAUSED_TAIL_S = 1.0  # the paused set commits after this (a turn still open ends then, as one)
+REPLY_TOKENS = 20  # complete set: short replies (the first audio is what is timed)
+
+
+def load_turn_set() -> dict:
+    return json.loads((ROOT / "edge_rtgi" / "bench" / "data" / "turn_taking.json").read_text())
+
+
+def turn_voices() -> list:
+    """The input voices, alternating by item: Piper with its prosody noise off (the same audio
+    on every run), and espeak-ng. Separate from the daemon's own (random) reply voice."""
+    from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.tts.espeak import EspeakEngine
+    from edge_rtgi.tts.piper import PiperVoice
+    from tests.integration.native_client import steady_voice
+
+    return [
+        steady_voice(PiperVoice(resolve_model("piper-en_US-joe-medium", role="tts"))),
+        EspeakEngine("en-us"),
+    ]
+
+
+def say_16k(voice, text: str) -> np.ndarray:
+    """``text`` as float32 16 kHz audio, cut after its last sample above 2 % of the peak (the
+    acoustic end: Piper and espeak-ng both end in a stretch of near-silence)."""
+    pcm = np.concatenate(list(voice.synthesize_stream(text)))
+    audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
+    loud = np.flatnonzero(np.abs(audio) > 0.02 * np.abs(audio).max())
+    return audio[: int(loud[-1]) + 1] if len(loud) else audio
+
+
+def say_paused(voice, before: str, after: str, pause_ms: int) -> tuple[np.ndarray, int]:
+    """``before``, ``pause_ms`` of digital silence, then ``after``: each piece rendered on its
+    own (so the pause sits exactly where the text puts it), trimmed of the synthesiser's own
+    leading and trailing near-silence. Returns the audio and where the pause begins."""
+    first, second = say_16k(voice, before), say_16k(voice, after)
+    loud = np.flatnonzero(np.abs(second) > 0.02 * np.abs(second).max())
+    second = second[int(loud[0]) :] if len(loud) else second
+    loud = np.flatnonzero(np.abs(first) > 0.02 * np.abs(first).max())
+    first = first[int(loud[0]) :] if len(loud) else first
+    pause = np.zeros(pause_ms * 16, np.float32)
+    return np.concatenate([first, pause, second]), len(first)
+
+
+def _with_silence(audio: np.ndarray, lead_s: float, tail_s: float) -> np.ndarray:
+    z = np.zeros
+    return float32_to_pcm16(
+        np.concatenate([z(int(lead_s * 16000), np.float32), audio, z(int(tail_s * 16000), np.float32)])
+    )
+
+
+async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
+    """A native session with ``mode`` turn detection (and any other settings)."""
+    c = await NativeClient.open(port)
+    await c.wait_type("session.created")
+    update = dict(settings)
+    if mode == "silence":
+        update["turn_detection"] = {"mode": "silence"}
+    elif mode == "model-only":
+        update["turn_detection"] = {"text_check": False}
+    if update:
+        await c.send(type="session.update", session=update)
+        updated = (await c.wait_type("session.updated", timeout=30))["session"]
+        # the effective settings; the turn_detection_status beside them can still be the old one
+        # (the ASR stage rebuilds its transcriber after the reply)
+        want = {"silence": ("silence", None), "model-only": (None, False)}.get(mode, (None, None))
+        if (updated.get("turn_mode"), updated.get("turn_text_check")) != want:
+            raise RuntimeError(f"asked for {mode} turn detection, the session has {updated}")
+    return c
+
+
+async def _stream_realtime(c: NativeClient, pcm: np.ndarray, until=None) -> float | None:
+    """Send ``pcm`` at real time in 20 ms frames; the monotonic time the frame holding sample
+    ``until`` went out (None without ``until``)."""
+    loop, step = asyncio.get_running_loop(), 320
+    start, sent_t = loop.time(), None
+    for i in range(0, len(pcm), step):
+        await c.ws.send(pcm[i : i + step].astype("<i2").tobytes())
+        if until is not None and sent_t is None and i + step >= until:
+            sent_t = time.monotonic()
+        delay = start + (i + step) / 16000 - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+    return sent_t
+
+
+def _finals(c: NativeClient) -> list[dict]:
+    return [h for h in c.of("transcript.final") if h.get("text", "").strip()]
+
+
+async def turn_complete_item(port: int, mode: str, audio: np.ndarray) -> dict:
+    """One finished request: the server's endpointing and turn-decision marks, the same measured
+    from the acoustic end of speech, and voice-to-voice on the client's clock."""
+    lead_s = 0.3
+    pcm = _with_silence(audio, lead_s, TURN_TAIL_S)
+    speech_end = int(lead_s * 16000) + len(audio)
+    c = await _turn_session(port, mode, max_reply_tokens=REPLY_TOKENS)
+    try:
+        sent_t = await _stream_realtime_until_reply(c, pcm, speech_end)
+        first = await c.wait_type("response.audio", timeout=60)
+        first_t = next(t for t, (h, _) in zip(c.arrival, c.messages, strict=False) if h is first)
+        done = await c.wait_type("response.done", timeout=60)
+        stopped = c.of("input.speech_stopped")
+        stats = done.get("stats", {})
+        vad_lag_ms = stopped[0]["audio_ms"] - speech_end / 16.0 if stopped else None
+        ep = stats.get("endpointing_ms")
+        return {
+            "mode": mode,
+            "endpointing_ms": ep,
+            "endpointing_from_acoustic_end_ms": (vad_lag_ms + ep)
+            if ep is not None and vad_lag_ms is not None
+            else None,
+            "vad_end_lag_ms": vad_lag_ms,
+            "turn_decision_ms": stats.get("turn_decision_ms"),
+            "asr_final_ms": stats.get("asr_final_ms"),
+            "client_voice_to_voice_ms": (first_t - sent_t) * 1000.0 if sent_t else None,
+            "finals": [f["text"] for f in _finals(c)],
+            "end_reasons": [f.get("end_reason") for f in _finals(c)],
+            "reply": done.get("text", ""),
+        }
+    finally:
+        await c.close()
+
+
+async def _stream_realtime_until_reply(c: NativeClient, pcm: np.ndarray, speech_end: int) -> float | None:
+    """As ``_stream_realtime``, stopping once reply audio arrives (the rest is tail silence)."""
+    loop, step = asyncio.get_running_loop(), 320
+    start, sent_t = loop.time(), None
+    for i in range(0, len(pcm), step):
+        await c.ws.send(pcm[i : i + step].astype("<i2").tobytes())
+        if sent_t is None and i + step >= speech_end:
+            sent_t = time.monotonic()
+        delay = start + (i + step) / 16000 - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if c.of("response.audio"):
+            break
+    return sent_t
+
+
+async def turn_paused_item(port: int, mode: str, audio: np.ndarray) -> dict:
+    """A request with a pause inside, with replies off (``auto_response`` false: only where the
+    turns end matters); cut off prematurely when it came out as more than one final."""
+    c = await _turn_session(port, mode, auto_response=False)
+    try:
+        await _stream_realtime(c, _with_silence(audio, 0.3, PAUSED_TAIL_S))
+        await c.send(type="input_audio.commit")
+        await c.wait_type("input_audio.committed", timeout=60)
+        finals = [f["text"] for f in _finals(c)]
+        reasons = [f.get("end_reason") for f in _finals(c)]
+        return {"mode": mode, "finals": finals, "end_reasons": reasons, "premature": len(finals) > 1}
+    finally:
+        await c.close()
+
+
+async def turn_backchannel_item(port: int, mode: str, prompt: np.ndarray, backchannel: np.ndarray) -> dict:
+    """A question, then ``backchannel`` spoken ``BACKCHANNEL_OFFSET_S`` after the first reply audio
+    arrives (the client's microphone stays live, silence in between); interrupted when the
+    daemon cut the reply. ``over_reply``: the reply's audio lasted past the backchannel's end
+    (on the real-time playback estimate), so a cut was possible."""
+    c = await _turn_session(port, mode)
+    loop, step = asyncio.get_running_loop(), 320
+    lead = np.zeros(4800, np.float32)
+    queue = float32_to_pcm16(np.concatenate([lead, prompt]))
+    bc = float32_to_pcm16(backchannel)
+    silence = np.zeros(step, np.int16)
+    try:
+        start, i, pos, first_t, bc_at, bc_end_t = loop.time(), 0, 0, None, None, None
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if first_t is None and c.of("response.audio"):
+                first_t = now
+                bc_at = now + BACKCHANNEL_OFFSET_S
+            if pos < len(queue):
+                chunk, pos = queue[pos : pos + step], pos + step
+            elif bc_at is not None and now >= bc_at and bc_end_t is None:
+                queue, pos = bc, 0
+                bc_end_t = now + len(bc) / 16000
+                continue
+            else:
+                chunk = silence
+            await c.ws.send(chunk.astype("<i2").tobytes())
+            i += step
+            delay = start + i / 16000 - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if bc_end_t is not None and now > bc_end_t + TURN_TAIL_S:
+                break
+        created = c.of("response.created")
+        rid = created[0]["response_id"] if created else None
+        done = await c.wait_type("response.done", timeout=60, response_id=rid) if rid else {}
+        interrupted = any(h.get("response_id") == rid for h in c.of("response.interrupted"))
+        audio, rate = c.audio(rid) if rid else (np.zeros(0, np.int16), 0)
+        reply_s = len(audio) / rate if rate else 0.0
+        bc_end_after_first_s = (bc_end_t - first_t) if bc_end_t and first_t else None
+        return {
+            "mode": mode,
+            "interrupted": interrupted,
+            "status": done.get("status"),
+            "over_reply": bc_end_after_first_s is not None
+            and (interrupted or reply_s > bc_end_after_first_s),
+            "reply_audio_s": reply_s,
+            "backchannel_finals": [
+                (f["text"], bool(f.get("backchannel"))) for f in c.of("transcript.final")[1:]
+            ],
+        }
+    finally:
+        await c.close()
+
+
+def _slice(items: list, spec: str | None) -> list[tuple[int, object]]:
+    pairs = list(enumerate(items))
+    if not spec:
+        return pairs
+    a, _, b = spec.partition(":")
+    return pairs[int(a or 0) : int(b) if b else None]
+
+
+async def run_turn_taking(args: argparse.Namespace) -> int:
+    """``--turn-taking PART``: each selected item in both modes, alternating which goes first."""
+    data = load_turn_set()
+    voices = turn_voices()
+    load_start = os.getloadavg()[0]
+    t_start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(
+        f"bench_voice --turn-taking {args.turn_taking}: rendering (load average {load_start:.2f})...",
+        flush=True,
+    )
+    part = args.turn_taking
+    if part == "complete":
+        items = [(i, say_16k(voices[i % 2], t), t) for i, t in _slice(data["complete"], args.turn_items)]
+    elif part == "paused":
+        items, kinds = [], {}
+        for i, p in _slice(data["paused"], args.turn_items):
+            audio, _ = say_paused(
+                voices[i % 2], p["before"], p["after"], TURN_PAUSES_MS[i % len(TURN_PAUSES_MS)]
+            )
+            items.append((i, audio, f"{p['before']} | {p['after']}"))
+            kinds[i] = p["kind"]
+    else:
+        prompts = data["backchannel_prompts"]
+        items = [
+            (i, (say_16k(voices[0], prompts[i % len(prompts)]), say_16k(voices[i % 2], t)), t)
+            for i, t in _slice(data["backchannels"], args.turn_items)
+        ]
+    daemon, _pipeline = await start_daemon(args.engine_threads)
+    rows = []
+    try:
+        for n, (i, audio, text) in enumerate(items):
+            modes = TURN_MODES if part != "backchannel" else ("semantic", "silence")
+            for mode in modes[n % len(modes) :] + modes[: n % len(modes)]:
+                if part == "complete":
+                    row = await turn_complete_item(daemon.port, mode, audio)
+                elif part == "paused":
+                    row = await turn_paused_item(daemon.port, mode, audio)
+                else:
+                    row = await turn_backchannel_item(daemon.port, mode, *audio)
+                if part == "paused":
+                    row["kind"] = kinds[i]
+                row.update(
+                    item=i,
+                    text=text,
+                    voice="piper" if i % 2 == 0 else "espeak-ng",
+                    load_average_1m=os.getloadavg()[0],
+                )
+                rows.append(row)
+                print(f"  {i:2d} {mode:8s} {_turn_row_line(part, row)} | {text!r}", flush=True)
+    finally:
+        await daemon.drain(timeout_s=1)
+        daemon.resources.close()
+    result = {
+        "part": part,
+        "items": args.turn_items or "all",
+        "started": t_start,
+        "commit": _commit(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": {
+            "start": load_start,
+            "max": max([load_start] + [r["load_average_1m"] for r in rows]),
+        },
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print_turn_summary(summarize_turns([result]))
+    return 0
+
+
+def _turn_row_line(part: str, row: dict) -> str:
+    if part == "complete":
+        ep, ac = _f(row["endpointing_ms"]).strip(), _f(row["endpointing_from_acoustic_end_ms"]).strip()
+        model, v2v = _f(row["turn_decision_ms"]).strip(), _f(row["client_voice_to_voice_ms"]).strip()
+        return (
+            f"endpointing {ep} ms (from acoustic end {ac}), model {model} ms, v2v {v2v} ms; {row['finals']}"
+        )
+    if part == "paused":
+        return f"{'CUT' if row['premature'] else 'ok '} {row['finals']}"
+    return (
+        f"{'INTERRUPTED' if row['interrupted'] else 'kept'} (over reply: {row['over_reply']}, "
+        f"reply {row['reply_audio_s']:.1f} s) {row['backchannel_finals']}"
+    )
+
+
+def summarize_turns(results: list[dict]) -> dict:
+    """Per part and mode: the figures issue 23 asks for, over the rows of all ``results``."""
+    out: dict = {"runs": [], "parts": {}}
+    for res in results:
+        out["runs"].append({k: res[k] for k in ("part", "items", "started", "commit", "load_average_1m")})
+        out["parts"].setdefault(res["part"], []).extend(res["rows"])
+    summary: dict = {"runs": out["runs"]}
+    for part, rows in out["parts"].items():
+        for mode in TURN_MODES:
+            rs = [r for r in rows if r["mode"] == mode]
+            if not rs:
+                continue
+            if part == "complete":
+                s = {"n": len(rs)}
+                for key in (
+                    "endpointing_ms",
+                    "endpointing_from_acoustic_end_ms",
+                    "turn_decision_ms",
+                    "asr_final_ms",
+                    "client_voice_to_voice_ms",
+                ):
+                    vals = [r[key] for r in rs if r.get(key) is not None]
+                    s[key] = {"p50": pct(vals, 0.5), "p95": pct(vals, 0.95), "n": len(vals)} if vals else None
+                s["split"] = sum(len(r["finals"]) > 1 for r in rs)
+                s["ended_by"] = {
+                    reason: sum(r["end_reasons"][:1] == [reason] for r in rs)
+                    for reason in sorted({x for r in rs for x in r["end_reasons"][:1]}, key=str)
+                }
+            elif part == "paused":
+                s = {"n": len(rs), "premature": sum(r["premature"] for r in rs)}
+                kinds = sorted({r.get("kind", "") for r in rs})
+                s["by_kind"] = {k: sum(r["premature"] for r in rs if r.get("kind") == k) for k in kinds}
+            else:
+                over = [r for r in rs if r["over_reply"]]
+                s = {
+                    "n": len(rs),
+                    "over_reply": len(over),
+                    "interrupted": sum(r["interrupted"] for r in over),
+                }
+            summary.setdefault(part, {})[mode] = s
+    return summary
+
+
+def print_turn_summary(summary: dict) -> None:
+    loads = [r["load_average_1m"] for r in summary["runs"]]
+    print(
+        f"\nturn taking, {len(loads)} run(s); load average at start/max: "
+        + ", ".join(f"{lo['start']:.2f}/{lo['max']:.2f}" for lo in loads)
+    )
+    for mode, s in summary.get("complete", {}).items():
+        print(f"  complete, {mode} (n={s['n']}, split {s['split']}, first turn ended by {s['ended_by']}):")
+        for key, v in s.items():
+            if isinstance(v, dict) and "p50" in v:
+                print(f"    {key:34s} p50 {_f(v['p50'])}  p95 {_f(v['p95'])}  (n={v['n']})")
+    for mode, s in summary.get("paused", {}).items():
+        print(f"  paused, {mode}: premature cut-offs {s['premature']} of {s['n']}")
+    for mode, s in summary.get("backchannel", {}).items():
+        print(
+            f"  backchannel, {mode}: interrupted {s['interrupted']} of {s['over_reply']} "
+            f"played over a reply ({s['n']} items)"
+        )
+
+
+def merge_turn_results(paths: list[str], out: str | None) -> int:
+    summary = summarize_turns([json.loads(Path(p).read_text()) for p in paths])
+    print_turn_summary(summary)
+    if out:
+        Path(out).write_text(json.dumps(summary, indent=2))
+    return 0
 
 
 def summarize(rows: list[dict], base: list[dict], load_start: float) -> dict:

@@ -266,6 +266,14 @@ class StreamingTranscriber:
             return
         audio = self._ring.read(max(self._ring.oldest_index, utt.start_index, now - WINDOW_SAMPLES), now)
         utt.decision = endpointer.decide(audio, silence_start)
+        if utt.decision.complete and endpointer.text_check:
+            # Hold the verdict against this pause's speculative final: the final needs that
+            # decode anyway, so waiting for it here delays the declared end, not the reply.
+            self._collect_pending(utt, wait=True)
+            spec = utt.speculative
+            if spec is not None and spec.silence_start_index == silence_start:
+                words = utt.agreement.final_words(split_words(spec.hypothesis.text))
+                utt.decision = endpointer.check_words(utt.decision, " ".join(words))
         if utt.decision.complete:
             self.vad.force_end()
             self._end_active(silence_start, "semantic")

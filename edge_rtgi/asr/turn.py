@@ -6,6 +6,15 @@ and two lemons") and making every turn wait. In ``semantic`` mode the VAD's time
 transcriber asks the model whether the utterance is finished: at or above ``threshold`` the
 turn ends there, otherwise it waits for the cap. ``silence`` mode is the plain timer.
 
+The words check (``text_check``): a verdict of "finished" is only taken once the speculative
+final of the same pause (decoded meanwhile) does not end as an unfinished sentence: a trailing
+comma or dash, a conjunction, filler, article or preposition ("add milk, and", "set a timer
+for um"), or a fronted clause or phrase with no main clause yet ("if it rains tomorrow",
+"after the meeting"). The model alone called such pauses finished on rendered speech
+(docs/speech.md, "Measured"); the final needs that decode anyway, so the check moves the
+moment the turn is declared over, not the reply. The rules are English; in other languages
+only the punctuation rule can fire.
+
 The model reads the last 8 s of 16 kHz audio as Whisper log-mel features, ``[batch, 80,
 800]``, shorter audio zero-padded at the *front* (the end of the turn is what matters, and
 it stays at the right edge), the waveform normalised to zero mean and unit variance over
@@ -88,12 +97,118 @@ BACKCHANNEL_WORDS = frozenset(
 )
 _BACKCHANNEL_MAX_WORDS = 3
 
+# Words after which an English sentence is not over: conjunctions, fillers, articles and
+# possessives, and prepositions that take an object. A question mark overrides them ("what is
+# it for?"); a stranded preposition in a statement is rare in a spoken request.
+UNFINISHED_LAST_WORDS = frozenset(
+    {
+        "and",
+        "or",
+        "but",
+        "nor",
+        "because",
+        "um",
+        "umm",
+        "uh",
+        "uhm",
+        "er",
+        "erm",
+        "the",
+        "a",
+        "an",
+        "my",
+        "your",
+        "our",
+        "their",
+        "to",
+        "of",
+        "for",
+        "with",
+        "by",
+        "at",
+        "from",
+        "into",
+        "about",
+    }
+)
+# Words that open a fronted clause or phrase, which a main clause must follow ("if it rains
+# tomorrow, ...", "on Saturday morning, ..."); an auxiliary next makes it a question ("when
+# does the sun set").
+CLAUSE_OPENERS = frozenset(
+    {
+        "if",
+        "when",
+        "whenever",
+        "before",
+        "after",
+        "once",
+        "while",
+        "unless",
+        "until",
+        "although",
+        "though",
+        "since",
+        "on",
+        "in",
+        "at",
+        "during",
+    }
+)
+_AUXILIARIES = frozenset(
+    {
+        "is",
+        "are",
+        "was",
+        "were",
+        "do",
+        "does",
+        "did",
+        "can",
+        "could",
+        "will",
+        "would",
+        "should",
+        "shall",
+        "has",
+        "have",
+        "had",
+        "may",
+        "might",
+        "must",
+        "what",
+        "which",
+        "whom",
+        "whose",
+    }
+)
+_UNFINISHED_ENDINGS = (",", ";", ":", "-", "\u2013", "\u2014", "...", "\u2026")
+
 
 def is_backchannel(text: str) -> bool:
     """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see")."""
     words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
     words = [w for w in words if w]
     return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(w in BACKCHANNEL_WORDS for w in words)
+
+
+def transcript_unfinished(text: str) -> bool:
+    """True when ``text`` (a speculative final) reads as a sentence cut off at a pause: it ends
+    in a comma, dash or ellipsis, or (unless it is a question) in a conjunction, filler, article
+    or preposition, or it is only a fronted clause or phrase ("If it rains tomorrow.")."""
+    t = text.strip()
+    if not t:
+        return False
+    if t.endswith(_UNFINISHED_ENDINGS):
+        return True
+    if t.endswith("?"):
+        return False
+    words = [w for w in (re.sub(r"[^a-z']", "", w.lower()) for w in t.split()) if w]
+    if not words:
+        return False
+    if words[-1] in UNFINISHED_LAST_WORDS:
+        return True
+    fronted = words[0] in CLAUSE_OPENERS and (len(words) < 2 or words[1] not in _AUXILIARIES)
+    return fronted and "," not in t
 
 
 @dataclass(frozen=True)
@@ -103,8 +218,10 @@ class TurnDetectionConfig:
     ``mode`` "silence": the turn ends after ``min_silence_ms`` of silence (unset: the VAD's own
     ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the
     turn; it ends if the probability is at least ``threshold``, else at ``max_silence_ms``
-    (unset: 1200). ``barge_in_min_speech_ms``: in semantic mode, speech over a reply cuts it
-    once it has lasted this long, or when its words turn out not to be a backchannel.
+    (unset: 1200). ``text_check``: a "finished" verdict also needs the speculative final not
+    to read as cut off (``transcript_unfinished``). ``barge_in_min_speech_ms``: in semantic
+    mode, speech over a reply cuts it once it has lasted this long, or when its words turn out
+    not to be a backchannel.
     """
 
     mode: str = "silence"
@@ -113,6 +230,7 @@ class TurnDetectionConfig:
     threshold: float = 0.5
     model: str = DEFAULT_MODEL
     barge_in_min_speech_ms: int = 700
+    text_check: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -147,15 +265,22 @@ class TurnDetectionConfig:
         min_silence_ms: int | None = None,
         max_silence_ms: int | None = None,
         threshold: float | None = None,
+        text_check: bool | None = None,
     ) -> TurnDetectionConfig:
         """This config with a session's settings on top (None keeps the pipeline's); ValueError
-        names the key when the result is inconsistent."""
+        names the key when the result is inconsistent. A switch to the other mode drops the
+        pipeline's times: they were set for its own mode (semantic's 100 ms check would
+        otherwise become silence mode's timer)."""
+        other_mode = mode is not None and mode != self.mode
+        base_min = None if other_mode else self.min_silence_ms
+        base_max = None if other_mode else self.max_silence_ms
         return dataclasses.replace(
             self,
             mode=self.mode if mode is None else mode,
-            min_silence_ms=self.min_silence_ms if min_silence_ms is None else min_silence_ms,
-            max_silence_ms=self.max_silence_ms if max_silence_ms is None else max_silence_ms,
+            min_silence_ms=base_min if min_silence_ms is None else min_silence_ms,
+            max_silence_ms=base_max if max_silence_ms is None else max_silence_ms,
             threshold=self.threshold if threshold is None else threshold,
+            text_check=self.text_check if text_check is None else text_check,
         )
 
     def silence_ms(self, vad_min_silence_ms: int) -> int:
@@ -174,6 +299,7 @@ class TurnDetectionUpdate:
     min_silence_ms: int | None = None
     max_silence_ms: int | None = None
     threshold: float | None = None
+    text_check: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -283,6 +409,7 @@ class TurnStatus:
     check_ms: int | None = None  # semantic: the silence after which the model is asked
     threshold: float | None = None
     model: str | None = None
+    text_check: bool | None = None
     fallback: str | None = None
 
     def to_wire(self) -> dict[str, object]:
@@ -299,13 +426,15 @@ class TurnModelLoad:
 
 @dataclass(frozen=True)
 class TurnDecision:
-    """What the model said about one pause: ``probability`` None when scoring failed."""
+    """What the model said about one pause: ``probability`` None when scoring failed;
+    ``unfinished_text`` True when the words check overruled a "finished" verdict."""
 
     silence_start_index: int
     probability: float | None
     complete: bool
     model_ms: float
     decided_t_s: float  # time.monotonic() when the decision was made
+    unfinished_text: bool = False
 
 
 class SemanticEndpointer:
@@ -315,9 +444,10 @@ class SemanticEndpointer:
     falls back to the silence cap; the session goes on.
     """
 
-    def __init__(self, scorer: TurnScorer, threshold: float, check_ms: int):
+    def __init__(self, scorer: TurnScorer, threshold: float, check_ms: int, text_check: bool = True):
         self.scorer = scorer
         self.threshold = threshold
+        self.text_check = text_check
         self.check_samples = check_ms * SAMPLE_RATE_HZ // 1000
         self._warned = False
 
@@ -333,3 +463,13 @@ class SemanticEndpointer:
         model_ms = (time.perf_counter() - t0) * 1000.0
         complete = p is not None and p >= self.threshold
         return TurnDecision(silence_start_index, p, complete, model_ms, time.monotonic())
+
+    def check_words(self, decision: TurnDecision, text: str) -> TurnDecision:
+        """A "finished" verdict held against the pause's speculative final (``text_check``)."""
+        unfinished = decision.complete and transcript_unfinished(text)
+        return dataclasses.replace(
+            decision,
+            complete=decision.complete and not unfinished,
+            unfinished_text=unfinished,
+            decided_t_s=time.monotonic(),
+        )

@@ -65,11 +65,12 @@ class SessionSettings:
     vad_min_silence_ms: int | None = None
     vad_prefix_padding_ms: int | None = None
     # How a pause ends the turn (edge_rtgi.asr.turn); on the native wire also as one object,
-    # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold}``.
+    # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold, text_check}``.
     turn_mode: str | None = None
     turn_min_silence_ms: int | None = None
     turn_max_silence_ms: int | None = None
     turn_threshold: float | None = None
+    turn_text_check: bool | None = None
     # each microphone chunk comes with the audio being played (stereo on the native protocol)
     echo_reference: bool = False
 
@@ -96,7 +97,11 @@ class SessionSettings:
     def turn_config(self, pipeline: TurnDetectionConfig) -> TurnDetectionConfig:
         """The pipeline's turn detection with these settings on top (ValueError names the key)."""
         return pipeline.with_overrides(
-            self.turn_mode, self.turn_min_silence_ms, self.turn_max_silence_ms, self.turn_threshold
+            self.turn_mode,
+            self.turn_min_silence_ms,
+            self.turn_max_silence_ms,
+            self.turn_threshold,
+            self.turn_text_check,
         )
 
     def merged(self, changes: dict) -> SessionSettings:
@@ -107,7 +112,7 @@ class SessionSettings:
             # the object form: VAD turn detection stays on, with these settings
             update = from_dict(TurnDetectionUpdate, changes["turn_detection"], "session.turn_detection")
             changes["turn_detection"] = True
-            for key in ("mode", "min_silence_ms", "max_silence_ms", "threshold"):
+            for key in ("mode", "min_silence_ms", "max_silence_ms", "threshold", "text_check"):
                 if getattr(update, key) is not None:
                     changes[f"turn_{key}"] = getattr(update, key)
         checked = from_dict(SessionSettings, changes, "session")  # validates keys and types

@@ -222,6 +222,8 @@ def encode_server(event: F.SessionEvent, ms: Callable[[float], int]) -> list[str
         }
         if e.language:
             body["language"] = e.language
+        if e.final and e.end_reason:
+            body["end_reason"] = e.end_reason
         if e.backchannel:
             body["backchannel"] = True
     elif isinstance(e, F.AudioCommitted):

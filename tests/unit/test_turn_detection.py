@@ -12,6 +12,7 @@ from edge_rtgi.asr.turn import (
     SemanticEndpointer,
     TurnDetectionConfig,
     is_backchannel,
+    transcript_unfinished,
     turn_features,
 )
 from edge_rtgi.errors import ConfigError
@@ -71,6 +72,17 @@ def test_session_update_takes_the_object_and_names_bad_keys():
             TurnDetectionConfig(mode="semantic", min_silence_ms=200)
         )
     assert SessionSettings().merged({"turn_detection": False}).turn_detection is False
+    # a switch to silence mode runs the VAD's timer, not the semantic check time of the pipeline
+    pipeline_turn = TurnDetectionConfig(mode="semantic", min_silence_ms=100, max_silence_ms=1200)
+    silence = SessionSettings().merged({"turn_detection": {"mode": "silence"}}).turn_config(pipeline_turn)
+    assert silence.silence_ms(300) == 300
+    timed = SessionSettings().merged({"turn_detection": {"mode": "silence", "min_silence_ms": 500}})
+    assert timed.turn_config(pipeline_turn).silence_ms(300) == 500
+    off = SessionSettings().merged({"turn_detection": {"text_check": False}})
+    assert off.turn_config(TurnDetectionConfig(mode="semantic")).text_check is False
+    assert s.turn_config(TurnDetectionConfig(mode="semantic")).text_check is True  # the default
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*text_check"):
+        SessionSettings().merged({"turn_detection": {"text_check": "no"}})
 
 
 def test_realtime_semantic_vad_maps_eagerness():
@@ -170,3 +182,40 @@ def test_missing_or_corrupt_model_falls_back_with_one_warning(tmp_path, caplog, 
 )
 def test_backchannels(text, expected):
     assert is_backchannel(text) is expected
+
+
+@pytest.mark.parametrize(
+    ("text", "unfinished"),
+    [
+        ("Add milk,", True),  # a trailing comma
+        ("Call my sister and...", True),
+        ("Set a timer for um", True),  # a filler, after a preposition
+        ("I need to buy bread and", True),
+        ("If it rains tomorrow.", True),  # a fronted clause with no main clause yet
+        ("After the meeting.", True),
+        ("On Saturday morning.", True),
+        ("If it rains tomorrow, remind me to take an umbrella.", False),
+        ("When does the sun set today?", False),  # a question, not a fronted clause
+        ("When does the sun set today", False),
+        ("What is it for?", False),
+        ("Turn the light on.", False),
+        ("Play some relaxing music.", False),
+        ("Add milk.", False),  # complete words: the model's verdict stands
+        ("", False),
+    ],
+)
+def test_words_that_leave_a_sentence_unfinished(text, unfinished):
+    assert transcript_unfinished(text) is unfinished
+
+
+def test_the_words_check_overrules_only_a_finished_verdict():
+    audio = np.zeros(16000, np.float32)
+    ep = SemanticEndpointer(_Scorer(0.9), 0.5, 100)
+    finished = ep.decide(audio, 0)
+    held = ep.check_words(finished, "If it rains tomorrow.")
+    assert (held.complete, held.unfinished_text, held.probability) == (False, True, 0.9)
+    assert held.decided_t_s >= finished.decided_t_s
+    kept = ep.check_words(finished, "Remind me to take an umbrella.")
+    assert (kept.complete, kept.unfinished_text) == (True, False)
+    waiting = SemanticEndpointer(_Scorer(0.1), 0.5, 100).decide(audio, 0)
+    assert ep.check_words(waiting, "Play some music.").complete is False

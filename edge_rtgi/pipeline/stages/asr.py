@@ -162,7 +162,7 @@ class AsrStage(Stage[AsrInput]):
         if load.model is None:
             fallback = TurnStatus("silence", "semantic", vad_min_silence_ms, fallback=load.error)
             return fallback, None
-        endpointer = SemanticEndpointer(load.model, turn.threshold, turn.semantic_min_ms)
+        endpointer = SemanticEndpointer(load.model, turn.threshold, turn.semantic_min_ms, turn.text_check)
         status = TurnStatus(
             "semantic",
             "semantic",
@@ -170,6 +170,7 @@ class AsrStage(Stage[AsrInput]):
             check_ms=turn.semantic_min_ms,
             threshold=turn.threshold,
             model=turn.model,
+            text_check=turn.text_check,
         )
         return status, endpointer
 
@@ -290,7 +291,7 @@ class AsrStage(Stage[AsrInput]):
 
     async def _final(self, ev: FinalTranscript) -> None:
         turn = self._pop_turn(ev.utterance_id)
-        self._speech_ended.pop(ev.utterance_id, None)
+        ended = self._speech_ended.pop(ev.utterance_id, None)
         backchannel = False
         if self._talkover_turn is not None and self._talkover_turn == turn:
             self._talkover_turn = None
@@ -313,6 +314,7 @@ class AsrStage(Stage[AsrInput]):
             turn_decision_ms=ev.turn_decision_ms,
             asr_queue_ms=ev.final_queue_ms,
             asr_decode_ms=round(ev.final_decode_ms, 1),
+            end_reason=ended.reason if ended is not None else None,
             backchannel=backchannel,
         )
         if self.ctx.settings.turn_detection:
