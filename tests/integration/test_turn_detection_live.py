@@ -11,6 +11,7 @@ runs on the silence timer and says so in its description (what ``session.created
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -71,21 +72,33 @@ def _pieces(voice, before: str, after: str, pause_s: float) -> tuple[np.ndarray,
 
 
 async def _play(session: Session, audio: np.ndarray, tail_s: float = 2.0) -> list[F.SessionEvent]:
-    """Push ``audio`` and ``tail_s`` of silence at real time; the events the session sent."""
+    """Push ``audio`` and ``tail_s`` of silence at real time; the events the session sent.
+
+    Waits (up to 60 s) for a final that arrives after the speech was all pushed, however long
+    the decode takes on a loaded machine: a fixed wait made these tests fail under load. A turn
+    cut early shows up as a final before that one."""
     pcm = float32_to_pcm16(np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(int(tail_s * 16000))]))
+    speech_end = 4800 + len(audio)
     events: list[F.SessionEvent] = []
+    loop = asyncio.get_running_loop()
+    late_final = asyncio.Event()
+    speech_pushed = False
 
     async def read():
         while (e := await session.next_event()) is not None:
             events.append(e)
+            if speech_pushed and isinstance(e, F.Transcript) and e.final and e.text:
+                late_final.set()
 
     reader = asyncio.create_task(read())
-    loop = asyncio.get_running_loop()
     start, step = loop.time(), 320
     for i in range(0, len(pcm), step):
         await session.push_audio(pcm[i : i + step])
+        speech_pushed = speech_pushed or i + step >= speech_end
         await asyncio.sleep(max(0.0, start + (i + step) / 16000 - loop.time()))
-    await asyncio.sleep(0.5)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(late_final.wait(), timeout=60.0)
+    await asyncio.sleep(0.3)
     await session.close()
     await reader
     return events
