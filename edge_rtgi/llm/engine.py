@@ -52,7 +52,7 @@ from edge_rtgi.llm.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from edge_rtgi.llm.speculative import Speculator
+from edge_rtgi.llm.speculative import Speculator, parse_speculative
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 from edge_rtgi.llm.tokenizer import ChatTokenizer
 
@@ -548,8 +548,11 @@ class LLMEngine:
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue
             p = cast(SamplingParams, req.params)
-            if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs):
-                decodes.append(req)
+            own = parse_speculative(p.speculative) if p.speculative is not None else None
+            if own is not None and not own.enabled:
+                continue
+            if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs, own):
+                decodes.append((req, own))
         speculator.propose(decodes)
 
     def _observe_drafts(

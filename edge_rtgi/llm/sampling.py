@@ -45,6 +45,9 @@ class SamplingParams:
     token_budget: int | None = None
     deadline_ms: float | None = None
     boundary_grace_tokens: int = 16
+    # speculative decoding for this request: None follows the engine's setting; "off" never;
+    # "auto" or "<draft>:<k>" where the engine speculates (its setting is not "off")
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +78,13 @@ class SamplingParams:
             raise RequestError(f"deadline_ms must be > 0 or None, got {self.deadline_ms!r}")
         if self.boundary_grace_tokens < 0:
             raise RequestError(f"boundary_grace_tokens must be >= 0, got {self.boundary_grace_tokens!r}")
+        if self.speculative is not None:
+            from edge_rtgi.llm.speculative import parse_speculative
+
+            try:
+                parse_speculative(self.speculative)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
 
     @property
     def stops_at_boundaries(self) -> bool:

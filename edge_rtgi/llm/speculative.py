@@ -58,12 +58,20 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    def as_setting(self) -> str:
+        """The short string form: "off", "auto" or "<draft>:<k>" (``SamplingParams.speculative``)."""
+        return f"{self.draft}:{self.k}" if self.mode == "fixed" else self.mode
+
 
 def parse_speculative(value: str | Mapping[str, object], key: str = "speculative") -> SpeculativeConfig:
-    """``auto`` | ``off`` | ``{draft: <name>, k: <1..16>}`` -> ``SpeculativeConfig``.
+    """``auto`` | ``off`` | ``{draft: <name>, k: <1..16>}`` -> ``SpeculativeConfig``; a string
+    ``<draft>:<k>`` (``ngram:4``, for command lines and ablations) is the mapping's short form.
 
     Raises ValueError naming ``key`` (and its sub-key) and what is allowed.
     """
+    if isinstance(value, str) and ":" in value:
+        name, _, size = value.partition(":")
+        return parse_speculative({"draft": name, "k": int(size) if size.isdigit() else size}, key)
     if isinstance(value, str):
         if value not in SPECULATIVE_MODES:
             raise ValueError(f"{key} must be 'auto', 'off' or {{draft: ..., k: ...}}, got {value!r}")
@@ -289,10 +297,19 @@ class AdaptivePolicy:
             arms[draft] = _RequestArm(a * scale, r * scale)
         return arms[draft]
 
-    def choose(self, request: Request, base_tokens: int) -> tuple[str, int] | None:
+    def choose(
+        self,
+        request: Request,
+        base_tokens: int,
+        fixed: tuple[str, int] | None = None,
+        adaptive: bool = False,
+    ) -> tuple[str, int] | None:
         """(draft, k) for this request's next step, or None for a plain step. ``base_tokens``:
-        tokens the step carries without this request's drafts."""
-        if self.fixed is not None:
+        tokens the step carries without this request's drafts; ``fixed`` / ``adaptive``: the
+        request's own setting over the policy's."""
+        if fixed is not None:
+            return fixed
+        if self.fixed is not None and not adaptive:
             return self.fixed
         best: tuple[float, str, int] | None = None
         for name in self.drafts:
@@ -349,20 +366,37 @@ class Speculator:
         self._chosen: dict[str, str] = {}  # request id -> draft of its proposal this step
         self._last_draft: dict[str, str] = {}
 
-    def eligible(self, request: Request, greedy: bool, seeded: bool, logprobs: bool) -> bool:
+    def eligible(
+        self,
+        request: Request,
+        greedy: bool,
+        seeded: bool,
+        logprobs: bool,
+        own: SpeculativeConfig | None = None,
+    ) -> bool:
         """Requests that may speculate: not those that want per-token logprobs; under ``auto``
         not seeded sampled ones either (the policy reads step times, so their k, and with it
-        which random numbers a sample consumes, would vary from run to run)."""
-        if logprobs:
+        which random numbers a sample consumes, would vary from run to run). ``own``: the
+        request's own setting (``SamplingParams.speculative``), None to follow the engine's."""
+        mode = (own or self.config).mode
+        if logprobs or mode == "off":
             return False
-        return not (self.config.mode == "auto" and seeded and not greedy)
+        return not (mode == "auto" and seeded and not greedy)
 
-    def propose(self, decodes: list[Request]) -> None:
-        """Put a draft on each of ``decodes`` (running requests one token short) that should get one."""
+    def propose(self, decodes: list[tuple[Request, SpeculativeConfig | None]]) -> None:
+        """Put a draft on each of ``decodes`` (running requests one token short, each with its
+        own setting or None for the engine's) that should get one."""
         self._chosen.clear()
         base_tokens = len(decodes)
-        for req in decodes:
-            choice = self.policy.choose(req, base_tokens)
+        for req, own in decodes:
+            fixed = None
+            if own is not None and own.mode == "fixed":
+                fixed = (own.draft, own.k)
+                if own.draft not in self.policy.drafts:
+                    self.policy.drafts[own.draft] = DRAFTS[own.draft]()
+            choice = self.policy.choose(
+                req, base_tokens, fixed, adaptive=own is not None and own.mode == "auto"
+            )
             if choice is None:
                 self.policy.shadow(req)
                 continue
