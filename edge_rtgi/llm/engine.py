@@ -706,8 +706,10 @@ class LLMEngine:
 
 def step_shape(output: SchedulerOutput) -> StepShape:
     """What a scheduled step computes, in the step-time model's terms."""
-    # a row verifying drafts is a decode row plus its draft tokens, which count like prefill
-    decode_rows = sum(1 for s in output.scheduled if s.sample and len(s.token_ids) - s.num_draft_tokens == 1)
+    # a request verifying k drafts runs as k+1 decode rows (ModelRunner.execute)
+    decode_rows = sum(
+        len(s.token_ids) for s in output.scheduled if s.sample and len(s.token_ids) - s.num_draft_tokens == 1
+    )
     return StepShape(
         decode_rows=decode_rows,
         prefill_tokens=output.num_batched_tokens - decode_rows,

@@ -151,8 +151,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, params: Mapping[str, SamplingParams]) -> ModelRunnerOutput:
         """Run one step; ``params`` maps each scheduled request id to its sampling params."""
-        decodes = [s for s in output.scheduled if len(s.token_ids) == 1]
-        chunks = [s for s in output.scheduled if len(s.token_ids) > 1]
+        verify = [s for s in output.scheduled if s.sample and s.num_draft_tokens]
+        rows: list[ScheduledRequest] = []
+        for s in output.scheduled:
+            if s.sample and s.num_draft_tokens:
+                # k drafts to verify run as k+1 decode rows (position p+i sees keys up to p+i),
+                # so they take the fused decode path and its multi-row kernels; every row's key
+                # and value are written before any row attends
+                rows.extend(
+                    ScheduledRequest(s.request_id, [t], s.start_position + i, s.block_ids, True)
+                    for i, t in enumerate(s.token_ids)
+                )
+            else:
+                rows.append(s)
+        decodes = [s for s in rows if len(s.token_ids) == 1]
+        chunks = [s for s in rows if len(s.token_ids) > 1]
         ordered = decodes + chunks
         token_ids = [t for s in ordered for t in s.token_ids]
         positions = [p for s in ordered for p in range(s.start_position, s.start_position + len(s.token_ids))]
@@ -163,30 +176,29 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, backend)  # [T, H]
 
         # plain rows first (their logits at the last position), then each verifying request's
-        # k+1 positions: the logits after its last token and after each draft token
+        # k+1 rows: the logits after its last token and after each draft token
+        verifying = {s.request_id for s in verify}
         plain: list[str] = []
         last_index: list[int] = []
-        verify: list[ScheduledRequest] = []
-        verify_index: list[int] = []
+        verify_index: dict[str, list[int]] = {rid: [] for rid in verifying}
         end = 0
         for s in ordered:
             end += len(s.token_ids)
-            if s.sample and s.num_draft_tokens:
-                verify.append(s)
-                verify_index.extend(range(end - 1 - s.num_draft_tokens, end))
+            if s.request_id in verifying:
+                verify_index[s.request_id].append(end - 1)
             elif s.sample:
                 plain.append(s.request_id)
                 last_index.append(end - 1)
         if not plain and not verify:
             return ModelRunnerOutput({})
-        index = torch.tensor(last_index + verify_index, dtype=torch.long, device=self.device)
+        flat = last_index + [i for s in verify for i in verify_index[s.request_id]]
+        index = torch.tensor(flat, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))  # [N, V] fp32
         out = self._sample(plain, logits[: len(plain)], params) if plain else ModelRunnerOutput({})
         row = len(plain)
         for s in verify:
-            rows = logits[row : row + s.num_draft_tokens + 1]
+            self._verify(s, logits[row : row + s.num_draft_tokens + 1], params[s.request_id], out)
             row += s.num_draft_tokens + 1
-            self._verify(s, rows, params[s.request_id], out)
         return out
 
     def _verify(
