@@ -64,7 +64,7 @@ class EngineConfig:
     # Longest a step waits while latency-critical work elsewhere in the process runs (a
     # reply's first clause being synthesised; edge_rtgi.cpu_priority). 0: never wait.
     yield_to_foreground_ms: int = 250
-    speculative: str | dict[str, str | int] = "off"
+    speculative: str | bool | dict[str, str | int] = "off"
 
     def __post_init__(self) -> None:
         parse_speculative(self.speculative)  # ValueError naming speculative.k / .draft

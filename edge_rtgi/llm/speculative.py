@@ -63,12 +63,16 @@ class SpeculativeConfig:
         return f"{self.draft}:{self.k}" if self.mode == "fixed" else self.mode
 
 
-def parse_speculative(value: str | Mapping[str, object], key: str = "speculative") -> SpeculativeConfig:
+def parse_speculative(
+    value: str | bool | Mapping[str, object], key: str = "speculative"
+) -> SpeculativeConfig:
     """``auto`` | ``off`` | ``{draft: <name>, k: <1..16>}`` -> ``SpeculativeConfig``; a string
     ``<draft>:<k>`` (``ngram:4``, for command lines and ablations) is the mapping's short form.
 
     Raises ValueError naming ``key`` (and its sub-key) and what is allowed.
     """
+    if isinstance(value, bool):  # YAML 1.1 reads a bare off / on as a boolean
+        return SpeculativeConfig(mode="auto" if value else "off")
     if isinstance(value, str) and ":" in value:
         name, _, size = value.partition(":")
         return parse_speculative({"draft": name, "k": int(size) if size.isdigit() else size}, key)

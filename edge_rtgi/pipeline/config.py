@@ -100,7 +100,7 @@ class SloConfig:
         )
 
 
-def speculative_setting(value: str | dict[str, str | int] | None) -> str | None:
+def speculative_setting(value: str | bool | dict[str, str | int] | None) -> str | None:
     """A stage's ``speculative`` as ``SamplingParams.speculative`` takes it (ValueError naming
     ``speculative`` or its sub-key when bad)."""
     return None if value is None else parse_speculative(value).as_setting()
@@ -129,7 +129,7 @@ class AssistantStageConfig:
     reply_deadline_ms: int | None = None
     # speculative decoding of its replies on a local engine whose own setting is not off:
     # auto | off | {draft: ngram, k: 1..16}; null follows the engine (llm.speculative)
-    speculative: str | dict[str, str | int] | None = None
+    speculative: str | bool | dict[str, str | int] | None = None
     backend: str = "local"
     base_url: str | None = None
     api_key_env: str | None = None
@@ -186,7 +186,7 @@ class TranslateStageConfig:
     # "predicted": a soft budget from the source length and the pair's ratio (llm.budget)
     token_budget: Literal["off", "predicted"] = "off"
     # as AssistantStageConfig.speculative
-    speculative: str | dict[str, str | int] | None = None
+    speculative: str | bool | dict[str, str | int] | None = None
 
     def __post_init__(self) -> None:
         check_budget_settings(self.token_budget, None)

@@ -28,6 +28,7 @@ def test_settings_parse_and_bad_ones_name_the_key():
     assert parse_speculative("auto").enabled
     assert parse_speculative({"draft": "ngram", "k": 6}) == SpeculativeConfig("fixed", "ngram", 6)
     assert parse_speculative("ngram:3").as_setting() == "ngram:3"
+    assert parse_speculative(False).mode == "off"  # YAML 1.1: a bare `off`
     for bad, named in (
         ({"draft": "ngram", "k": 0}, "speculative.k"),
         ({"draft": "ngram", "k": 17}, "speculative.k"),
