@@ -39,6 +39,7 @@ from edge_rtgi.bench.tasks import load_task_set
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.speculative import parse_speculative
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Optimisations:
     scheduling: str = "fcfs"  # or "slo" (llm.scheduler): classes, deadlines, a step-time model
     token_budget: str = "off"  # or "predicted" (bench.budgets): a budget per reply
     stopping: str = "eos"  # or "clause": a budget is soft and ends the reply at a clause
+    # the engine's speculative decoding: "off", "auto" or "<draft>:<k>" (llm.speculative)
+    speculative: str = "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.quant, str) and self.quant.lower() in ("none", ""):
@@ -76,6 +79,10 @@ class Optimisations:
         if self.scheduling not in ("fcfs", "slo"):
             raise ConfigError(f"scheduling must be fcfs or slo, got {self.scheduling!r}")
         BudgetPolicy(self.token_budget, self.stopping)  # validates both
+        try:
+            parse_speculative(self.speculative)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.window()  # validates kv_window
 
     def window(self) -> Any:
@@ -110,6 +117,7 @@ class Optimisations:
             enable_chunked_prefill=self.chunked_prefill,
             scheduling=self.scheduling,
             num_threads=num_threads,
+            speculative=self.speculative,
         )
 
     @property

@@ -54,6 +54,7 @@ from edge_rtgi.llm.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from edge_rtgi.llm.speculative import Speculator, parse_speculative
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 from edge_rtgi.llm.tokenizer import ChatTokenizer
 
@@ -177,6 +178,8 @@ class LLMEngine:
             self.step_model,
         )
         self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups)
+        spec = self.config.speculation()
+        self.speculator = Speculator(spec) if spec.enabled else None
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
         self._streams: dict[str, _Stream] = {}
@@ -529,6 +532,8 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             return False
         t0 = time.perf_counter()
+        if self.speculator is not None:
+            self._propose_drafts(self.speculator)
         output = self.scheduler.schedule()
         if output.is_empty:
             return False
@@ -547,11 +552,46 @@ class LLMEngine:
             )
         t2 = time.perf_counter()
         self.step_model.observe(step_shape(output), (t2 - t1) * 1e3)
+        requests = {s.request_id: self.scheduler.requests.get(s.request_id) for s in output.scheduled}
         updates = self.scheduler.update_from_output(output, result)
+        if self.speculator is not None:
+            self._observe_drafts(self.speculator, output, result, requests, updates, (t2 - t1) * 1e3)
         for update in updates:
             self._emit(update, result.logprobs.get(update.request_id))
         self._stats.record_step(output, schedule_s=t1 - t0, run_s=t2 - t1, update_s=time.perf_counter() - t2)
         return True
+
+    def _propose_drafts(self, speculator: Speculator) -> None:
+        decodes = []
+        for req in self.scheduler.running:
+            if req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            p = cast(SamplingParams, req.params)
+            own = parse_speculative(p.speculative) if p.speculative is not None else None
+            if own is not None and not own.enabled:
+                continue
+            if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs, own):
+                decodes.append((req, own))
+        speculator.propose(decodes)
+
+    def _observe_drafts(
+        self,
+        speculator: Speculator,
+        output: SchedulerOutput,
+        result: ModelRunnerOutput,
+        requests: Mapping[str, Request | None],
+        updates: list[RequestUpdate],
+        run_ms: float,
+    ) -> None:
+        decode_only = all(len(s.token_ids) - s.num_draft_tokens == 1 for s in output.scheduled)
+        speculator.observe(
+            {rid: req for rid, req in requests.items() if req is not None},
+            {s.request_id: s.num_draft_tokens for s in output.scheduled if s.num_draft_tokens},
+            result.num_accepted,
+            {u.request_id: u.new_token_ids for u in updates if u.new_token_ids},
+            output.num_batched_tokens if decode_only else None,
+            run_ms,
+        )
 
     def _emit(self, update: RequestUpdate, logprob: TokenLogprob | None = None) -> None:
         """Turn a scheduler update into a text delta (same text rules as plain generation);
@@ -560,16 +600,29 @@ class LLMEngine:
         if stream is None:
             return
         text, finish = "", update.finish_reason
-        if update.new_token_ids:
-            stream.token_times_ms.append((time.monotonic() - stream.arrival_s) * 1e3)
+        tokens = update.new_token_ids
         cut = False
         # A stop token (EOS or a stop id) ends the stream without showing its text.
-        if update.new_token_ids and finish != "stop" and stream.detok is not None:
-            text = "".join(stream.detok.push(tok) for tok in update.new_token_ids)
-            if stream.stops is not None:
-                text, stream.stop_hit = stream.stops.push(text)
-            if stream.boundary is not None and not stream.stop_hit and finish is None:
-                text, cut = self._boundary(stream, text)
+        shown = tokens[:-1] if finish == "stop" else tokens
+        if shown and stream.detok is not None:
+            # token by token: a step that verified drafts brings several, and a stop string or
+            # a boundary cut must end the stream at the token where it happened
+            now_ms = (time.monotonic() - stream.arrival_s) * 1e3
+            for i, tok in enumerate(shown):
+                piece = stream.detok.push(tok)
+                stream.token_times_ms.append(now_ms)
+                if stream.stops is not None:
+                    piece, stream.stop_hit = stream.stops.push(piece)
+                if stream.boundary is not None and not stream.stop_hit and finish is None:
+                    piece, cut = self._boundary(stream, piece)
+                text += piece
+                if stream.stop_hit or cut:
+                    tokens = tokens[: i + 1]
+                    break
+            if len(tokens) > len(shown):  # the stop token itself
+                stream.token_times_ms.append(now_ms)
+        elif tokens:
+            stream.token_times_ms.extend([(time.monotonic() - stream.arrival_s) * 1e3] * len(tokens))
         if cut and stream.cut_reason is not None:  # past the budget or deadline, at a boundary
             self.scheduler.finish_request(update.request_id, stream.cut_reason)
             finish = stream.cut_reason.value
@@ -585,7 +638,11 @@ class LLMEngine:
         if finish:
             del self._streams[update.request_id]
             self.runner.release(update.request_id)
+            if self.speculator is not None and stream.request is not None:
+                self.speculator.release(stream.request)
             self._notify_finish(finish, usage)
+        if len(tokens) != len(update.new_token_ids):
+            update = RequestUpdate(update.request_id, tokens, update.finish_reason, update.error)
         self._deliver(stream, update, text, finish, usage, logprob)
 
     def _boundary(self, stream: _Stream, text: str) -> tuple[str, bool]:
@@ -638,9 +695,11 @@ class LLMEngine:
         text, hit = stream.stops.push(tail)
         return (text, True) if hit else (text + stream.stops.flush(), False)
 
-    @staticmethod
-    def _usage(stream: _Stream) -> Usage:
+    def _usage(self, stream: _Stream) -> Usage:
         req = stream.request
+        draft = None
+        if req is not None and self.speculator is not None:
+            draft = self.speculator.draft_used(req.request_id)
         return Usage(
             prompt_tokens=req.num_prompt_tokens if req else 0,
             cached_tokens=max(req.num_cached_tokens, 0) if req else 0,
@@ -648,6 +707,9 @@ class LLMEngine:
             ttft_ms=stream.token_times_ms[0] if stream.token_times_ms else None,
             token_times_ms=tuple(stream.token_times_ms),
             num_preemptions=req.num_preemptions if req else 0,
+            draft=draft,
+            draft_tokens=req.num_draft_tokens if req else 0,
+            accepted_draft_tokens=req.num_accepted_draft_tokens if req else 0,
         )
 
     # --- introspection ---------------------------------------------------------------------
@@ -663,7 +725,10 @@ class LLMEngine:
 
 def step_shape(output: SchedulerOutput) -> StepShape:
     """What a scheduled step computes, in the step-time model's terms."""
-    decode_rows = sum(1 for s in output.scheduled if s.sample and len(s.token_ids) == 1)
+    # a request verifying k drafts runs as k+1 decode rows (ModelRunner.execute)
+    decode_rows = sum(
+        len(s.token_ids) for s in output.scheduled if s.sample and len(s.token_ids) - s.num_draft_tokens == 1
+    )
     return StepShape(
         decode_rows=decode_rows,
         prefill_tokens=output.num_batched_tokens - decode_rows,

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from edge_rtgi.llm.kv.window import KVWindow
+from edge_rtgi.llm.speculative import SpeculativeConfig, parse_speculative
 
 if TYPE_CHECKING:  # pragma: no cover
     from edge_rtgi.llm.kv.manager import KVCacheManager
@@ -37,6 +38,9 @@ class EngineConfig:
     ``scheduling``: "fcfs" (priority, then arrival) or "slo" (classes, deadlines and a fitted
     step-time model; ``edge_rtgi.llm.scheduler``); ``min_prefill_chunk_tokens`` is the least
     prefill a step carries under "slo" while decodes run.
+    ``speculative``: "off", "auto" (per request, the adaptive policy picks a draft and its
+    length from measured acceptance and step cost, or decodes plainly where nothing pays) or
+    ``{draft: ngram, k: 1..16}`` (always that draft, up to k tokens); see docs/engine.md.
     Without chunked prefill the per-step budget is raised to ``max_model_len`` so that any
     prompt fits one step.
     """
@@ -68,8 +72,10 @@ class EngineConfig:
     # Longest a step waits while latency-critical work elsewhere in the process runs (a
     # reply's first clause being synthesised; edge_rtgi.cpu_priority). 0: never wait.
     yield_to_foreground_ms: int = 250
+    speculative: str | bool | dict[str, str | int] = "off"
 
     def __post_init__(self) -> None:
+        parse_speculative(self.speculative)  # ValueError naming speculative.k / .draft
         if self.yield_to_foreground_ms < 0:
             raise ValueError(f"yield_to_foreground_ms must be >= 0, got {self.yield_to_foreground_ms}")
         if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
@@ -91,6 +97,10 @@ class EngineConfig:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
         if not self.admission_wait_factor >= 0:
             raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
+
+    def speculation(self) -> SpeculativeConfig:
+        """The parsed ``speculative`` setting."""
+        return parse_speculative(self.speculative)
 
     def with_(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` applied (validated again by ``__post_init__``)."""
@@ -145,6 +155,9 @@ class EngineStats:
     num_waiting: int = 0
     num_row_deferrals: int = 0  # admissions the slo policy held back for running decodes' ITL
     num_refused_busy: int = 0  # requests the slo admission refused as busy
+    # speculative decoding: draft tokens verified, and accepted (edge_rtgi.llm.speculative)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # the step-time model (edge_rtgi.llm.step_model): fitted ms per unit, and its prediction error
     step_model_fixed_ms: float = 0.0
     step_model_per_decode_row_ms: float = 0.0
@@ -185,6 +198,8 @@ class EngineStats:
             self,
             num_row_deferrals=scheduler.num_row_deferrals,
             num_refused_busy=scheduler.num_refused_busy,
+            spec_draft_tokens=scheduler.num_draft_tokens,
+            spec_accepted_tokens=scheduler.num_accepted_draft_tokens,
             num_preemptions=scheduler.num_preemptions,
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_cached=kv.pool.num_cached_blocks,

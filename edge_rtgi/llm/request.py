@@ -147,6 +147,12 @@ class Request:
     # Chained hashes of this request's full blocks, filled lazily by the KV manager and kept
     # across preemption so that recomputation finds its own blocks again.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Speculative decoding: draft tokens to verify in the next step (set by the engine's
+    # speculator before scheduling, cut by the scheduler to the budget, cleared after the step),
+    # and counters over the request's life: drafts verified, drafts accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._all_token_ids = list(self.prompt_token_ids)
@@ -219,6 +225,11 @@ class Usage:
     ttft_ms: float | None
     token_times_ms: tuple[float, ...]
     num_preemptions: int = 0
+    # speculative decoding: the draft that served the request last (None: none ran), draft
+    # tokens verified and accepted
+    draft: str | None = None
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

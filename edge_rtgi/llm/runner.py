@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from edge_rtgi.llm import sampling
 from edge_rtgi.llm.kv.attention import (
     ChunkAttention,
     PagedAttentionBackend,
@@ -204,8 +205,21 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, params: Mapping[str, SamplingParams]) -> ModelRunnerOutput:
         """Run one step; ``params`` maps each scheduled request id to its sampling params."""
-        decodes = [s for s in output.scheduled if len(s.token_ids) == 1]
-        chunks = [s for s in output.scheduled if len(s.token_ids) > 1]
+        verify = [s for s in output.scheduled if s.sample and s.num_draft_tokens]
+        rows: list[ScheduledRequest] = []
+        for s in output.scheduled:
+            if s.sample and s.num_draft_tokens:
+                # k drafts to verify run as k+1 decode rows (position p+i sees keys up to p+i),
+                # so they take the fused decode path and its multi-row kernels; every row's key
+                # and value are written before any row attends
+                rows.extend(
+                    ScheduledRequest(s.request_id, [t], s.start_position + i, s.block_ids, True)
+                    for i, t in enumerate(s.token_ids)
+                )
+            else:
+                rows.append(s)
+        decodes = [s for s in rows if len(s.token_ids) == 1]
+        chunks = [s for s in rows if len(s.token_ids) > 1]
         ordered = decodes + chunks
         token_ids = [t for s in ordered for t in s.token_ids]
         positions = [p for s in ordered for p in range(s.start_position, s.start_position + len(s.token_ids))]
@@ -215,17 +229,60 @@ class ModelRunner:
         backend = PagedAttentionBackend(self.storage, md, self.layer_map)
         hidden = self.model(input_ids, pos, backend)  # [T, H]
 
-        sampling, last_index, end = [], [], 0
+        # plain rows first (their logits at the last position), then each verifying request's
+        # k+1 rows: the logits after its last token and after each draft token
+        verifying = {s.request_id for s in verify}
+        plain: list[str] = []
+        last_index: list[int] = []
+        verify_index: dict[str, list[int]] = {rid: [] for rid in verifying}
+        end = 0
         for s in ordered:
             end += len(s.token_ids)
-            if s.sample:
-                sampling.append(s.request_id)
+            if s.request_id in verifying:
+                verify_index[s.request_id].append(end - 1)
+            elif s.sample:
+                plain.append(s.request_id)
                 last_index.append(end - 1)
-        if not sampling:
+        if not plain and not verify:
             return ModelRunnerOutput({})
-        index = torch.tensor(last_index, dtype=torch.long, device=self.device)
+        flat = last_index + [i for s in verify for i in verify_index[s.request_id]]
+        index = torch.tensor(flat, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))  # [N, V] fp32
-        return self._sample(sampling, logits, params)
+        out = self._sample(plain, logits[: len(plain)], params) if plain else ModelRunnerOutput({})
+        row = len(plain)
+        for s in verify:
+            self._verify(s, logits[row : row + s.num_draft_tokens + 1], params[s.request_id], out)
+            row += s.num_draft_tokens + 1
+        return out
+
+    def _verify(
+        self, s: ScheduledRequest, logits: Tensor, params: SamplingParams, out: ModelRunnerOutput
+    ) -> None:
+        """Accept a prefix of ``s``'s draft tokens from its logits [k+1, V] and pick the token after
+        them: exact match for greedy requests, rejection sampling with the request's own generator
+        for sampled ones (drafts are deterministic: one-hot draft distributions)."""
+        rid, drafts = s.request_id, s.token_ids[len(s.token_ids) - s.num_draft_tokens :]
+        if not bool(logits.sum().isfinite()):
+            out.errors[rid] = "the model produced NaN or inf logits for this request"
+            return
+        try:
+            if params.greedy:
+                best = logits.argmax(dim=-1).tolist()
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+                    accepted += 1
+                token = best[accepted]
+            else:
+                if rid not in self._generators:
+                    self._generators[rid] = params.make_generator(logits.device)
+                probs = sampling.target_probs(logits, params)
+                accepted, token = sampling.speculative_accept(probs, drafts, None, self._generators[rid])
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+            log.warning("verifying drafts failed for request %s: %s", rid, exc)
+            out.errors[rid] = f"sampling failed: {exc}"
+            return
+        out.sampled_token_ids[rid] = token
+        out.num_accepted[rid] = accepted
 
     def _sample(
         self, request_ids: list[str], logits: Tensor, params: Mapping[str, SamplingParams]

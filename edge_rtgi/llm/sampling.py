@@ -45,6 +45,9 @@ class SamplingParams:
     token_budget: int | None = None
     deadline_ms: float | None = None
     boundary_grace_tokens: int = 16
+    # speculative decoding for this request: None follows the engine's setting; "off" never;
+    # "auto" or "<draft>:<k>" where the engine speculates (its setting is not "off")
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +78,13 @@ class SamplingParams:
             raise RequestError(f"deadline_ms must be > 0 or None, got {self.deadline_ms!r}")
         if self.boundary_grace_tokens < 0:
             raise RequestError(f"boundary_grace_tokens must be >= 0, got {self.boundary_grace_tokens!r}")
+        if self.speculative is not None:
+            from edge_rtgi.llm.speculative import parse_speculative
+
+            try:
+                parse_speculative(self.speculative)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from None
 
     @property
     def stops_at_boundaries(self) -> bool:
@@ -123,3 +133,46 @@ def sample_token(logits: Tensor, params: SamplingParams, generator: torch.Genera
     if not torch.isfinite(probs).all():
         raise RequestError("sampling failed: logits contain NaN or inf", hint="check the model's dtype")
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def target_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """The distribution a sampled request draws from at each row of fp32 logits [N, V] (after
+    temperature, top-k and top-p), as probabilities [N, V]."""
+    import torch
+
+    return torch.stack([filter_logits(row, params).softmax(-1) for row in logits])
+
+
+def speculative_accept(
+    probs: Tensor,
+    draft_token_ids: list[int],
+    draft_probs: Tensor | None,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Rejection sampling of ``k`` draft tokens against the target (Leviathan et al., Chen et al.).
+
+    ``probs`` [k+1, V]: the target's distribution after the context and each draft prefix;
+    ``draft_probs`` [k, V]: the draft's (None: a deterministic draft, one-hot at its token).
+    Draft token i is accepted with probability min(1, p/q); at the first rejection a token is
+    drawn from the normalised max(0, p - q) instead, and after k acceptances from the last row.
+    The tokens that come out are distributed exactly as sampling from ``probs`` one at a time.
+    Returns (number of drafts accepted, the token that follows them).
+    """
+    import torch
+
+    k = len(draft_token_ids)
+    uniform = torch.rand(k, generator=generator, dtype=torch.float64).tolist() if k else []
+    for i, token in enumerate(draft_token_ids):
+        p = float(probs[i, token])
+        q = float(draft_probs[i, token]) if draft_probs is not None else 1.0
+        if uniform[i] * q < p:  # u < p / q without dividing by a zero q
+            continue
+        if draft_probs is not None:
+            residual = (probs[i] - draft_probs[i]).clamp_min(0.0)
+        else:
+            residual = probs[i].clone()
+            residual[token] = 0.0
+        if not float(residual.sum()) > 0.0:  # p == q: rejection had probability 0
+            residual = probs[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return k, int(torch.multinomial(probs[k], 1, generator=generator))

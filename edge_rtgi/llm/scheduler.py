@@ -89,6 +89,8 @@ class ScheduledRequest:
     start_position: int
     block_ids: list[list[int]]  # per KV group, the whole table after allocation; -1 = released block
     sample: bool  # True when this chunk reaches the end of the known tokens
+    # the last ``num_draft_tokens`` of ``token_ids`` are draft tokens to verify (speculation)
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     errors: dict[str, str] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # requests that verified drafts: how many of their draft tokens were accepted (the sampled
+    # token then follows the accepted drafts)
+    num_accepted: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
         self.num_refused_busy = 0
+        self.num_draft_tokens = 0  # speculation: draft tokens verified, and accepted
+        self.num_accepted_draft_tokens = 0
 
     # --- intake ----------------------------------------------------------------------------
 
@@ -283,15 +290,18 @@ class Scheduler:
         for req in self.running:
             n = num_new.get(req.request_id)
             if n is None:
+                req.draft_token_ids.clear()
                 continue
             start = req.num_computed_tokens
+            drafts = max(0, start + n - req.num_tokens)  # what reaches past the known tokens
             scheduled.append(
                 ScheduledRequest(
                     request_id=req.request_id,
-                    token_ids=req.all_token_ids[start : start + n],
+                    token_ids=req.all_token_ids[start : start + n - drafts] + req.draft_token_ids[:drafts],
                     start_position=start,
                     block_ids=self.kv.block_ids(req.request_id),
-                    sample=start + n == req.num_tokens,
+                    sample=start + n - drafts == req.num_tokens,
+                    num_draft_tokens=drafts,
                 )
             )
         return SchedulerOutput(scheduled, sum(num_new.values()), [r.request_id for r in preempted])
@@ -309,15 +319,26 @@ class Scheduler:
         now: float,
         prefill: _PrefillAllowance,
     ) -> int:
+        # every decode gets its one token before any gets draft tokens to verify
+        decodes_left = sum(1 for r in self.running if _is_decode(r))
         for req in self._running_order(now):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted a moment ago to make room for an earlier one
             gap = req.num_tokens - req.num_computed_tokens
-            n = min(gap, budget) if gap == 1 else prefill.take(min(gap, budget))
+            if gap == 1:
+                decodes_left -= 1
+                self._cap_drafts(req, budget - 1 - decodes_left)
+                n = 1 + len(req.draft_token_ids)
+            else:
+                req.draft_token_ids.clear()
+                n = prefill.take(min(gap, budget))
             if n == 0:
                 continue
+            if n > 1 and req.draft_token_ids and not self.kv.allocate_slots(req, n):
+                req.draft_token_ids.clear()  # no blocks to spare: verify nothing rather than preempt
+                n = 1
             while not self.kv.allocate_slots(req, n):
                 victim = min((r for r in self.running if r.status is RequestStatus.RUNNING), key=self._victim)
                 self._preempt(victim)
@@ -364,6 +385,16 @@ class Scheduler:
                 self.kv.record_prefix_lookup(req.num_prompt_tokens, num_hit_tokens)
             num_new[req.request_id] = n
             budget -= n
+
+    def _cap_drafts(self, req: Request, spare_tokens: int) -> None:
+        """Cut a decode's draft to the step's spare budget, to what its ``max_tokens`` can still
+        use (the bonus token always comes on top) and to the context window."""
+        room = min(
+            spare_tokens,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        del req.draft_token_ids[max(0, room) :]
 
     def _budget_left(self, num_new: dict[str, int]) -> int:
         """The step's token budget not yet handed out (after a preemption took some back)."""
@@ -434,6 +465,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft_token_ids.clear()
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -450,22 +482,39 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += len(sr.token_ids)
+            req.draft_token_ids.clear()
+            k = sr.num_draft_tokens
+            accepted = min(result.num_accepted.get(sr.request_id, 0), k)
+            # rejected drafts' keys and values were written but are not part of the sequence
+            req.num_computed_tokens += len(sr.token_ids) - k + accepted
             error = result.errors.get(sr.request_id)
             if error is not None:
                 updates.append(self.finish_request(sr.request_id, RequestStatus.FINISHED_ERROR, error))
                 continue
+            if k:
+                req.num_draft_tokens += k
+                req.num_accepted_draft_tokens += accepted
+                self.num_draft_tokens += k
+                self.num_accepted_draft_tokens += accepted
+                if accepted < k:
+                    self.kv.truncate(req)
             self.kv.cache_computed_blocks(req)
             self.kv.release_outside_windows(req)  # groups with a window only
             if not sr.sample:
                 continue
-            token = result.sampled_token_ids[sr.request_id]
-            req.append_output_token(token)
+            new_tokens = []
+            for token in (
+                *sr.token_ids[len(sr.token_ids) - k :][:accepted],
+                result.sampled_token_ids[sr.request_id],
+            ):
+                req.append_output_token(token)
+                new_tokens.append(token)
+                status = self._stop_status(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    break
             req.last_token_time_s = self.clock()
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status)
-            updates.append(RequestUpdate(sr.request_id, [token], req.status.finish_reason))
+            updates.append(RequestUpdate(sr.request_id, new_tokens, req.status.finish_reason))
         return updates
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:

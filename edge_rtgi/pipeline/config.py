@@ -28,6 +28,7 @@ from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.config import from_dict, load_yaml, parse_yaml, where
 from edge_rtgi.errors import ConfigError
 from edge_rtgi.llm.request import DEFAULT_SLOS, RequestClass, RequestSLO
+from edge_rtgi.llm.speculative import parse_speculative
 from edge_rtgi.pipeline.backends.config import (
     BACKEND_KINDS,
     ROUTER_RULES,
@@ -99,6 +100,12 @@ class SloConfig:
         )
 
 
+def speculative_setting(value: str | bool | dict[str, str | int] | None) -> str | None:
+    """A stage's ``speculative`` as ``SamplingParams.speculative`` takes it (ValueError naming
+    ``speculative`` or its sub-key when bad)."""
+    return None if value is None else parse_speculative(value).as_setting()
+
+
 @dataclass(frozen=True)
 class AssistantStageConfig:
     """A multi-turn assistant: on the shared LLM engine (``backend: local``), on a remote
@@ -120,6 +127,9 @@ class AssistantStageConfig:
     # past reply_deadline_ms after the request, the reply ends at the next clause (local engine)
     token_budget: Literal["off", "predicted"] = "off"
     reply_deadline_ms: int | None = None
+    # speculative decoding of its replies on a local engine whose own setting is not off:
+    # auto | off | {draft: ngram, k: 1..16}; null follows the engine (llm.speculative)
+    speculative: str | bool | dict[str, str | int] | None = None
     backend: str = "local"
     base_url: str | None = None
     api_key_env: str | None = None
@@ -129,6 +139,7 @@ class AssistantStageConfig:
     def __post_init__(self) -> None:
         if self.max_reply_tokens < 1:
             raise ValueError("max_reply_tokens must be >= 1")
+        speculative_setting(self.speculative)
         check_budget_settings(self.token_budget, self.reply_deadline_ms)
         if self.history_summary_words < 0:
             raise ValueError(f"history_summary_words must be >= 0, got {self.history_summary_words}")
@@ -174,9 +185,12 @@ class TranslateStageConfig:
     slo: SloConfig = field(default_factory=lambda: SloConfig("translation"))
     # "predicted": a soft budget from the source length and the pair's ratio (llm.budget)
     token_budget: Literal["off", "predicted"] = "off"
+    # as AssistantStageConfig.speculative
+    speculative: str | bool | dict[str, str | int] | None = None
 
     def __post_init__(self) -> None:
         check_budget_settings(self.token_budget, None)
+        speculative_setting(self.speculative)
         if self.prompt not in ("chat", "few-shot"):
             raise ValueError(f"prompt must be 'chat' or 'few-shot', got {self.prompt!r}")
         if self.backend not in TRANSLATE_BACKENDS:

@@ -303,6 +303,16 @@ class EngineCollector(Collector):
                 "Requests refused as busy by the slo admission (their queue wait would pass their SLO)",
                 labels=["model"],
             ),
+            "spec_draft": CounterMetricFamily(
+                "edge_rtgi_engine_spec_draft_tokens",
+                "Draft tokens proposed and verified by speculative decoding",
+                labels=["model"],
+            ),
+            "spec_accepted": CounterMetricFamily(
+                "edge_rtgi_engine_spec_accepted_tokens",
+                "Draft tokens accepted by speculative decoding (tokens gained over plain decoding)",
+                labels=["model"],
+            ),
             "step_model": GaugeMetricFamily(
                 "edge_rtgi_engine_step_model_ms",
                 "Fitted step-time model: ms per unit of each term (term label)",
@@ -331,6 +341,8 @@ class EngineCollector(Collector):
                 ("kv_total", s.kv_blocks_total),
                 ("row_deferrals", s.num_row_deferrals),
                 ("refused_busy", s.num_refused_busy),
+                ("spec_draft", s.spec_draft_tokens),
+                ("spec_accepted", s.spec_accepted_tokens),
                 ("step_model_error", s.step_model_error_ms),
             ):
                 fams[key].add_metric([name], float(value))

@@ -115,6 +115,8 @@ async def test_metrics_parse_and_histograms_move_after_a_voice_turn(daemon, pipe
     assert len(buckets) > 5 and buckets[-1].labels["le"] == "+Inf"
     kv = [s for s in families["edge_rtgi_engine_kv_blocks_total"].samples if s.labels["model"] == MODEL]
     assert kv and kv[0].value > 0
+    for name in ("edge_rtgi_engine_spec_draft_tokens", "edge_rtgi_engine_spec_accepted_tokens"):
+        assert any(s.labels["model"] == MODEL for s in families[name].samples), name
 
 
 @pytest.mark.skipif(not cdp.environment_ok(), reason="no Chromium (apt-get install chromium)")

@@ -31,7 +31,11 @@ def test_each_optimisation_is_a_switch():
     cfg = base.changed("max_num_batched_tokens=64").engine_config("m", 2)
     assert (cfg.max_num_batched_tokens, cfg.enable_prefix_caching, cfg.num_threads) == (64, True, 2)
     with pytest.raises(ConfigError, match="bad ablation"):
-        base.changed("speculative=true")
+        base.changed("telepathy=true")
+    assert base.changed("speculative=ngram:4").engine_config("m", 2).speculation().k == 4
+    assert base.changed("speculative=auto").engine_config("m", 2).speculative == "auto"
+    with pytest.raises(ConfigError, match=r"speculative\.k must be an integer in 1\.\.16"):
+        base.changed("speculative=ngram:0")
     with pytest.raises(ConfigError, match="integer"):
         base.changed("max_num_seqs=many")
     windowed = base.changed("kv_window=4:1024")

@@ -230,6 +230,22 @@ class KVCacheManager:
 
     # --- release ---------------------------------------------------------------------------
 
+    def truncate(self, request: Request) -> int:
+        """Give back the blocks past ``request.num_computed_tokens`` (the slots of rejected draft
+        tokens). Their contents were never hashed: caching stops at the computed tokens.
+        Returns the number of blocks released."""
+        tables = self._tables.get(request.request_id)
+        if not tables:
+            return 0
+        keep = self.blocks_for_tokens(request.num_computed_tokens)
+        released = 0
+        for table in tables:
+            tail = [b for b in table[keep:] if b is not None]
+            del table[keep:]
+            self.pool.free(reversed(tail))
+            released += len(tail)
+        return released
+
     def free(self, request: Request) -> None:
         """Give back all of the request's blocks; its cached blocks stay findable until evicted."""
         tables = self._tables.pop(request.request_id, None)

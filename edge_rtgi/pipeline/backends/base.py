@@ -53,6 +53,8 @@ class BackendRequest:
     logprobs: bool = False
     stop: tuple[str, ...] = ()
     add_special_tokens: bool = False
+    # a local engine's speculative decoding for this request (SamplingParams.speculative)
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (not self.messages):

@@ -79,6 +79,7 @@ class LocalBackend:
             stop=request.stop,
             token_budget=request.token_budget,
             deadline_ms=request.deadline_ms,
+            speculative=request.speculative,
         )
         try:  # a long chat prompt takes milliseconds to render: not on the event loop
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)

@@ -21,7 +21,7 @@ from edge_rtgi import frames as F
 from edge_rtgi.errors import RequestError
 from edge_rtgi.llm.budget import default_predictor
 from edge_rtgi.pipeline.backends.base import BackendRequest, BackendResult, LlmBackend, Message
-from edge_rtgi.pipeline.config import AssistantStageConfig, TranslateStageConfig
+from edge_rtgi.pipeline.config import AssistantStageConfig, TranslateStageConfig, speculative_setting
 from edge_rtgi.pipeline.stage import Stage, StageContext
 from edge_rtgi.pipeline.translate import (
     ApertiumTranslator,
@@ -276,6 +276,7 @@ class AssistantStage(Stage[F.ResponseRequest]):
             slo=cfg.slo.objective(),
             token_budget=_reply_budget(cfg.token_budget, prompt.messages, max_tokens),
             deadline_ms=cfg.reply_deadline_ms,
+            speculative=speculative_setting(cfg.speculative),
         )
         await self.ctx.forward(self, await stream_backend(self, self.backend, request))
 
@@ -328,6 +329,7 @@ class TranslateStage(Stage[F.ResponseRequest]):
                 request_class=cfg.slo.klass,
                 slo=cfg.slo.objective(),
                 token_budget=soft,
+                speculative=speculative_setting(cfg.speculative),
             )
         else:
             messages = translation_messages(req.source_text, cfg.source_language, cfg.target_language)
@@ -338,6 +340,7 @@ class TranslateStage(Stage[F.ResponseRequest]):
                 request_class=cfg.slo.klass,
                 slo=cfg.slo.objective(),
                 token_budget=soft,
+                speculative=speculative_setting(cfg.speculative),
             )
         done = await stream_backend(self, self.backend, request)
         await self.ctx.forward(self, F.TextDone(rid, done.text, req.source_text, done.usage, done.llm))

@@ -1,0 +1,452 @@
+"""Speculative decoding: drafts that propose tokens, and the policy that picks draft and length.
+
+The engine calls one ``Speculator`` before each schedule: it asks the policy, per running decode,
+which draft to run and how many tokens to propose, and puts the proposal on the request
+(``Request.draft_token_ids``). The scheduler counts those tokens against the step's budget, the
+runner verifies them (``ModelRunner._verify``: exact match for greedy requests, rejection sampling
+for sampled ones) and the scheduler keeps the accepted ones. After the step the speculator
+learns from what was accepted and what the step cost.
+
+Drafts are classes behind the ``Draft`` protocol; the engine never knows which one runs. Every
+draft here is deterministic (a function of the request's tokens), so its draft distribution is
+one-hot and verification needs no draft probabilities.
+
+Torch-free: proposals are token lists, the policy is arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from edge_rtgi.llm.request import Request, RequestClass
+
+MAX_DRAFT_TOKENS = 16
+SPECULATIVE_MODES = ("off", "auto")
+
+
+class Draft(Protocol):
+    """Proposes up to ``k`` tokens to follow a request's tokens."""
+
+    @property
+    def name(self) -> str: ...
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to ``k`` draft tokens after ``request.all_token_ids`` (fewer when unsure, or none)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request."""
+        ...
+
+
+# --- settings ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``mode``: "off", "auto" (the adaptive policy picks draft and k per request) or "fixed"
+    (always ``draft`` with up to ``k`` tokens). ``draft`` is a name from ``DRAFTS``."""
+
+    mode: str = "off"
+    draft: str = "ngram"
+    k: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def as_setting(self) -> str:
+        """The short string form: "off", "auto" or "<draft>:<k>" (``SamplingParams.speculative``)."""
+        return f"{self.draft}:{self.k}" if self.mode == "fixed" else self.mode
+
+
+def parse_speculative(
+    value: str | bool | Mapping[str, object], key: str = "speculative"
+) -> SpeculativeConfig:
+    """``auto`` | ``off`` | ``{draft: <name>, k: <1..16>}`` -> ``SpeculativeConfig``; a string
+    ``<draft>:<k>`` (``ngram:4``, for command lines and ablations) is the mapping's short form.
+
+    Raises ValueError naming ``key`` (and its sub-key) and what is allowed.
+    """
+    if isinstance(value, bool):  # YAML 1.1 reads a bare off / on as a boolean
+        return SpeculativeConfig(mode="auto" if value else "off")
+    if isinstance(value, str) and ":" in value:
+        name, _, size = value.partition(":")
+        return parse_speculative({"draft": name, "k": int(size) if size.isdigit() else size}, key)
+    if isinstance(value, str):
+        if value not in SPECULATIVE_MODES:
+            raise ValueError(f"{key} must be 'auto', 'off' or {{draft: ..., k: ...}}, got {value!r}")
+        return SpeculativeConfig(mode=value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be 'auto', 'off' or a mapping {{draft: ..., k: ...}}, got {value!r}")
+    unknown = sorted(set(value) - {"draft", "k"})
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(unknown)} in {key}; allowed: draft, k")
+    draft = value.get("draft", "ngram")
+    if draft not in DRAFTS:
+        raise ValueError(f"{key}.draft: unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
+    k = value.get("k", 4)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"{key}.k must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
+    return SpeculativeConfig(mode="fixed", draft=str(draft), k=k)
+
+
+# --- the n-gram (prompt lookup) draft ------------------------------------------------------------
+
+
+@dataclass
+class _NgramIndex:
+    """For each n-gram of the request's tokens: the token after its latest occurrence, and how
+    often each token followed it (its confidence)."""
+
+    indexed: int = 0  # tokens whose preceding n-grams are in the tables
+    latest: dict[tuple[int, ...], int] = field(default_factory=dict)
+    counts: dict[tuple[int, ...], dict[int, int]] = field(default_factory=dict)
+
+
+class NgramDraft:
+    """Prompt lookup: continue the longest recent n-gram match in the prompt and the output.
+
+    From the longest suffix (``max_n`` down to ``min_n`` tokens) seen before, proposes the token
+    that followed its latest occurrence, then repeats from the extended suffix. A token's
+    confidence is the share of earlier occurrences of that n-gram that the same token followed;
+    drafting stops below ``min_confidence`` (dynamic k). The index is incremental: each step
+    adds only the new tokens.
+    """
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 5, min_confidence: float = 0.5):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n, self.min_confidence = min_n, max_n, min_confidence
+        self._index: dict[str, _NgramIndex] = {}
+
+    def _update(self, request: Request) -> _NgramIndex:
+        index = self._index.setdefault(request.request_id, _NgramIndex())
+        tokens = request.all_token_ids
+        for i in range(max(index.indexed, 1), len(tokens)):
+            nxt = tokens[i]
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                key = tuple(tokens[i - n : i])
+                index.latest[key] = nxt
+                seen = index.counts.setdefault(key, {})
+                seen[nxt] = seen.get(nxt, 0) + 1
+        index.indexed = len(tokens)
+        return index
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        index = self._update(request)
+        context = request.all_token_ids[-self.max_n :]
+        out: list[int] = []
+        while len(out) < k:
+            guess = self._next(index, context)
+            if guess is None:
+                break
+            out.append(guess)
+            context = [*context[1:], guess] if len(context) >= self.max_n else [*context, guess]
+        return out
+
+    def _next(self, index: _NgramIndex, context: list[int]) -> int | None:
+        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+            key = tuple(context[-n:])
+            token = index.latest.get(key)
+            if token is None:
+                continue
+            seen = index.counts[key]
+            if seen[token] / sum(seen.values()) < self.min_confidence:
+                return None
+            return token
+        return None
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+DRAFTS: dict[str, type[NgramDraft]] = {"ngram": NgramDraft}
+
+
+# --- cost and acceptance models -----------------------------------------------------------------
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verification step yields with ``k`` drafts each accepted with probability
+    ``acceptance`` until the first rejection, plus the target's own token."""
+    a = min(max(acceptance, 0.0), 0.999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class StepCostTable:
+    """Measured run time of decode-only steps by the number of tokens they carry (EMA per size).
+
+    Relative cost of carrying ``k`` more tokens is read from here; sizes not seen yet are
+    interpolated, or extrapolated at ``prior_ratio_per_token`` of a one-token step.
+    """
+
+    def __init__(self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1):
+        self.prior_ratio_per_token = prior_ratio_per_token
+        self.smoothing = smoothing
+        self.ms: dict[int, float] = {}
+        self.count: dict[int, int] = {}
+
+    def observe(self, tokens: int, run_ms: float) -> None:
+        old = self.ms.get(tokens)
+        self.count[tokens] = self.count.get(tokens, 0) + 1
+        # the first few samples average plainly so one noisy step does not set the table
+        weight = max(self.smoothing, 1.0 / self.count[tokens])
+        self.ms[tokens] = run_ms if old is None else old + weight * (run_ms - old)
+
+    def cost_ms(self, tokens: int) -> float | None:
+        if tokens in self.ms:
+            return self.ms[tokens]
+        below = max((t for t in self.ms if t < tokens), default=None)
+        above = min((t for t in self.ms if t > tokens), default=None)
+        if below is not None and above is not None:
+            f = (tokens - below) / (above - below)
+            return self.ms[below] + f * (self.ms[above] - self.ms[below])
+        return None
+
+    def ratio(self, base_tokens: int, extra_tokens: int) -> float:
+        """Cost of a step with ``extra_tokens`` more than ``base_tokens``, relative to it."""
+        if extra_tokens == 0:
+            return 1.0
+        base = self.cost_ms(base_tokens)
+        more = self.cost_ms(base_tokens + extra_tokens)
+        if base is not None and more is not None and base > 0:
+            return max(more / base, 1.0)
+        return 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)
+
+
+# --- the policy ---------------------------------------------------------------------------------
+
+# Per-token acceptance priors by request class (Beta pseudo-counts: accepted, rejected); each
+# class's running totals replace them as requests finish.
+CLASS_PRIORS: dict[RequestClass, tuple[float, float]] = {
+    RequestClass.VOICE: (1.0, 2.0),
+    RequestClass.TRANSLATION: (2.0, 2.0),
+    RequestClass.DIALOGUE: (1.0, 2.0),
+    RequestClass.BULK: (2.0, 2.0),
+}
+PRIOR_WEIGHT = 4.0  # pseudo-observations a request's estimate starts with
+K_CHOICES = (1, 2, 3, 4, 6, 8)
+MIN_GAIN = 1.03  # a draft must promise this speed-up over plain decoding, or the step goes plain
+
+
+@dataclass
+class _RequestArm:
+    """One request's acceptance estimate for one draft (Beta posterior, per token)."""
+
+    accepted: float
+    rejected: float
+    pending: list[int] = field(default_factory=list)  # a shadow proposal to score next step
+
+    @property
+    def mean(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def optimistic(self) -> float:
+        """Upper confidence bound: an arm tried little still gets its chance."""
+        n = self.accepted + self.rejected
+        return min(1.0, self.mean + math.sqrt(self.mean * (1 - self.mean) / (n + 1)))
+
+
+@dataclass
+class SpeculationStats:
+    """Counters for /metrics and benchmarks: steps that verified drafts, draft tokens verified
+    and accepted, and per draft the same two."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    plain_steps: int = 0  # decode steps where the policy chose no draft
+    per_draft: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verification step beyond the one plain decoding gives."""
+        return self.accepted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+class AdaptivePolicy:
+    """Per request, picks (draft, k) maximising expected tokens per unit of step cost.
+
+    A model-based bandit: each (request, draft) keeps a Beta estimate of per-token acceptance,
+    started from its class's running totals (``CLASS_PRIORS`` before any), and each candidate k
+    is scored ``expected_tokens(optimistic acceptance, k) / cost ratio(k)`` with the cost ratio
+    from measured step times. With no candidate above ``MIN_GAIN`` the step is plain; cheap
+    drafts (no model run) still propose in the shadow then, and the next token scores them, so
+    a request whose text turns repetitive is noticed without paying for a verification.
+    ``fixed`` pins the draft and k (the ablation and the ``{draft, k}`` setting).
+    """
+
+    def __init__(self, drafts: Iterable[Draft], costs: StepCostTable, fixed: tuple[str, int] | None = None):
+        self.drafts = {d.name: d for d in drafts}
+        self.costs = costs
+        self.fixed = fixed
+        self._arms: dict[str, dict[str, _RequestArm]] = {}
+        self._class_totals: dict[tuple[RequestClass, str], list[float]] = {}
+
+    def _arm(self, request: Request, draft: str) -> _RequestArm:
+        arms = self._arms.setdefault(request.request_id, {})
+        if draft not in arms:
+            a, r = self._class_totals.get((request.request_class, draft), CLASS_PRIORS[request.request_class])
+            scale = PRIOR_WEIGHT / (a + r)
+            arms[draft] = _RequestArm(a * scale, r * scale)
+        return arms[draft]
+
+    def choose(
+        self,
+        request: Request,
+        base_tokens: int,
+        fixed: tuple[str, int] | None = None,
+        adaptive: bool = False,
+    ) -> tuple[str, int] | None:
+        """(draft, k) for this request's next step, or None for a plain step. ``base_tokens``:
+        tokens the step carries without this request's drafts; ``fixed`` / ``adaptive``: the
+        request's own setting over the policy's."""
+        if fixed is not None:
+            return fixed
+        if self.fixed is not None and not adaptive:
+            return self.fixed
+        best: tuple[float, str, int] | None = None
+        for name in self.drafts:
+            alpha = self._arm(request, name).optimistic()
+            for k in K_CHOICES:
+                gain = expected_tokens(alpha, k) / self.costs.ratio(base_tokens, k)
+                if gain >= MIN_GAIN and (best is None or gain > best[0]):
+                    best = (gain, name, k)
+        return None if best is None else (best[1], best[2])
+
+    def shadow(self, request: Request) -> None:
+        """On a plain step, let each draft guess the next token; ``observe_plain`` scores it."""
+        for name, draft in self.drafts.items():
+            self._arm(request, name).pending = draft.propose(request, 1)
+
+    def observe_plain(self, request: Request, token: int) -> None:
+        for arm in self._arms.get(request.request_id, {}).values():
+            if arm.pending:
+                hit = arm.pending[0] == token
+                arm.accepted += hit
+                arm.rejected += not hit
+                arm.pending = []
+
+    def observe(self, request: Request, draft: str, proposed: int, accepted: int) -> None:
+        """A verification step: ``accepted`` of ``proposed`` drafts held."""
+        arm = self._arm(request, draft)
+        arm.accepted += accepted
+        arm.rejected += 1 if accepted < proposed else 0
+
+    def release(self, request: Request) -> None:
+        """Fold a finished request's estimates into its class's totals."""
+        for name, arm in self._arms.pop(request.request_id, {}).items():
+            totals = self._class_totals.setdefault((request.request_class, name), [0.0, 0.0])
+            totals[0] += arm.accepted
+            totals[1] += arm.rejected
+            # forget slowly, so the class prior follows a workload that changes
+            if totals[0] + totals[1] > 200:
+                totals[0] *= 0.5
+                totals[1] *= 0.5
+
+
+class Speculator:
+    """The engine's one entry point to speculation: propose before a step, learn after it."""
+
+    def __init__(self, config: SpeculativeConfig, drafts: Iterable[Draft] | None = None):
+        self.config = config
+        if drafts is None:
+            names = list(DRAFTS) if config.mode == "auto" else [config.draft]
+            drafts = [DRAFTS[name]() for name in names]
+        self.costs = StepCostTable()
+        fixed = (config.draft, config.k) if config.mode == "fixed" else None
+        self.policy = AdaptivePolicy(drafts, self.costs, fixed)
+        self.stats = SpeculationStats()
+        self._chosen: dict[str, str] = {}  # request id -> draft of its proposal this step
+        self._last_draft: dict[str, str] = {}
+
+    def eligible(
+        self,
+        request: Request,
+        greedy: bool,
+        seeded: bool,
+        logprobs: bool,
+        own: SpeculativeConfig | None = None,
+    ) -> bool:
+        """Requests that may speculate: not those that want per-token logprobs; under ``auto``
+        not seeded sampled ones either (the policy reads step times, so their k, and with it
+        which random numbers a sample consumes, would vary from run to run). ``own``: the
+        request's own setting (``SamplingParams.speculative``), None to follow the engine's."""
+        mode = (own or self.config).mode
+        if logprobs or mode == "off":
+            return False
+        return not (mode == "auto" and seeded and not greedy)
+
+    def propose(self, decodes: list[tuple[Request, SpeculativeConfig | None]]) -> None:
+        """Put a draft on each of ``decodes`` (running requests one token short, each with its
+        own setting or None for the engine's) that should get one."""
+        self._chosen.clear()
+        base_tokens = len(decodes)
+        for req, own in decodes:
+            fixed = None
+            if own is not None and own.mode == "fixed":
+                fixed = (own.draft, own.k)
+                if own.draft not in self.policy.drafts:
+                    self.policy.drafts[own.draft] = DRAFTS[own.draft]()
+            choice = self.policy.choose(
+                req, base_tokens, fixed, adaptive=own is not None and own.mode == "auto"
+            )
+            if choice is None:
+                self.policy.shadow(req)
+                continue
+            name, k = choice
+            req.draft_token_ids = self.policy.drafts[name].propose(req, k)
+            if req.draft_token_ids:
+                self._chosen[req.request_id] = name
+
+    def observe(
+        self,
+        requests: Mapping[str, Request],
+        drafts: Mapping[str, int],
+        accepted: Mapping[str, int],
+        new_tokens: Mapping[str, list[int]],
+        step_tokens: int | None,
+        run_ms: float,
+    ) -> None:
+        """After a step: ``drafts``/``accepted`` per verifying request, ``new_tokens`` per
+        request that got tokens, ``step_tokens`` the step's size when it held decodes only."""
+        if step_tokens is not None:
+            self.costs.observe(step_tokens, run_ms)
+        for rid, tokens in new_tokens.items():
+            req = requests.get(rid)
+            k = drafts.get(rid, 0)
+            name = self._chosen.get(rid)
+            if k and name is not None:
+                got = accepted.get(rid, 0)
+                self.stats.verify_steps += 1
+                self.stats.draft_tokens += k
+                self.stats.accepted_tokens += got
+                p, a = self.stats.per_draft.get(name, (0, 0))
+                self.stats.per_draft[name] = (p + k, a + got)
+                self._last_draft[rid] = name
+                if req is not None:
+                    self.policy.observe(req, name, k, got)
+            elif tokens:
+                self.stats.plain_steps += 1
+                if req is not None:
+                    self.policy.observe_plain(req, tokens[0])
+
+    def draft_used(self, request_id: str) -> str | None:
+        return self._last_draft.get(request_id)
+
+    def release(self, request: Request) -> None:
+        self.policy.release(request)
+        self._chosen.pop(request.request_id, None)
+        self._last_draft.pop(request.request_id, None)
+        for draft in self.policy.drafts.values():
+            draft.release(request.request_id)

@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Batch-1 decode speed with speculative decoding on and off, per workload, in one engine.
+
+SmolLM2-135M-Instruct as the daemon runs it (catalogue GGUF, quant "auto"), greedy, the
+workloads' own prompts (edge_rtgi.bench.workloads) plus a set chosen to defeat drafts (no text
+to copy, little repetition). Each setting is one ``Speculator`` put on the same engine (None:
+off); settings are interleaved within every run, in a shuffled order, and each figure is the
+median over runs of the decode rate (tokens after the first, over the time after the first).
+The adaptive setting keeps its speculator across runs: learning is part of what it does.
+
+Also reported: acceptance rate and mean accepted length per draft per workload, and the measured
+run time of a decode step by the number of tokens it carries (1 = plain decode, k+1 = verifying
+k drafts), from the engine's own cost table.
+
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_speculative.py [--runs 5] [--prompts 3]
+        [--json docs/benchmarks/speculative.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from edge_rtgi.bench.workloads import get_workload, prepare
+from edge_rtgi.catalog import resolve_model
+from edge_rtgi.llm.engine import LLMEngine
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.prepared import load_prepared
+from edge_rtgi.llm.request import RequestClass, RequestDelta
+from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
+
+WORKLOADS = ("code", "translation", "dialogue", "voice")
+# Prompts with nothing to copy: drafts guess from text they have not seen
+ADVERSARIAL = (
+    "Invent ten new words and give each a one-line meaning.",
+    "Write a short poem about a lighthouse, with no line repeated.",
+    "List the planets of the solar system with one unusual fact about each.",
+)
+FIXED = (("ngram", 2), ("ngram", 4), ("ngram", 8))
+COST_SIZES = (1, 2, 3, 5, 9, 17)
+MAX_TOKENS = 48
+
+
+@dataclass
+class Setting:
+    name: str
+    speculator: Speculator | None
+    rates: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # (wall, cpu) tok/s
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # [drafts, accepted, verify steps]
+
+
+def prompts_for(engine: LLMEngine, workload: str, count: int) -> list[tuple[list[int], RequestClass]]:
+    tok = engine.tokenizer
+    assert tok is not None
+    if workload == "adversarial":
+        return [
+            (list(tok.encode_chat([{"role": "user", "content": p}])), RequestClass.DIALOGUE)
+            for p in ADVERSARIAL[:count]
+        ]
+    prepared = prepare(get_workload(workload), tok)[:count]
+    return [(list(p.prompt_token_ids), RequestClass(p.request_class)) for p in prepared]
+
+
+def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> tuple[float, float]:
+    """Decode rate over ``prompts``: tokens after each first token per second of wall time, and
+    per second of this process's CPU time (on a shared machine the steadier of the two)."""
+    engine.speculator = setting.speculator
+    before = engine.stats()
+    steps_before = setting.speculator.stats.verify_steps if setting.speculator is not None else 0
+    tokens, wall_s, cpu_s = 0, 0.0, 0.0
+    for ids, cls in prompts:
+        rid = f"{setting.name}-{workload}-{time.monotonic_ns()}"
+        deltas: list[RequestDelta] = []
+        engine.submit(
+            ids, SamplingParams(max_tokens=MAX_TOKENS), deltas.append, request_id=rid, request_class=cls
+        )
+        while not deltas:  # prefill, up to the first token
+            engine.step()
+        wall, cpu = time.perf_counter(), time.process_time()
+        while not deltas[-1].finished:
+            engine.step()
+        wall_s += time.perf_counter() - wall
+        cpu_s += time.process_time() - cpu
+        tokens += sum(len(d.token_ids) for d in deltas[1:])
+    after = engine.stats()
+    acc = setting.accepted.setdefault(workload, [0, 0, 0])
+    acc[0] += after.spec_draft_tokens - before.spec_draft_tokens
+    acc[1] += after.spec_accepted_tokens - before.spec_accepted_tokens
+    if setting.speculator is not None:
+        acc[2] += setting.speculator.stats.verify_steps - steps_before
+    return tokens / wall_s, tokens / cpu_s
+
+
+def step_costs(engine: LLMEngine, sizes: tuple[int, ...], repeats: int) -> dict[int, tuple[float, float]]:
+    """Run time of one batch-1 step carrying n tokens (the last token plus n-1 drafts) after a
+    64-token context: median wall ms and CPU ms over ``repeats`` interleaved rounds. The same step
+    is re-run without being applied, so every round sees the same context."""
+    tok = engine.tokenizer
+    assert tok is not None
+    ids = tok.encode("The history of the printing press begins in the fifteenth century. " * 6)[:64]
+    deltas: list[RequestDelta] = []
+    engine.speculator = None
+    engine.submit(ids, SamplingParams(max_tokens=200, ignore_eos=True), deltas.append, request_id="cost")
+    while not deltas:
+        engine.step()
+    req = engine.scheduler.requests["cost"]
+    params = {"cost": SamplingParams(max_tokens=200, ignore_eos=True)}
+    wall: dict[int, list[float]] = {n: [] for n in sizes}
+    cpu: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            req.draft_token_ids = list(ids[1:n])
+            output = engine.scheduler.schedule()
+            w, c = time.perf_counter(), time.process_time()
+            engine.runner.execute(output, params)
+            wall[n].append((time.perf_counter() - w) * 1e3)
+            cpu[n].append((time.process_time() - c) * 1e3)
+    req.draft_token_ids = []
+    engine.abort("cost")
+    engine.step()
+    return {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in sizes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=3, help="prompts per workload")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workloads", default=",".join((*WORKLOADS, "adversarial")))
+    ap.add_argument("--json", default=None, help="write the raw figures here")
+    args = ap.parse_args()
+    config = EngineConfig(num_threads=args.threads)
+    prepared = load_prepared(
+        resolve_model(config.model, role="llm"), config.device, config.dtype, config.quant
+    )
+    # no engine thread: this thread calls step() itself, so timings have no hand-off in them
+    engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
+    torch.set_num_threads(args.threads)
+    workloads = args.workloads.split(",")
+    settings = [Setting("off", None), Setting("auto", Speculator(SpeculativeConfig("auto")))]
+    settings += [Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k))) for d, k in FIXED]
+    prompts = {w: prompts_for(engine, w, args.prompts) for w in workloads}
+    for w in workloads:  # warm-up: first-call kernels, allocator
+        run_one(engine, settings[0], w, prompts[w][:1])
+    order = random.Random(0)
+    load_before = os.getloadavg()
+    started = time.time()
+    for _ in range(args.runs):
+        for w in workloads:
+            shuffled = list(settings)
+            order.shuffle(shuffled)
+            for s in shuffled:
+                s.rates.setdefault(w, []).append(run_one(engine, s, w, prompts[w]))
+    load_after = os.getloadavg()
+    costs = step_costs(engine, COST_SIZES, max(args.runs, 5) * 2)
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {args.runs} runs, "
+        f"{args.prompts} prompts/workload, max_tokens {MAX_TOKENS}, greedy, threads {args.threads}, "
+        f"load {load_before[0]:.2f} -> {load_after[0]:.2f}"
+    )
+    print("decode rate per CPU second (median over runs), its ratio to off, and the wall-clock ratio;")
+    print("a = acceptance rate of draft tokens, L = mean accepted tokens per verification step")
+    print(f"{'setting':<11}" + "".join(f"{w:>36}" for w in workloads))
+    off_cpu = {w: statistics.median(r[1] for r in settings[0].rates[w]) for w in workloads}
+    off_wall = {w: statistics.median(r[0] for r in settings[0].rates[w]) for w in workloads}
+    report: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "runs": args.runs,
+        "prompts_per_workload": args.prompts,
+        "load": [load_before[0], load_after[0]],
+        "settings": {},
+    }
+    for s in settings:
+        cells = []
+        for w in workloads:
+            cpu = statistics.median(r[1] for r in s.rates[w])
+            wall = statistics.median(r[0] for r in s.rates[w])
+            drafts, accepted, steps = s.accepted.get(w, [0, 0, 0])
+            rate = accepted / drafts if drafts else 0.0
+            length = accepted / steps if steps else 0.0
+            cells.append(
+                f"{cpu:6.1f} {cpu / off_cpu[w]:4.2f}x w{wall / off_wall[w]:4.2f}x a{rate:4.2f} L{length:4.2f}"
+            )
+            report["settings"][f"{s.name}/{w}"] = {  # type: ignore[index]
+                "tok_per_wall_s": [r[0] for r in s.rates[w]],
+                "tok_per_cpu_s": [r[1] for r in s.rates[w]],
+                "speedup_cpu": cpu / off_cpu[w],
+                "speedup_wall": wall / off_wall[w],
+                "draft_tokens": drafts,
+                "accepted_tokens": accepted,
+                "verify_steps": steps,
+            }
+        print(f"{s.name:<11}" + "".join(f"{c:>36}" for c in cells))
+    print("\nbatch-1 step carrying n tokens (n-1 drafts) after a 64-token context, median ms:")
+    for n, (wall_ms, cpu_ms) in costs.items():
+        print(
+            f"  n={n:2d}: wall {wall_ms:7.2f} ({wall_ms / costs[1][0]:4.2f}x)  "
+            f"cpu {cpu_ms:7.2f} ({cpu_ms / costs[1][1]:4.2f}x)"
+        )
+    report["step_ms_by_tokens"] = {n: {"wall": c[0], "cpu": c[1]} for n, c in costs.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Speculative decoding without a model: settings, the scheduler's draft accounting and KV
+rollback, the n-gram draft, and the adaptive policy's choices."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_rtgi.config import from_dict
+from edge_rtgi.errors import ConfigError, RequestError
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.request import Request, RequestClass
+from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.scheduler import ModelRunnerOutput
+from edge_rtgi.llm.speculative import (
+    AdaptivePolicy,
+    NgramDraft,
+    SpeculativeConfig,
+    StepCostTable,
+    expected_tokens,
+    parse_speculative,
+)
+from edge_rtgi.pipeline.config import AssistantStageConfig
+from tests.unit.test_scheduler import make, req, step
+
+
+def test_settings_parse_and_bad_ones_name_the_key():
+    assert parse_speculative("off") == SpeculativeConfig("off")
+    assert parse_speculative("auto").enabled
+    assert parse_speculative({"draft": "ngram", "k": 6}) == SpeculativeConfig("fixed", "ngram", 6)
+    assert parse_speculative("ngram:3").as_setting() == "ngram:3"
+    assert parse_speculative(False).mode == "off"  # YAML 1.1: a bare `off`
+    for bad, named in (
+        ({"draft": "ngram", "k": 0}, "speculative.k"),
+        ({"draft": "ngram", "k": 17}, "speculative.k"),
+        ({"draft": "ngram", "k": True}, "speculative.k"),
+        ({"draft": "eagle", "k": 4}, "speculative.draft"),
+        ({"draft": "ngram", "n": 4}, "unknown key"),
+        ("sometimes", "'auto', 'off'"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            parse_speculative(bad)
+    with pytest.raises(ConfigError, match=r"speculative\.k must be an integer in 1\.\.16"):
+        from_dict(EngineConfig, {"speculative": {"draft": "ngram", "k": 20}})
+    assert from_dict(EngineConfig, {"speculative": {"draft": "ngram", "k": 2}}).speculation().k == 2
+    with pytest.raises(ConfigError, match="speculative.draft"):
+        from_dict(AssistantStageConfig, {"speculative": {"draft": "medusa"}})
+    with pytest.raises(RequestError, match="speculative.k"):
+        SamplingParams(speculative="ngram:99")
+
+
+def test_drafts_count_against_the_budget_and_every_decode_comes_first():
+    s = make(budget=8, max_seqs=4)
+    a, b = req("a", 4, max_tokens=20), req("b", 3, max_tokens=20, base=50)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both prefills (7 tokens)
+    a.draft_token_ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    b.draft_token_ids = [9, 9]
+    out = s.schedule()
+    rows = {r.request_id: r for r in out.scheduled}
+    assert out.num_batched_tokens == 8
+    # a is served first and may take the spare budget but must leave b its one token
+    assert rows["a"].num_draft_tokens == 6 and rows["a"].token_ids[1:] == [1, 2, 3, 4, 5, 6]
+    assert rows["b"].num_draft_tokens == 0 and len(rows["b"].token_ids) == 1
+    assert rows["a"].sample and rows["b"].sample
+
+
+def test_accepted_drafts_become_tokens_and_rejected_slots_are_released():
+    s = make(budget=16, block_size=4)
+    a = req("a", 3, max_tokens=20)
+    s.add_request(a)
+    step(s, token=7)  # prompt (3) -> first token; computed 3, tokens 4
+    a.draft_token_ids = [11, 12, 13, 14, 15, 16]
+    out = s.schedule()
+    assert out.scheduled[0].num_draft_tokens == 6 and out.num_batched_tokens == 7
+    assert s.kv.num_held_blocks("a") == [3]  # slots up to position 9
+    result = ModelRunnerOutput({"a": 99}, num_accepted={"a": 2})
+    (update,) = s.update_from_output(out, result)
+    assert update.new_token_ids == [11, 12, 99]
+    assert a.all_token_ids[3:] == [7, 11, 12, 99]
+    assert a.num_computed_tokens == 6 == a.num_tokens - 1
+    assert s.kv.num_held_blocks("a") == [2]  # the block that held only rejected drafts went back
+    assert a.num_draft_tokens == 6 and a.num_accepted_draft_tokens == 2
+    assert s.num_draft_tokens == 6 and s.num_accepted_draft_tokens == 2
+    assert a.draft_token_ids == []
+
+
+def test_drafts_never_pass_max_tokens_and_eos_inside_them_ends_the_request():
+    s = make(budget=16)
+    a = req("a", 3, max_tokens=4)
+    s.add_request(a)
+    step(s, token=7)
+    a.draft_token_ids = [1, 2, 3, 4, 5]
+    out = s.schedule()
+    assert out.scheduled[0].num_draft_tokens == 2  # 1 output so far; 2 drafts + 1 = 4
+    b = req("b", 3, max_tokens=10, base=40)
+    s.add_request(b)
+    step(s, token=7)
+    b.draft_token_ids = [5, 0, 6]  # EOS (0) is the second draft
+    out = s.schedule()
+    updates = s.update_from_output(out, ModelRunnerOutput({"a": 8, "b": 9}, num_accepted={"a": 2, "b": 3}))
+    by_id = {u.request_id: u for u in updates}
+    assert by_id["b"].new_token_ids == [5, 0] and by_id["b"].finish_reason == "stop"
+    assert s.kv.num_held_blocks("b") == [0]
+
+
+def test_ngram_draft_stops_where_it_is_unsure():
+    draft = NgramDraft(min_n=1, max_n=3, min_confidence=0.6)
+    r = Request("r", [1, 2, 3, 4, 1, 2, 3, 5, 1, 2], SamplingParams())
+    # "1 2" was followed by 3 both times; "2 3" then by 4 and 5 (0.5 < 0.6): stop there
+    assert draft.propose(r, 4) == [3]
+    draft.release("r")
+
+
+def test_adaptive_policy_drafts_when_it_pays_and_falls_back_when_not():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+    cheap, dear = StepCostTable(), StepCostTable()
+    for n in range(1, 18):
+        cheap.observe(n, 10.0 + 0.5 * n)  # verification nearly free
+        dear.observe(n, 10.0 * n)  # every row costs a whole step
+    r = Request("r", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
+    policy = AdaptivePolicy([NgramDraft()], cheap)
+    for _ in range(20):
+        policy.observe(r, "ngram", 4, 4)  # always accepted
+    choice = policy.choose(r, 1)
+    assert choice is not None and choice[0] == "ngram" and choice[1] >= 4
+    assert AdaptivePolicy([NgramDraft()], dear).choose(r, 1) is None
+    low = AdaptivePolicy([NgramDraft()], cheap)
+    for _ in range(50):
+        low.observe(r, "ngram", 4, 0)  # never accepted
+    assert low.choose(r, 1) is None
+    # what a request learnt seeds the next request of its class
+    low.release(r)
+    r2 = Request("r2", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
+    assert low._arm(r2, "ngram").mean < 0.1
