@@ -188,8 +188,9 @@ def _clear_stale_lock(lock: Path) -> None:
 
 
 def build_info() -> str | None:
-    """Which inner loops the loaded library was compiled with: "avx512-bf16" (AVX-512 with its BF16
-    dot products), "avx512" or "portable" (None: not loaded)."""
+    """Which inner loops the loaded library was compiled with: "avx512-bf16-amx" (AVX-512 BF16 and
+    AMX tiles, which the multi-row matmuls use), "avx512-bf16" (AVX-512 with its BF16 dot
+    products), "avx512" or "portable" (None: not loaded)."""
     return _ops.build_info() if _ops is not None else None
 
 
@@ -323,24 +324,28 @@ def multi_row_calls() -> int:
     return _ops.multi_row_calls() if _ops is not None else 0
 
 
+LOOPS = ("best", "avx512", "portable")
+
+
 def int4_mm(
-    x: Tensor, qweight: Tensor, group_size: int, scales_and_zeros: Tensor, portable: bool = False
+    x: Tensor, qweight: Tensor, group_size: int, scales_and_zeros: Tensor, loops: str = "best"
 ) -> Tensor:
     """``aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)`` for a
-    [M, K] ``x``, reading each weight block once for all M rows. ``portable`` runs the plain
-    loops even where the AVX-512 BF16 ones are built (tests). Only call it where
-    ``multi_row_usable`` said yes (or for any row count in tests)."""
+    [M, K] ``x``, reading each weight block once for all M rows. ``loops`` (tests, benchmarks):
+    "best" (AMX tiles where the CPU and kernel allow, else AVX-512 BF16, else plain loops),
+    "avx512" (the AVX-512 BF16 loops even where AMX is there) or "portable" (plain loops).
+    Only call it where ``multi_row_usable`` said yes (or for any row count in tests)."""
     if _ops is None:
         raise RuntimeError("int4_mm called without the fused CPU kernels loaded")
-    return _ops.int4_mm.default(x, qweight, group_size, scales_and_zeros, portable)
+    return _ops.int4_mm.default(x, qweight, group_size, scales_and_zeros, loops)
 
 
-def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, portable: bool = False) -> Tensor:
+def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, loops: str = "best") -> Tensor:
     """``aten._weight_int8pack_mm(x, qweight, scales)`` for a [M, K] ``x``, reading each weight
-    row once for all M rows (see ``int4_mm``)."""
+    row once for all M rows (``loops``: see ``int4_mm``)."""
     if _ops is None:
         raise RuntimeError("int8_mm called without the fused CPU kernels loaded")
-    return _ops.int8_mm.default(x, qweight, scales, portable)
+    return _ops.int8_mm.default(x, qweight, scales, loops)
 
 
 # --- the layer stack in one call -----------------------------------------------------------------

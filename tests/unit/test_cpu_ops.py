@@ -364,10 +364,10 @@ def dequantised(packed, layer) -> torch.Tensor:
     return (packed.codes().float() - 8) * scale + zero
 
 
-def multi_row(layer, x: torch.Tensor, portable: bool) -> torch.Tensor:
+def multi_row(layer, x: torch.Tensor, loops: str) -> torch.Tensor:
     if hasattr(layer, "scales_and_zeros"):
-        return cpu_ops.int4_mm(x, layer.qweight, layer.group_size, layer.scales_and_zeros, portable)
-    return cpu_ops.int8_mm(x, layer.qweight, layer.scales, portable)
+        return cpu_ops.int4_mm(x, layer.qweight, layer.group_size, layer.scales_and_zeros, loops)
+    return cpu_ops.int8_mm(x, layer.qweight, layer.scales, loops)
 
 
 # (N, K): SmolLM2's gate_up, whole 64-row int4 blocks, a short last block (80, 48), odd K; int8
@@ -380,12 +380,12 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["fast", "portable"])
+@pytest.mark.parametrize("loops", cpu_ops.LOOPS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "scheme,shape", [(scheme, shape) for scheme, shapes in SHAPES.items() for shape in shapes]
 )
-def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, portable):
+def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, loops):
     """Every row count 1..17 (17: two passes over the weights) against the weights dequantised to
     fp32 and multiplied in fp64. Bound per output: fp32 sums, 1e-5 of sum |x| |w|; bf16 outputs
     add their own rounding, 2^-8 of |y|. ATen's kernels, the plain path, meet the same bound
@@ -397,7 +397,7 @@ def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, po
         x = torch.randn(rows, shape[1]).to(dtype)
         want = x.double() @ w.T
         bound = 1e-5 * (x.double().abs() @ w.abs().T) + (2**-8 * want.abs() if dtype == torch.bfloat16 else 0)
-        results = [("multi-row", multi_row(layer, x, portable))] + (
+        results = [("multi-row", multi_row(layer, x, loops))] + (
             [("aten", layer._aten(x))] if aten_ok else []
         )
         for name, got in results:

@@ -28,6 +28,10 @@
 #include <immintrin.h>
 #define EDGE_RTGI_AVX512 1
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -641,6 +645,157 @@ void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x
 }
 #endif
 
+#if defined(EDGE_RTGI_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define EDGE_RTGI_AMX 1
+
+// AMX: one tile instruction multiplies up to 16 rows by 32 inputs by 16 outputs (8,192 products),
+// where the AVX-512 BF16 loop above does 32 per instruction and grows with the rows. The kernel
+// must ask Linux for the tile state once per process; where that fails the AVX-512 loops run.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl(2), asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int tile, int tile_rows, int bytes_per_row) {
+    rows[tile] = static_cast<uint8_t>(tile_rows);
+    colsb[tile] = static_cast<uint16_t>(bytes_per_row);
+  }
+};
+
+// int4, a block of 64 output rows for m (2..16) bf16 activation rows. Tiles: 0 = activations
+// [m, 32 inputs], 1 and 6 = decoded codes [16 input pairs, 16 outputs x 2], 2..5 = sums [m, 16].
+// The codes buffer is laid out as the tile unit wants its B operand: [input pair][output][2].
+void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
+                    int64_t n0, bf16_bits* out) {
+  const int64_t groups = w.k / w.group, pairs = w.group / 2;
+  alignas(64) float total[kMaxRowChunk * kInt4BlockRows] = {};
+  alignas(64) float sums[4][kMaxRowChunk * 16];
+  alignas(64) __m512i codes[4 * kMaxBf16Group / 2];
+  alignas(64) bf16_bits lut_values[32];
+  for (int c = 0; c < 32; ++c) lut_values[c] = from_f<bf16_bits>(static_cast<float>((c & 15) - 8));
+  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const uint8_t* block = w.packed + n0 * w.k / 2;
+  const int64_t x_stride = w.k * static_cast<int64_t>(sizeof(bf16_bits));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* col = block + (g * w.group + 2 * p) * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * h));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32 + 16 * h));
+        const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+        const __m512i words = _mm512_cvtepu8_epi16(both);
+        codes[4 * p + h] = _mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), lut);
+        codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
+      }
+    }
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t s = 0; s < pairs / 16; ++s) {
+      const int64_t k0 = g * w.group + 32 * s;
+      const char* b = reinterpret_cast<const char*>(codes + 4 * 16 * s);  // rows of 256 bytes
+      _tile_loadd(0, x + k0, x_stride);
+      _tile_loadd(1, b, 256);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(6, b + 64, 256);
+      _tile_dpbf16ps(3, 0, 6);
+      _tile_loadd(1, b + 128, 256);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(6, b + 192, 256);
+      _tile_dpbf16ps(5, 0, 6);
+    }
+    _tile_stored(2, sums[0], 64);
+    _tile_stored(3, sums[1], 64);
+    _tile_stored(4, sums[2], 64);
+    _tile_stored(5, sums[3], 64);
+    const bf16_bits* sz_row = sz + (g * w.n + n0) * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i sp = _mm512_loadu_si512(sz_row + 32 * v);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      for (int64_t r = 0; r < m; ++r) {
+        float* t = total + r * kInt4BlockRows + 16 * v;
+        __m512 tv = _mm512_fmadd_ps(_mm512_load_ps(sums[v] + 16 * r), scale, _mm512_load_ps(t));
+        _mm512_store_ps(t, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[r * groups + g]), tv));
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int v = 0; v < 4; v += 2) {
+      const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_load_ps(total + r * kInt4BlockRows + 16 * (v + 1)),
+                                               _mm512_load_ps(total + r * kInt4BlockRows + 16 * v));
+      _mm512_storeu_si512(out + r * w.n + n0 + 16 * v, (__m512i)two);
+    }
+  }
+}
+
+TileConfig int4_tile_config(int64_t m) {
+  TileConfig cfg;
+  cfg.set(0, static_cast<int>(m), 64);
+  cfg.set(1, 16, 64);
+  cfg.set(6, 16, 64);
+  for (int t = 2; t <= 5; ++t) cfg.set(t, static_cast<int>(m), 64);
+  return cfg;
+}
+
+// int8, output rows [n0, n1) (a multiple of 32 apart, but for the last run) for m (2..16) bf16
+// activation rows. Here the weights are the tile unit's A operand ([16 outputs, 32 inputs], rows
+// as stored, widened to bf16) and the activations its B operand (`xpairs`: [K/2][m] pairs of
+// inputs), so the int8 rows need no transposing; the sums come out as [outputs, rows].
+void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpairs, int64_t m, int64_t n, int64_t k,
+                   int64_t n0, int64_t n1, bf16_bits* out) {
+  std::vector<bf16_bits> wb(32 * k);
+  alignas(64) float sums[2][16 * 16];
+  const int64_t w_stride = k * static_cast<int64_t>(sizeof(bf16_bits)), x_stride = m * 4;
+  for (int64_t t = n0; t < n1; t += 32) {
+    for (int64_t j = 0; j < 32; ++j) {
+      const int8_t* row = q + std::min(t + j, n - 1) * k;  // rows past N repeat the last, unstored
+      for (int64_t i = 0; i < k; i += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16))));
+        _mm512_storeu_si512(wb.data() + j * k + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+    _tile_zero(2);
+    _tile_zero(5);
+    for (int64_t i = 0; i < k; i += 32) {
+      _tile_loadd(1, xpairs + (i / 2) * m, x_stride);
+      _tile_loadd(0, wb.data() + i, w_stride);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(3, wb.data() + 16 * k + i, w_stride);
+      _tile_dpbf16ps(5, 3, 1);
+    }
+    _tile_stored(2, sums[0], 64);
+    _tile_stored(5, sums[1], 64);
+    for (int64_t j = 0; j < std::min<int64_t>(32, n - t); ++j) {
+      const float* s = sums[j / 16] + (j % 16) * 16;
+      const float sc = to_f(scales[t + j]);
+      for (int64_t r = 0; r < m; ++r) out[r * n + t + j] = from_f<bf16_bits>(s[r] * sc);
+    }
+  }
+}
+
+TileConfig int8_tile_config(int64_t m) {
+  TileConfig cfg;
+  cfg.set(0, 16, 64);
+  cfg.set(3, 16, 64);
+  cfg.set(1, 16, static_cast<int>(m * 4));
+  cfg.set(2, 16, static_cast<int>(m * 4));
+  cfg.set(5, 16, static_cast<int>(m * 4));
+  return cfg;
+}
+#endif
+
 // Output rows [n0, n1) of an int8 matmul for `m` activation rows, plain loops.
 template <typename T>
 void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64_t m, int64_t n, int64_t k,
@@ -654,19 +809,30 @@ void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64
   }
 }
 
-bool use_bf16_kernels(const Tensor& x, int64_t k, bool portable) {
+// Which loops a call runs: the best this build and CPU have for its dtype and shape, or the ones a
+// test asks for ("best", "avx512": the AVX-512 BF16 loops without AMX, "portable": plain loops).
+enum class Loops { kAmx, kAvx512Bf16, kPortable };
+
+Loops choose_loops(const Tensor& x, int64_t k, int64_t m, const std::string& requested) {
+  TORCH_CHECK(requested == "best" || requested == "avx512" || requested == "portable",
+              "edge_rtgi: loops must be \"best\", \"avx512\" or \"portable\", got \"", requested, "\"");
 #ifdef EDGE_RTGI_AVX512_BF16
-  return !portable && x.scalar_type() == at::kBFloat16 && k % 32 == 0;
+  if (requested == "portable" || x.scalar_type() != at::kBFloat16 || k % 32 != 0) return Loops::kPortable;
+#ifdef EDGE_RTGI_AMX
+  if (requested == "best" && m >= 2 && amx_ready()) return Loops::kAmx;
+#endif
+  (void)m;
+  return Loops::kAvx512Bf16;
 #else
-  (void)x, (void)k, (void)portable;
-  return false;
+  (void)x, (void)k, (void)m, (void)requested;
+  return Loops::kPortable;
 #endif
 }
 
 Tensor activations_f32(const Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat); }
 
 template <typename T>
-void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const Tensor& sz, bool bf16_kernel,
+void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const Tensor& sz, Loops loops,
                   Tensor& out) {
   const int64_t m_all = x.size(0), k = x.size(1), n = out.size(1), groups = k / group;
   const Int4Weights w{qweight.const_data_ptr<uint8_t>(), n, k, group};
@@ -686,11 +852,24 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
     const float* xsum = xsum_all.data() + r0 * groups;
     T* op = op_all + r0 * n;
     at::parallel_for(0, blocks, grain_rows(kInt4BlockRows * k), [&](int64_t begin, int64_t end) {
+#ifdef EDGE_RTGI_AMX
+      const bool amx = loops == Loops::kAmx && m >= 2;
+      if (amx) {
+        const TileConfig cfg = int4_tile_config(m);
+        _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
+      }
+#endif
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * kInt4BlockRows, rows = std::min(kInt4BlockRows, n - n0);
 #ifdef EDGE_RTGI_AVX512_BF16
         if constexpr (std::is_same_v<T, bf16_bits>) {
-          if (bf16_kernel && rows == kInt4BlockRows) {
+          if (loops != Loops::kPortable && rows == kInt4BlockRows) {
+#ifdef EDGE_RTGI_AMX
+            if (amx) {
+              int4_block_amx(w, szp, xp_all + r0 * k, xsum, m, n0, op);
+              continue;
+            }
+#endif
             int4_block_bf16(w, szp, xp_all + r0 * k, xsum, m, n0, op);
             continue;
           }
@@ -698,31 +877,50 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
 #endif
         int4_block_portable<T>(w, szp, xf, xsum, m, n0, rows, op);
       }
+#ifdef EDGE_RTGI_AMX
+      if (amx) _tile_release();
+#endif
     });
   }
-  (void)bf16_kernel;
+  (void)loops;
   (void)xp_all;
 }
 
 template <typename T>
-void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, bool bf16_kernel, Tensor& out) {
+void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, Loops loops, Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   const int8_t* q = qweight.const_data_ptr<int8_t>();
   const T* sp = in_ptr<T>(scales);
   T* op = out_ptr<T>(out);
-  // Output rows are split across threads in runs of 64 (a multiple of the 4-row tile).
+  // Output rows are split across threads in runs of 64 (a multiple of every tile).
   const int64_t chunks = (n + 63) / 64;
-  if (bf16_kernel) {
 #ifdef EDGE_RTGI_AVX512_BF16
-    if constexpr (std::is_same_v<T, bf16_bits>) {
-      const bf16_bits* xp = in_ptr<bf16_bits>(x);
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    const bf16_bits* xp = in_ptr<bf16_bits>(x);
+#ifdef EDGE_RTGI_AMX
+    if (loops == Loops::kAmx && m >= 2 && m <= kMaxRowChunk) {
+      // The activations as the tile unit's B operand: [K/2][m] pairs of consecutive inputs.
+      std::vector<uint32_t> xpairs(k / 2 * m);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k / 2; ++i) std::memcpy(&xpairs[i * m + r], xp + r * k + 2 * i, 4);
+      at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
+        const TileConfig cfg = int8_tile_config(m);
+        _tile_loadconfig(&cfg);
+        int8_rows_amx(q, sp, xpairs.data(), m, n, k, begin * 64, std::min(n, end * 64), op);
+        _tile_release();
+      });
+      return;
+    }
+#endif
+    if (loops != Loops::kPortable) {
       at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
         int8_rows_bf16(q, sp, xp, m, n, k, begin * 64, std::min(n, end * 64), op);
       });
       return;
     }
-#endif
   }
+#endif
+  (void)loops;
   const Tensor xf_t = activations_f32(x);
   const float* xf = xf_t.const_data_ptr<float>();
   at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
@@ -737,7 +935,8 @@ void check_quant_input(const Tensor& x, const Tensor& scales, const char* name) 
               " like x, got ", scales.scalar_type());
 }
 
-Tensor int4_mm(const Tensor& x_in, const Tensor& qweight_in, int64_t group_size, const Tensor& sz_in, bool portable) {
+Tensor int4_mm(const Tensor& x_in, const Tensor& qweight_in, int64_t group_size, const Tensor& sz_in,
+               c10::string_view loops_name) {
   check_quant_input(x_in, sz_in, "int4_mm");
   const int64_t k = x_in.size(1);
   TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && k % group_size == 0, "edge_rtgi::int4_mm: K = ", k,
@@ -751,13 +950,15 @@ Tensor int4_mm(const Tensor& x_in, const Tensor& qweight_in, int64_t group_size,
   Tensor x = x_in.contiguous(), qweight = qweight_in.contiguous(), sz = sz_in.contiguous();
   Tensor out = at::empty({x.size(0), n}, x.options());
   g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
-  const bool bf16_kernel = use_bf16_kernels(x, k, portable) && group_size <= kMaxBf16Group;
-  if (x.scalar_type() == at::kFloat) int4_mm_impl<float>(x, qweight, group_size, sz, false, out);
-  else int4_mm_impl<bf16_bits>(x, qweight, group_size, sz, bf16_kernel, out);
+  Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
+  // The group's decoded codes live in a fixed buffer; AMX also needs whole 32-input tiles.
+  if (group_size > kMaxBf16Group || (loops == Loops::kAmx && group_size % 32 != 0)) loops = Loops::kPortable;
+  if (x.scalar_type() == at::kFloat) int4_mm_impl<float>(x, qweight, group_size, sz, Loops::kPortable, out);
+  else int4_mm_impl<bf16_bits>(x, qweight, group_size, sz, loops, out);
   return out;
 }
 
-Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scales_in, bool portable) {
+Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scales_in, c10::string_view loops_name) {
   check_quant_input(x_in, scales_in, "int8_mm");
   const int64_t k = x_in.size(1);
   TORCH_CHECK(qweight_in.scalar_type() == at::kChar && qweight_in.dim() == 2 && qweight_in.size(1) == k,
@@ -769,9 +970,9 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
   Tensor x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
   Tensor out = at::empty({x.size(0), n}, x.options());
   g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
-  const bool bf16_kernel = use_bf16_kernels(x, k, portable);
-  if (x.scalar_type() == at::kFloat) int8_mm_impl<float>(x, qweight, scales, false, out);
-  else int8_mm_impl<bf16_bits>(x, qweight, scales, bf16_kernel, out);
+  const Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
+  if (x.scalar_type() == at::kFloat) int8_mm_impl<float>(x, qweight, scales, Loops::kPortable, out);
+  else int8_mm_impl<bf16_bits>(x, qweight, scales, loops, out);
   return out;
 }
 
@@ -801,9 +1002,9 @@ Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10
   const int64_t rows = x.size(0);
   const bool multi_row = rows >= 2 && rows <= kMultiRowMax;
   if (kind == 1) {
-    y = multi_row ? int8_mm(x, *a, *b, false) : at::_weight_int8pack_mm(x, *a, *b);
+    y = multi_row ? int8_mm(x, *a, *b, "best") : at::_weight_int8pack_mm(x, *a, *b);
   } else if (kind == 2) {
-    y = multi_row ? int4_mm(x, *a, group_size, *b, false) : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
+    y = multi_row ? int4_mm(x, *a, group_size, *b, "best") : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
   } else {
     TORCH_CHECK(false, "edge_rtgi::decode_layers: unknown linear kind ", kind);
   }
@@ -851,7 +1052,9 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed
 int64_t multi_row_calls() { return g_multi_row_calls.load(std::memory_order_relaxed); }
 
 std::string build_info() {
-#if defined(EDGE_RTGI_AVX512_BF16)
+#if defined(EDGE_RTGI_AMX)
+  return amx_ready() ? "avx512-bf16-amx" : "avx512-bf16";
+#elif defined(EDGE_RTGI_AVX512_BF16)
   return "avx512-bf16";
 #elif defined(EDGE_RTGI_AVX512)
   return "avx512";
@@ -872,8 +1075,8 @@ TORCH_LIBRARY(edge_rtgi, m) {
         "float eps, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_store, Tensor(b!) v_store, "
         "Tensor new_slots, Tensor key_slots, Tensor? key_mask, float scale) -> Tensor");
-  m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, bool portable=False) -> Tensor");
-  m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, bool portable=False) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, str loops=\"best\") -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\") -> Tensor");
   m.def("multi_row_calls() -> int");
 }
 
