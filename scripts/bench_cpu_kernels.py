@@ -14,6 +14,19 @@ Configurations:
 - "per-op without <kernel>": the same with that kernel replaced by its PyTorch ops;
 - "none": ``cpu_ops.disabled()``, the plain PyTorch ops.
 The per-op rows are compared with "per-op" (what each kernel is worth), the others with "layer loop".
+
+``--multi-row``: the weight-only matmuls of one decode step (every quantised linear of the model,
+in forward order, the LM head included) on inputs of 1, 2, 4, 5, 8 and 16 rows (the shape of
+verifying k draft tokens, or of a decode batch), interleaved round by round:
+- "shipped": what ``Int4Linear`` / ``Int8Linear`` run (ATen's kernel at 1 row, ``cpu_ops.int4_mm`` /
+  ``int8_mm`` at 2..16 rows);
+- "avx512": the same kernels with their AVX-512 BF16 loops instead of AMX tiles;
+- "aten": ATen's weight-only kernels at every row count (the old path, which pays the weights per row);
+- "dense": ``F.linear`` on the dequantised bf16 copy that ``quant: auto`` keeps for wide inputs.
+Each figure is the median over rounds of a step's time divided by the 1-row "shipped" step of the
+same round.
+
+    python scripts/bench_cpu_kernels.py --multi-row --rounds 15
 """
 
 from __future__ import annotations
@@ -65,6 +78,64 @@ def configure(name: str) -> contextlib.AbstractContextManager:
     return cpu_ops.disabled() if name == "none" else contextlib.nullcontext()
 
 
+MULTI_ROW_COUNTS = (1, 2, 4, 5, 8, 16)
+
+
+def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_COUNTS) -> None:
+    """Time the quantised linears of one decode step at each row count (see the module docstring)."""
+    from edge_rtgi.llm.quant.kernels import Int4Linear, QuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        raise SystemExit("--multi-row needs quantised weights (--quant auto, int8, int4-g32, ...)")
+    kinds = sorted({(m.scheme_name, m.out_features, m.in_features) for m in layers})
+    print(f"{len(layers)} quantised linears per step:", ", ".join(f"{s} {n}x{k}" for s, n, k in kinds))
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        (rows, k): torch.randn(rows, k, generator=gen).to(model.dtype)
+        for rows in row_counts
+        for k in {m.in_features for m in layers}
+    }
+
+    def avx512(layer, x):  # the multi-row kernels without AMX tiles (1 row: ATen, as shipped)
+        if x.shape[0] == 1:
+            return layer._aten(x)
+        if isinstance(layer, Int4Linear):
+            return cpu_ops.int4_mm(x, layer.qweight, layer.group_size, layer.scales_and_zeros, "avx512")
+        return cpu_ops.int8_mm(x, layer.qweight, layer.scales, "avx512")
+
+    paths = {
+        "shipped": lambda layer, x: layer._matmul(x),
+        "avx512": avx512,
+        "aten": lambda layer, x: layer._aten(x),
+        "dense": lambda layer, x: F.linear(x, layer.dense_weight),
+    }
+    if any(m.dense_weight is None for m in layers):
+        del paths["dense"]  # only quant: auto keeps the dense copies
+    times: dict[tuple[str, int], list[float]] = {(p, r): [] for p in paths for r in row_counts}
+    for round_index in range(rounds + 1):  # round 0 warms up and is dropped
+        for rows in row_counts:
+            for path, run in paths.items():
+                start = time.perf_counter()
+                for layer in layers:
+                    run(layer, inputs[rows, layer.in_features])
+                elapsed = time.perf_counter() - start
+                if round_index:
+                    times[path, rows].append(elapsed)
+    base = times["shipped", 1]
+    print(
+        f"{rounds} rounds, interleaved; medians; ratio = step time / the 1-row shipped step of the same round"
+    )
+    print(f"{'rows':>4} " + " ".join(f"{p + ' ms':>10} {p + ' ratio':>14}" for p in paths))
+    for rows in row_counts:
+        cells = []
+        for path in paths:
+            t = times[path, rows]
+            ratio = statistics.median(a / b for a, b in zip(t, base, strict=True))
+            cells.append(f"{1e3 * statistics.median(t):10.2f} {ratio:13.2f}x")
+        print(f"{rows:>4} " + " ".join(cells))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -75,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--max-context", type=int, default=300, help="restart at the prompt after this many tokens"
     )
+    ap.add_argument("--multi-row", action="store_true", help="the multi-row matmul benchmark instead")
+    ap.add_argument("--rounds", type=int, default=15, help="--multi-row: interleaved rounds")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model(args.model, role="llm"), device="cpu", dtype="auto")
@@ -82,6 +155,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"fused CPU kernels unavailable: {cpu_ops.failure()}")
     model, cfg = loaded.model, loaded.config
     print("weights:", apply_engine_quant(model, args.quant), "activations:", model.dtype, flush=True)
+    if args.multi_row:
+        print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
+        with torch.inference_mode():
+            multi_row_step(model, args.rounds)
+        return 0
     names = ["layer loop", "per-op"] + [f"per-op without {op}" for op in FUSED] + ["none"]
     caches, tokens, times = {}, {}, {name: [] for name in names}
     prompt = torch.arange(args.prompt_tokens) + 100

@@ -10,6 +10,9 @@ hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
 - ``decode_attention``: the new keys/values written at their slots, then one query per row over
   the listed key slots (grouped-query heads; an optional mask per key). Same math as SDPA,
   summed in a different order.
+- ``int4_mm`` / ``int8_mm``: weight-only int4 / int8 matmuls for 2..16 rows (verification of
+  draft tokens, decode batches) that read each weight block once for all rows; one row keeps
+  ATen's kernels. Same weight layouts as ATen's; sums in another order.
 - ``run_decode_layers``: the whole layer stack of a decode step in one call: the C++ loop runs
   ``DecoderLayer.forward``'s sequence with the kernels above and ATen's (quantised) matmuls, so
   no Python runs between them. ``model.py`` stays the reference; tests compare the two.
@@ -189,7 +192,9 @@ def _clear_stale_lock(lock: Path) -> None:
 
 
 def build_info() -> str | None:
-    """Which inner loops the loaded library was compiled with: "avx512" or "portable" (None: not loaded)."""
+    """Which inner loops the loaded library was compiled with: "avx512-bf16-amx" (AVX-512 BF16 and
+    AMX tiles, which the multi-row matmuls use), "avx512-bf16" (AVX-512 with its BF16 dot
+    products), "avx512" or "portable" (None: not loaded)."""
     return _ops.build_info() if _ops is not None else None
 
 
@@ -305,6 +310,48 @@ def decode_attention(
     )
 
 
+# --- weight-only matmuls for a few rows -----------------------------------------------------------
+
+# Row counts the multi-row kernels take (csrc kMultiRowMax); one row stays on ATen's kernels.
+MULTI_ROW_MIN, MULTI_ROW_MAX = 2, 16
+
+
+def multi_row_usable(x: Tensor) -> bool:
+    """Whether ``int4_mm`` / ``int8_mm`` should run for the 2-D input ``x``: kernels loaded, CPU,
+    float32 or bfloat16, no gradients, and 2..16 rows."""
+    return _use(x) and MULTI_ROW_MIN <= x.shape[0] <= MULTI_ROW_MAX
+
+
+def multi_row_calls() -> int:
+    """How many ``int4_mm`` / ``int8_mm`` calls this process has made, from Python or from the
+    layer loop (tests check with it that a step really took them); 0 when not loaded."""
+    return _ops.multi_row_calls() if _ops is not None else 0
+
+
+LOOPS = ("best", "avx512", "portable")
+
+
+def int4_mm(
+    x: Tensor, qweight: Tensor, group_size: int, scales_and_zeros: Tensor, loops: str = "best"
+) -> Tensor:
+    """``aten._weight_int4pack_mm_for_cpu(x, qweight, group_size, scales_and_zeros)`` for a
+    [M, K] ``x``, reading each weight block once for all M rows. ``loops`` (tests, benchmarks):
+    "best" (AMX tiles where the CPU and kernel allow, else AVX-512 BF16, else plain loops),
+    "avx512" (the AVX-512 BF16 loops even where AMX is there) or "portable" (plain loops).
+    Only call it where ``multi_row_usable`` said yes (or for any row count in tests)."""
+    if _ops is None:
+        raise RuntimeError("int4_mm called without the fused CPU kernels loaded")
+    return _ops.int4_mm.default(x, qweight, group_size, scales_and_zeros, loops)
+
+
+def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, loops: str = "best") -> Tensor:
+    """``aten._weight_int8pack_mm(x, qweight, scales)`` for a [M, K] ``x``, reading each weight
+    row once for all M rows (``loops``: see ``int4_mm``)."""
+    if _ops is None:
+        raise RuntimeError("int8_mm called without the fused CPU kernels loaded")
+    return _ops.int8_mm.default(x, qweight, scales, loops)
+
+
 # --- the layer stack in one call -----------------------------------------------------------------
 
 
@@ -351,8 +398,6 @@ class _LayerPlan:
 
 
 def _build_plan(model) -> _LayerPlan | None:
-    from edge_rtgi.llm.quant.kernels import Int4Linear, Int8Linear
-
     params: list = []
     meta: list[int] = []
     max_rows = 1 << 30
@@ -398,18 +443,19 @@ def _build_plan(model) -> _LayerPlan | None:
                 params += [*bind(linear, ("weight",)), None, *bind(linear, ("bias",))]
                 meta += [0, 0]
                 continue
-            if kind not in (Int4Linear, Int8Linear) or (kind is Int4Linear and linear.on_cuda):
+            # The quantised layers (quant/kernels.py, which imports this module) say which C++
+            # kind they are; a subclass, which may compute otherwise, does not inherit the claim.
+            fused_kind = vars(kind).get("fused_kind")
+            if fused_kind not in (1, 2) or (fused_kind == 2 and linear.on_cuda):
                 return None  # a layer type the C++ loop does not know: keep the Python layers
             dense = bind(linear, ("dense_weight",))[0]
             if dense is not None:
                 max_rows = min(max_rows, linear.max_kernel_rows)
             names = (
-                ("qweight", "scales_and_zeros", "bias")
-                if kind is Int4Linear
-                else ("qweight", "scales", "bias")
+                ("qweight", "scales_and_zeros", "bias") if fused_kind == 2 else ("qweight", "scales", "bias")
             )
             params += bind(linear, names)
-            meta += [2, linear.group_size] if kind is Int4Linear else [1, 0]
+            meta += [2, linear.group_size] if fused_kind == 2 else [1, 0]
     dtype = model.dtype
     if any(p is not None and p.is_floating_point() and p.dtype != dtype for p in params):
         return None

@@ -80,15 +80,19 @@ def test_plain_path_greedy_is_unchanged(folder, fused_mode, quant, request):
 
 
 @pytest.mark.parametrize("fused_mode", MODES, indirect=True)
-def test_engine_matches_plain_path_without_kernels(folder, fused_mode, request):
+@pytest.mark.parametrize("quant", ["int8", "int4-g32"])
+def test_engine_matches_plain_path_without_kernels(folder, fused_mode, quant, request):
+    """Decode batches of 2..8 rows run the multi-row int4 / int8 kernels (the plain path: ATen's)."""
     loaded = load_model(folder, device="cpu", dtype="fp32")
-    apply_engine_quant(loaded.model, "int8")
+    apply_engine_quant(loaded.model, quant)
     tok = loaded.tokenizer
     prompts = [tok.encode(t) for t in TEXTS]
     params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(TEXTS))]
     engine = engine_for(loaded, max_num_batched_tokens=64)
+    multi_row_before = cpu_ops.multi_row_calls()
     results = run_staggered(engine, prompts, params)  # padded decode batches with masks
     check_counts(fused_mode, request.node.callspec.params["fused_mode"], 20)
+    assert cpu_ops.multi_row_calls() - multi_row_before >= 20 * 4 * loaded.config.num_layers
     with cpu_ops.disabled():
         for prompt, p, got in zip(prompts, params, results, strict=True):
             assert got.token_ids == generate(loaded, prompt, p).token_ids
@@ -182,6 +186,40 @@ def test_bf16_logits_stay_close(folder, fused_mode):
         plain = teacher_forced_logits()
     kl = torch.nn.functional.kl_div(
         fused.log_softmax(-1), plain.log_softmax(-1), log_target=True, reduction="batchmean"
+    ).item()
+    assert kl < 1e-3, kl
+    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("quant", ["int4-g32", "int8"])
+def test_bf16_verification_shaped_steps_stay_close(folder, quant):
+    """Steps of 5 tokens of one sequence (the shape of verifying 4 draft tokens) run every linear on
+    the multi-row kernels (AVX-512 BF16 where built); teacher-forced bf16 logits stay within the
+    bounds of the bf16 test above against ATen's kernels one row at a time."""
+    loaded = load_model(folder, device="cpu", dtype="bf16")
+    apply_engine_quant(loaded.model, quant)
+    model, cfg = loaded.model, loaded.config
+    ids = torch.tensor(loaded.tokenizer.encode(TEXTS[5] + " " + TEXTS[1]))
+
+    def teacher_forced_logits(step_tokens: int) -> torch.Tensor:
+        cache = ContiguousKVCache(cfg, 128, model.dtype, model.device)
+        rows = []
+        with torch.inference_mode():
+            for start in range(0, len(ids), step_tokens):
+                chunk = ids[start : start + step_tokens]
+                cache.begin(len(chunk))
+                hidden = model(chunk, torch.arange(start, start + len(chunk)), cache)
+                cache.commit()
+                rows.append(model.compute_logits(hidden))
+        return torch.cat(rows)
+
+    before = cpu_ops.multi_row_calls()
+    fused = teacher_forced_logits(5)
+    assert cpu_ops.multi_row_calls() - before >= (len(ids) // 5) * 4 * cfg.num_layers
+    with cpu_ops.disabled():
+        plain = teacher_forced_logits(1)
+    kl = torch.nn.functional.kl_div(
+        fused.float().log_softmax(-1), plain.float().log_softmax(-1), log_target=True, reduction="batchmean"
     ).item()
     assert kl < 1e-3, kl
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.9

@@ -347,3 +347,96 @@ def test_gradients_take_the_pytorch_path():
         w = torch.nn.Parameter(torch.ones(32))
         cpu_ops.rms_norm(x, w, 1e-6).sum().backward()  # F.rms_norm, which has a backward
     assert x.grad is not None and w.grad is not None
+
+
+# --- multi-row weight-only matmuls (int4_mm, int8_mm) ---------------------------------------------
+
+
+def quant_layer(scheme: str, out_features: int, in_features: int, dtype: torch.dtype):
+    from edge_rtgi.llm.quant.kernels import make_quant_linear
+    from edge_rtgi.llm.quant.schemes import parse_scheme, quantize_weight
+
+    packed = quantize_weight(torch.randn(out_features, in_features), parse_scheme(scheme))
+    return packed, make_quant_linear(packed, None, dtype, torch.device("cpu"))
+
+
+def dequantised(packed, layer) -> torch.Tensor:
+    """The weights as the kernels see them, in fp32 (scales and zeros as the layer stores them)."""
+    if packed.scheme.bits == 8:
+        return layer.qweight.float() * layer.scales.float()[:, None]
+    sz, g = layer.scales_and_zeros.float(), layer.group_size
+    scale = sz[..., 0].T.repeat_interleave(g, dim=1)
+    zero = sz[..., 1].T.repeat_interleave(g, dim=1)
+    return (packed.codes().float() - 8) * scale + zero
+
+
+def multi_row(layer, x: torch.Tensor, loops: str) -> torch.Tensor:
+    if hasattr(layer, "scales_and_zeros"):
+        return cpu_ops.int4_mm(x, layer.qweight, layer.group_size, layer.scales_and_zeros, loops)
+    return cpu_ops.int8_mm(x, layer.qweight, layer.scales, loops)
+
+
+# (N, K): SmolLM2's gate_up, whole 64-row int4 blocks, a short last block (80, 48), odd K; int8
+# also odd N and a K that is no multiple of 32 (the plain loops).
+SHAPES = {
+    "int4-g32": [(3072, 576), (192, 256), (80, 64), (48, 96)],
+    "int4-g64": [(576, 1536), (80, 128)],
+    "int4-g128": [(128, 256), (16, 128)],
+    "int8": [(960, 576), (33, 70), (100, 64), (7, 40)],
+}
+
+
+@pytest.mark.parametrize("loops", cpu_ops.LOOPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "scheme,shape", [(scheme, shape) for scheme, shapes in SHAPES.items() for shape in shapes]
+)
+def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, loops):
+    """Every row count 1..17 (17: two passes over the weights) against the weights dequantised to
+    fp32 and multiplied in fp64. Bound per output: fp32 sums, 1e-5 of sum |x| |w|; bf16 outputs
+    add their own rounding, 2^-8 of |y|. ATen's kernels, the plain path, meet the same bound
+    (but for int8 with K not a multiple of 16, where ATen's bf16 kernel reads out of bounds)."""
+    packed, layer = quant_layer(scheme, *shape, dtype)
+    aten_ok = scheme != "int8" or shape[1] % 16 == 0
+    w = dequantised(packed, layer).double()
+    for rows in range(1, 18):
+        x = torch.randn(rows, shape[1]).to(dtype)
+        want = x.double() @ w.T
+        bound = 1e-5 * (x.double().abs() @ w.abs().T) + (2**-8 * want.abs() if dtype == torch.bfloat16 else 0)
+        results = [("multi-row", multi_row(layer, x, loops))] + (
+            [("aten", layer._aten(x))] if aten_ok else []
+        )
+        for name, got in results:
+            assert got.dtype == dtype and got.shape == (rows, shape[0])
+            excess = ((got.double() - want).abs() - bound).max().item()
+            assert excess <= 0, f"{name}, {rows} rows: {excess}"
+
+
+def test_quant_layers_use_the_multi_row_kernels_for_2_to_16_rows(monkeypatch):
+    calls = []
+    real4, real8 = cpu_ops.int4_mm, cpu_ops.int8_mm
+    monkeypatch.setattr(cpu_ops, "int4_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real4(*a, **k))
+    monkeypatch.setattr(cpu_ops, "int8_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real8(*a, **k))
+    for scheme in ("int4-g32", "int8"):
+        _, layer = quant_layer(scheme, 64, 64, torch.bfloat16)
+        for rows in (1, 2, 16, 17):
+            layer(torch.randn(rows, 64, dtype=torch.bfloat16))
+        with cpu_ops.disabled():
+            layer(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert calls == [2, 16, 2, 16]
+
+
+def test_multi_row_ops_refuse_malformed_weights():
+    _, layer4 = quant_layer("int4-g32", 64, 64, torch.float32)
+    _, layer8 = quant_layer("int8", 64, 64, torch.float32)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="multiple of the"):
+        cpu_ops.int4_mm(x, layer4.qweight, 48, layer4.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="qweight must be"):
+        cpu_ops.int4_mm(x, layer4.qweight[:10], 32, layer4.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="scales must be in"):
+        cpu_ops.int4_mm(x, layer4.qweight, 32, layer4.scales_and_zeros.bfloat16())
+    with pytest.raises(RuntimeError, match="one scale per output row"):
+        cpu_ops.int8_mm(x, layer8.qweight, layer8.scales[:5])
+    with pytest.raises(RuntimeError, match="x must be"):
+        cpu_ops.int8_mm(x[None], layer8.qweight, layer8.scales)

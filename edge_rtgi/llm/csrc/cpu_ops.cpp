@@ -28,8 +28,13 @@
 #include <immintrin.h>
 #define EDGE_RTGI_AVX512 1
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -406,6 +411,571 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k_new_in, const Tensor
   return out;
 }
 
+// --- Weight-only int4 / int8 matmuls for a few rows ---------------------------------------------
+//
+// ATen's weight-only kernels cost time in proportion to their rows (docs/cpu_kernels.md): each
+// row pays the weight read and the dequantisation again. A verification step (k+1 rows of one
+// request) or a decode batch of a few sequences should cost little more than one row, so these
+// read each block of weights once, dequantise it once into a small buffer that stays in L1, and
+// apply it to every row (up to kRowTile rows in registers at a time). Same weight layouts as
+// ATen's kernels (the prepared weights are unchanged):
+//   int4: _convert_weight_to_int4pack_for_cpu's layout: blocks of 64 output rows, each [K, 32]
+//         bytes with row n at column n % 32, in the high nibble when n % 64 >= 32; a last block of
+//         fewer rows is [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i.
+//         w = (code - 8) * scale + zero with [K/G, N, 2] (scale, zero) pairs.
+//   int8: [N, K] int8 with a scale per output row.
+// int4 sums are factored per group: sum_k x w = scale * sum_k x (code - 8) + zero * sum_k x, so
+// the inner loop multiplies by small integers that bf16 holds exactly; only the order of the
+// fp32 sums differs from dequantise-then-matmul.
+
+constexpr int64_t kInt4BlockRows = 64;
+constexpr int64_t kMaxRowChunk = 16;  // rows held per pass over the weights (more: another pass)
+constexpr int64_t kRowTile = 4;       // rows whose accumulators live in registers together
+constexpr int64_t kMaxBf16Group = 128;  // the largest int4 group the AVX-512 BF16 loop buffers
+// Inputs of 2..kMultiRowMax rows take these kernels in the layer loop and in Int4/Int8Linear;
+// one row stays on ATen's kernels, which are as fast there (docs/cpu_kernels.md).
+constexpr int64_t kMultiRowMax = 16;
+// Calls of int4_mm / int8_mm, so that tests can check the layer loop really used them.
+std::atomic<int64_t> g_multi_row_calls{0};
+
+struct Int4Weights {
+  const uint8_t* packed;
+  int64_t n, k, group;
+};
+
+// Codes minus 8 of output rows [n0, n0 + rows) at input k, as floats (the portable path).
+inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k, float* out) {
+  const uint8_t* base = w.packed + n0 * w.k / 2;  // blocks are stored one after another
+  if (rows == kInt4BlockRows) {
+    const uint8_t* col = base + k * 32;
+    for (int64_t j = 0; j < 32; ++j) {
+      out[j] = static_cast<float>(col[j] & 0x0F) - 8.f;
+      out[j + 32] = static_cast<float>(col[j] >> 4) - 8.f;
+    }
+  } else {
+    const uint8_t* col = base + k * (rows / 2);
+    for (int64_t i = 0; i < rows / 2; ++i) {
+      out[2 * i] = static_cast<float>(col[i] & 0x0F) - 8.f;
+      out[2 * i + 1] = static_cast<float>(col[i] >> 4) - 8.f;
+    }
+  }
+}
+
+// One block of int4 output rows for `m` activation rows, plain loops the compiler vectorises.
+template <typename T>
+void int4_block_portable(const Int4Weights& w, const T* sz, const float* xf, const float* xsum, int64_t m,
+                         int64_t n0, int64_t rows, T* out) {
+  const int64_t groups = w.k / w.group;
+  float total[kMaxRowChunk][kInt4BlockRows] = {};
+  float acc[kMaxRowChunk][kInt4BlockRows];
+  float codes[kInt4BlockRows];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < m; ++r) std::fill(acc[r], acc[r] + rows, 0.f);
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      int4_codes(w, n0, rows, k, codes);
+      for (int64_t r = 0; r < m; ++r) {
+        const float xv = xf[r * w.k + k];
+        for (int64_t j = 0; j < rows; ++j) acc[r][j] += xv * codes[j];
+      }
+    }
+    const T* pairs = sz + (g * w.n + n0) * 2;
+    for (int64_t r = 0; r < m; ++r) {
+      const float xs = xsum[r * groups + g];
+      for (int64_t j = 0; j < rows; ++j) {
+        total[r][j] += to_f(pairs[2 * j]) * acc[r][j] + to_f(pairs[2 * j + 1]) * xs;
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < rows; ++j) out[r * w.n + n0 + j] = from_f<T>(total[r][j]);
+  }
+}
+
+#if defined(EDGE_RTGI_AVX512) && defined(__AVX512BF16__)
+#define EDGE_RTGI_AVX512_BF16 1
+
+// Rows [r0, r0 + R) of one int4 group: `codes` holds the group's codes minus 8 as bf16 pairs,
+// [G/2][4 vectors of 16 output rows][2 inputs]; each step broadcasts a pair of activations and
+// adds both products into 16 output rows with one dot-product instruction.
+template <int R>
+inline void int4_group_rows(const __m512i* codes, int64_t pairs, const bf16_bits* x, int64_t k_stride, int64_t k0,
+                            const float* xsum, int64_t groups, int64_t g, const __m512* scale, const __m512* zero,
+                            float* total) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i* c = codes + 4 * p;
+    for (int r = 0; r < R; ++r) {
+      int32_t both;
+      std::memcpy(&both, x + r * k_stride + k0 + 2 * p, sizeof(both));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(both);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)c[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 xs = _mm512_set1_ps(xsum[r * groups + g]);
+    float* t = total + r * kInt4BlockRows;
+    for (int v = 0; v < 4; ++v) {
+      __m512 tv = _mm512_loadu_ps(t + 16 * v);
+      tv = _mm512_fmadd_ps(acc[r][v], scale[v], tv);
+      _mm512_storeu_ps(t + 16 * v, _mm512_fmadd_ps(zero[v], xs, tv));
+    }
+  }
+}
+
+// A full block of 64 int4 output rows for `m` bf16 activation rows (AVX-512 BF16).
+void int4_block_bf16(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
+                     int64_t n0, bf16_bits* out) {
+  const int64_t groups = w.k / w.group, pairs = w.group / 2;
+  alignas(64) float total[kMaxRowChunk * kInt4BlockRows] = {};
+  __m512i codes[4 * kMaxBf16Group / 2];
+  // bf16 of (code - 8) for code 0..15, indexed by the code in each 16-bit lane.
+  alignas(64) bf16_bits lut_values[32];
+  for (int c = 0; c < 32; ++c) lut_values[c] = from_f<bf16_bits>(static_cast<float>((c & 15) - 8));
+  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const uint8_t* block = w.packed + n0 * w.k / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* col = block + (g * w.group + 2 * p) * 32;  // input k; input k + 1 follows
+      for (int h = 0; h < 2; ++h) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * h));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32 + 16 * h));
+        // bytes of rows 16h..16h+15 at k and k+1, interleaved: one 32-bit pair per output row
+        const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+        const __m512i words = _mm512_cvtepu8_epi16(both);
+        codes[4 * p + h] = _mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), lut);
+        codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
+      }
+    }
+    __m512 scale[4], zero[4];
+    const bf16_bits* sz_row = sz + (g * w.n + n0) * 2;
+    for (int v = 0; v < 4; ++v) {
+      // 16 (scale, zero) bf16 pairs: the scale in the low half of each 32-bit lane
+      const __m512i sp = _mm512_loadu_si512(sz_row + 32 * v);
+      scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
+      zero[v] = _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+    int64_t r = 0;
+    for (; r + kRowTile <= m; r += kRowTile) {
+      int4_group_rows<kRowTile>(codes, pairs, x + r * w.k, w.k, g * w.group, xsum + r * groups, groups, g, scale,
+                                zero, total + r * kInt4BlockRows);
+    }
+    const int64_t left = m - r;
+    const bf16_bits* xr = x + r * w.k;
+    const float* xs = xsum + r * groups;
+    float* tr = total + r * kInt4BlockRows;
+    if (left == 3) int4_group_rows<3>(codes, pairs, xr, w.k, g * w.group, xs, groups, g, scale, zero, tr);
+    if (left == 2) int4_group_rows<2>(codes, pairs, xr, w.k, g * w.group, xs, groups, g, scale, zero, tr);
+    if (left == 1) int4_group_rows<1>(codes, pairs, xr, w.k, g * w.group, xs, groups, g, scale, zero, tr);
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int v = 0; v < 4; v += 2) {
+      const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_load_ps(total + r * kInt4BlockRows + 16 * (v + 1)),
+                                               _mm512_load_ps(total + r * kInt4BlockRows + 16 * v));
+      _mm512_storeu_si512(out + r * w.n + n0 + 16 * v, (__m512i)two);
+    }
+  }
+}
+
+// Sums of 16 lanes of a, b, c, d -> lanes 0..3 of the result.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
+  const __m512 abcd = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
+  const __m512 quarters = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1));
+  return _mm512_castps512_ps128(quarters);
+}
+
+// Rows [r0, r0 + R) against 4 int8 output rows held as bf16 in `wb` ([4][K]).
+template <int R>
+inline void int8_tile_rows(const bf16_bits* wb, const bf16_bits* x, int64_t k, float* dots /*[R][4]*/) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 32) {
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wb + j * k + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * k + i);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm_storeu_ps(dots + 4 * r, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+// Output rows [n0, n1) of an int8 matmul for `m` bf16 activation rows (K a multiple of 32).
+void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x, int64_t m, int64_t n, int64_t k,
+                    int64_t n0, int64_t n1, bf16_bits* out) {
+  std::vector<bf16_bits> wb(4 * k);
+  float dots[kRowTile * 4];
+  for (int64_t t = n0; t < n1; t += 4) {
+    // The tile's 4 weight rows as bf16 (int8 is exact in bf16), once for every activation row;
+    // a last tile past N repeats row N - 1 and its results are not stored.
+    for (int j = 0; j < 4; ++j) {
+      const int8_t* row = q + std::min(t + j, n - 1) * k;
+      for (int64_t i = 0; i < k; i += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16))));
+        _mm512_storeu_si512(wb.data() + j * k + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+    const int64_t cols = std::min<int64_t>(4, n - t);
+    float sc[4];
+    for (int j = 0; j < 4; ++j) sc[j] = to_f(scales[std::min(t + j, n - 1)]);
+    for (int64_t r = 0; r < m;) {
+      const int64_t tile = std::min(kRowTile, m - r);
+      if (tile == 4) int8_tile_rows<4>(wb.data(), x + r * k, k, dots);
+      else if (tile == 3) int8_tile_rows<3>(wb.data(), x + r * k, k, dots);
+      else if (tile == 2) int8_tile_rows<2>(wb.data(), x + r * k, k, dots);
+      else int8_tile_rows<1>(wb.data(), x + r * k, k, dots);
+      for (int64_t i = 0; i < tile; ++i) {
+        // ATen's int8 kernel also applies the scale to the finished fp32 dot product.
+        for (int64_t j = 0; j < cols; ++j) out[(r + i) * n + t + j] = from_f<bf16_bits>(dots[4 * i + j] * sc[j]);
+      }
+      r += tile;
+    }
+  }
+}
+#endif
+
+#if defined(EDGE_RTGI_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define EDGE_RTGI_AMX 1
+
+// AMX: one tile instruction multiplies up to 16 rows by 32 inputs by 16 outputs (8,192 products),
+// where the AVX-512 BF16 loop above does 32 per instruction and grows with the rows. The kernel
+// must ask Linux for the tile state once per process; where that fails the AVX-512 loops run.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl(2), asm/prctl.h
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  void set(int tile, int tile_rows, int bytes_per_row) {
+    rows[tile] = static_cast<uint8_t>(tile_rows);
+    colsb[tile] = static_cast<uint16_t>(bytes_per_row);
+  }
+};
+
+// int4, a block of 64 output rows for m (2..16) bf16 activation rows. Tiles: 0 = activations
+// [m, 32 inputs], 1 and 6 = decoded codes [16 input pairs, 16 outputs x 2], 2..5 = sums [m, 16].
+// The codes buffer is laid out as the tile unit wants its B operand: [input pair][output][2].
+void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
+                    int64_t n0, bf16_bits* out) {
+  const int64_t groups = w.k / w.group, pairs = w.group / 2;
+  alignas(64) float total[kMaxRowChunk * kInt4BlockRows] = {};
+  alignas(64) float sums[4][kMaxRowChunk * 16];
+  alignas(64) __m512i codes[4 * kMaxBf16Group / 2];
+  alignas(64) bf16_bits lut_values[32];
+  for (int c = 0; c < 32; ++c) lut_values[c] = from_f<bf16_bits>(static_cast<float>((c & 15) - 8));
+  const __m512i lut = _mm512_load_si512(lut_values);
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const uint8_t* block = w.packed + n0 * w.k / 2;
+  const int64_t x_stride = w.k * static_cast<int64_t>(sizeof(bf16_bits));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* col = block + (g * w.group + 2 * p) * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * h));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32 + 16 * h));
+        const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+        const __m512i words = _mm512_cvtepu8_epi16(both);
+        codes[4 * p + h] = _mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), lut);
+        codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
+      }
+    }
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t s = 0; s < pairs / 16; ++s) {
+      const int64_t k0 = g * w.group + 32 * s;
+      const char* b = reinterpret_cast<const char*>(codes + 4 * 16 * s);  // rows of 256 bytes
+      _tile_loadd(0, x + k0, x_stride);
+      _tile_loadd(1, b, 256);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(6, b + 64, 256);
+      _tile_dpbf16ps(3, 0, 6);
+      _tile_loadd(1, b + 128, 256);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_loadd(6, b + 192, 256);
+      _tile_dpbf16ps(5, 0, 6);
+    }
+    _tile_stored(2, sums[0], 64);
+    _tile_stored(3, sums[1], 64);
+    _tile_stored(4, sums[2], 64);
+    _tile_stored(5, sums[3], 64);
+    const bf16_bits* sz_row = sz + (g * w.n + n0) * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i sp = _mm512_loadu_si512(sz_row + 32 * v);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      for (int64_t r = 0; r < m; ++r) {
+        float* t = total + r * kInt4BlockRows + 16 * v;
+        __m512 tv = _mm512_fmadd_ps(_mm512_load_ps(sums[v] + 16 * r), scale, _mm512_load_ps(t));
+        _mm512_store_ps(t, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[r * groups + g]), tv));
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r) {
+    for (int v = 0; v < 4; v += 2) {
+      const __m512bh two = _mm512_cvtne2ps_pbh(_mm512_load_ps(total + r * kInt4BlockRows + 16 * (v + 1)),
+                                               _mm512_load_ps(total + r * kInt4BlockRows + 16 * v));
+      _mm512_storeu_si512(out + r * w.n + n0 + 16 * v, (__m512i)two);
+    }
+  }
+}
+
+TileConfig int4_tile_config(int64_t m) {
+  TileConfig cfg;
+  cfg.set(0, static_cast<int>(m), 64);
+  cfg.set(1, 16, 64);
+  cfg.set(6, 16, 64);
+  for (int t = 2; t <= 5; ++t) cfg.set(t, static_cast<int>(m), 64);
+  return cfg;
+}
+
+// int8, output rows [n0, n1) (a multiple of 32 apart, but for the last run) for m (2..16) bf16
+// activation rows. Here the weights are the tile unit's A operand ([16 outputs, 32 inputs], rows
+// as stored, widened to bf16) and the activations its B operand (`xpairs`: [K/2][m] pairs of
+// inputs), so the int8 rows need no transposing; the sums come out as [outputs, rows].
+void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpairs, int64_t m, int64_t n, int64_t k,
+                   int64_t n0, int64_t n1, bf16_bits* out) {
+  std::vector<bf16_bits> wb(32 * k);
+  alignas(64) float sums[2][16 * 16];
+  const int64_t w_stride = k * static_cast<int64_t>(sizeof(bf16_bits)), x_stride = m * 4;
+  for (int64_t t = n0; t < n1; t += 32) {
+    for (int64_t j = 0; j < 32; ++j) {
+      const int8_t* row = q + std::min(t + j, n - 1) * k;  // rows past N repeat the last, unstored
+      for (int64_t i = 0; i < k; i += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+        const __m512 hi =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16))));
+        _mm512_storeu_si512(wb.data() + j * k + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+    _tile_zero(2);
+    _tile_zero(5);
+    for (int64_t i = 0; i < k; i += 32) {
+      _tile_loadd(1, xpairs + (i / 2) * m, x_stride);
+      _tile_loadd(0, wb.data() + i, w_stride);
+      _tile_dpbf16ps(2, 0, 1);
+      _tile_loadd(3, wb.data() + 16 * k + i, w_stride);
+      _tile_dpbf16ps(5, 3, 1);
+    }
+    _tile_stored(2, sums[0], 64);
+    _tile_stored(5, sums[1], 64);
+    for (int64_t j = 0; j < std::min<int64_t>(32, n - t); ++j) {
+      const float* s = sums[j / 16] + (j % 16) * 16;
+      const float sc = to_f(scales[t + j]);
+      for (int64_t r = 0; r < m; ++r) out[r * n + t + j] = from_f<bf16_bits>(s[r] * sc);
+    }
+  }
+}
+
+TileConfig int8_tile_config(int64_t m) {
+  TileConfig cfg;
+  cfg.set(0, 16, 64);
+  cfg.set(3, 16, 64);
+  cfg.set(1, 16, static_cast<int>(m * 4));
+  cfg.set(2, 16, static_cast<int>(m * 4));
+  cfg.set(5, 16, static_cast<int>(m * 4));
+  return cfg;
+}
+#endif
+
+// Output rows [n0, n1) of an int8 matmul for `m` activation rows, plain loops.
+template <typename T>
+void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64_t m, int64_t n, int64_t k,
+                        int64_t n0, int64_t n1, T* out) {
+  std::vector<float> wf(k);
+  for (int64_t j = n0; j < n1; ++j) {
+    const int8_t* row = q + j * k;
+    for (int64_t i = 0; i < k; ++i) wf[i] = static_cast<float>(row[i]);
+    const float sc = to_f(scales[j]);
+    for (int64_t r = 0; r < m; ++r) out[r * n + j] = from_f<T>(dot(xf + r * k, wf.data(), k) * sc);
+  }
+}
+
+// Which loops a call runs: the best this build and CPU have for its dtype and shape, or the ones a
+// test asks for ("best", "avx512": the AVX-512 BF16 loops without AMX, "portable": plain loops).
+enum class Loops { kAmx, kAvx512Bf16, kPortable };
+
+Loops choose_loops(const Tensor& x, int64_t k, int64_t m, const std::string& requested) {
+  TORCH_CHECK(requested == "best" || requested == "avx512" || requested == "portable",
+              "edge_rtgi: loops must be \"best\", \"avx512\" or \"portable\", got \"", requested, "\"");
+#ifdef EDGE_RTGI_AVX512_BF16
+  if (requested == "portable" || x.scalar_type() != at::kBFloat16 || k % 32 != 0) return Loops::kPortable;
+#ifdef EDGE_RTGI_AMX
+  if (requested == "best" && m >= 2 && amx_ready()) return Loops::kAmx;
+#endif
+  (void)m;
+  return Loops::kAvx512Bf16;
+#else
+  (void)x, (void)k, (void)m, (void)requested;
+  return Loops::kPortable;
+#endif
+}
+
+Tensor activations_f32(const Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat); }
+
+template <typename T>
+void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const Tensor& sz, Loops loops,
+                  Tensor& out) {
+  const int64_t m_all = x.size(0), k = x.size(1), n = out.size(1), groups = k / group;
+  const Int4Weights w{qweight.const_data_ptr<uint8_t>(), n, k, group};
+  const Tensor xf_t = activations_f32(x);
+  const float* xf_all = xf_t.const_data_ptr<float>();
+  // Sum of each row's activations over each group, for the zero term.
+  std::vector<float> xsum_all(m_all * groups);
+  for (int64_t r = 0; r < m_all; ++r)
+    for (int64_t g = 0; g < groups; ++g) xsum_all[r * groups + g] = sum(xf_all + r * k + g * group, group);
+  const T* xp_all = in_ptr<T>(x);
+  const T* szp = in_ptr<T>(sz);
+  T* op_all = out_ptr<T>(out);
+  const int64_t blocks = (n + kInt4BlockRows - 1) / kInt4BlockRows;
+  for (int64_t r0 = 0; r0 < m_all; r0 += kMaxRowChunk) {
+    const int64_t m = std::min(kMaxRowChunk, m_all - r0);
+    const float* xf = xf_all + r0 * k;
+    const float* xsum = xsum_all.data() + r0 * groups;
+    T* op = op_all + r0 * n;
+    at::parallel_for(0, blocks, grain_rows(kInt4BlockRows * k), [&](int64_t begin, int64_t end) {
+#ifdef EDGE_RTGI_AMX
+      const bool amx = loops == Loops::kAmx && m >= 2;
+      if (amx) {
+        const TileConfig cfg = int4_tile_config(m);
+        _tile_loadconfig(&cfg);  // per thread: the tile configuration is thread state
+      }
+#endif
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kInt4BlockRows, rows = std::min(kInt4BlockRows, n - n0);
+#ifdef EDGE_RTGI_AVX512_BF16
+        if constexpr (std::is_same_v<T, bf16_bits>) {
+          if (loops != Loops::kPortable && rows == kInt4BlockRows) {
+#ifdef EDGE_RTGI_AMX
+            if (amx) {
+              int4_block_amx(w, szp, xp_all + r0 * k, xsum, m, n0, op);
+              continue;
+            }
+#endif
+            int4_block_bf16(w, szp, xp_all + r0 * k, xsum, m, n0, op);
+            continue;
+          }
+        }
+#endif
+        int4_block_portable<T>(w, szp, xf, xsum, m, n0, rows, op);
+      }
+#ifdef EDGE_RTGI_AMX
+      if (amx) _tile_release();
+#endif
+    });
+  }
+  (void)loops;
+  (void)xp_all;
+}
+
+template <typename T>
+void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, Loops loops, Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
+  const int8_t* q = qweight.const_data_ptr<int8_t>();
+  const T* sp = in_ptr<T>(scales);
+  T* op = out_ptr<T>(out);
+  // Output rows are split across threads in runs of 64 (a multiple of every tile).
+  const int64_t chunks = (n + 63) / 64;
+#ifdef EDGE_RTGI_AVX512_BF16
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    const bf16_bits* xp = in_ptr<bf16_bits>(x);
+#ifdef EDGE_RTGI_AMX
+    if (loops == Loops::kAmx && m >= 2 && m <= kMaxRowChunk) {
+      // The activations as the tile unit's B operand: [K/2][m] pairs of consecutive inputs.
+      std::vector<uint32_t> xpairs(k / 2 * m);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t i = 0; i < k / 2; ++i) std::memcpy(&xpairs[i * m + r], xp + r * k + 2 * i, 4);
+      at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
+        const TileConfig cfg = int8_tile_config(m);
+        _tile_loadconfig(&cfg);
+        int8_rows_amx(q, sp, xpairs.data(), m, n, k, begin * 64, std::min(n, end * 64), op);
+        _tile_release();
+      });
+      return;
+    }
+#endif
+    if (loops != Loops::kPortable) {
+      at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
+        int8_rows_bf16(q, sp, xp, m, n, k, begin * 64, std::min(n, end * 64), op);
+      });
+      return;
+    }
+  }
+#endif
+  (void)loops;
+  const Tensor xf_t = activations_f32(x);
+  const float* xf = xf_t.const_data_ptr<float>();
+  at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
+    int8_rows_portable<T>(q, sp, xf, m, n, k, begin * 64, std::min(n, end * 64), op);
+  });
+}
+
+void check_quant_input(const Tensor& x, const Tensor& scales, const char* name) {
+  check_activation(x, name);
+  TORCH_CHECK(x.dim() == 2, "edge_rtgi::", name, ": x must be [rows, K], got ", x.sizes());
+  TORCH_CHECK(scales.scalar_type() == x.scalar_type(), "edge_rtgi::", name, ": scales must be in ", x.scalar_type(),
+              " like x, got ", scales.scalar_type());
+}
+
+Tensor int4_mm(const Tensor& x_in, const Tensor& qweight_in, int64_t group_size, const Tensor& sz_in,
+               c10::string_view loops_name) {
+  check_quant_input(x_in, sz_in, "int4_mm");
+  const int64_t k = x_in.size(1);
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0 && k % group_size == 0, "edge_rtgi::int4_mm: K = ", k,
+              " must be a multiple of the (even) group size ", group_size);
+  TORCH_CHECK(sz_in.dim() == 3 && sz_in.size(0) == k / group_size && sz_in.size(2) == 2,
+              "edge_rtgi::int4_mm: scales_and_zeros must be [K/G, N, 2], got ", sz_in.sizes());
+  const int64_t n = sz_in.size(1);
+  TORCH_CHECK(qweight_in.scalar_type() == at::kByte && qweight_in.numel() == n * k / 2 && n % 2 == 0,
+              "edge_rtgi::int4_mm: qweight must be ATen's CPU int4 pack of [", n, ", ", k, "] (", n * k / 2,
+              " uint8), got ", qweight_in.sizes(), " ", qweight_in.scalar_type());
+  Tensor x = x_in.contiguous(), qweight = qweight_in.contiguous(), sz = sz_in.contiguous();
+  Tensor out = at::empty({x.size(0), n}, x.options());
+  g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
+  Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
+  // The group's decoded codes live in a fixed buffer; AMX also needs whole 32-input tiles.
+  if (group_size > kMaxBf16Group || (loops == Loops::kAmx && group_size % 32 != 0)) loops = Loops::kPortable;
+  if (x.scalar_type() == at::kFloat) int4_mm_impl<float>(x, qweight, group_size, sz, Loops::kPortable, out);
+  else int4_mm_impl<bf16_bits>(x, qweight, group_size, sz, loops, out);
+  return out;
+}
+
+Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scales_in, c10::string_view loops_name) {
+  check_quant_input(x_in, scales_in, "int8_mm");
+  const int64_t k = x_in.size(1);
+  TORCH_CHECK(qweight_in.scalar_type() == at::kChar && qweight_in.dim() == 2 && qweight_in.size(1) == k,
+              "edge_rtgi::int8_mm: qweight must be int8 [N, ", k, "], got ", qweight_in.sizes(), " ",
+              qweight_in.scalar_type());
+  const int64_t n = qweight_in.size(0);
+  TORCH_CHECK(scales_in.numel() == n, "edge_rtgi::int8_mm: need one scale per output row (", n, "), got ",
+              scales_in.numel());
+  Tensor x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
+  Tensor out = at::empty({x.size(0), n}, x.options());
+  g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
+  const Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
+  if (x.scalar_type() == at::kFloat) int8_mm_impl<float>(x, qweight, scales, Loops::kPortable, out);
+  else int8_mm_impl<bf16_bits>(x, qweight, scales, loops, out);
+  return out;
+}
+
 // --- The layer stack of a one-token decode step -------------------------------------------------
 //
 // model.py's DecoderLayer.forward, layer after layer, for one query row, calling the kernels above
@@ -428,10 +998,13 @@ Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10
   Tensor y;
   if (kind == 0) {
     return at::linear(x, *a, bias);
-  } else if (kind == 1) {
-    y = at::_weight_int8pack_mm(x, *a, *b);
+  }
+  const int64_t rows = x.size(0);
+  const bool multi_row = rows >= 2 && rows <= kMultiRowMax;
+  if (kind == 1) {
+    y = multi_row ? int8_mm(x, *a, *b, "best") : at::_weight_int8pack_mm(x, *a, *b);
   } else if (kind == 2) {
-    y = at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
+    y = multi_row ? int4_mm(x, *a, group_size, *b, "best") : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
   } else {
     TORCH_CHECK(false, "edge_rtgi::decode_layers: unknown linear kind ", kind);
   }
@@ -476,8 +1049,14 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed
   return x;
 }
 
+int64_t multi_row_calls() { return g_multi_row_calls.load(std::memory_order_relaxed); }
+
 std::string build_info() {
-#ifdef EDGE_RTGI_AVX512
+#if defined(EDGE_RTGI_AMX)
+  return amx_ready() ? "avx512-bf16-amx" : "avx512-bf16";
+#elif defined(EDGE_RTGI_AVX512_BF16)
+  return "avx512-bf16";
+#elif defined(EDGE_RTGI_AVX512)
   return "avx512";
 #else
   return "portable";
@@ -496,10 +1075,16 @@ TORCH_LIBRARY(edge_rtgi, m) {
         "float eps, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_store, Tensor(b!) v_store, "
         "Tensor new_slots, Tensor key_slots, Tensor? key_mask, float scale) -> Tensor");
+  m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, str loops=\"best\") -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\") -> Tensor");
+  m.def("multi_row_calls() -> int");
 }
 
 // build_info takes no tensor, so it is registered for every dispatch key.
-TORCH_LIBRARY_FRAGMENT(edge_rtgi, m) { m.impl("build_info", TORCH_FN(build_info)); }
+TORCH_LIBRARY_FRAGMENT(edge_rtgi, m) {
+  m.impl("build_info", TORCH_FN(build_info));
+  m.impl("multi_row_calls", TORCH_FN(multi_row_calls));
+}
 
 TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
   m.impl("rms_norm", &rms_norm);
@@ -507,4 +1092,6 @@ TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
   m.impl("decode_layers", &decode_layers);
+  m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
 }

@@ -1,6 +1,8 @@
 """Quantised linear layers on PyTorch's own weight-only kernels.
 
 - ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 weights, per-output-channel scales).
+- On CPU, inputs of 2..16 rows take ``cpu_ops.int8_mm`` / ``int4_mm`` instead: the same layouts,
+  each weight block read once for all rows (ATen's kernels pay the weights again per row).
 - ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on
   CUDA (bf16 activations only there), with weights repacked into each kernel's tiled layout at
   load time.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.quant.schemes import PackedWeight
 
 log = logging.getLogger(__name__)
@@ -139,6 +142,7 @@ class Int8Linear(QuantLinear):
     qweight: Tensor
     scales: Tensor
     kernel_buffers = ("qweight", "scales")
+    fused_kind = 1  # its kind in cpu_ops' layer loop (csrc/cpu_ops.cpp)
 
     def __init__(self, packed: PackedWeight, bias: Tensor | None, dtype: torch.dtype, device: torch.device):
         super().__init__(packed, bias, dtype, device)
@@ -151,7 +155,13 @@ class Int8Linear(QuantLinear):
             x2 = x2.to(scales.dtype)
         if x2.is_cuda:
             return _int8_mm_cuda(x2, self.qweight, scales)
-        return _INT8PACK_MM(x2, self.qweight, scales)
+        if cpu_ops.multi_row_usable(x2):
+            return cpu_ops.int8_mm(x2, self.qweight, scales)
+        return self._aten(x2)
+
+    def _aten(self, x2: Tensor) -> Tensor:
+        """ATen's CPU kernel for any row count (the multi-row kernels' reference and baseline)."""
+        return _INT8PACK_MM(x2, self.qweight, self.scales)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
@@ -192,6 +202,7 @@ class Int4Linear(QuantLinear):
     scales_and_zeros: Tensor
     row_codes: Tensor  # CUDA only
     kernel_buffers = ("qweight", "scales_and_zeros")
+    fused_kind = 2  # its kind in cpu_ops' layer loop (csrc/cpu_ops.cpp)
     group_size: int
     on_cuda: bool
 
@@ -222,7 +233,13 @@ class Int4Linear(QuantLinear):
             x2 = x2.to(scales_and_zeros.dtype)
         if self.on_cuda:
             return torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, scales_and_zeros)
-        return _INT4PACK_MM_CPU(x2, self.qweight, self.group_size, scales_and_zeros)
+        if cpu_ops.multi_row_usable(x2):
+            return cpu_ops.int4_mm(x2, self.qweight, self.group_size, scales_and_zeros)
+        return self._aten(x2)
+
+    def _aten(self, x2: Tensor) -> Tensor:
+        """ATen's CPU kernel for any row count (the multi-row kernels' reference and baseline)."""
+        return _INT4PACK_MM_CPU(x2, self.qweight, self.group_size, self.scales_and_zeros)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows for a tied embedding, read from the packed weights (no second copy on CPU)."""
