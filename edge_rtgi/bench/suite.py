@@ -39,6 +39,7 @@ from edge_rtgi.bench.tasks import load_task_set
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.kv.window import KVWindow
 from edge_rtgi.llm.speculative import parse_speculative
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,8 @@ class Optimisations:
             raise ConfigError(str(exc)) from None
         self.window()  # validates kv_window
 
-    def window(self) -> Any:
+    def window(self) -> KVWindow | None:
         """``kv_window`` as an ``llm.kv.window.KVWindow`` (None when "off")."""
-        from edge_rtgi.llm.kv.window import KVWindow
-
         if self.kv_window in ("off", "none", ""):
             return None
         sinks, sep, window = self.kv_window.partition(":")
