@@ -67,6 +67,18 @@ SENTENCES = [
     "Where is the nearest library?",
 ]
 CHUNK_MS = 40
+TRACED = {
+    "speech.started",
+    "speech.stopped",
+    "transcript.final",
+    "response.created",
+    "response.done",
+    "response.interrupted",
+    "error",
+    "input_audio_buffer.speech_started",
+    "input_audio_buffer.speech_stopped",
+    "conversation.item.input_audio_transcription.completed",
+}
 VOICE = "piper-en_US-joe-medium"  # the voice-assistant pipeline's own voice renders the input
 EVENT_TIMEOUT_S = 120.0
 
@@ -81,6 +93,16 @@ class Ledger:
     disconnects: int = 0
     reconnects: int = 0
     errors: list[str] = field(default_factory=list)
+    # each connection's events and actions, to show what happened around a lost or doubled turn
+    traces: dict[str, list[str]] = field(default_factory=dict)
+    connection_of: dict[str, str] = field(default_factory=dict)
+
+    def trace(self, connection: str, line: str) -> None:
+        self.traces.setdefault(connection, []).append(f"{time.monotonic():.2f} {line}")
+
+    def turn_traces(self, seqs: list[str], limit: int = 5) -> dict[str, list[str]]:
+        """The event sequence of the connection that carried each of the first ``limit`` turns."""
+        return {s: self.traces.get(self.connection_of.get(s, ""), [])[-200:] for s in seqs[:limit]}
 
     def summary(self) -> dict:
         judged = {k: v for k, v in self.counts.items() if k not in self.abandoned}
@@ -98,6 +120,7 @@ class Ledger:
             "lost": sorted(k for k, v in judged.items() if min(v) == 0)[:20],
             "doubled": sorted(k for k, v in judged.items() if max(v) > 1)[:20],
             "client_errors": self.errors[:20],
+            "traces": self.turn_traces(sorted(k for k, v in judged.items() if min(v) == 0 or max(v) > 1)),
         }
 
 
@@ -115,6 +138,18 @@ def render(texts: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
+def _describe(event: dict) -> str:
+    """One line for a traced server event: its type and the fields that tie it to a turn."""
+    keys = ("turn_id", "response_id", "item_id", "status", "reason", "backchannel", "end_reason", "code")
+    parts = [event["type"]] + [f"{k}={event[k]}" for k in keys if k in event]
+    if isinstance(event.get("response"), dict):
+        parts.append(f"response={event['response'].get('id')} status={event['response'].get('status')}")
+    for k in ("text", "transcript", "message"):
+        if k in event:
+            parts.append(f"{k}={str(event[k])[:80]!r}")
+    return " ".join(parts)
+
+
 async def stream_pcm(send, pcm: np.ndarray, rate_hz: int) -> None:
     step = rate_hz * CHUNK_MS // 1000
     t0 = time.monotonic()
@@ -130,6 +165,11 @@ class NativeSoakClient:
         self.name, self.port, self.pipeline = name, port, pipeline
         self.texts, self.speech, self.ledger, self.rng = texts, speech, ledger, rng
         self.seq = 0
+        self.connections = 0
+
+    def _connection(self) -> str:
+        self.connections += 1
+        return f"{self.name}/c{self.connections}"
 
     async def run(self, deadline: float, budget: list[int]) -> None:
         while time.monotonic() < deadline and budget[0] > 0:
@@ -141,6 +181,8 @@ class NativeSoakClient:
 
     async def _session(self, deadline: float, budget: list[int]) -> None:
         url = f"ws://127.0.0.1:{self.port}/v1/native?pipeline={self.pipeline}"
+        conn = self._connection()
+        log = self.ledger.trace
         async with connect(url, max_size=None) as ws:
             created = json.loads(await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S))
             assert created["type"] == "session.created", created
@@ -149,7 +191,6 @@ class NativeSoakClient:
             pending: list[str] = []  # utterances sent, no final transcript yet
             sent: list[str] = []  # this connection's utterances, in order
             done = asyncio.Event()
-            state = {"playing": False, "closing": False}
 
             async def reader() -> None:
                 async for message in ws:
@@ -157,22 +198,22 @@ class NativeSoakClient:
                         continue
                     e = json.loads(message)
                     kind = e["type"]
+                    if kind in TRACED:
+                        log(conn, _describe(e))
                     if kind == "transcript.final":
                         if pending:
                             seq = pending.pop(0)
                             turn_seq[e["turn_id"]] = seq
                             self.ledger.counts[seq][0] += 1
                         else:  # a final nobody asked for: count it against the last one
-                            last = max(turn_seq.values(), default=None)
+                            last = next(reversed(turn_seq.values()), None)
                             if last:
                                 self.ledger.counts[last][0] += 1
                     elif kind == "response.created":
-                        state["playing"] = True
                         seq = turn_seq.get(e.get("turn_id") or -1)
                         if seq is not None:
                             by_response[e["response_id"]] = seq
                     elif kind == "response.done":
-                        state["playing"] = False
                         seq = by_response.get(e["response_id"])
                         if seq is not None:
                             self.ledger.counts[seq][1] += 1
@@ -186,9 +227,11 @@ class NativeSoakClient:
                     self.seq += 1
                     seq = f"{self.name}#{self.seq}"
                     self.ledger.counts[seq] = [0, 0]
+                    self.ledger.connection_of[seq] = conn
                     pending.append(seq)
                     sent.append(seq)
                     done.clear()
+                    log(conn, f"send {seq} {text!r}")
 
                     async def send(chunk):
                         await ws.send(chunk.astype("<i2").tobytes())
@@ -196,17 +239,16 @@ class NativeSoakClient:
                     await stream_pcm(send, self.speech[text], 16000)
                     roll = self.rng.random()
                     if roll < 0.1:  # disconnect mid-reply
-                        try:
-                            await asyncio.wait_for(self._until(lambda: state["playing"]), EVENT_TIMEOUT_S)
-                        except asyncio.TimeoutError:
-                            pass
-                        self.ledger.abandoned.add(seq)
-                        self.ledger.disconnects += 1
+                        await self._disconnect_mid_reply(seq, sent, by_response)
+                        log(conn, f"disconnect after {seq}")
                         return
-                    if roll < 0.3:  # barge in: the next utterance starts while the reply plays
+                    if roll < 0.3:  # barge in: the next utterance starts while this one's reply plays
                         try:
-                            await asyncio.wait_for(self._until(lambda: state["playing"]), EVENT_TIMEOUT_S)
+                            await asyncio.wait_for(
+                                self._until(lambda s=seq: s in by_response.values()), EVENT_TIMEOUT_S
+                            )
                             self.ledger.barge_ins += 1
+                            log(conn, f"barge in after {seq}")
                             continue
                         except asyncio.TimeoutError:
                             pass
@@ -214,6 +256,23 @@ class NativeSoakClient:
                 await self._all_answered(sent)
             finally:
                 read.cancel()
+
+    async def _disconnect_mid_reply(self, seq: str, sent: list[str], by_response: dict[str, str]) -> None:
+        """Before a disconnect mid-reply: the earlier turns are answered and ``seq``'s reply has
+        started; only ``seq`` is then abandoned. (Waiting for "some reply playing" cut earlier
+        turns too: a translation is not interrupted by the next utterance, so under load the
+        previous turn's translation was often still in flight, and was counted lost.)"""
+        counts = self.ledger.counts
+
+        def ready() -> bool:
+            return seq in by_response.values() and all(min(counts[s]) >= 1 for s in sent[:-1])
+
+        try:
+            await asyncio.wait_for(self._until(ready), EVENT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass  # an earlier turn that never ends stays judged, and counts as lost
+        self.ledger.abandoned.add(seq)
+        self.ledger.disconnects += 1
 
     async def _all_answered(self, sent: list[str]) -> None:
         """Before a planned close: every utterance sent has its final transcript and its
@@ -233,6 +292,8 @@ class NativeSoakClient:
 class RealtimeSoakClient(NativeSoakClient):
     async def _session(self, deadline: float, budget: list[int]) -> None:
         url = f"ws://127.0.0.1:{self.port}/v1/realtime?model={self.pipeline}"
+        conn = self._connection()
+        log = self.ledger.trace
         async with connect(url, max_size=None) as ws:
             created = json.loads(await asyncio.wait_for(ws.recv(), EVENT_TIMEOUT_S))
             assert created["type"] == "session.created", created
@@ -241,23 +302,22 @@ class RealtimeSoakClient(NativeSoakClient):
             awaiting: list[str] = []  # transcribed, no response yet (one auto response each, in order)
             by_response: dict[str, str] = {}
             done = asyncio.Event()
-            state = {"playing": False}
 
             async def reader() -> None:
                 async for message in ws:
                     e = json.loads(message)
                     kind = e["type"]
+                    if kind in TRACED:
+                        log(conn, _describe(e))
                     if kind == "conversation.item.input_audio_transcription.completed":
                         if pending:
                             seq = pending.pop(0)
                             awaiting.append(seq)
                             self.ledger.counts[seq][0] += 1
                     elif kind == "response.created":
-                        state["playing"] = True
                         if awaiting:
                             by_response[e["response"]["id"]] = awaiting.pop(0)
                     elif kind == "response.done":
-                        state["playing"] = False
                         seq = by_response.get(e["response"]["id"])
                         if seq is not None:
                             self.ledger.counts[seq][1] += 1
@@ -271,9 +331,11 @@ class RealtimeSoakClient(NativeSoakClient):
                     self.seq += 1
                     seq = f"{self.name}#{self.seq}"
                     self.ledger.counts[seq] = [0, 0]
+                    self.ledger.connection_of[seq] = conn
                     pending.append(seq)
                     sent.append(seq)
                     done.clear()
+                    log(conn, f"send {seq} {text!r}")
                     pcm24 = float32_to_pcm16(resample(pcm16_to_float32(self.speech[text]), 16000, 24000))
 
                     async def send(chunk):
@@ -283,12 +345,8 @@ class RealtimeSoakClient(NativeSoakClient):
                     await stream_pcm(send, pcm24, 24000)
                     roll = self.rng.random()
                     if roll < 0.1:
-                        try:
-                            await asyncio.wait_for(self._until(lambda: state["playing"]), EVENT_TIMEOUT_S)
-                        except asyncio.TimeoutError:
-                            pass
-                        self.ledger.abandoned.add(seq)
-                        self.ledger.disconnects += 1
+                        await self._disconnect_mid_reply(seq, sent, by_response)
+                        log(conn, f"disconnect after {seq}")
                         return
                     await asyncio.wait_for(done.wait(), EVENT_TIMEOUT_S)
                 await self._all_answered(sent)
@@ -413,18 +471,21 @@ async def soak(args: argparse.Namespace) -> dict:
     started = samples[-1]
     rng = random.Random(args.seed)
     clients = []
+    kinds = args.kinds.split(",")
     for i in range(args.clients):
-        kind = i % 3
-        if kind == 0:
+        kind = kinds[i % len(kinds)]
+        if kind == "voice":
             clients.append(NativeSoakClient(f"voice{i}", port, voice_pipe, QUESTIONS, speech, ledger, rng))
-        elif kind == 1:
+        elif kind == "translate":
             clients.append(
                 NativeSoakClient(f"translate{i}", port, translate_pipe, SENTENCES, speech, ledger, rng)
             )
-        else:
+        elif kind == "realtime":
             clients.append(
                 RealtimeSoakClient(f"realtime{i}", port, voice_pipe, QUESTIONS, speech, ledger, rng)
             )
+        else:
+            raise SystemExit(f"--kinds: unknown client kind {kind!r} (voice, translate, realtime)")
     # warm-up: one utterance per client, all at once (its turns are judged with the rest)
     await asyncio.gather(*(c.run(time.monotonic() + 3 * EVENT_TIMEOUT_S, [1]) for c in clients))
     await settle(samples, args.sample_s)
@@ -478,6 +539,11 @@ def main() -> int:
     ap.add_argument("--max-utterances", type=int, default=100_000)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kinds",
+        default="voice,translate,realtime",
+        help="client kinds, assigned in turn: voice, translate (native protocol), realtime",
+    )
     ap.add_argument("--light", action="store_true", help="the light test pipelines (tiny models)")
     ap.add_argument("--out", help="folder for soak.json and soak.png")
     args = ap.parse_args()
