@@ -43,6 +43,7 @@ from edge_rtgi.server.config import DaemonConfig
 from edge_rtgi.server.connection import ClientSocket, FloodLimits, query_param
 from edge_rtgi.server.http import browser, openai_api
 from edge_rtgi.server.http.tickets import Tickets
+from edge_rtgi.server.memory import HeapTrimmer
 from edge_rtgi.server.metrics import CONTENT_TYPE, Metrics
 
 if TYPE_CHECKING:
@@ -120,6 +121,10 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self.wyoming: WyomingServer | None = None  # Home Assistant's protocol, when configured
+        interval_s = config.server.heap_trim_interval_s
+        self.heap_trimmer = (
+            HeapTrimmer(interval_s, self._in_use, self.metrics.observe_heap_trim) if interval_s > 0 else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -143,6 +148,8 @@ class Daemon:
 
             self.wyoming = WyomingServer(self, self.config.wyoming)
             await self.wyoming.start()
+        if self.heap_trimmer is not None:
+            self.heap_trimmer.start()
 
     def _app(self) -> web.Application:
         app = web.Application(
@@ -169,6 +176,9 @@ class Daemon:
             raise RuntimeError("the daemon is not listening: await start() first")
         return int(addresses[0][1])
 
+    def _in_use(self) -> bool:
+        return bool(self.sessions) or self.http_in_flight > 0
+
     def _busy(self) -> bool:
         return self.http_in_flight > 0 or any(
             not st.finished for s in self.sessions for st in s.responses.values()
@@ -178,6 +188,8 @@ class Daemon:
         """Refuse new work (503, and /healthz says "draining"), let responses and API requests in
         flight finish (up to the timeout), close every session with 1001, stop listening."""
         self.draining = True
+        if self.heap_trimmer is not None:
+            await self.heap_trimmer.stop()
         timeout_s = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -234,6 +246,8 @@ class Daemon:
         await session.close()
         self.sessions.discard(session)
         self.metrics.sessions_active.set(len(self.sessions))
+        if self.heap_trimmer is not None:
+            self.heap_trimmer.note_activity()
 
     # ------------------------------------------------------------------ admission
 

@@ -41,8 +41,10 @@ class ServerConfig:
     # connection, and how much faster than real time a client may send audio
     max_text_requests: int = 4
     max_messages_per_s: float = 400.0
-    max_audio_speed: float = 4.0  # finished turns a session remembers (the oldest are forgotten)
+    max_audio_speed: float = 4.0
     drain_timeout_s: float = 10.0
+    # how often freed C heap memory goes back to the OS while the daemon is in use; 0: never
+    heap_trim_interval_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,6 +61,8 @@ class ServerConfig:
             raise ValueError("max_text_requests >= 1, max_messages_per_s >= 10, max_audio_speed >= 1")
         if self.history_turns < 2:
             raise ValueError("history_turns must be >= 2")
+        if self.heap_trim_interval_s < 0:
+            raise ValueError("heap_trim_interval_s must be >= 0 (0 turns heap trimming off)")
         if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
             raise ValueError(f"token must be at least {MIN_TOKEN_CHARS} characters")
 

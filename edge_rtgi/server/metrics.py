@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.request import Usage
     from edge_rtgi.pipeline.backends.base import BackendResult, RouteDecision
+    from edge_rtgi.server.memory import TrimResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the text format generate_latest writes, as the library names it
 
@@ -170,7 +171,21 @@ class Metrics:
             ["router", "backend", "reason"],
             registry=r,
         )
+        self.heap_trims = Counter(
+            "edge_rtgi_heap_trims", "Returns of the C heap's free pages to the OS (malloc_trim)", registry=r
+        )
+        self.heap_trim_ms = Histogram(
+            "edge_rtgi_heap_trim_ms",
+            "Time malloc_trim took, in a worker thread (ms)",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=r,
+        )
         self.up.set(1)
+
+    def observe_heap_trim(self, result: TrimResult) -> None:
+        """One heap trim (``edge_rtgi.server.memory``)."""
+        self.heap_trims.inc()
+        self.heap_trim_ms.observe(result.duration_s * 1000)
 
     def render(self) -> bytes:
         """The Prometheus text exposition (``CONTENT_TYPE``) of every series."""
