@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -357,8 +358,10 @@ class RealtimeSoakClient(NativeSoakClient):
 # --------------------------------------------------------------------------- daemon and samples
 
 
-def start_daemon(folder: Path, light: bool) -> tuple[subprocess.Popen, int]:
+def start_daemon(folder: Path, light: bool, trace_heap: bool = False) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if trace_heap:
+        env["EDGE_RTGI_TRACEMALLOC_DIR"] = str(folder / "heap")
     if light:
         cmd = [sys.executable, "-m", "tests.fuzz.harness", str(folder), "tiny-voice", "16"]
     else:
@@ -427,6 +430,40 @@ async def settle(samples: list[dict], every_s: float, limit_s: float = 60.0) -> 
             return
 
 
+async def _heap_snapshot(proc: subprocess.Popen, folder: Path, delay_s: float) -> Path | None:
+    """Ask the daemon (started with ``--trace-heap``) for a tracemalloc snapshot; its path."""
+    await asyncio.sleep(delay_s)
+    heap = folder / "heap"
+    before = set(heap.glob("*.tracemalloc"))
+    proc.send_signal(signal.SIGUSR2)
+    for _ in range(600):  # a snapshot of a large traced heap takes seconds
+        await asyncio.sleep(0.5)
+        new = set(heap.glob("*.tracemalloc")) - before
+        if new:
+            await asyncio.sleep(2.0)  # written in one dump() call; let it finish
+            return new.pop()
+    return None
+
+
+def heap_diff(first: Path, last: Path, top: int = 15) -> dict:
+    """What grew between two snapshots: total traced MB, and the largest growth by traceback."""
+    import tracemalloc
+
+    a, b = tracemalloc.Snapshot.load(str(first)), tracemalloc.Snapshot.load(str(last))
+    stats = b.compare_to(a, "traceback")
+    return {
+        "traced_mb": [round(sum(s.size for s in x.statistics("filename")) / 2**20, 1) for x in (a, b)],
+        "top": [
+            {
+                "size_diff_kb": round(s.size_diff / 1024, 1),
+                "count_diff": s.count_diff,
+                "traceback": [f"{f.filename}:{f.lineno}" for f in s.traceback[-4:]],
+            }
+            for s in stats[:top]
+        ],
+    }
+
+
 def plot(samples: list[dict], path: Path, title: str, idle_t_s: float | None = None) -> None:
     import matplotlib
 
@@ -458,7 +495,7 @@ def plot(samples: list[dict], path: Path, title: str, idle_t_s: float | None = N
 
 async def soak(args: argparse.Namespace) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
-    proc, port = start_daemon(folder, args.light)
+    proc, port = start_daemon(folder, args.light, args.trace_heap)
     voice_pipe, translate_pipe = (
         ("tiny-voice", "tiny-translate") if args.light else ("voice-assistant", "translate-en-es")
     )
@@ -494,9 +531,17 @@ async def soak(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.minutes * 60
     budget = [args.max_utterances]
     t0 = time.monotonic()
+    snapshot_at_5_min = (
+        asyncio.create_task(_heap_snapshot(proc, folder, args.heap_first_s)) if args.trace_heap else None
+    )
     await asyncio.gather(*(c.run(deadline, budget) for c in clients))
     ran_s = time.monotonic() - t0
     await settle(samples, args.sample_s)
+    heap_growth = None
+    if snapshot_at_5_min is not None:
+        first = await snapshot_at_5_min
+        last = await _heap_snapshot(proc, folder, delay_s=0.0)
+        heap_growth = heap_diff(first, last) if first and last else None
     stop.set()
     await sampling
     end = samples[-1]
@@ -523,6 +568,8 @@ async def soak(args: argparse.Namespace) -> dict:
         "loadavg_end": os.getloadavg(),
         "log": str(folder / "daemon.log"),
     }
+    if heap_growth is not None:
+        report["python_heap_growth_after_5_min"] = heap_growth
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -544,9 +591,19 @@ def main() -> int:
         default="voice,translate,realtime",
         help="client kinds, assigned in turn: voice, translate (native protocol), realtime",
     )
+    ap.add_argument(
+        "--trace-heap",
+        action="store_true",
+        help="trace the daemon's Python allocations; report what grew after --heap-first-s",
+    )
+    ap.add_argument(
+        "--heap-first-s", type=float, default=300.0, help="with --trace-heap: when the first snapshot is made"
+    )
     ap.add_argument("--light", action="store_true", help="the light test pipelines (tiny models)")
     ap.add_argument("--out", help="folder for soak.json and soak.png")
     args = ap.parse_args()
+    if args.trace_heap and args.light:
+        ap.error("--trace-heap needs the real daemon (edge-rtgi serve), not --light")
     report = asyncio.run(soak(args))
     print(json.dumps(report, indent=2))
     bad = sum(

@@ -68,6 +68,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, dict]:
 async def _serve(config: Any, pipelines: dict) -> int:
     from edge_rtgi.pipeline.resources import Resources
     from edge_rtgi.server.app import Daemon, start_worker_pool
+    from edge_rtgi.server.memory import install_heap_snapshots
 
     config.server.check_bind()  # refuse an unsafe bind before spending time on models
     start_worker_pool(asyncio.get_running_loop())
@@ -93,6 +94,7 @@ async def _serve(config: Any, pipelines: dict) -> int:
     )
     if daemon.wyoming is not None:
         print(f"edge-rtgi: Wyoming (Home Assistant) on {daemon.wyoming.uri}", flush=True)
+    install_heap_snapshots(loop)  # after the models: their loading is not what a long run grows
     sd_notify(f"READY=1\nSTATUS=serving on {srv.host}:{daemon.port}")
     interval_s = watchdog_interval_s()
     watchdog = Watchdog(interval_s, daemon.health_problems) if interval_s else None

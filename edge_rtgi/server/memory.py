@@ -15,9 +15,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
+import signal
 import time
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +40,25 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
 
 
 _MALLOC_TRIM = _load_malloc_trim()
+TRACEMALLOC_FRAMES = 8  # enough to see which caller of a shared helper holds the memory
 
 
 @dataclass(frozen=True)
 class TrimResult:
-    """One ``malloc_trim`` call: whether glibc gave memory back, and how long it took."""
+    """One ``malloc_trim`` call: whether glibc gave memory back, how much the process's resident
+    size fell meanwhile (other threads allocate too: an estimate), and how long it took."""
 
     released: bool
+    rss_drop_bytes: int
     duration_s: float
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def trim_heap() -> TrimResult | None:
@@ -54,8 +69,9 @@ def trim_heap() -> TrimResult | None:
     if _MALLOC_TRIM is None:
         return None
     t0 = time.perf_counter()
+    rss_before = _rss_bytes()
     released = bool(_MALLOC_TRIM(0))
-    return TrimResult(released, time.perf_counter() - t0)
+    return TrimResult(released, rss_before - _rss_bytes(), time.perf_counter() - t0)
 
 
 class HeapTrimmer:
@@ -115,3 +131,28 @@ class HeapTrimmer:
                     await self.trim_now()
                 except Exception:  # housekeeping must never end the daemon
                     log.exception("heap trim failed")
+
+
+TRACEMALLOC_ENV = "EDGE_RTGI_TRACEMALLOC_DIR"
+
+
+def install_heap_snapshots(loop: asyncio.AbstractEventLoop) -> Path | None:
+    """With ``$EDGE_RTGI_TRACEMALLOC_DIR`` set: trace Python allocations from now on, and write a
+    ``tracemalloc`` snapshot there on each SIGUSR2 (``kill -USR2 <pid>``), to find what grows
+    between two moments of a long run (docs/reliability.md). Tracing slows allocation: for
+    diagnosis only. Returns the folder, or None when the variable is unset."""
+    folder = os.environ.get(TRACEMALLOC_ENV)
+    if not folder:
+        return None
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    tracemalloc.start(TRACEMALLOC_FRAMES)
+
+    def dump() -> None:
+        path = out / f"heap-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.tracemalloc"
+        tracemalloc.take_snapshot().dump(str(path))
+        log.warning("tracemalloc snapshot written to %s", path)
+
+    loop.add_signal_handler(signal.SIGUSR2, lambda: loop.run_in_executor(None, dump))
+    log.warning("tracing Python allocations (%s): SIGUSR2 writes a snapshot to %s", TRACEMALLOC_ENV, out)
+    return out

@@ -174,6 +174,11 @@ class Metrics:
         self.heap_trims = Counter(
             "edge_rtgi_heap_trims", "Returns of the C heap's free pages to the OS (malloc_trim)", registry=r
         )
+        self.heap_trim_rss_drop = Counter(
+            "edge_rtgi_heap_trim_rss_drop_bytes",
+            "Fall of the resident size across heap trims (other threads allocate meanwhile: an estimate)",
+            registry=r,
+        )
         self.heap_trim_ms = Histogram(
             "edge_rtgi_heap_trim_ms",
             "Time malloc_trim took, in a worker thread (ms)",
@@ -185,6 +190,7 @@ class Metrics:
     def observe_heap_trim(self, result: TrimResult) -> None:
         """One heap trim (``edge_rtgi.server.memory``)."""
         self.heap_trims.inc()
+        self.heap_trim_rss_drop.inc(max(0, result.rss_drop_bytes))
         self.heap_trim_ms.observe(result.duration_s * 1000)
 
     def render(self) -> bytes:

@@ -794,5 +794,6 @@ async def test_the_daemon_gives_freed_heap_memory_back_while_in_use(daemon, mode
         assert trims() == idle
         _, body = await http_get(d.port, "/metrics")
         assert "edge_rtgi_heap_trims_total" in body and "edge_rtgi_heap_trim_ms_bucket" in body
+        assert "edge_rtgi_heap_trim_rss_drop_bytes_total" in body
     finally:
         await d.drain(timeout_s=1.0)

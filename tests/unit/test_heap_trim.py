@@ -30,7 +30,7 @@ FRAGMENT = textwrap.dedent(
     del blocks
     before = rss_mb()
     result = trim_heap()
-    print(before, rss_mb(), result.released)
+    print(before, rss_mb(), result.released, result.rss_drop_bytes)
     """
 )
 
@@ -38,10 +38,11 @@ FRAGMENT = textwrap.dedent(
 @glibc_only
 def test_trim_returns_a_fragmented_heaps_free_pages():
     out = subprocess.run([sys.executable, "-c", FRAGMENT], capture_output=True, text=True, check=True)
-    before_mb, after_mb, released = out.stdout.split()
+    before_mb, after_mb, released, drop_bytes = out.stdout.split()
     # ~290 MB allocated, 1/64 of it still in use: most of the rest must go back
     assert released == "True"
     assert float(before_mb) - float(after_mb) > 150, out.stdout
+    assert int(drop_bytes) > 150 * 2**20
 
 
 @glibc_only
@@ -77,3 +78,35 @@ def test_interval_is_checked():
         ServerConfig(heap_trim_interval_s=-1)
     with pytest.raises(ValueError, match="interval_s"):
         HeapTrimmer(0, lambda: False)
+
+
+def test_sigusr2_writes_a_tracemalloc_snapshot_when_asked_for(tmp_path, monkeypatch):
+    import os
+    import signal
+    import tracemalloc
+
+    from edge_rtgi.server.memory import TRACEMALLOC_ENV, install_heap_snapshots
+
+    async def run() -> list:
+        loop = asyncio.get_running_loop()
+        monkeypatch.delenv(TRACEMALLOC_ENV, raising=False)
+        assert install_heap_snapshots(loop) is None  # off unless asked for
+        monkeypatch.setenv(TRACEMALLOC_ENV, str(tmp_path / "heap"))
+        assert install_heap_snapshots(loop) == tmp_path / "heap"
+        try:
+            kept = [bytearray(1000) for _ in range(1000)]  # noqa: F841 - traced while the snapshot is made
+            os.kill(os.getpid(), signal.SIGUSR2)
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                if found := list((tmp_path / "heap").glob("*.tracemalloc")):
+                    await asyncio.sleep(0.5)
+                    return found
+            return []
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR2)
+            tracemalloc.stop()
+
+    found = asyncio.run(run())
+    assert len(found) == 1
+    snapshot = tracemalloc.Snapshot.load(str(found[0]))
+    assert any(s.traceback[0].filename == __file__ for s in snapshot.statistics("traceback"))
