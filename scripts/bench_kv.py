@@ -13,10 +13,12 @@ full-KV engine, every figure measured in the same run.
 - **Decode tok/s** at 2k and 8k context: 32 greedy tokens after a 2k prompt and after the long
   text (no scoring hook), rate = (n - 1) / (last token time - first token time).
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
-  full-KV engine's replies against sinks + window with windows of a quarter and an eighth of
-  the items' mean prompt length, and int4 KV alone; task retention per distance
-  (``bench.task_eval.task_retention``), and each configuration's mean KV held per item relative
-  to the full cache.
+  full-KV engine's replies against, at a quarter (4x) and an eighth (8x) of the items' mean
+  prompt length: sinks + window, and importance eviction under that ``kv_budget_tokens``
+  (``kv_eviction`` h2o, snapkv, segment by turn); and int8 / int4 KV alone
+  (--recall-configs picks some); task retention per distance with its paired-bootstrap
+  interval (``bench.task_eval.task_retention``), and each configuration's mean KV held per item
+  relative to the full cache.
 - **Endless session**: --turns voice-like turns through the engine, each a new request whose
   prompt is the whole history plus a 24-token utterance, 12 greedy tokens of reply; per turn the
   KV blocks in use, the tokens actually prefilled (prefix hits on the sink and window blocks
@@ -45,6 +47,7 @@ import torch
 from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import GenerationResult, LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.kv.eviction import KVEviction
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import KVWindow
@@ -98,13 +101,22 @@ class NextTokenScorer:
         self.handle.remove()
 
 
-def engine_for(loaded: Any, window: KVWindow | None, num_blocks: int, kv_dtype: str = "auto") -> LLMEngine:
+def engine_for(
+    loaded: Any,
+    window: KVWindow | None,
+    num_blocks: int,
+    kv_dtype: str = "auto",
+    budget_tokens: int | None = None,
+    eviction: KVEviction | None = None,
+) -> LLMEngine:
     cfg = EngineConfig(
         model=MODEL,
         num_kv_blocks=num_blocks,
         max_num_batched_tokens=256,
         kv_window=window,
         kv_dtype=kv_dtype,
+        kv_budget_tokens=budget_tokens,
+        kv_eviction=eviction,
         num_threads=2,
     )
     return LLMEngine.from_loaded(loaded, cfg, start=False)
@@ -198,7 +210,33 @@ def summarise_session(points: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
-def recall(loaded: Any, num_items: int, sinks: int) -> dict[str, Any]:
+RECALL_CONFIGS = (
+    "window_4x",
+    "window_8x",
+    "h2o_4x",
+    "h2o_8x",
+    "snapkv_4x",
+    "snapkv_8x",
+    "segment_4x",
+    "segment_8x",
+    "int8",
+    "int4",
+)
+
+
+def recall_config(name: str, mean_prompt: float, sinks: int) -> dict[str, Any]:
+    """``engine_for`` keywords of a recall configuration: NAME_4x / NAME_8x hold a quarter / an
+    eighth of the mean prompt (a window of that many tokens, or that KV budget)."""
+    if name in ("int8", "int4"):
+        return {"kv_dtype": name}
+    kind, _, factor = name.rpartition("_")
+    tokens = round(mean_prompt / int(factor.rstrip("x")))
+    if kind == "window":
+        return {"window": KVWindow(sinks, tokens)}
+    return {"budget_tokens": tokens, "eviction": KVEviction(kind, sink_tokens=sinks)}
+
+
+def recall(loaded: Any, num_items: int, sinks: int, names: list[str]) -> dict[str, Any]:
     from edge_rtgi.bench.task_eval import prepare_items, run_on_engine, select_items, task_retention
     from edge_rtgi.bench.tasks import load_task_set
 
@@ -206,11 +244,7 @@ def recall(loaded: Any, num_items: int, sinks: int) -> dict[str, Any]:
     requests = prepare_items(select_items(task_set, num_items), loaded.tokenizer)
     lengths = [len(r.prompt_token_ids) + r.max_tokens for r in requests]
     mean = statistics.fmean(len(r.prompt_token_ids) for r in requests)
-    configs: dict[str, tuple[KVWindow | None, str]] = {
-        "window_4x": (KVWindow(sinks, round(mean / 4)), "auto"),
-        "window_8x": (KVWindow(sinks, round(mean / 8)), "auto"),
-        "int4": (None, "int4"),
-    }
+    configs = {name: recall_config(name, mean, sinks) for name in names}
     start = time.perf_counter()
     full = run_on_engine(engine_for(loaded, None, 2048), task_set, num_items)
     out: dict[str, Any] = {
@@ -218,14 +252,21 @@ def recall(loaded: Any, num_items: int, sinks: int) -> dict[str, Any]:
         "mean_prompt_tokens": mean,
         "full_s": time.perf_counter() - start,
     }
-    for name, (window, kv_dtype) in configs.items():
+    for name, kwargs in configs.items():
         start = time.perf_counter()
-        outputs = run_on_engine(engine_for(loaded, window, 2048, kv_dtype), task_set, num_items)
+        engine = engine_for(loaded, num_blocks=2048, **{"window": None, **kwargs})
+        outputs = run_on_engine(engine, task_set, num_items)
         ret = task_retention(task_set, outputs, full)
-        held = [min(n, window.window_tokens + window.sink_tokens) / n if window else 1.0 for n in lengths]
+        window, budget = kwargs.get("window"), kwargs.get("budget_tokens")
+        cap = budget if budget else window.window_tokens + window.sink_tokens if window else None
+        held = [min(n, cap) / n if cap else 1.0 for n in lengths]
+        eviction = kwargs.get("eviction")
         out[name] = {
             "window": None if window is None else [window.sink_tokens, window.window_tokens],
-            "kv_dtype": kv_dtype,
+            "kv_budget_tokens": budget,
+            "kv_eviction": None if eviction is None else eviction.__dict__,
+            "evicted_tokens": engine.stats().kv_evicted_tokens,
+            "kv_dtype": kwargs.get("kv_dtype", "auto"),
             "kv_fraction_of_full_tokens": statistics.fmean(held),
             "retention": ret.retention,
             "full_score": ret.interval.full_score,
@@ -256,6 +297,11 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--recall-items", type=int, default=0, help="dialogue items; 0: skip")
+    ap.add_argument(
+        "--recall-configs",
+        default=",".join(RECALL_CONFIGS),
+        help=f"comma-separated recall configurations against the full cache, of: {', '.join(RECALL_CONFIGS)}",
+    )
     ap.add_argument(
         "--skip",
         default="",
@@ -322,7 +368,11 @@ def main() -> int:
             print(f"session {name}: {out['session'][name]['summary']}", flush=True)
             load.append(os.getloadavg()[0])
     if args.recall_items:
-        out["recall"] = recall(loaded, args.recall_items, args.sinks)
+        names = [n for n in args.recall_configs.split(",") if n]
+        unknown = sorted(set(names) - set(RECALL_CONFIGS))
+        if unknown:
+            raise SystemExit(f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}")
+        out["recall"] = recall(loaded, args.recall_items, args.sinks, names)
         load.append(os.getloadavg()[0])
     out["load_avg_1m"] = load
     if args.out:

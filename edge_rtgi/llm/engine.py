@@ -31,7 +31,7 @@ from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
-from edge_rtgi.llm.kv.eviction import KVEviction, segment_ids, select_keep
+from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
@@ -529,6 +529,10 @@ class LLMEngine:
                     return
                 stream.request = req
                 self._streams[req.request_id] = stream
+                policy = self.config.kv_eviction
+                if policy is not None and policy.mode == "segment":
+                    observed = observation_queries(policy, req.prompt_token_ids, self._turn_starts)
+                    self.runner.observe(req.request_id, observed)
             case _Abort(request_id=rid) if rid in self.scheduler.requests:
                 self._emit(self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED))
             case _Abort() | _Wake():
@@ -579,8 +583,8 @@ class LLMEngine:
         assert policy is not None  # EngineConfig sets the two together
         target = policy.trim_target(budget_tokens, self.kv.block_size)
         for req in self.scheduler.over_kv_budget(budget_tokens):
-            if policy.mode == "snapkv" and req.num_computed_tokens < req.num_prompt_tokens:
-                continue  # snapkv holds the prompt whole until its last queries have scored it
+            if not policy.scores_every_query() and req.num_computed_tokens < req.num_prompt_tokens:
+                continue  # observation scores: the prompt is held whole until its last queries score it
             st = self.runner.eviction_scores(req.request_id)
             if st is None or len(st.scores) != req.num_kv_tokens:
                 raise RuntimeError(f"request {req.request_id}: eviction scores out of step with its cache")

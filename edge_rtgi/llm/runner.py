@@ -78,17 +78,24 @@ class ModelRunner:
         # importance eviction: attention mass is gathered for every request (kv.eviction)
         self.eviction = eviction
         self._scores: dict[str, EvictionScores] = {}
+        self._observation: dict[str, int] = {}  # per request, when not the policy's own
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling and eviction state."""
         self._generators.pop(request_id, None)
         self._scores.pop(request_id, None)
+        self._observation.pop(request_id, None)
 
     # --- eviction scores ---------------------------------------------------------------------
 
     def eviction_scores(self, request_id: str) -> EvictionScores | None:
         """The request's gathered attention mass per cached token (None before its first step)."""
         return self._scores.get(request_id)
+
+    def observe(self, request_id: str, num_queries: int) -> None:
+        """Score the request's cache with its prompt's last ``num_queries`` queries (``score:
+        observation``; ``kv.eviction.observation_queries``)."""
+        self._observation[request_id] = num_queries
 
     def keep_scores(self, request_id: str, keep: list[int]) -> None:
         """Follow a compaction: keep the entries at ``keep`` (cache indices, ascending)."""
@@ -102,8 +109,9 @@ class ModelRunner:
             return 0
         if self.eviction.scores_every_query():
             return len(sr.token_ids)
-        # snapkv: the prompt's last queries (the chunk that samples) and every decode query
-        return min(self.eviction.observation_tokens, len(sr.token_ids)) if sr.sample else 0
+        # observation: the prompt's last queries (the chunk that samples) and every decode query
+        observed = self._observation.get(sr.request_id, self.eviction.observation_tokens)
+        return min(observed, len(sr.token_ids)) if sr.sample else 0
 
     def _add_scores(
         self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest], md: PagedAttentionMetadata
@@ -129,7 +137,7 @@ class ModelRunner:
         positions = torch.cat([st.positions, torch.arange(sr.start_position, sr.start_position + n)])
         if step is not None:
             mass = step[: start + n].to(scores.dtype).cpu()
-            if self.eviction is not None and not self.eviction.scores_every_query() and n > 1:
+            if self.eviction is not None and self.eviction.mode == "snapkv" and n > 1:
                 k = SNAPKV_POOL_TOKENS
                 mass = torch.nn.functional.max_pool1d(mass[None, None], k, 1, k // 2)[0, 0]
             scores += mass

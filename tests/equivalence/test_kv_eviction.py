@@ -18,7 +18,7 @@ from torch import Tensor
 
 from edge_rtgi.llm.engine import GenerationResult, LLMEngine, _segment_tokens
 from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.kv.eviction import KVEviction, segment_ids, select_keep
+from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
 from edge_rtgi.llm.runner import SNAPKV_POOL_TOKENS
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
@@ -52,6 +52,7 @@ class EvictionReference:
         self.step_mass: Tensor | None = None
         self.score_queries = 0
         self.turn_starts, self.sentence_ends = _segment_tokens(loaded.tokenizer, policy)
+        self.observed = observation_queries(policy, prompt, self.turn_starts)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = q.shape[0]
@@ -77,13 +78,13 @@ class EvictionReference:
         prompt_done = self.length + n >= self.num_prompt
         if self.policy.scores_every_query():
             self.score_queries = n
-        else:  # snapkv: the prompt's last queries, then decodes
-            self.score_queries = min(self.policy.observation_tokens, n) if prompt_done else 0
+        else:  # observation: the prompt's last queries, then decodes
+            self.score_queries = min(self.observed, n) if prompt_done else 0
         self.step_mass = None
         positions = torch.arange(self.length, self.length + n)
         hidden = self.model(torch.tensor(ids), positions, self)
         mass = self.step_mass if self.step_mass is not None else torch.zeros(len(self.kept) + n)
-        if not self.policy.scores_every_query() and n > 1:
+        if self.policy.mode == "snapkv" and n > 1:
             k = SNAPKV_POOL_TOKENS
             mass = F.max_pool1d(mass[None, None], k, 1, k // 2)[0, 0]
         self.scores = [a + b for a, b in zip([*self.scores, *[0.0] * n], mass.tolist(), strict=True)]
@@ -167,10 +168,13 @@ def long_prompt(loaded) -> list[int]:
     return loaded.tokenizer.encode(text * 3)[:72]
 
 
-@pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
+@pytest.mark.parametrize(
+    ("mode", "score"),
+    [("h2o", None), ("snapkv", None), ("segment", None), ("segment", "accumulated"), ("h2o", "observation")],
+)
 @pytest.mark.parametrize("decode_mode", ["padded", "per_seq"])
-def test_eviction_matches_the_dense_reference(loaded, mode, decode_mode):
-    policy = KVEviction(mode, sink_tokens=4, recent_tokens=8, observation_tokens=8)
+def test_eviction_matches_the_dense_reference(loaded, mode, score, decode_mode):
+    policy = KVEviction(mode, sink_tokens=4, recent_tokens=8, observation_tokens=8, score=score)
     budget, max_tokens = 44, 40
     prompts = [chat_prompt(loaded), long_prompt(loaded)]
     got, chunks, most_held = run_recorded(
@@ -179,7 +183,7 @@ def test_eviction_matches_the_dense_reference(loaded, mode, decode_mode):
     for prompt, tokens, steps in zip(prompts, got, chunks, strict=True):
         assert len(prompt) > budget
         assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens)
-    if mode != "snapkv":  # h2o and segment never hold more than the budget after a step
+    if policy.scores_every_query():  # never more than the budget after a step, prefill included
         assert most_held <= -(-budget // BLOCK)
 
 

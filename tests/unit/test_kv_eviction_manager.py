@@ -13,7 +13,7 @@ import torch
 
 from edge_rtgi.config import ConfigError, from_dict
 from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.kv.eviction import KVEviction, segment_ids, select_keep
+from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.request import Request
@@ -75,12 +75,22 @@ def test_segments_are_kept_or_dropped_whole_and_the_first_is_pinned():
     ]
 
 
-def test_room_no_whole_segment_fits_goes_to_the_best_tokens_left():
+def test_room_no_whole_segment_fits_stays_empty():
     policy = KVEviction("segment", sink_tokens=0, recent_tokens=1)
     segments = [0, 1, 1, 1, 1, 2]
     scores = [0.0, 1.0, 5.0, 0.0, 4.0, 0.0]
-    # the pinned first segment (token 0) fits; segment 1 (4 tokens) does not fit the 2 left
-    assert select_keep(scores, 4, policy, segments) == [0, 2, 4, 5]
+    # the pinned first segment (token 0) fits; segment 1 (4 tokens) does not fit the 2 left,
+    # and a fact is never kept in part
+    assert select_keep(scores, 4, policy, segments) == [0, 5]
+
+
+def test_the_current_turn_observes_under_segment_mode():
+    im_start = 1
+    prompt = [im_start, 5, 5, 5, im_start, 6, 6, im_start, 7, 7, 7, im_start, 8]
+    # from the question's turn start (index 7) to the end: the question and the reply's header
+    assert observation_queries(KVEviction("segment"), prompt, {im_start}) == 6
+    assert observation_queries(KVEviction("segment", observation_tokens=3), [5, 6, 7, 8], {im_start}) == 3
+    assert observation_queries(KVEviction("snapkv", observation_tokens=3), prompt, {im_start}) == 3
 
 
 def test_segment_ids_split_at_turn_starts_and_after_sentence_ends():
@@ -288,5 +298,7 @@ def test_eviction_config_errors_name_the_key_and_the_allowed_range():
         from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {}, "kv_dtype": "int4"})
     with pytest.raises(ConfigError, match=r"kv_window\.window_tokens must be > kv_window\.sink_tokens"):
         from_dict(EngineConfig, {"kv_window": {"sink_tokens": 8, "window_tokens": 4}})
+    with pytest.raises(ConfigError, match=r"kv_eviction\.score must be one of accumulated, observation"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"score": "oracle"}})
     cfg = from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment"}})
     assert cfg.kv_eviction == KVEviction("segment")

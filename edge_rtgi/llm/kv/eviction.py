@@ -13,7 +13,12 @@ serves every layer:
   its end, then cut to the budget; decode queries add their mass afterwards;
 - ``segment``: the unit is a segment (a conversation turn, from the chat template's turn-start
   token, or a sentence), scored by the mean mass of its tokens, so a fact is kept or dropped
-  whole; the first segment (the system prompt) is pinned where it fits.
+  whole; the first segment (the system prompt) is pinned where it fits. Scored like snapkv by
+  default (``score: observation``), but observed by the current turn (the question and the
+  reply's header) rather than a fixed number of last queries, which would reach back into the
+  previous turn and favour it: a turn's importance shows when a later question attends to it,
+  and no earlier query can know which turn that will be, so online (h2o) scores drop far facts
+  before the question arrives; ``score: accumulated`` scores it the h2o way instead.
 
 The first ``sink_tokens`` and the last ``recent_tokens`` cached tokens are never evicted.
 Eviction trims to one block below the budget, so during decode a request compacts once per
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 
 EVICTION_MODES = ("h2o", "snapkv", "segment")
 SEGMENT_UNITS = ("turn", "sentence")
+SCORE_SOURCES = ("accumulated", "observation")
 
 
 @dataclass(frozen=True)
@@ -41,7 +47,9 @@ class KVEviction:
     ``mode``: h2o | snapkv | segment (module docstring). ``sink_tokens`` first and
     ``recent_tokens`` last cached tokens are protected. ``observation_tokens``: the prompt's
     last queries that score keys under snapkv. ``segment``: the unit under segment mode, a
-    conversation ``turn`` or a ``sentence`` (turns split at sentence ends).
+    conversation ``turn`` or a ``sentence`` (turns split at sentence ends). ``score``: where the
+    mass comes from, ``accumulated`` (every query, h2o's default) or ``observation`` (the prompt's
+    last queries, then decode queries: the default of snapkv and segment); None: the mode's.
     """
 
     mode: str = "h2o"
@@ -49,6 +57,7 @@ class KVEviction:
     recent_tokens: int = 32
     observation_tokens: int = 32
     segment: str = "turn"
+    score: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in EVICTION_MODES:
@@ -58,6 +67,10 @@ class KVEviction:
         if self.segment not in SEGMENT_UNITS:
             raise ValueError(
                 f"kv_eviction.segment must be one of {', '.join(SEGMENT_UNITS)}, got {self.segment!r}"
+            )
+        if self.score not in (None, *SCORE_SOURCES):
+            raise ValueError(
+                f"kv_eviction.score must be one of {', '.join(SCORE_SOURCES)}, got {self.score!r}"
             )
         for key in ("sink_tokens", "recent_tokens"):
             if getattr(self, key) < 0:
@@ -84,9 +97,10 @@ class KVEviction:
         return max(self.protected_tokens + 1, budget_tokens - block_size)
 
     def scores_every_query(self) -> bool:
-        """Whether every query's attention mass counts (h2o, segment), or only the prompt's last
-        ``observation_tokens`` and decode queries (snapkv)."""
-        return self.mode != "snapkv"
+        """Whether every query's attention mass counts (``score: accumulated``), or only the
+        prompt's last ``observation_tokens`` and decode queries (``observation``: the prompt is
+        then held whole until its end)."""
+        return (self.score or ("accumulated" if self.mode == "h2o" else "observation")) == "accumulated"
 
 
 def segment_ids(
@@ -114,9 +128,9 @@ def select_keep(
     segment) up to ``keep_tokens`` in all.
 
     Segments are taken best mean score first while they fit whole; a segment cut by the
-    protected range competes with its unprotected part only. Room no whole segment fits is
-    filled with the best tokens left, so every mode spends the same budget. Ties keep the
-    older token.
+    protected range competes with its unprotected part only. Room no whole segment fits stays
+    empty (a fact is never kept in part), so segment mode may hold less than the others at the
+    same budget. Ties keep the older token.
     """
     n = len(scores)
     if keep_tokens >= n:
@@ -146,7 +160,15 @@ def select_keep(
             keep.update(idx)
             room -= len(idx)
         if room == 0:
-            return sorted(keep)
-    left = sorted((i for i in free if i not in keep), key=lambda i: (-scores[i], i))
-    keep.update(left[:room])
+            break
     return sorted(keep)
+
+
+def observation_queries(policy: KVEviction, prompt: Sequence[int], turn_starts: Collection[int]) -> int:
+    """How many of the prompt's last queries score the cache under ``score: observation``:
+    ``observation_tokens``, or under segment mode the current turn (from the start of the
+    second-to-last turn, the question, through the reply's header) where the prompt has one."""
+    if policy.mode != "segment":
+        return policy.observation_tokens
+    starts = [i for i, t in enumerate(prompt) if t in turn_starts]
+    return len(prompt) - starts[-2] if len(starts) >= 2 else policy.observation_tokens
