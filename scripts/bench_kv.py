@@ -10,8 +10,11 @@ full-KV engine, every figure measured in the same run.
   nothing in the engine changes). Full cache vs sinks + window vs the same window without
   sinks, overall and per 1,000-token stretch. --past-context-tokens adds a sinks + window run
   longer than the model's 8,192 positions.
-- **Decode tok/s** at 2k and 8k context: 32 greedy tokens after a 2k prompt and after the long
-  text (no scoring hook), rate = (n - 1) / (last token time - first token time).
+- **Decode tok/s** at 2k and 8k context (--decode-lengths): 32 greedy tokens after a 2k prompt
+  and after the long text (no scoring hook), rate = (n - 1) / (last token time - first token
+  time); full cache against sinks + window, or (--decode-configs) h2o / snapkv eviction under
+  --budget-tokens, the configurations interleaved over --decode-runs runs, medians and ratios to
+  the first.
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
   full-KV engine's replies against, at a quarter (4x) and an eighth (8x) of the items' mean
   prompt length: sinks + window, and importance eviction under that ``kv_budget_tokens``
@@ -295,6 +298,18 @@ def main() -> int:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument(
+        "--decode-lengths", default="", help="comma-separated contexts; default 2000,--text-tokens"
+    )
+    ap.add_argument(
+        "--decode-configs",
+        default="full,sinks_window",
+        help="comma-separated, the first is the baseline: full, sinks_window, window_only, h2o, snapkv",
+    )
+    ap.add_argument("--decode-runs", type=int, default=1)
+    ap.add_argument(
+        "--budget-tokens", type=int, default=512, help="kv_budget_tokens of the h2o/snapkv decode runs"
+    )
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--recall-items", type=int, default=0, help="dialogue items; 0: skip")
     ap.add_argument(
@@ -353,12 +368,35 @@ def main() -> int:
             print(f"past the context: ppl {res['ppl']:.3f}, per 1000 {res['ppl_per_1000']}", flush=True)
     if "decode" not in skip:
         out["decode"] = {}
-        for length in (2000, args.text_tokens):
-            for name in ("full", "sinks_window"):
-                engine = engine_for(loaded, configs[name], -(-length // 16) + 64)
-                result, _ = run_one(engine, text[:length], args.decode_tokens)
-                out["decode"][f"{name}_{length}"] = decode_rate(result)
-                print(f"decode at {length} {name}: {decode_rate(result):.1f} tok/s", flush=True)
+        lengths = (
+            [int(n) for n in args.decode_lengths.split(",")]
+            if args.decode_lengths
+            else [2000, args.text_tokens]
+        )
+        names = args.decode_configs.split(",")
+        for length in lengths:
+            rates: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(args.decode_runs):  # configurations interleaved, so load drifts hit all alike
+                for name in names:
+                    kwargs: dict[str, Any] = {"window": configs.get(name)}
+                    if name in ("h2o", "snapkv"):
+                        kwargs = {
+                            "window": None,
+                            "budget_tokens": args.budget_tokens,
+                            "eviction": KVEviction(name),
+                        }
+                    engine = engine_for(loaded, num_blocks=-(-length // 16) + 64, **kwargs)
+                    result, _ = run_one(engine, text[:length], args.decode_tokens)
+                    rates[name].append(decode_rate(result))
+            for name in names:
+                out["decode"][f"{name}_{length}"] = statistics.median(rates[name])
+                out["decode"][f"{name}_{length}_runs"] = rates[name]
+                ratio = statistics.median(rates[name]) / statistics.median(rates[names[0]])
+                print(
+                    f"decode at {length} {name}: median {statistics.median(rates[name]):.1f} tok/s over "
+                    f"{args.decode_runs} runs ({ratio:.2f}x {names[0]})",
+                    flush=True,
+                )
         load.append(os.getloadavg()[0])
     if "session" not in skip:
         out["session"] = {}
