@@ -128,7 +128,10 @@ class ModelRunner:
         """Append the chunk's tokens to the request's scores and add the step's mass."""
         start, n = _cache_start(sr), len(sr.token_ids)
         st = self._scores.get(sr.request_id)
-        if st is None or len(st.scores) != start:  # new, or recomputed after a preemption
+        # new, or recomputed after a preemption (which forgets evictions: the cache is then
+        # positions 0..start-1, and ascending positions ending at start-1 can only be those)
+        stale = st is not None and not sr.num_evicted_tokens and start and int(st.positions[-1]) != start - 1
+        if st is None or len(st.scores) != start or stale:
             if sr.num_evicted_tokens:
                 raise RuntimeError(f"request {sr.request_id}: eviction scores lost after an eviction")
             dt = torch.promote_types(self.model.dtype, torch.float32)
