@@ -10,13 +10,18 @@ full-KV engine, every figure measured in the same run.
   nothing in the engine changes). Full cache vs sinks + window vs the same window without
   sinks, overall and per 1,000-token stretch. --past-context-tokens adds a sinks + window run
   longer than the model's 8,192 positions.
-- **Decode tok/s** at 2k and 8k context: 32 greedy tokens after a 2k prompt and after the long
-  text (no scoring hook), rate = (n - 1) / (last token time - first token time).
+- **Decode tok/s** at 2k and 8k context (--decode-lengths): 32 greedy tokens after a 2k prompt
+  and after the long text (no scoring hook), rate = (n - 1) / (last token time - first token
+  time); full cache against sinks + window, or (--decode-configs) h2o / snapkv eviction under
+  --budget-tokens, the configurations interleaved over --decode-runs runs, medians and ratios to
+  the first.
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
-  full-KV engine's replies against sinks + window with windows of a quarter and an eighth of
-  the items' mean prompt length, and int4 KV alone; task retention per distance
-  (``bench.task_eval.task_retention``), and each configuration's mean KV held per item relative
-  to the full cache.
+  full-KV engine's replies against, at a quarter (4x) and an eighth (8x) of the items' mean
+  prompt length: sinks + window, and importance eviction under that ``kv_budget_tokens``
+  (``kv_eviction`` h2o, snapkv, segment by turn); and int8 / int4 KV alone
+  (--recall-configs picks some); task retention per distance with its paired-bootstrap
+  interval (``bench.task_eval.task_retention``), and each configuration's mean KV held per item
+  relative to the full cache.
 - **Endless session**: --turns voice-like turns through the engine, each a new request whose
   prompt is the whole history plus a 24-token utterance, 12 greedy tokens of reply; per turn the
   KV blocks in use, the tokens actually prefilled (prefix hits on the sink and window blocks
@@ -45,6 +50,7 @@ import torch
 from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import GenerationResult, LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.kv.eviction import KVEviction
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import KVWindow
@@ -98,13 +104,22 @@ class NextTokenScorer:
         self.handle.remove()
 
 
-def engine_for(loaded: Any, window: KVWindow | None, num_blocks: int, kv_dtype: str = "auto") -> LLMEngine:
+def engine_for(
+    loaded: Any,
+    window: KVWindow | None,
+    num_blocks: int,
+    kv_dtype: str = "auto",
+    budget_tokens: int | None = None,
+    eviction: KVEviction | None = None,
+) -> LLMEngine:
     cfg = EngineConfig(
         model=MODEL,
         num_kv_blocks=num_blocks,
         max_num_batched_tokens=256,
         kv_window=window,
         kv_dtype=kv_dtype,
+        kv_budget_tokens=budget_tokens,
+        kv_eviction=eviction,
         num_threads=2,
     )
     return LLMEngine.from_loaded(loaded, cfg, start=False)
@@ -198,7 +213,33 @@ def summarise_session(points: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
-def recall(loaded: Any, num_items: int, sinks: int) -> dict[str, Any]:
+RECALL_CONFIGS = (
+    "window_4x",
+    "window_8x",
+    "h2o_4x",
+    "h2o_8x",
+    "snapkv_4x",
+    "snapkv_8x",
+    "segment_4x",
+    "segment_8x",
+    "int8",
+    "int4",
+)
+
+
+def recall_config(name: str, mean_prompt: float, sinks: int) -> dict[str, Any]:
+    """``engine_for`` keywords of a recall configuration: NAME_4x / NAME_8x hold a quarter / an
+    eighth of the mean prompt (a window of that many tokens, or that KV budget)."""
+    if name in ("int8", "int4"):
+        return {"kv_dtype": name}
+    kind, _, factor = name.rpartition("_")
+    tokens = round(mean_prompt / int(factor.rstrip("x")))
+    if kind == "window":
+        return {"window": KVWindow(sinks, tokens)}
+    return {"budget_tokens": tokens, "eviction": KVEviction(kind, sink_tokens=sinks)}
+
+
+def recall(loaded: Any, num_items: int, sinks: int, names: list[str]) -> dict[str, Any]:
     from edge_rtgi.bench.task_eval import prepare_items, run_on_engine, select_items, task_retention
     from edge_rtgi.bench.tasks import load_task_set
 
@@ -206,11 +247,7 @@ def recall(loaded: Any, num_items: int, sinks: int) -> dict[str, Any]:
     requests = prepare_items(select_items(task_set, num_items), loaded.tokenizer)
     lengths = [len(r.prompt_token_ids) + r.max_tokens for r in requests]
     mean = statistics.fmean(len(r.prompt_token_ids) for r in requests)
-    configs: dict[str, tuple[KVWindow | None, str]] = {
-        "window_4x": (KVWindow(sinks, round(mean / 4)), "auto"),
-        "window_8x": (KVWindow(sinks, round(mean / 8)), "auto"),
-        "int4": (None, "int4"),
-    }
+    configs = {name: recall_config(name, mean, sinks) for name in names}
     start = time.perf_counter()
     full = run_on_engine(engine_for(loaded, None, 2048), task_set, num_items)
     out: dict[str, Any] = {
@@ -218,14 +255,21 @@ def recall(loaded: Any, num_items: int, sinks: int) -> dict[str, Any]:
         "mean_prompt_tokens": mean,
         "full_s": time.perf_counter() - start,
     }
-    for name, (window, kv_dtype) in configs.items():
+    for name, kwargs in configs.items():
         start = time.perf_counter()
-        outputs = run_on_engine(engine_for(loaded, window, 2048, kv_dtype), task_set, num_items)
+        engine = engine_for(loaded, num_blocks=2048, **{"window": None, **kwargs})
+        outputs = run_on_engine(engine, task_set, num_items)
         ret = task_retention(task_set, outputs, full)
-        held = [min(n, window.window_tokens + window.sink_tokens) / n if window else 1.0 for n in lengths]
+        window, budget = kwargs.get("window"), kwargs.get("budget_tokens")
+        cap = budget if budget else window.window_tokens + window.sink_tokens if window else None
+        held = [min(n, cap) / n if cap else 1.0 for n in lengths]
+        eviction = kwargs.get("eviction")
         out[name] = {
             "window": None if window is None else [window.sink_tokens, window.window_tokens],
-            "kv_dtype": kv_dtype,
+            "kv_budget_tokens": budget,
+            "kv_eviction": None if eviction is None else eviction.__dict__,
+            "evicted_tokens": engine.stats().kv_evicted_tokens,
+            "kv_dtype": kwargs.get("kv_dtype", "auto"),
             "kv_fraction_of_full_tokens": statistics.fmean(held),
             "retention": ret.retention,
             "full_score": ret.interval.full_score,
@@ -254,8 +298,25 @@ def main() -> int:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument(
+        "--decode-lengths", default="", help="comma-separated contexts; default 2000,--text-tokens"
+    )
+    ap.add_argument(
+        "--decode-configs",
+        default="full,sinks_window",
+        help="comma-separated, the first is the baseline: full, sinks_window, window_only, h2o, snapkv",
+    )
+    ap.add_argument("--decode-runs", type=int, default=1)
+    ap.add_argument(
+        "--budget-tokens", type=int, default=512, help="kv_budget_tokens of the h2o/snapkv decode runs"
+    )
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--recall-items", type=int, default=0, help="dialogue items; 0: skip")
+    ap.add_argument(
+        "--recall-configs",
+        default=",".join(RECALL_CONFIGS),
+        help=f"comma-separated recall configurations against the full cache, of: {', '.join(RECALL_CONFIGS)}",
+    )
     ap.add_argument(
         "--skip",
         default="",
@@ -307,12 +368,35 @@ def main() -> int:
             print(f"past the context: ppl {res['ppl']:.3f}, per 1000 {res['ppl_per_1000']}", flush=True)
     if "decode" not in skip:
         out["decode"] = {}
-        for length in (2000, args.text_tokens):
-            for name in ("full", "sinks_window"):
-                engine = engine_for(loaded, configs[name], -(-length // 16) + 64)
-                result, _ = run_one(engine, text[:length], args.decode_tokens)
-                out["decode"][f"{name}_{length}"] = decode_rate(result)
-                print(f"decode at {length} {name}: {decode_rate(result):.1f} tok/s", flush=True)
+        lengths = (
+            [int(n) for n in args.decode_lengths.split(",")]
+            if args.decode_lengths
+            else [2000, args.text_tokens]
+        )
+        names = args.decode_configs.split(",")
+        for length in lengths:
+            rates: dict[str, list[float]] = {name: [] for name in names}
+            for _ in range(args.decode_runs):  # configurations interleaved, so load drifts hit all alike
+                for name in names:
+                    kwargs: dict[str, Any] = {"window": configs.get(name)}
+                    if name in ("h2o", "snapkv"):
+                        kwargs = {
+                            "window": None,
+                            "budget_tokens": args.budget_tokens,
+                            "eviction": KVEviction(name),
+                        }
+                    engine = engine_for(loaded, num_blocks=-(-length // 16) + 64, **kwargs)
+                    result, _ = run_one(engine, text[:length], args.decode_tokens)
+                    rates[name].append(decode_rate(result))
+            for name in names:
+                out["decode"][f"{name}_{length}"] = statistics.median(rates[name])
+                out["decode"][f"{name}_{length}_runs"] = rates[name]
+                ratio = statistics.median(rates[name]) / statistics.median(rates[names[0]])
+                print(
+                    f"decode at {length} {name}: median {statistics.median(rates[name]):.1f} tok/s over "
+                    f"{args.decode_runs} runs ({ratio:.2f}x {names[0]})",
+                    flush=True,
+                )
         load.append(os.getloadavg()[0])
     if "session" not in skip:
         out["session"] = {}
@@ -322,7 +406,11 @@ def main() -> int:
             print(f"session {name}: {out['session'][name]['summary']}", flush=True)
             load.append(os.getloadavg()[0])
     if args.recall_items:
-        out["recall"] = recall(loaded, args.recall_items, args.sinks)
+        names = [n for n in args.recall_configs.split(",") if n]
+        unknown = sorted(set(names) - set(RECALL_CONFIGS))
+        if unknown:
+            raise SystemExit(f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}")
+        out["recall"] = recall(loaded, args.recall_items, args.sinks, names)
         load.append(os.getloadavg()[0])
     out["load_avg_1m"] = load
     if args.out:

@@ -39,6 +39,7 @@ from edge_rtgi.bench.tasks import load_task_set
 from edge_rtgi.bench.workloads import WORKLOAD_NAMES, PreparedRequest, Workload, get_workload, prepare
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.kv.eviction import EVICTION_MODES, KVEviction
 from edge_rtgi.llm.kv.window import KVWindow
 from edge_rtgi.llm.speculative import parse_speculative
 
@@ -57,7 +58,10 @@ class Optimisations:
     ``quant`` setting: "auto" (the engine default, ``edge_rtgi.llm.quant.apply_engine_quant``),
     None for full-precision weights, or an ``apply_quant`` spec (a scheme such as "int8", a plan
     YAML, or a quantised checkpoint). ``kv_window`` is the engine's attention sinks plus sliding
-    window as ``SINKS:WINDOW`` tokens (``4:1024``), or "off". Later optimisations add fields here.
+    window as ``SINKS:WINDOW`` tokens (``4:1024``), or "off". ``eviction`` (none, h2o, snapkv,
+    segment) with ``kv_budget_tokens`` is importance eviction under a per-request KV budget
+    (``llm.kv.eviction``; the policy's other settings at their defaults). Later optimisations add
+    fields here.
     """
 
     prefix_caching: bool = True
@@ -67,6 +71,8 @@ class Optimisations:
     dtype: str = "auto"
     kv_dtype: str = "auto"
     kv_window: str = "off"  # "SINKS:WINDOW" tokens, e.g. "4:1024" (llm.kv.window)
+    kv_budget_tokens: int = 0  # per-request KV budget under ``eviction`` (0: none)
+    eviction: str | None = None  # None ("none") | h2o | snapkv | segment (llm.kv.eviction)
     quant: str | None = "auto"  # as the engine ships
     scheduling: str = "fcfs"  # or "slo" (llm.scheduler): classes, deadlines, a step-time model
     token_budget: str = "off"  # or "predicted" (bench.budgets): a budget per reply
@@ -85,6 +91,10 @@ class Optimisations:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.window()  # validates kv_window
+        if self.eviction is not None and self.eviction not in EVICTION_MODES:
+            raise ConfigError(
+                f"eviction must be none or one of {', '.join(EVICTION_MODES)}, got {self.eviction!r}"
+            )
 
     def window(self) -> KVWindow | None:
         """``kv_window`` as an ``llm.kv.window.KVWindow`` (None when "off")."""
@@ -110,6 +120,8 @@ class Optimisations:
             dtype=self.dtype,
             kv_dtype=self.kv_dtype,
             kv_window=self.window(),
+            kv_budget_tokens=self.kv_budget_tokens or None,
+            kv_eviction=None if self.eviction is None else KVEviction(self.eviction),
             enable_prefix_caching=self.prefix_caching,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -127,6 +139,7 @@ class Optimisations:
             or self.dtype not in ("fp32", "float32")
             or self.kv_dtype != "auto"
             or self.window() is not None
+            or self.eviction is not None
             or self.token_budget != "off"
         )
 

@@ -31,6 +31,7 @@ from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
+from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
@@ -177,7 +178,14 @@ class LLMEngine:
             self.kv,
             self.step_model,
         )
-        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups)
+        eviction = self.config.kv_eviction
+        if eviction is not None and len(groups) > 1:  # compaction rewrites one block table
+            raise ValueError(
+                f"kv_eviction needs a model with one KV group; {mcfg.arch} has {len(groups)} "
+                "(per-layer windows): leave kv_eviction unset"
+            )
+        self._turn_starts, self._sentence_ends = _segment_tokens(tokenizer, eviction)
+        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups, eviction)
         spec = self.config.speculation()
         self.speculator = Speculator(spec) if spec.enabled else None
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
@@ -521,6 +529,10 @@ class LLMEngine:
                     return
                 stream.request = req
                 self._streams[req.request_id] = stream
+                policy = self.config.kv_eviction
+                if policy is not None and policy.mode == "segment":
+                    observed = observation_queries(policy, req.prompt_token_ids, self._turn_starts)
+                    self.runner.observe(req.request_id, observed)
             case _Abort(request_id=rid) if rid in self.scheduler.requests:
                 self._emit(self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED))
             case _Abort() | _Wake():
@@ -554,12 +566,44 @@ class LLMEngine:
         self.step_model.observe(step_shape(output), (t2 - t1) * 1e3)
         requests = {s.request_id: self.scheduler.requests.get(s.request_id) for s in output.scheduled}
         updates = self.scheduler.update_from_output(output, result)
+        if self.config.kv_budget_tokens is not None:
+            self._evict(self.config.kv_budget_tokens)
         if self.speculator is not None:
             self._observe_drafts(self.speculator, output, result, requests, updates, (t2 - t1) * 1e3)
         for update in updates:
             self._emit(update, result.logprobs.get(update.request_id))
         self._stats.record_step(output, schedule_s=t1 - t0, run_s=t2 - t1, update_s=time.perf_counter() - t2)
         return True
+
+    def _evict(self, budget_tokens: int) -> None:
+        """Cut every running request over its KV budget down to ``KVEviction.trim_target``:
+        pick the survivors from the runner's attention scores, compact the block table, copy
+        the surviving KV into place, and follow with the scores."""
+        policy = self.config.kv_eviction
+        assert policy is not None  # EngineConfig sets the two together
+        target = policy.trim_target(budget_tokens, self.kv.block_size)
+        for req in self.scheduler.over_kv_budget(budget_tokens):
+            if not policy.scores_every_query() and req.num_computed_tokens < req.num_prompt_tokens:
+                continue  # observation scores: the prompt is held whole until its last queries score it
+            st = self.runner.eviction_scores(req.request_id)
+            if st is None or len(st.scores) != req.num_kv_tokens:
+                raise RuntimeError(f"request {req.request_id}: eviction scores out of step with its cache")
+            segments = None
+            if policy.mode == "segment":
+                ids = segment_ids(req.all_token_ids, self._turn_starts, self._sentence_ends)
+                segments = [ids[p] for p in st.positions.tolist()]
+            keep = select_keep(st.scores.tolist(), target, policy, segments)
+            moves = self.kv.compact(req, keep)
+            if moves is None:
+                continue  # no block for a copy-on-write: stay over budget until one frees
+            if moves.src:
+                device = self.storage.k[0].device
+                self.storage.copy_slots(
+                    torch.tensor(moves.src, dtype=torch.long, device=device),
+                    torch.tensor(moves.dst, dtype=torch.long, device=device),
+                )
+            self.runner.keep_scores(req.request_id, keep)
+            self._stats.kv_evicted_tokens += len(st.scores) - len(keep)
 
     def _propose_drafts(self, speculator: Speculator) -> None:
         decodes = []
@@ -721,6 +765,34 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget all cached free blocks (benchmarks' cold runs). Call while idle."""
         return self.kv.pool.reset_prefix_cache()
+
+
+def _segment_tokens(
+    tokenizer: ChatTokenizer | None, eviction: KVEviction | None
+) -> tuple[frozenset[int], frozenset[int]]:
+    """Token ids that start a conversation turn and, for sentence segments, those that end a
+    sentence; empty unless eviction is by segment. The turn start is the first token a second
+    message adds to the rendered chat (``<|im_start|>``, ``<start_of_turn>``...)."""
+    if eviction is None or eviction.mode != "segment":
+        return frozenset(), frozenset()
+    if tokenizer is None:
+        raise ValueError("kv_eviction mode segment needs a tokenizer (turns come from its chat template)")
+    one = tokenizer.encode_chat([{"role": "user", "content": "x"}], add_generation_prompt=False)
+    two = tokenizer.encode_chat(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], add_generation_prompt=False
+    )
+    common = next((i for i, (a, b) in enumerate(zip(one, two, strict=False)) if a != b), len(one))
+    if common >= len(two):
+        raise ValueError("kv_eviction mode segment: the chat template shows no turn boundary")
+    starts = frozenset([two[common]])
+    if eviction.segment == "turn":
+        return starts, frozenset()
+    ends = set()
+    for token in range(getattr(tokenizer, "vocab_size", 0)):
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        if "\n" in text or text.rstrip(" ").endswith((".", "!", "?")):
+            ends.add(token)
+    return starts, frozenset(ends)
 
 
 def step_shape(output: SchedulerOutput) -> StepShape:

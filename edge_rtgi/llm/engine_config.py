@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edge_rtgi.llm.kv.eviction import KVEviction
 from edge_rtgi.llm.kv.window import KVWindow
 from edge_rtgi.llm.speculative import SpeculativeConfig, parse_speculative
 
@@ -35,6 +36,9 @@ class EngineConfig:
     tokens, the blocks between are freed, and a request may then run past the model's context
     window (``max_model_len`` is no longer capped by it; unset, a request is bounded only by its
     ``max_tokens``). None: every layer sees the whole context (the model's own windows apply).
+    ``kv_budget_tokens`` with ``kv_eviction``: importance eviction (``kv.eviction``): a request
+    whose cached tokens pass the budget after a step drops its least-attended tokens (h2o,
+    snapkv) or segments (segment) and compacts the rest into fewer blocks. None: off.
     ``scheduling``: "fcfs" (priority, then arrival) or "slo" (classes, deadlines and a fitted
     step-time model; ``edge_rtgi.llm.scheduler``); ``min_prefill_chunk_tokens`` is the least
     prefill a step carries under "slo" while decodes run.
@@ -59,6 +63,8 @@ class EngineConfig:
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
     kv_window: KVWindow | None = None
+    kv_budget_tokens: int | None = None
+    kv_eviction: KVEviction | None = None
     scheduling: str = "fcfs"
     min_prefill_chunk_tokens: int = 16
     # slo: a dialogue or bulk request whose estimated queue wait passes this many times its TTFT
@@ -98,12 +104,33 @@ class EngineConfig:
                 "kv_window needs enable_chunked_prefill: true (a prompt longer than the context "
                 "window must be computed in steps)"
             )
+        self._check_eviction()
         if self.scheduling not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
         if not self.admission_wait_factor >= 0:
             raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
+
+    def _check_eviction(self) -> None:
+        budget, eviction = self.kv_budget_tokens, self.kv_eviction
+        if budget is None and eviction is None:
+            return
+        if budget is None or eviction is None:
+            raise ValueError(
+                "kv_budget_tokens and kv_eviction go together: set both (e.g. kv_budget_tokens: 512, "
+                "kv_eviction: {mode: h2o}) or neither"
+            )
+        eviction.check_budget(budget, self.block_size)
+        # Each of these rewrites or reads a request's blocks in a way compaction would break.
+        clashes = {
+            "kv_window": self.kv_window is not None,  # windows release blocks by position
+            "kv_dtype: int4": self.kv_dtype == "int4",  # keys quantised per block of positions
+            "speculative": parse_speculative(self.speculative).enabled,  # truncates by position
+        }
+        for name, clash in clashes.items():
+            if clash:
+                raise ValueError(f"kv_eviction does not combine with {name} yet; use one or the other")
 
     def speculation(self) -> SpeculativeConfig:
         """The parsed ``speculative`` setting."""
@@ -156,6 +183,7 @@ class EngineStats:
     run_s: float = 0.0
     update_s: float = 0.0
     foreground_wait_s: float = 0.0  # steps held back for latency-critical work (cpu_priority)
+    kv_evicted_tokens: int = 0  # tokens dropped by importance eviction (kv.eviction)
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_running: int = 0

@@ -138,6 +138,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens dropped from the KV cache by importance eviction (kv.eviction); the cache holds
+    # the other ``num_kv_tokens``, compacted, in order.
+    num_evicted_tokens: int = 0
     # Prompt tokens served from the prefix cache at first admission (reported in usage).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
@@ -186,6 +189,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens the KV cache holds for this request (computed, less evicted)."""
+        return self.num_computed_tokens - self.num_evicted_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -22,6 +23,7 @@ from edge_rtgi.llm.kv.attention import (
     PagedAttentionMetadata,
     SinkRope,
 )
+from edge_rtgi.llm.kv.eviction import KVEviction
 from edge_rtgi.llm.kv.manager import KVGroupSpec
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 from edge_rtgi.llm.kv.window import sink_shift
@@ -34,6 +36,16 @@ from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, Schedul
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("padded", "per_seq")
+SNAPKV_POOL_TOKENS = 7  # SnapKV pools observation scores over neighbours, so a fact's tokens go together
+
+
+@dataclass
+class EvictionScores:
+    """Per request, in cache order: the attention mass each cached token has received (summed
+    over layers, heads and the counted queries) and its position in the sequence."""
+
+    scores: Tensor  # [n] fp32 (fp64 for an fp64 model)
+    positions: Tensor  # [n] int64
 
 
 class ModelRunner:
@@ -49,6 +61,7 @@ class ModelRunner:
         storage: PagedKVStorage,
         decode_mode: str = "padded",
         groups: tuple[KVGroupSpec, ...] | None = None,
+        eviction: KVEviction | None = None,
     ):
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode must be one of {DECODE_MODES}, got {decode_mode!r}")
@@ -62,16 +75,82 @@ class ModelRunner:
         self.decode_mode = decode_mode
         self._offsets = torch.arange(self.block_size, device=self.device)
         self._generators: dict[str, torch.Generator | None] = {}
+        # importance eviction: attention mass is gathered for every request (kv.eviction)
+        self.eviction = eviction
+        self._scores: dict[str, EvictionScores] = {}
+        self._observation: dict[str, int] = {}  # per request, when not the policy's own
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's sampling state."""
+        """Forget a finished request's sampling and eviction state."""
         self._generators.pop(request_id, None)
+        self._scores.pop(request_id, None)
+        self._observation.pop(request_id, None)
+
+    # --- eviction scores ---------------------------------------------------------------------
+
+    def eviction_scores(self, request_id: str) -> EvictionScores | None:
+        """The request's gathered attention mass per cached token (None before its first step)."""
+        return self._scores.get(request_id)
+
+    def observe(self, request_id: str, num_queries: int) -> None:
+        """Score the request's cache with its prompt's last ``num_queries`` queries (``score:
+        observation``; ``kv.eviction.observation_queries``)."""
+        self._observation[request_id] = num_queries
+
+    def keep_scores(self, request_id: str, keep: list[int]) -> None:
+        """Follow a compaction: keep the entries at ``keep`` (cache indices, ascending)."""
+        st = self._scores[request_id]
+        index = torch.tensor(keep, dtype=torch.long)
+        self._scores[request_id] = EvictionScores(st.scores[index], st.positions[index])
+
+    def _score_queries(self, sr: ScheduledRequest) -> int:
+        """How many of the chunk's last queries add to its keys' scores (0: not scored)."""
+        if self.eviction is None:
+            return 0
+        if self.eviction.scores_every_query():
+            return len(sr.token_ids)
+        # observation: the prompt's last queries (the chunk that samples) and every decode query
+        observed = self._observation.get(sr.request_id, self.eviction.observation_tokens)
+        return min(observed, len(sr.token_ids)) if sr.sample else 0
+
+    def _add_scores(
+        self, decodes: list[ScheduledRequest], chunks: list[ScheduledRequest], md: PagedAttentionMetadata
+    ) -> None:
+        for b, sr in enumerate(decodes):
+            if md.decode_scores is not None:
+                self._accumulate(sr, md.decode_scores[b])
+            else:
+                self._accumulate(sr, md.decode_seq_scores[b] if md.decode_seq_scores else None)
+        for sr, c in zip(chunks, md.chunks, strict=True):
+            self._accumulate(sr, c.scores)
+
+    def _accumulate(self, sr: ScheduledRequest, step: Tensor | None) -> None:
+        """Append the chunk's tokens to the request's scores and add the step's mass."""
+        start, n = _cache_start(sr), len(sr.token_ids)
+        st = self._scores.get(sr.request_id)
+        # new, or recomputed after a preemption (which forgets evictions: the cache is then
+        # positions 0..start-1, and ascending positions ending at start-1 can only be those)
+        stale = st is not None and not sr.num_evicted_tokens and start and int(st.positions[-1]) != start - 1
+        if st is None or len(st.scores) != start or stale:
+            if sr.num_evicted_tokens:
+                raise RuntimeError(f"request {sr.request_id}: eviction scores lost after an eviction")
+            dt = torch.promote_types(self.model.dtype, torch.float32)
+            st = EvictionScores(torch.zeros(start, dtype=dt), torch.arange(start))
+        scores = torch.cat([st.scores, torch.zeros(n, dtype=st.scores.dtype)])
+        positions = torch.cat([st.positions, torch.arange(sr.start_position, sr.start_position + n)])
+        if step is not None:
+            mass = step[: start + n].to(scores.dtype).cpu()
+            if self.eviction is not None and self.eviction.mode == "snapkv" and n > 1:
+                k = SNAPKV_POOL_TOKENS
+                mass = torch.nn.functional.max_pool1d(mass[None, None], k, 1, k // 2)[0, 0]
+            scores += mass
+        self._scores[sr.request_id] = EvictionScores(scores, positions)
 
     # --- layout ----------------------------------------------------------------------------
 
     def _key_slots(self, sr: ScheduledRequest, group: int) -> tuple[Tensor, Tensor]:
         """Slots and positions of every key this chunk can see in ``group``: [S] each, ascending."""
-        ctx_len = sr.start_position + len(sr.token_ids)
+        ctx_len = _cache_start(sr) + len(sr.token_ids)
         num_blocks = -(-ctx_len // self.block_size)
         ids = sr.block_ids[group][:num_blocks]
         table = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -91,17 +170,25 @@ class ModelRunner:
         sinks = self.groups[group].sink_tokens if window is not None else 0
         new_slots: list[Tensor] = []
         padded = mask = per_seq = None
+        dt = torch.promote_types(self.model.dtype, torch.float32)  # as scored_attention computes
+        decode_scores: Tensor | None = None
+        seq_scores: list[Tensor | None] | None = None
         if decodes and self.decode_mode == "padded":
             padded, mask, decode_new = self._padded_decodes(decodes, group)
             new_slots.append(decode_new)
+            if self.eviction is not None:
+                decode_scores = torch.zeros(padded.shape, dtype=dt, device=self.device)
         elif decodes:
             per_seq = []
+            seq_scores = [] if self.eviction is not None else None
             for sr in decodes:
                 slots, positions = self._key_slots(sr, group)
                 new_slots.append(slots[-1:])
                 if window is not None:
-                    slots = slots[(positions > sr.start_position - window) | (positions < sinks)]
+                    slots = slots[(positions > _cache_start(sr) - window) | (positions < sinks)]
                 per_seq.append(slots)
+                if seq_scores is not None:
+                    seq_scores.append(torch.zeros(len(slots), dtype=dt, device=self.device))
         chunk_md = []
         q_start = len(decodes)
         for sr in chunks:
@@ -109,15 +196,18 @@ class ModelRunner:
             n = len(sr.token_ids)
             new_slots.append(slots[-n:])
             # a window at least as long as the context hides nothing: plain causal, as without one
-            unwindowed = window is None or sr.start_position + n <= window
-            plain_causal = unwindowed and sr.start_position == 0 and len(slots) == n
+            start = _cache_start(sr)  # == start_position unless tokens were evicted
+            unwindowed = window is None or start + n <= window
+            plain_causal = unwindowed and start == 0 and len(slots) == n
             chunk_mask = None
             if not plain_causal:
-                q_pos = torch.arange(sr.start_position, sr.start_position + n, device=self.device)
+                q_pos = torch.arange(start, start + n, device=self.device)
                 chunk_mask = causal_window_mask(q_pos, positions, window, sinks)
             shift = sink_shift(sr.start_position, window, sinks) if window is not None and sinks else 0
             rope = self._sink_rope(group, [shift]) if shift else None
-            chunk_md.append(ChunkAttention(q_start, n, slots, chunk_mask, plain_causal, rope))
+            score_q = self._score_queries(sr)
+            acc = torch.zeros(len(slots), dtype=dt, device=self.device) if score_q else None
+            chunk_md.append(ChunkAttention(q_start, n, slots, chunk_mask, plain_causal, rope, acc, score_q))
             q_start += n
         decode_rope = None
         if decodes and window is not None and sinks:
@@ -134,6 +224,8 @@ class ModelRunner:
             chunks=chunk_md,
             num_sinks=sinks,
             decode_sink_rope=decode_rope,
+            decode_scores=decode_scores,
+            decode_seq_scores=seq_scores,
         )
 
     def _sink_rope(self, group: int, shifts: list[int]) -> SinkRope:
@@ -153,7 +245,7 @@ class ModelRunner:
         """
         bs, window = self.block_size, self.groups[group].window_tokens
         sinks = self.groups[group].sink_tokens
-        ctx = [sr.start_position + 1 for sr in decodes]
+        ctx = [_cache_start(sr) + 1 for sr in decodes]
         longest = max(ctx)
         if window is not None and longest <= window:
             window = None  # no key is outside any sequence's window yet
@@ -213,7 +305,9 @@ class ModelRunner:
                 # so they take the fused decode path and its multi-row kernels; every row's key
                 # and value are written before any row attends
                 rows.extend(
-                    ScheduledRequest(s.request_id, [t], s.start_position + i, s.block_ids, True)
+                    ScheduledRequest(
+                        s.request_id, [t], s.start_position + i, s.block_ids, True, 0, s.num_evicted_tokens
+                    )
                     for i, t in enumerate(s.token_ids)
                 )
             else:
@@ -228,6 +322,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         backend = PagedAttentionBackend(self.storage, md, self.layer_map)
         hidden = self.model(input_ids, pos, backend)  # [T, H]
+        if self.eviction is not None:
+            self._add_scores(decodes, chunks, md[0])
 
         # plain rows first (their logits at the last position), then each verifying request's
         # k+1 rows: the logits after its last token and after each draft token
@@ -343,6 +439,12 @@ def _logprobs(
         request_ids[i]: TokenLogprob(tokens[request_ids[i]], chosen[k], entropies[k])
         for k, i in enumerate(rows)
     }
+
+
+def _cache_start(sr: ScheduledRequest) -> int:
+    """Cache index of the chunk's first token: its position less the tokens evicted before it
+    (kept keys are packed in order, so cache order is position order)."""
+    return sr.start_position - sr.num_evicted_tokens
 
 
 def _rotary_of(model: Transformer, group: KVGroupSpec) -> RotaryEmbedding:

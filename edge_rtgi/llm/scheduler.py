@@ -91,6 +91,9 @@ class ScheduledRequest:
     sample: bool  # True when this chunk reaches the end of the known tokens
     # the last ``num_draft_tokens`` of ``token_ids`` are draft tokens to verify (speculation)
     num_draft_tokens: int = 0
+    # tokens evicted before this step (kv.eviction): the chunk's first token goes to cache
+    # index ``start_position - num_evicted_tokens``, while RoPE still sees ``start_position``
+    num_evicted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(req.request_id),
                     sample=start + n - drafts == req.num_tokens,
                     num_draft_tokens=drafts,
+                    num_evicted_tokens=req.num_evicted_tokens,
                 )
             )
         return SchedulerOutput(scheduled, sum(num_new.values()), [r.request_id for r in preempted])
@@ -469,6 +473,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_evicted_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue_waiting(req)
@@ -516,6 +521,10 @@ class Scheduler:
             req.last_token_time_s = self.clock()
             updates.append(RequestUpdate(sr.request_id, new_tokens, req.status.finish_reason))
         return updates
+
+    def over_kv_budget(self, budget_tokens: int) -> list[Request]:
+        """Running requests whose KV cache holds more than ``budget_tokens`` (kv.eviction)."""
+        return [r for r in self.running if r.num_kv_tokens > budget_tokens]
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         if token in req.eos_token_ids:

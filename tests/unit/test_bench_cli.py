@@ -46,6 +46,15 @@ def test_each_optimisation_is_a_switch():
         base.changed("kv_window=1024")
     with pytest.raises(ConfigError, match=r"window_tokens must be > kv_window\.sink_tokens"):
         base.changed("kv_window=8:4")
+    evicting = base.changed("eviction=segment,kv_budget_tokens=256")
+    cfg = evicting.engine_config("m", 2)
+    assert cfg.kv_budget_tokens == 256 and cfg.kv_eviction.mode == "segment" and evicting.lossy
+    assert base.engine_config("m", 2).kv_eviction is None
+    assert base.changed("eviction=none").engine_config("m", 2).kv_eviction is None
+    with pytest.raises(ConfigError, match="eviction must be none or one of h2o, snapkv, segment"):
+        base.changed("eviction=lru,kv_budget_tokens=256")
+    with pytest.raises(ValueError, match="kv_budget_tokens and kv_eviction go together"):
+        base.changed("eviction=h2o").engine_config("m", 2)
 
 
 def test_bench_config_loads_strictly_from_yaml(tmp_path):

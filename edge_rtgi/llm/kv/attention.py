@@ -15,6 +15,11 @@ Under ``kv_window`` with sinks (``kv.window``), a sequence whose window has slid
 gets its gathered sink keys rotated next to the window (``SinkRope``); such a step skips the
 fused decode kernel, which reads keys where they are stored.
 
+Importance eviction (``kv.eviction``): a sequence with an accumulator in the metadata
+(``ChunkAttention.scores``, ``decode_scores``) is attended with explicit softmax math instead of
+SDPA, and the attention mass its keys receive (summed over heads and the counted queries) is
+added to the accumulator at every layer. Steps without such a sequence are untouched.
+
 Everything a layer needs (slot mapping, gather indices, masks) is built once per step and per
 KV group in ``PagedAttentionMetadata`` and shared by all layers of the group; ``layer_map``
 says which group and storage layer a model layer uses (Gemma 3's local and global layers
@@ -56,6 +61,10 @@ class ChunkAttention:
     mask: Tensor | None  # [q_len, S] bool, or None when plain causal from position 0 applies
     causal: bool
     sink_rope: SinkRope | None = None
+    # eviction: [S] fp32 accumulator of the attention mass each key receives from the chunk's
+    # last ``score_queries`` queries, summed over layers and heads (None: not scored)
+    scores: Tensor | None = None
+    score_queries: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,10 @@ class PagedAttentionMetadata:
     # attention sinks (kv_window): the first num_sinks gathered keys of a sequence are its sinks
     num_sinks: int = 0
     decode_sink_rope: SinkRope | None = None  # None: no decode of the step has slid
+    # eviction: [B, S_max] fp32 accumulator of the decodes' attention mass (padded mode), or
+    # one [S_b] per sequence (per_seq mode, None where not scored); None: no decode is scored
+    decode_scores: Tensor | None = None
+    decode_seq_scores: list[Tensor | None] | None = None
 
 
 class PagedAttentionBackend:
@@ -98,7 +111,12 @@ class PagedAttentionBackend:
             md = self.groups[group]
         else:
             md = self.md
-        if not md.chunks and md.decode_slots is not None and md.decode_sink_rope is None:
+        if (
+            not md.chunks
+            and md.decode_slots is not None
+            and md.decode_sink_rope is None
+            and md.decode_scores is None
+        ):
             k_store = self.storage.k[layer]
             if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
                 # Writes the new keys/values too; an int8 store (other dtype) never gets here.
@@ -124,6 +142,18 @@ class PagedAttentionBackend:
             if c.sink_rope is not None:
                 s = md.num_sinks
                 keys[:s] = apply_rope(keys[:s], c.sink_rope.cos, c.sink_rope.sin)
+            if c.scores is not None:
+                mask = c.mask if c.mask is not None else _causal(c.q_len, keys.shape[0], q.device)
+                o = scored_attention(
+                    q[c.q_start : c.q_start + c.q_len].transpose(0, 1)[None],
+                    keys.transpose(0, 1)[None],
+                    values.transpose(0, 1)[None],
+                    mask[None, None],
+                    c.scores[None],
+                    c.score_queries,
+                )
+                out[c.q_start : c.q_start + c.q_len] = o[0].transpose(0, 1)
+                continue
             # 4-D inputs ([1, H, T, D]) select PyTorch's fused CPU flash kernel; 3-D ones fall
             # back to the unfused math path.
             o = F.scaled_dot_product_attention(
@@ -146,6 +176,7 @@ class PagedAttentionBackend:
             or md.chunks
             or md.decode_slots is None
             or md.decode_sink_rope is not None
+            or md.decode_scores is not None
             or type(self.storage) is not PagedKVStorage
         ):
             return None
@@ -162,6 +193,19 @@ class PagedAttentionBackend:
                 keys, values = self.storage.gather(layer, slots)  # [S, Hkv, D]
                 if rope is not None:
                     keys[:s] = apply_rope(keys[:s], rope.cos[b], rope.sin[b])
+                acc = md.decode_seq_scores[b] if md.decode_seq_scores is not None else None
+                if acc is not None:
+                    outs.append(
+                        scored_attention(
+                            q[b, None, :, None],
+                            keys.transpose(0, 1)[None],
+                            values.transpose(0, 1)[None],
+                            None,
+                            acc[None],
+                            1,
+                        )
+                    )
+                    continue
                 outs.append(
                     F.scaled_dot_product_attention(
                         q[b, None, :, None],
@@ -176,6 +220,16 @@ class PagedAttentionBackend:
         keys, values = self.storage.gather(layer, md.decode_slots)  # [B, S, Hkv, D]
         if rope is not None:
             keys[:, :s] = apply_rope(keys[:, :s], rope.cos, rope.sin)
+        if md.decode_scores is not None:
+            mask = md.decode_mask
+            return scored_attention(
+                q.unsqueeze(2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                None if mask is None else mask[:, 0],
+                md.decode_scores,
+                1,
+            ).squeeze(2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             keys.transpose(1, 2),
@@ -184,3 +238,31 @@ class PagedAttentionBackend:
             enable_gqa=True,
         )  # [B, Hq, 1, D]
         return o.squeeze(2)
+
+
+def _causal(q_len: int, num_keys: int, device: torch.device) -> Tensor:
+    """[q_len, S] causal mask of a chunk whose queries are the last ``q_len`` of ``num_keys``."""
+    return torch.ones(q_len, num_keys, dtype=torch.bool, device=device).tril(num_keys - q_len)
+
+
+def scored_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scores: Tensor, score_queries: int
+) -> Tensor:
+    """Attention with explicit softmax that also adds, per batch row, the attention mass each key
+    receives from the last ``score_queries`` queries (summed over heads) to ``scores`` [B, S].
+
+    q: [B, Hq, T, D]; k, v: [B, Hkv, S, D] (GQA: Hq a multiple of Hkv); mask: bool, broadcast to
+    [B, T, S] (True = may attend), or None. Returns [B, Hq, T, D]. Computed in fp32 at least
+    (fp64 for fp64 models), as SDPA's CPU kernels accumulate.
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    dt = torch.promote_types(q.dtype, torch.float32)
+    qg = q.reshape(b, hkv, (hq // hkv) * t, d).to(dt)
+    logits = (qg @ k.to(dt).transpose(-1, -2)).mul_(d**-0.5).view(b, hkv, hq // hkv, t, s)
+    if mask is not None:
+        logits.masked_fill_(~mask.reshape(mask.shape[0], 1, 1, t, s), float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    scores += probs[:, :, :, t - score_queries :].sum(dim=(1, 2, 3)).to(scores.dtype)
+    out = probs.view(b, hkv, (hq // hkv) * t, s) @ v.to(dt)
+    return out.view(b, hq, t, d).to(q.dtype)

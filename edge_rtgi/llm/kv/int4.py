@@ -103,6 +103,11 @@ class Int4KIVIPagedKVStorage(PagedKVStorage):
         self._plan_key: Tensor | None = None
         self._plan: _StepPlan | None = None
 
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        # a block's keys share per-channel scales over its positions: moving one token between
+        # blocks would need requantising (EngineConfig refuses kv_eviction with int4)
+        raise NotImplementedError("int4 KV cannot be compacted")
+
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

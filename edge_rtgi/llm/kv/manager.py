@@ -48,6 +48,16 @@ class KVGroupSpec:
 
 
 @dataclass(frozen=True)
+class SlotMoves:
+    """A compaction's copies: the KV at ``src[i]`` goes to ``dst[i]`` in every layer (read all
+    sources before writing any: they may overlap). ``num_freed_blocks``: blocks given back."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    num_freed_blocks: int
+
+
+@dataclass(frozen=True)
 class ComputedBlocks:
     """A prefix-cache hit: per group, the cached blocks that start the request, and their tokens.
 
@@ -190,7 +200,7 @@ class KVCacheManager:
         hit_blocks = computed.blocks if computed is not None and hit_tokens else ()
         if hit_blocks and any(tables):
             raise RuntimeError(f"request {request.request_id} already has blocks; no prefix hit")
-        total_blocks = self.blocks_for_tokens(request.num_computed_tokens + hit_tokens + num_new_tokens)
+        total_blocks = self.blocks_for_tokens(request.num_kv_tokens + hit_tokens + num_new_tokens)
         hits_of = [hit_blocks[g] if hit_blocks else () for g in range(self.num_groups)]
         needed = [max(0, total_blocks - len(t) - len(h)) for t, h in zip(tables, hits_of, strict=True)]
         # A hit on a free cached block removes it from the free queue, so it cannot count twice.
@@ -214,8 +224,8 @@ class KVCacheManager:
         Caching happens after the forward pass rather than at allocation, so a hash never
         points at a block whose keys and values have not been written yet.
         """
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or request.num_evicted_tokens:
+            return  # after an eviction the cache no longer holds a prefix (``compact``)
         tables = self._tables.get(request.request_id)
         if not tables:
             return
@@ -237,7 +247,7 @@ class KVCacheManager:
         tables = self._tables.get(request.request_id)
         if not tables:
             return 0
-        keep = self.blocks_for_tokens(request.num_computed_tokens)
+        keep = self.blocks_for_tokens(request.num_kv_tokens)
         released = 0
         for table in tables:
             tail = [b for b in table[keep:] if b is not None]
@@ -290,6 +300,61 @@ class KVCacheManager:
             for index, g in enumerate(self.groups)
             if g.window_tokens is not None
         )
+
+    # --- eviction ----------------------------------------------------------------------------
+
+    def compact(self, request: Request, keep: Sequence[int]) -> SlotMoves | None:
+        """Keep only the cached tokens at indices ``keep`` (ascending, into the request's
+        ``num_kv_tokens`` cached tokens), packed in order into the fewest blocks; give the rest
+        back. Returns the slot copies the storage must make, or None (nothing changed) when a
+        copy-on-write block cannot be had.
+
+        Leading blocks whose every token is kept at its place are not touched: they keep their
+        prefix hash and may stay shared. The other destination blocks are the request's own
+        unshared blocks, in table order (a shared block is never written; a fresh one stands in
+        for it), and lose their hash, since their content stops matching it; the request then
+        stops indexing blocks (``cache_computed_blocks``). One KV group only (the engine refuses
+        eviction on models with several).
+        """
+        if self.num_groups != 1:
+            raise RuntimeError("KV compaction supports models with one KV group")
+        table = self._tables.get(request.request_id)
+        num_old, bs = request.num_kv_tokens, self.block_size
+        if not table or not keep:
+            raise ValueError(f"request {request.request_id}: nothing cached to keep")
+        if any(b >= a for a, b in zip(keep[1:], keep, strict=False)) or keep[0] < 0 or keep[-1] >= num_old:
+            raise ValueError(f"keep must ascend within 0..{num_old - 1}")
+        blocks = table[0]
+        same = 0
+        while same < len(keep) and keep[same] == same:
+            same += 1
+        fixed = same // bs  # leading blocks left as they are
+        num_new = self.blocks_for_tokens(len(keep))
+        own = [b for b in blocks[fixed:] if b is not None and b.ref_count == 1]
+        dest = own[: num_new - fixed]
+        if len(dest) < num_new - fixed:
+            extra = num_new - fixed - len(dest)
+            if extra > self.pool.num_free_blocks:
+                return None
+            dest += self.pool.allocate(extra)
+        src, dst = [], []
+        for j in range(fixed * bs, len(keep)):
+            i = keep[j]
+            old = blocks[i // bs]
+            if old is None:
+                raise RuntimeError(f"request {request.request_id}: token {i} is in a released block")
+            s, d = old.block_id * bs + i % bs, dest[j // bs - fixed].block_id * bs + j % bs
+            if s != d:
+                src.append(s)
+                dst.append(d)
+        for b in dest:
+            self.pool.uncache(b)
+        taken = {id(b) for b in dest}
+        gone = [b for b in blocks[fixed:] if b is not None and id(b) not in taken]
+        self.pool.free(reversed(gone))
+        table[0] = [*blocks[:fixed], *dest]
+        request.num_evicted_tokens += num_old - len(keep)
+        return SlotMoves(tuple(src), tuple(dst), len(gone))
 
     # --- views -----------------------------------------------------------------------------
 

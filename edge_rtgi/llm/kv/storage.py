@@ -54,6 +54,18 @@ class PagedKVStorage:
         self.k[layer].index_copy_(0, slot_mapping, k)
         self.v[layer].index_copy_(0, slot_mapping, v)
 
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Copy every layer's stored KV (and whatever per-slot data the format keeps) from
+        slots ``src`` to ``dst`` ([N] int64 each), bit for bit: compaction after eviction. All
+        sources are read before any destination is written, so the two may overlap."""
+        for tensors in self._per_slot():
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))
+
+    def _per_slot(self) -> list[list[Tensor]]:
+        """The per-layer tensors indexed by slot."""
+        return [self.k, self.v]
+
     def gather(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Keys and values at ``slots`` ([S] or [B, S] int64) -> [..., Hkv, D] each."""
         flat = slots.reshape(-1)
@@ -87,6 +99,9 @@ class Int8PagedKVStorage(PagedKVStorage):
         scale_shape = (num_blocks * block_size, num_kv_heads, 1)
         self.k_scale = [torch.ones(scale_shape, device=device) for _ in range(num_layers)]
         self.v_scale = [torch.ones(scale_shape, device=device) for _ in range(num_layers)]
+
+    def _per_slot(self) -> list[list[Tensor]]:
+        return [self.k, self.v, self.k_scale, self.v_scale]
 
     @staticmethod
     def _quantise(x: Tensor) -> tuple[Tensor, Tensor]:

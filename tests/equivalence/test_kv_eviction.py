@@ -1,0 +1,205 @@
+"""Importance eviction (``kv_budget_tokens`` + ``kv_eviction``) against a dense reference.
+
+The reference keeps every key in one contiguous tensor (rotated at its absolute position, as
+the model writes it) plus the list of positions still kept. Per forward pass it attends over
+the kept keys and the pass's own (causal), adds the attention mass every key receives (summed
+over layers, heads and the counted queries) to that key's score, and after the pass, when the
+request holds more than its budget, keeps what ``kv.eviction.select_keep`` picks from those
+scores. The paged engine (blocks, compaction, copy-on-write, padded or per-sequence decodes)
+must compute the same function. Tiny seeded models in float64, so kernels cannot flip near-ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edge_rtgi.llm.engine import GenerationResult, LLMEngine, _segment_tokens
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
+from edge_rtgi.llm.runner import SNAPKV_POOL_TOKENS
+from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.weights import load_model
+from tests.equivalence.test_kv_window import CHUNK, prompts_of, run_engine
+from tests.tiny_models import make_tiny_hf_model
+
+BLOCK = 4  # run_engine's block size
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def loaded(request, tmp_path_factory):
+    folder = make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param), seed=5)
+    return load_model(folder, device="cpu", dtype="fp64")
+
+
+class EvictionReference:
+    """Dense attention over the kept positions, with the eviction rule applied after each pass."""
+
+    def __init__(self, loaded, policy: KVEviction, budget: int, prompt: list[int], max_len: int):
+        model = loaded.model
+        cfg = model.config
+        self.model, self.policy, self.budget = model, policy, budget
+        shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype)
+        self.v = torch.zeros(shape, dtype=model.dtype)
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.kept: list[int] = []
+        self.scores: list[float] = []
+        self.length = 0
+        self.step_mass: Tensor | None = None
+        self.score_queries = 0
+        self.turn_starts, self.sentence_ends = _segment_tokens(loaded.tokenizer, policy)
+        self.observed = observation_queries(policy, prompt, self.turn_starts)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = q.shape[0]
+        start = self.length
+        self.k[layer, start : start + n], self.v[layer, start : start + n] = k, v
+        index = torch.tensor(self.kept + list(range(start, start + n)))
+        keys, values = self.k[layer, index], self.v[layer, index]  # [S, Hkv, D]
+        hq, hkv = q.shape[1], keys.shape[1]
+        keys = keys.repeat_interleave(hq // hkv, dim=1)
+        values = values.repeat_interleave(hq // hkv, dim=1)
+        logits = torch.einsum("thd,shd->hts", q, keys) * q.shape[-1] ** -0.5
+        s = len(index)
+        mask = torch.ones(n, s, dtype=torch.bool).tril(s - n)
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)  # [H, T, S]
+        if self.score_queries:
+            mass = probs[:, n - self.score_queries :].sum(dim=(0, 1))
+            self.step_mass = mass if self.step_mass is None else self.step_mass + mass
+        return torch.einsum("hts,shd->thd", probs, values)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int]) -> int:
+        n = len(ids)
+        prompt_done = self.length + n >= self.num_prompt
+        if self.policy.scores_every_query():
+            self.score_queries = n
+        else:  # observation: the prompt's last queries, then decodes
+            self.score_queries = min(self.observed, n) if prompt_done else 0
+        self.step_mass = None
+        positions = torch.arange(self.length, self.length + n)
+        hidden = self.model(torch.tensor(ids), positions, self)
+        mass = self.step_mass if self.step_mass is not None else torch.zeros(len(self.kept) + n)
+        if self.policy.mode == "snapkv" and n > 1:
+            k = SNAPKV_POOL_TOKENS
+            mass = F.max_pool1d(mass[None, None], k, 1, k // 2)[0, 0]
+        self.scores = [a + b for a, b in zip([*self.scores, *[0.0] * n], mass.tolist(), strict=True)]
+        self.kept += list(range(self.length, self.length + n))
+        self.length += n
+        token = int(self.model.compute_logits(hidden[-1:])[0].argmax())
+        if len(self.kept) > self.budget and (self.policy.scores_every_query() or prompt_done):
+            segments = None
+            if self.policy.mode == "segment":
+                ids_all = segment_ids(self.tokens, self.turn_starts, self.sentence_ends)
+                segments = [ids_all[p] for p in self.kept]
+            keep = select_keep(
+                self.scores, self.policy.trim_target(self.budget, BLOCK), self.policy, segments
+            )
+            self.kept = [self.kept[i] for i in keep]
+            self.scores = [self.scores[i] for i in keep]
+        return token
+
+
+def reference_tokens(
+    loaded, policy: KVEviction, budget: int, prompt: list[int], chunks: list[int], max_tokens: int
+) -> list[int]:
+    """The reference's greedy tokens, prefilling in the engine's chunks (eviction follows steps)."""
+    ref = EvictionReference(loaded, policy, budget, prompt, len(prompt) + max_tokens)
+    start = 0
+    for n in chunks:
+        token = ref.forward(prompt[start : start + n])
+        start += n
+    assert start == len(prompt)
+    out = [token]
+    while len(out) < max_tokens:
+        ref.tokens.append(out[-1])
+        out.append(ref.forward([out[-1]]))
+    return out
+
+
+def chat_prompt(loaded) -> list[int]:
+    turns = [
+        ("user", "My cat is called Pixel."),
+        ("assistant", "Nice name."),
+        ("user", "The door code is 4711."),
+        ("assistant", "Noted."),
+        ("user", "What is my cat called?"),
+    ]
+    return loaded.tokenizer.encode_chat([{"role": r, "content": c} for r, c in turns])
+
+
+def run_recorded(loaded, prompts: list[list[int]], max_tokens: int, **overrides):
+    """``run_engine`` that also records each request's prefill chunk lengths and asserts the
+    most blocks it holds after any step."""
+    cfg = EngineConfig(
+        **{"block_size": BLOCK, "num_kv_blocks": 512, "max_num_batched_tokens": CHUNK, **overrides}
+    )
+    engine = LLMEngine.from_loaded(loaded, cfg, start=False)
+    results = [GenerationResult() for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        engine.submit(
+            prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), results[i].add, request_id=f"r{i}"
+        )
+    chunks: list[list[int]] = [[] for _ in prompts]
+    execute = engine.runner.execute
+
+    def recording(output, params):
+        for sr in output.scheduled:
+            i = int(sr.request_id[1:])
+            if sr.start_position < len(prompts[i]):
+                chunks[i].append(len(sr.token_ids))
+        return execute(output, params)
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+    most_held = 0
+    while not all(r.finish_reason for r in results):
+        engine.step()
+        most_held = max([most_held, *(sum(engine.kv.num_held_blocks(f"r{i}")) for i in range(len(prompts)))])
+    assert engine.stats().kv_blocks_used == 0
+    return [r.token_ids for r in results], chunks, most_held
+
+
+def long_prompt(loaded) -> list[int]:
+    text = "A small model on a small device answers questions about the weather and the news. "
+    return loaded.tokenizer.encode(text * 3)[:72]
+
+
+@pytest.mark.parametrize(
+    ("mode", "score"),
+    [("h2o", None), ("snapkv", None), ("segment", None), ("segment", "accumulated"), ("h2o", "observation")],
+)
+@pytest.mark.parametrize("decode_mode", ["padded", "per_seq"])
+def test_eviction_matches_the_dense_reference(loaded, mode, score, decode_mode):
+    policy = KVEviction(mode, sink_tokens=4, recent_tokens=8, observation_tokens=8, score=score)
+    budget, max_tokens = 44, 40
+    prompts = [chat_prompt(loaded), long_prompt(loaded)]
+    got, chunks, most_held = run_recorded(
+        loaded, prompts, max_tokens, kv_budget_tokens=budget, kv_eviction=policy, decode_mode=decode_mode
+    )
+    for prompt, tokens, steps in zip(prompts, got, chunks, strict=True):
+        assert len(prompt) > budget
+        assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens)
+    if policy.scores_every_query():  # never more than the budget after a step, prefill included
+        assert most_held <= -(-budget // BLOCK)
+
+
+@pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
+def test_a_budget_larger_than_the_sequence_changes_nothing(loaded, mode):
+    prompts = prompts_of(loaded)
+    plain, _ = run_engine(loaded, prompts, 40)
+    budgeted, _ = run_engine(loaded, prompts, 40, kv_budget_tokens=200, kv_eviction=KVEviction(mode))
+    assert budgeted == plain
+
+
+def test_eviction_off_runs_todays_path(loaded):
+    """Without a budget no score is gathered and the fused decode path stays in use."""
+    prompts = prompts_of(loaded)
+    engine = LLMEngine.from_loaded(loaded, None, start=False)
+    assert engine.runner.eviction is None
+    plain, _ = run_engine(loaded, prompts, 24)
+    again, _ = run_engine(loaded, prompts, 24, kv_budget_tokens=None, kv_eviction=None)
+    assert again == plain

@@ -1,0 +1,304 @@
+"""Importance eviction without a model: the selection rule, segments, compaction in the KV
+manager, the scheduler around it, bit-exact slot copies in the storages, and config errors."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from edge_rtgi.config import ConfigError, from_dict
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
+from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
+from edge_rtgi.llm.request import Request
+from edge_rtgi.llm.scheduler import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Params:
+    max_tokens: int = 8
+
+
+def req(rid: str, n_prompt: int, base: int = 1, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(base, base + n_prompt)), Params(max_tokens), eos_token_ids=frozenset({0}))
+
+
+def test_eviction_policy_imports_no_torch():
+    code = "import sys; import edge_rtgi.llm.kv.eviction; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- selection -----------------------------------------------------------------------------
+
+
+def test_select_keep_protects_sinks_and_recent_then_takes_the_heaviest():
+    policy = KVEviction("h2o", sink_tokens=2, recent_tokens=3)
+    scores = [0.0, 0.0, 5.0, 1.0, 9.0, 2.0, 7.0, 0.5, 0.0, 0.0, 0.0]
+    keep = select_keep(scores, 7, policy)
+    # sinks 0-1, recent 8-10, then the two heaviest of 2..7: 4 (9.0) and 6 (7.0)
+    assert keep == [0, 1, 4, 6, 8, 9, 10]
+    assert select_keep(scores, 20, policy) == list(range(11))  # under the target: everything
+    assert select_keep(scores, 4, policy) == [0, 1, 8, 9, 10]  # never below the protected tokens
+
+
+def test_select_keep_ties_keep_the_older_token():
+    policy = KVEviction("h2o", sink_tokens=0, recent_tokens=0)
+    assert select_keep([1.0, 1.0, 1.0, 1.0], 2, policy) == [0, 1]
+
+
+def test_segments_are_kept_or_dropped_whole_and_the_first_is_pinned():
+    policy = KVEviction("segment", sink_tokens=1, recent_tokens=2)
+    #          seg:   0  0  1  1  1  2  2  3  3  4  4
+    segments = [0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4]
+    scores = [0.0, 0.1, 3.0, 3.0, 0.0, 9.0, 0.1, 1.0, 1.0, 0.0, 0.0]
+    # protected: 0 (sink), 9-10 (recent). Free: 1 (seg 0, pinned), 2-4 (mean 2.0), 5-6 (mean 4.55),
+    # 7-8 (mean 1.0). Room 8 - 3 = 5: seg 0 (1 token), seg 2 (2), then seg 1 (3) does not fit
+    # the 2 left, seg 3 (2) does.
+    keep = select_keep(scores, 8, policy, segments)
+    assert keep == [0, 1, 5, 6, 7, 8, 9, 10]
+    # token-level H2O on the same scores splits segments instead
+    assert select_keep(scores, 8, KVEviction("h2o", sink_tokens=1, recent_tokens=2)) == [
+        0,
+        2,
+        3,
+        5,
+        7,
+        8,
+        9,
+        10,
+    ]
+
+
+def test_room_no_whole_segment_fits_stays_empty():
+    policy = KVEviction("segment", sink_tokens=0, recent_tokens=1)
+    segments = [0, 1, 1, 1, 1, 2]
+    scores = [0.0, 1.0, 5.0, 0.0, 4.0, 0.0]
+    # the pinned first segment (token 0) fits; segment 1 (4 tokens) does not fit the 2 left,
+    # and a fact is never kept in part
+    assert select_keep(scores, 4, policy, segments) == [0, 5]
+
+
+def test_the_current_turn_observes_under_segment_mode():
+    im_start = 1
+    prompt = [im_start, 5, 5, 5, im_start, 6, 6, im_start, 7, 7, 7, im_start, 8]
+    # from the question's turn start (index 7) to the end: the question and the reply's header
+    assert observation_queries(KVEviction("segment"), prompt, {im_start}) == 6
+    assert observation_queries(KVEviction("segment", observation_tokens=3), [5, 6, 7, 8], {im_start}) == 3
+    assert observation_queries(KVEviction("snapkv", observation_tokens=3), prompt, {im_start}) == 3
+
+
+def test_segment_ids_split_at_turn_starts_and_after_sentence_ends():
+    im_start, dot = 1, 9
+    tokens = [im_start, 5, 6, dot, 7, im_start, 8, dot, 4]
+    assert segment_ids(tokens, {im_start}) == [0, 0, 0, 0, 0, 1, 1, 1, 1]
+    assert segment_ids(tokens, {im_start}, {dot}) == [0, 0, 0, 0, 1, 2, 2, 2, 3]
+
+
+# --- the KV manager ------------------------------------------------------------------------
+
+
+def held(kv: KVCacheManager, r: Request) -> list[int]:
+    return kv.block_ids(r.request_id)[0]
+
+
+def test_compact_packs_survivors_frees_blocks_and_counts_evicted_tokens():
+    kv = KVCacheManager(16, 4)
+    r = req("a", 14)
+    assert kv.allocate_slots(r, 14)
+    r.num_computed_tokens = 14
+    before = held(kv, r)
+    free_before = kv.num_free_blocks
+    keep = [0, 1, 2, 3, 5, 9, 12, 13]
+    moves = kv.compact(r, keep)
+    assert moves is not None
+    # block 0 is wholly kept in place: untouched; the 4 survivors after it fill one more block
+    assert held(kv, r)[0] == before[0] and len(held(kv, r)) == 2
+    assert moves.num_freed_blocks == 2 and kv.num_free_blocks == free_before + 2
+    bs = 4
+    expected_src = [before[i // bs] * bs + i % bs for i in keep[4:]]
+    expected_dst = [held(kv, r)[1] * bs + j for j in range(4)]
+    pairs = [(s, d) for s, d in zip(expected_src, expected_dst, strict=True) if s != d]
+    assert list(zip(moves.src, moves.dst, strict=True)) == pairs
+    assert r.num_evicted_tokens == 6 and r.num_kv_tokens == 8
+    # the next token goes after the survivors: one more block
+    assert kv.allocate_slots(r, 1) and len(held(kv, r)) == 3
+
+
+def test_compact_keeps_untouched_prefix_blocks_cached_and_unhashes_rewritten_ones():
+    kv = KVCacheManager(16, 4)
+    r = req("a", 13)
+    assert kv.allocate_slots(r, 13)
+    r.num_computed_tokens = 12
+    kv.cache_computed_blocks(r)  # three full blocks indexed
+    blocks = [kv.pool.blocks[b] for b in held(kv, r)]
+    assert all(b.block_hash is not None for b in blocks[:3])
+    r.num_computed_tokens = 13
+    kv.compact(r, [0, 1, 2, 3, 4, 5, 6, 7, 10, 12])
+    # blocks 0 and 1 kept as they were: still cached; block 2 rewritten: no longer findable
+    assert blocks[0].block_hash is not None and blocks[1].block_hash is not None
+    assert blocks[2].block_hash is None
+    # an evicted request indexes nothing more: its cache no longer holds a prefix
+    r.num_computed_tokens = 16
+    assert kv.allocate_slots(r, 3)
+    kv.cache_computed_blocks(r)
+    assert kv.pool.num_cached_blocks == 2
+
+
+def test_compact_never_writes_a_block_another_request_shares():
+    kv = KVCacheManager(16, 4)
+    a, b = req("a", 9), req("b", 9)
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_tokens == 8
+    assert kv.allocate_slots(b, 1, hit)
+    b.num_computed_tokens = 9
+    shared = held(kv, b)[:2]
+    assert shared == held(kv, a)[:2]
+    moves = kv.compact(b, [0, 1, 6, 7, 8])  # block 0 changes: it must not be written
+    assert moves is not None
+    assert held(kv, b)[0] not in shared and not set(moves.dst) & {s * 4 + i for s in shared for i in range(4)}
+    assert held(kv, a)[:2] == shared and all(kv.pool.blocks[s].ref_count == 1 for s in shared)
+
+
+def test_compact_is_refused_without_a_block_for_copy_on_write():
+    kv = KVCacheManager(4, 4)
+    a, b = req("a", 9), req("b", 9)
+    assert kv.allocate_slots(a, 9)
+    a.num_computed_tokens = 9
+    kv.cache_computed_blocks(a)
+    hit = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 1, hit)  # the pool's last block
+    b.num_computed_tokens = 9
+    assert kv.compact(b, [0, 1, 6, 7, 8]) is None
+    assert b.num_evicted_tokens == 0 and len(held(kv, b)) == 3 and kv.num_free_blocks == 0
+
+
+def test_compact_rejects_bad_keep_lists():
+    kv = KVCacheManager(8, 4)
+    r = req("a", 6)
+    assert kv.allocate_slots(r, 6)
+    r.num_computed_tokens = 6
+    for bad in ([], [2, 1], [0, 6], [1, 1]):
+        with pytest.raises(ValueError):
+            kv.compact(r, bad)
+
+
+# --- the scheduler -------------------------------------------------------------------------
+
+
+def fake_run(out: SchedulerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput({s.request_id: 7 for s in out.scheduled if s.sample})
+
+
+def test_scheduler_runs_a_request_under_a_budget_by_evicting_after_steps():
+    """The loop the engine runs, with a seeded random choice of survivors in place of scores."""
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(8, 4, 256), kv)
+    r = req("a", 30, max_tokens=20)
+    s.add_request(r)
+    budget, rng = 12, random.Random(0)
+    most_blocks = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        for sr in out.scheduled:
+            assert sr.start_position - sr.num_evicted_tokens == r.num_kv_tokens
+            # the table covers the survivors and this step's tokens, no more
+            assert len(sr.block_ids[0]) == -(-(r.num_kv_tokens + len(sr.token_ids)) // 4)
+        s.update_from_output(out, fake_run(out))
+        for over in s.over_kv_budget(budget):
+            n = over.num_kv_tokens
+            keep = sorted([0, *rng.sample(range(1, n - 2), budget - 5), n - 2, n - 1])
+            assert kv.compact(over, keep) is not None
+        most_blocks = max(most_blocks, kv.pool.num_used_blocks)
+    assert r.num_output_tokens == 20 and r.num_evicted_tokens > 0
+    assert most_blocks <= -(-budget // 4) + 1
+    assert kv.pool.num_used_blocks == 0
+
+
+def test_preemption_forgets_evictions():
+    kv = KVCacheManager(64, 4)
+    s = Scheduler(SchedulerConfig(8, 4, 256), kv)
+    r = req("a", 12)
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, fake_run(out))
+    assert kv.compact(r, [0, 1, 7]) is not None and r.num_evicted_tokens == 5
+    s._preempt(r)
+    assert r.num_evicted_tokens == 0 and r.num_kv_tokens == 0
+
+
+# --- storage -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage_cls", [PagedKVStorage, Int8PagedKVStorage])
+def test_compaction_copies_surviving_keys_and_values_bit_exact(storage_cls):
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    storage = storage_cls(3, 8, 4, 2, 8, torch.bfloat16)
+    kv = KVCacheManager(8, 4)
+    r = req("a", 22)
+    assert kv.allocate_slots(r, 22)
+    r.num_computed_tokens = 22
+    table = held(kv, r)
+    slots = torch.tensor([table[i // 4] * 4 + i % 4 for i in range(22)])
+    for layer in range(3):
+        k = torch.randn(22, 2, 8, generator=gen).to(torch.bfloat16)
+        storage.write(layer, slots, k, torch.randn(22, 2, 8, generator=gen).to(torch.bfloat16))
+    before = [storage.gather(layer, slots) for layer in range(3)]
+    keep = sorted(random.Random(seed).sample(range(22), 9))
+    moves = kv.compact(r, keep)
+    assert moves is not None
+    storage.copy_slots(torch.tensor(moves.src, dtype=torch.long), torch.tensor(moves.dst, dtype=torch.long))
+    table = held(kv, r)
+    after_slots = torch.tensor([table[j // 4] * 4 + j % 4 for j in range(9)])
+    for layer in range(3):
+        k, v = storage.gather(layer, after_slots)
+        assert torch.equal(k, before[layer][0][keep]), f"seed {seed}"
+        assert torch.equal(v, before[layer][1][keep]), f"seed {seed}"
+
+
+# --- config --------------------------------------------------------------------------------
+
+
+def test_eviction_config_errors_name_the_key_and_the_allowed_range():
+    with pytest.raises(ConfigError, match=r"kv_budget_tokens must be >= 16 \(one block of 16 tokens"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 8, "kv_eviction": {"mode": "h2o", "recent_tokens": 2}})
+    with pytest.raises(
+        ConfigError, match=r"kv_budget_tokens must be >= 37 .*sink_tokens \+ recent_tokens = 36"
+    ):
+        from_dict(EngineConfig, {"kv_budget_tokens": 32, "kv_eviction": {"mode": "h2o"}})
+    with pytest.raises(
+        ConfigError, match=r"kv_eviction\.mode must be one of h2o, snapkv, segment, got 'lru'"
+    ):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "lru"}})
+    with pytest.raises(ConfigError, match=r"kv_eviction\.segment must be one of turn, sentence"):
+        from_dict(
+            EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment", "segment": "word"}}
+        )
+    with pytest.raises(ConfigError, match="kv_budget_tokens and kv_eviction go together"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256})
+    with pytest.raises(ConfigError, match="kv_eviction does not combine with kv_window"):
+        from_dict(
+            EngineConfig,
+            {
+                "kv_budget_tokens": 256,
+                "kv_eviction": {},
+                "kv_window": {"sink_tokens": 4, "window_tokens": 64},
+            },
+        )
+    with pytest.raises(ConfigError, match="kv_eviction does not combine with kv_dtype: int4"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {}, "kv_dtype": "int4"})
+    with pytest.raises(ConfigError, match=r"kv_window\.window_tokens must be > kv_window\.sink_tokens"):
+        from_dict(EngineConfig, {"kv_window": {"sink_tokens": 8, "window_tokens": 4}})
+    with pytest.raises(ConfigError, match=r"kv_eviction\.score must be one of accumulated, observation"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"score": "oracle"}})
+    cfg = from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment"}})
+    assert cfg.kv_eviction == KVEviction("segment")
