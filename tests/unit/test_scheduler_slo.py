@@ -12,7 +12,7 @@ from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.request import DEFAULT_SLOS, Request, RequestClass, RequestSLO, RequestStatus
 from edge_rtgi.llm.scheduler import Scheduler, SchedulerConfig
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
-from edge_rtgi.pipeline.config import AssistantStageConfig, SloConfig
+from edge_rtgi.pipeline.config import AssistantStageConfig, SloConfig, TranslateStageConfig
 from tests.unit.test_scheduler import EOS, Params, step
 
 
@@ -259,3 +259,81 @@ def test_a_request_past_its_first_token_deadline_goes_behind_those_still_on_time
     s.add_request(req("on-time", 4, RequestClass.DIALOGUE, t=100.0, base=20))
     out, _ = step(s)
     assert [r.request_id for r in out.scheduled] == ["on-time"]
+
+
+def _plan(out) -> list[tuple]:
+    return [
+        (
+            [(r.request_id, tuple(r.token_ids), r.start_position, r.sample) for r in out.scheduled],
+            tuple(out.preempted_ids),
+        )
+    ]
+
+
+def test_fcfs_reads_no_class_slo_or_step_model():
+    """Under fcfs a request's class and SLO, a ready step-time model and the clock change nothing:
+    step for step the plan equals that of plain requests (priority, then arrival), preemptions
+    included."""
+
+    def run(decorated: bool) -> list[tuple]:
+        clock = Clock()
+        model = trained_model(fixed=5.0, per_row=20.0, per_token=10.0) if decorated else None
+        s = make(policy="fcfs", model=model, clock=clock, num_blocks=14, block_size=4, budget=32, max_seqs=4)
+        classes = [RequestClass.BULK, RequestClass.VOICE, RequestClass.DIALOGUE, RequestClass.TRANSLATION]
+        plans: list[tuple] = []
+        for i in range(8):
+            klass = classes[i % 4] if decorated else RequestClass.DIALOGUE
+            slo = RequestSLO(1.0 if i % 2 else 5000.0, 50.0) if decorated else None
+            t = 100.0 + 0.001 * i
+            s.add_request(req(f"r{i}", 6 + 3 * i, klass, t=t, max_tokens=6, slo=slo, base=10 * i + 1))
+            if i < 3:
+                continue  # four queued at once, then one more each step
+            out, _ = step(s)
+            plans += _plan(out)
+            clock.now_s += 0.01  # the odd requests' first-token deadlines pass at once
+        while s.has_unfinished():
+            out, _ = step(s)
+            plans += _plan(out)
+            clock.now_s += 0.01
+            assert len(plans) < 500
+        assert s.num_row_deferrals == 0 and s.num_refused_busy == 0
+        return plans
+
+    decorated = run(True)
+    assert decorated == run(False)
+    assert any(preempted for _, preempted in decorated)  # the pool was tight enough to preempt
+
+
+@pytest.mark.parametrize(
+    ("stage", "fields", "key"),
+    [
+        (AssistantStageConfig, {"slo": {"ttft_ms": 0}}, "ttft_ms"),
+        (AssistantStageConfig, {"slo": {"ttft_ms": -200}}, "ttft_ms"),
+        (AssistantStageConfig, {"slo": {"itl_ms": -1}}, "itl_ms"),
+        (AssistantStageConfig, {"slo": {"request_class": "urgent"}}, "request_class"),
+        (AssistantStageConfig, {"max_reply_tokens": 0}, "max_reply_tokens"),
+        (AssistantStageConfig, {"reply_deadline_ms": 0}, "reply_deadline_ms"),
+        (AssistantStageConfig, {"token_budget": "guess"}, "token_budget"),
+        (TranslateStageConfig, {"slo": {"itl_ms": 0}}, "itl_ms"),
+        (TranslateStageConfig, {"slo": {"request_class": "realtime"}}, "request_class"),
+        (TranslateStageConfig, {"min_budget_tokens": 0}, "min_budget_tokens"),
+    ],
+)
+def test_a_bad_slo_class_or_budget_in_a_pipeline_is_a_config_error_naming_the_key(stage, fields, key):
+    with pytest.raises(ConfigError, match=key):
+        from_dict(stage, fields)
+
+
+@pytest.mark.parametrize(
+    ("engine", "key"),
+    [
+        ({"scheduling": "edf"}, "scheduling"),
+        ({"min_prefill_chunk_tokens": 0}, "min_prefill_chunk_tokens"),
+        ({"admission_wait_factor": -1.0}, "admission_wait_factor"),
+    ],
+)
+def test_a_bad_scheduling_setting_in_the_daemon_config_is_a_config_error_naming_the_key(engine, key):
+    from edge_rtgi.server.config import DaemonConfig
+
+    with pytest.raises(ConfigError, match=rf"DaemonConfig\.engine: {key}"):
+        from_dict(DaemonConfig, {"engine": engine})
