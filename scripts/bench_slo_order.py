@@ -3,8 +3,8 @@
 
 ``edge-rtgi bench mixed`` compares fcfs with slo as shipped. This runs the same mixed load
 (``bench.mixed``: all four workloads at once, bursts included) on three engines over one loaded
-model: ``fcfs``, ``slo`` (``slo_waiting_order: edf``, the default) and ``slo-class``
-(``slo_waiting_order: class``, the order before it), the three rotating run by run so that load
+model: ``fcfs``, ``slo-edf`` (``slo_waiting_order: edf``) and ``slo-class``
+(``slo_waiting_order: class``, the default), the three rotating run by run so that load
 from elsewhere hits them alike. Per policy and scale: attainment over all requests and per
 workload, goodput, p95 TTFT/ITL per workload, each slo variant over fcfs, the highest scale
 sustained at 90 %, and the load average before and after every run.
@@ -37,7 +37,7 @@ from edge_rtgi.bench.mixed import (  # noqa: E402
 from edge_rtgi.bench.suite import BenchConfig, load_models, warm_up  # noqa: E402
 
 # policy name -> (scheduling, slo_waiting_order)
-POLICIES = {"fcfs": ("fcfs", "edf"), "slo": ("slo", "edf"), "slo-class": ("slo", "class")}
+POLICIES = {"fcfs": ("fcfs", "class"), "slo-edf": ("slo", "edf"), "slo-class": ("slo", "class")}
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -80,7 +80,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         for engine in engines.values():
             engine.shutdown()
     summaries = {}
-    for variant in ("slo", "slo-class"):  # bench.mixed summarises the pair fcfs / slo
+    for variant in ("slo-edf", "slo-class"):  # bench.mixed summarises the pair fcfs / slo
         pair = [dataclasses.replace(r, policy="slo") if r.policy == variant else r for r in runs]
         summaries[variant] = summarise_policies([r for r in pair if r.policy in ("fcfs", "slo")])
     return {

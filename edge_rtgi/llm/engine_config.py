@@ -64,9 +64,9 @@ class EngineConfig:
     # slo: a dialogue or bulk request whose estimated queue wait passes this many times its TTFT
     # SLO is refused as busy, with a retry estimate (0: never); voice and translation always queue
     admission_wait_factor: float = 4.0
-    # slo: waiting requests by first-token deadline across classes while on time ("edf") or by
-    # class first ("class", the earlier order); late ones go behind either way (llm.scheduler)
-    slo_waiting_order: str = "edf"
+    # slo: waiting requests still on time by class, then first-token deadline ("class"), or by
+    # that deadline alone across classes ("edf"); late ones go behind either way (llm.scheduler)
+    slo_waiting_order: str = "class"
     num_threads: int | None = None
     # "auto" (on a bf16 CPU: GGUF Q4_1 blocks as int4-g32, other weights int8; see
     # edge_rtgi.llm.quant.policy), "none",

@@ -19,9 +19,10 @@ highest-priority request alone in the pool, where it fits.
 Two policies (``SchedulerConfig.policy``):
 
 - ``fcfs``: priority, then arrival. Requests' classes and SLOs are not read.
-- ``slo``: waiting requests by priority, then earliest first-token deadline across classes
-  while a request can still make it; those already late go behind, by class (voice,
-  translation, dialogue, bulk), then deadline. Running decodes by ITL slack. With a ready
+- ``slo``: waiting requests by priority; those already past their first-token deadline go
+  behind the others, by class (voice, translation, dialogue, bulk), then deadline. Those still
+  on time go by class, then deadline (``slo_waiting_order: class``, the default) or by deadline
+  alone across classes (``edf``). Running decodes by ITL slack. With a ready
   ``StepTimeModel`` it also (a) sizes each step's prefill tokens so that the running decodes'
   predicted step stays within twice their tightest ITL objective (at least
   ``min_prefill_chunk_tokens``, so prompts always advance), and (b) admits a new request only
@@ -46,9 +47,9 @@ from edge_rtgi.llm.request import Request, RequestClass, RequestStatus, TokenLog
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 
 POLICIES = ("fcfs", "slo")
-# slo: how waiting requests are ordered. "edf": by first-token deadline across classes while on
-# time, late ones behind by class; "class": by class, then deadline, late ones behind (the order
-# before 2026-12-05, kept for comparison in scripts/bench_slo_order.py).
+# slo: how waiting requests are ordered. "class" (the default, measured in docs/benchmarks.md): by
+# class, then deadline, late ones behind; "edf": by first-token deadline across classes while on
+# time, late ones behind by class (not yet shown better: scripts/bench_slo_order.py compares them).
 WAITING_ORDERS = ("edf", "class")
 # A request's ITL objective is judged on its 95th percentile, so a step that carries prefill may
 # take a little longer than one ITL: up to this many ITL objectives.
@@ -68,7 +69,7 @@ class SchedulerConfig:
     # slo admission: refuse a dialogue or bulk request whose estimated queue wait exceeds this
     # many times its TTFT SLO (0: never refuse); voice and translation are never refused
     admission_wait_factor: float = 4.0
-    slo_waiting_order: str = "edf"
+    slo_waiting_order: str = "class"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
