@@ -174,6 +174,7 @@ class LLMEngine:
                 policy=self.config.scheduling,
                 min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
                 admission_wait_factor=self.config.admission_wait_factor,
+                slo_waiting_order=self.config.slo_waiting_order,
             ),
             self.kv,
             self.step_model,

@@ -70,6 +70,9 @@ class EngineConfig:
     # slo: a dialogue or bulk request whose estimated queue wait passes this many times its TTFT
     # SLO is refused as busy, with a retry estimate (0: never); voice and translation always queue
     admission_wait_factor: float = 4.0
+    # slo: waiting requests still on time by class, then first-token deadline ("class"), or by
+    # that deadline alone across classes ("edf"); late ones go behind either way (llm.scheduler)
+    slo_waiting_order: str = "class"
     num_threads: int | None = None
     # "auto" (on a bf16 CPU: GGUF Q4_1 blocks as int4-g32, other weights int8; see
     # edge_rtgi.llm.quant.policy), "none",
@@ -111,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
         if not self.admission_wait_factor >= 0:
             raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
+        if self.slo_waiting_order not in ("edf", "class"):
+            raise ValueError(f"slo_waiting_order must be 'edf' or 'class', got {self.slo_waiting_order!r}")
 
     def _check_eviction(self) -> None:
         budget, eviction = self.kv_budget_tokens, self.kv_eviction

@@ -19,16 +19,19 @@ highest-priority request alone in the pool, where it fits.
 Two policies (``SchedulerConfig.policy``):
 
 - ``fcfs``: priority, then arrival. Requests' classes and SLOs are not read.
-- ``slo``: waiting requests by priority, then class (voice, translation, dialogue, bulk), then
-  earliest TTFT deadline; running decodes by ITL slack. With a ready ``StepTimeModel`` it also
-  (a) sizes each step's prefill tokens so that the running decodes' predicted step time stays
-  within their tightest ITL slack (at least ``min_prefill_chunk_tokens``, so prompts always
-  advance), and (b) admits a new request only while the predicted decode step with one more
-  row stays within the tightest ITL SLO, so those running keep their SLO instead of all
-  missing it together. A waiting request may preempt a running one of a strictly lower class
-  (for blocks or for a row); that can only move work to lower classes, so it cannot cycle.
-  A waiting request whose first-token deadline has passed goes behind those that can still
-  make theirs, so an overload sheds the late ones instead of making everyone late.
+- ``slo``: waiting requests by priority; those already past their first-token deadline go
+  behind the others, by class (voice, translation, dialogue, bulk), then deadline. Those still
+  on time go by class, then deadline (``slo_waiting_order: class``, the default) or by deadline
+  alone across classes (``edf``). Running decodes by ITL slack. With a ready
+  ``StepTimeModel`` it also (a) sizes each step's prefill tokens so that the running decodes'
+  predicted step stays within twice their tightest ITL objective (at least
+  ``min_prefill_chunk_tokens``, so prompts always advance), and (b) admits a new request only
+  while the predicted decode step with one more row stays within the tightest ITL SLO, so
+  those running keep their SLO instead of all missing it together. A waiting request may
+  preempt a running one of a strictly lower class (for blocks or for a row); that can only move
+  work to lower classes, and a request preempted so sits out the rest of that step, so it
+  cannot cycle. Late requests going behind is what sheds an overload instead of making
+  everyone late; EDF among the others is what meets the most deadlines while they can be met.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ from edge_rtgi.llm.request import Request, RequestClass, RequestStatus, TokenLog
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 
 POLICIES = ("fcfs", "slo")
+# slo: how waiting requests are ordered. "class" (the default, measured in docs/benchmarks.md): by
+# class, then deadline, late ones behind; "edf": by first-token deadline across classes while on
+# time, late ones behind by class (not yet shown better: scripts/bench_slo_order.py compares them).
+WAITING_ORDERS = ("edf", "class")
 # A request's ITL objective is judged on its 95th percentile, so a step that carries prefill may
 # take a little longer than one ITL: up to this many ITL objectives.
 PREFILL_STALL_FACTOR = 2.0
@@ -62,6 +69,7 @@ class SchedulerConfig:
     # slo admission: refuse a dialogue or bulk request whose estimated queue wait exceeds this
     # many times its TTFT SLO (0: never refuse); voice and translation are never refused
     admission_wait_factor: float = 4.0
+    slo_waiting_order: str = "class"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
@@ -72,6 +80,9 @@ class SchedulerConfig:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
         if not self.admission_wait_factor >= 0:
             raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
+        if self.slo_waiting_order not in WAITING_ORDERS:
+            orders = ", ".join(WAITING_ORDERS)
+            raise ValueError(f"slo_waiting_order must be one of {orders}, got {self.slo_waiting_order!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Otherwise a long prompt could never be scheduled in one piece.
             raise ValueError(
@@ -142,9 +153,27 @@ def _victim_key(req: Request) -> tuple[float, ...]:
     return (req.priority, -req.arrival_time_s)
 
 
-def _slo_serve_key(req: Request) -> tuple[float, ...]:
-    # Priority, then class, then earliest TTFT deadline (EDF within a class).
-    return (-req.priority, -req.request_class.rank, req.ttft_deadline_s, req.arrival_time_s)
+def _slo_serve_key(req: Request, now_s: float) -> tuple[float, ...]:
+    # Priority; then, while a request can still make its first-token deadline, that deadline
+    # alone (EDF across classes: the order that meets the most deadlines while they can be met);
+    # a late one goes behind them all, by class, then deadline (under overload the class decides
+    # who is served late). A stream preempted after its first token is judged by that deadline
+    # too, so it goes behind the fresh requests it was preempted for instead of taking its row
+    # back at once.
+    deadline_s = req.ttft_deadline_s
+    if deadline_s >= now_s:
+        return (0, -req.priority, deadline_s, req.arrival_time_s)
+    return (1, -req.priority, -req.request_class.rank, deadline_s, req.arrival_time_s)
+
+
+def _slo_class_serve_key(req: Request, now_s: float) -> tuple[float, ...]:
+    # slo_waiting_order: class. Late ones behind; then priority, class, deadline (EDF within a class).
+    deadline_s = req.ttft_deadline_s
+    return (deadline_s < now_s, -req.priority, -req.request_class.rank, deadline_s, req.arrival_time_s)
+
+
+def _fcfs_serve_key(req: Request, now_s: float) -> tuple[float, ...]:
+    return _serve_key(req)
 
 
 def _slo_victim_key(req: Request) -> tuple[float, ...]:
@@ -193,7 +222,12 @@ class Scheduler:
         self.step_model = step_model
         self.clock = clock
         self.slo = config.policy == "slo"
-        self._key = _slo_serve_key if self.slo else _serve_key
+        if not self.slo:
+            self._key = _fcfs_serve_key
+        elif config.slo_waiting_order == "class":
+            self._key = _slo_class_serve_key
+        else:
+            self._key = _slo_serve_key
         self._victim = _slo_victim_key if self.slo else _victim_key
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # kept sorted by self._key
@@ -269,8 +303,9 @@ class Scheduler:
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
-        keys = [self._key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self._key(request)), request)
+        now = self.clock()
+        keys = [self._key(r, now) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._key(request, now)), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -283,8 +318,8 @@ class Scheduler:
         num_new: dict[str, int] = {}
         preempted: list[Request] = []
         now = self.clock()
-        if self.slo:  # a request that can no longer make its first-token deadline goes last
-            self.waiting.sort(key=lambda r: (r.ttft_deadline_s < now, *self._key(r)))
+        if self.slo:  # the order moves with the clock as requests become late
+            self.waiting.sort(key=lambda r: self._key(r, now))
         prefill = _PrefillAllowance(self._prefill_allowance(now))
         budget = self._schedule_running(budget, num_new, preempted, now, prefill)
         if not preempted:  # after a preemption, blocks are scarce: admit nobody this step
@@ -312,7 +347,10 @@ class Scheduler:
 
     def _running_order(self, now: float) -> list[Request]:
         if self.slo:  # decodes first, the one closest to missing its next token first
-            return sorted(self.running, key=lambda r: (not _is_decode(r), r.itl_slack_s(now), *self._key(r)))
+            return sorted(
+                self.running,
+                key=lambda r: (not _is_decode(r), r.itl_slack_s(now), -r.priority, -r.request_class.rank),
+            )
         return sorted(self.running, key=lambda r: (not _is_decode(r), *_serve_key(r)))
 
     def _schedule_running(
@@ -358,8 +396,12 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, num_new: dict[str, int], preempted: list[Request], prefill: _PrefillAllowance
     ) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            # a request preempted for another in this step sits it out (it could sort ahead of
+            # the one it made room for, which would preempt it again)
+            req = next((r for r in self.waiting if r not in preempted), None)
+            if req is None:
+                break
             if self.slo and not self._row_fits(req, num_new):
                 if self._preempt_lower_class(req, num_new, preempted):
                     budget = self._budget_left(num_new)
@@ -380,7 +422,7 @@ class Scheduler:
                     budget = self._budget_left(num_new)
                     continue
                 break  # strict priority order: no overtaking by smaller requests
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.num_computed_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -86,7 +86,11 @@ class SloConfig:
     itl_ms: float | None = None
 
     def __post_init__(self) -> None:
-        self.objective()  # validates the class and the numbers
+        try:
+            RequestClass.parse(self.request_class)
+        except ValueError as e:
+            raise ValueError(f"request_class: {e}") from None
+        self.objective()  # validates the numbers, naming ttft_ms or itl_ms
 
     @property
     def klass(self) -> RequestClass:
@@ -203,6 +207,8 @@ class TranslateStageConfig:
             self.backend_config()
         if self.budget_ratio <= 0:
             raise ValueError("budget_ratio must be > 0")
+        if self.min_budget_tokens < 1:
+            raise ValueError(f"min_budget_tokens must be >= 1 token, got {self.min_budget_tokens}")
 
     def backend_config(self) -> LlmBackendConfig:
         """The one LLM backend (backend: llm or openai, without a router)."""

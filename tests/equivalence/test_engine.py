@@ -168,6 +168,40 @@ def test_switches_off_give_the_same_output(llama):
         assert [r.token_ids for r in got] == want, overrides
 
 
+def test_fcfs_without_budgets_is_todays_engine_whatever_the_classes(llama):
+    """``scheduling: fcfs`` with budgets off reads no class or SLO: requests of every class with
+    tight objectives run step for step as plain ones (same steps, preemptions and batches) and
+    give the plain path's tokens, text and finish reasons."""
+    from edge_rtgi.llm.request import RequestClass, RequestSLO
+
+    tok = llama.tokenizer
+    system = tok.encode(TEXTS[5] + " " + TEXTS[1])
+    prompts = [system + tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=8 + i, ignore_eos=True) for i in range(8)]
+    classes = [RequestClass.BULK, RequestClass.VOICE, RequestClass.DIALOGUE, RequestClass.TRANSLATION] * 2
+
+    def run(decorated: bool):
+        engine = engine_for(llama, scheduling="fcfs", num_kv_blocks=30, max_num_batched_tokens=32)
+        results = [GenerationResult() for _ in prompts]
+        for i in range(len(prompts)):
+            extra = {"request_class": classes[i], "slo": RequestSLO(1.0, 1.0)} if decorated else {}
+            engine.submit(prompts[i], params[i], results[i].add, request_id=f"r{i}", **extra)
+            engine.step()
+        for _ in range(2000):
+            if not engine.step():
+                break
+        return results, engine.stats()
+
+    (got, stats), (plain, plain_stats) = run(True), run(False)
+    for prompt, p, a, b in zip(prompts, params, got, plain, strict=True):
+        want = reference(llama, prompt, p)
+        assert (a.token_ids, a.text, a.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+        assert (b.token_ids, b.finish_reason) == (want.token_ids, want.finish_reason)
+    assert stats.num_preemptions > 0
+    for field in ("num_steps", "num_batched_tokens", "num_preemptions", "num_row_deferrals"):
+        assert getattr(stats, field) == getattr(plain_stats, field), field
+
+
 def test_slo_scheduling_computes_the_same_tokens(llama):
     """The slo policy changes only when tokens are computed: row caps, small prefill chunks and a
     bulk request preempted for voice ones still give each request the reference's greedy text."""

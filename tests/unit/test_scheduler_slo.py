@@ -12,7 +12,7 @@ from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.request import DEFAULT_SLOS, Request, RequestClass, RequestSLO, RequestStatus
 from edge_rtgi.llm.scheduler import Scheduler, SchedulerConfig
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
-from edge_rtgi.pipeline.config import AssistantStageConfig, SloConfig
+from edge_rtgi.pipeline.config import AssistantStageConfig, SloConfig, TranslateStageConfig
 from tests.unit.test_scheduler import EOS, Params, step
 
 
@@ -34,9 +34,11 @@ def trained_model(fixed=5.0, per_row=10.0, per_token=0.5, per_ktoken=0.0, n=64, 
     return model
 
 
-def make(policy="slo", model=None, clock=None, num_blocks=64, block_size=4, budget=64, max_seqs=8):
+def make(
+    policy="slo", model=None, clock=None, num_blocks=64, block_size=4, budget=64, max_seqs=8, order="edf"
+):
     kv = KVCacheManager(num_blocks, block_size)
-    cfg = SchedulerConfig(budget, max_seqs, 512, True, policy=policy)
+    cfg = SchedulerConfig(budget, max_seqs, 512, True, policy=policy, slo_waiting_order=order)
     return Scheduler(cfg, kv, model, clock or Clock())
 
 
@@ -72,8 +74,8 @@ def test_bad_pipeline_slo_is_a_config_error_naming_the_key():
     assert SloConfig().klass is RequestClass.VOICE
 
 
-def test_waiting_order_is_class_then_earliest_deadline():
-    s = make(budget=4, max_seqs=1)  # one request admitted per step
+def test_late_requests_wait_by_class_then_earliest_deadline():
+    s = make(budget=4, max_seqs=1)  # the clock reads 100 s: every first-token deadline has passed
     s.add_request(req("bulk", 4, RequestClass.BULK, t=1.0))
     s.add_request(req("dialogue-late", 4, RequestClass.DIALOGUE, t=3.0))
     # an earlier arrival with a looser objective has the later deadline
@@ -259,3 +261,131 @@ def test_a_request_past_its_first_token_deadline_goes_behind_those_still_on_time
     s.add_request(req("on-time", 4, RequestClass.DIALOGUE, t=100.0, base=20))
     out, _ = step(s)
     assert [r.request_id for r in out.scheduled] == ["on-time"]
+
+
+def _plan(out) -> list[tuple]:
+    return [
+        (
+            [(r.request_id, tuple(r.token_ids), r.start_position, r.sample) for r in out.scheduled],
+            tuple(out.preempted_ids),
+        )
+    ]
+
+
+def test_fcfs_reads_no_class_slo_or_step_model():
+    """Under fcfs a request's class and SLO, a ready step-time model and the clock change nothing:
+    step for step the plan equals that of plain requests (priority, then arrival), preemptions
+    included."""
+
+    def run(decorated: bool) -> list[tuple]:
+        clock = Clock()
+        model = trained_model(fixed=5.0, per_row=20.0, per_token=10.0) if decorated else None
+        s = make(policy="fcfs", model=model, clock=clock, num_blocks=14, block_size=4, budget=32, max_seqs=4)
+        classes = [RequestClass.BULK, RequestClass.VOICE, RequestClass.DIALOGUE, RequestClass.TRANSLATION]
+        plans: list[tuple] = []
+        for i in range(8):
+            klass = classes[i % 4] if decorated else RequestClass.DIALOGUE
+            slo = RequestSLO(1.0 if i % 2 else 5000.0, 50.0) if decorated else None
+            t = 100.0 + 0.001 * i
+            s.add_request(req(f"r{i}", 6 + 3 * i, klass, t=t, max_tokens=6, slo=slo, base=10 * i + 1))
+            if i < 3:
+                continue  # four queued at once, then one more each step
+            out, _ = step(s)
+            plans += _plan(out)
+            clock.now_s += 0.01  # the odd requests' first-token deadlines pass at once
+        while s.has_unfinished():
+            out, _ = step(s)
+            plans += _plan(out)
+            clock.now_s += 0.01
+            assert len(plans) < 500
+        assert s.num_row_deferrals == 0 and s.num_refused_busy == 0
+        return plans
+
+    decorated = run(True)
+    assert decorated == run(False)
+    assert any(preempted for _, preempted in decorated)  # the pool was tight enough to preempt
+
+
+@pytest.mark.parametrize(
+    ("stage", "fields", "key"),
+    [
+        (AssistantStageConfig, {"slo": {"ttft_ms": 0}}, "ttft_ms"),
+        (AssistantStageConfig, {"slo": {"ttft_ms": -200}}, "ttft_ms"),
+        (AssistantStageConfig, {"slo": {"itl_ms": -1}}, "itl_ms"),
+        (AssistantStageConfig, {"slo": {"request_class": "urgent"}}, "request_class"),
+        (AssistantStageConfig, {"max_reply_tokens": 0}, "max_reply_tokens"),
+        (AssistantStageConfig, {"reply_deadline_ms": 0}, "reply_deadline_ms"),
+        (AssistantStageConfig, {"token_budget": "guess"}, "token_budget"),
+        (TranslateStageConfig, {"slo": {"itl_ms": 0}}, "itl_ms"),
+        (TranslateStageConfig, {"slo": {"request_class": "realtime"}}, "request_class"),
+        (TranslateStageConfig, {"min_budget_tokens": 0}, "min_budget_tokens"),
+    ],
+)
+def test_a_bad_slo_class_or_budget_in_a_pipeline_is_a_config_error_naming_the_key(stage, fields, key):
+    with pytest.raises(ConfigError, match=key):
+        from_dict(stage, fields)
+
+
+@pytest.mark.parametrize(
+    ("engine", "key"),
+    [
+        ({"scheduling": "edf"}, "scheduling"),
+        ({"min_prefill_chunk_tokens": 0}, "min_prefill_chunk_tokens"),
+        ({"admission_wait_factor": -1.0}, "admission_wait_factor"),
+        ({"slo_waiting_order": "fifo"}, "slo_waiting_order"),
+    ],
+)
+def test_a_bad_scheduling_setting_in_the_daemon_config_is_a_config_error_naming_the_key(engine, key):
+    from edge_rtgi.server.config import DaemonConfig
+
+    with pytest.raises(ConfigError, match=rf"DaemonConfig\.engine: {key}"):
+        from_dict(DaemonConfig, {"engine": engine})
+
+
+def test_on_time_requests_go_by_deadline_across_classes_and_late_ones_by_class():
+    """Global EDF while a first token can still be on time (a dialogue due sooner goes before a
+    voice turn due later); past its deadline a request goes behind, where the class decides."""
+    arrivals = {
+        "late-dialogue": (RequestClass.DIALOGUE, 99.0, None),  # due 99.5
+        "late-voice": (RequestClass.VOICE, 99.2, None),  # due 99.7
+        "bulk": (RequestClass.BULK, 95.0, None),  # due 105.0
+        "voice": (RequestClass.VOICE, 99.95, None),  # due 100.45
+        "dialogue": (RequestClass.DIALOGUE, 99.8, None),  # due 100.3
+        "code": (RequestClass.DIALOGUE, 99.9, RequestSLO(300, 50)),  # due 100.2
+    }
+
+    def queue(order: str, clock: Clock) -> Scheduler:
+        s = make(clock=clock, budget=4, max_seqs=1, order=order)
+        for i, (rid, (klass, t, slo)) in enumerate(arrivals.items()):
+            s.add_request(req(rid, 4, klass, t=t, slo=slo, base=10 * i + 1))
+        return s
+
+    clock = Clock()  # now: 100.0
+    s = queue("edf", clock)
+    out, _ = step(s)
+    assert [r.request_id for r in out.scheduled] == ["code"]
+    assert [r.request_id for r in s.waiting] == ["dialogue", "voice", "bulk", "late-voice", "late-dialogue"]
+    clock.now_s = 100.35  # the dialogue's deadline has passed: it goes behind, by class
+    s.schedule()  # (the one row is still taken: nothing is admitted)
+    assert [r.request_id for r in s.waiting] == ["voice", "bulk", "late-voice", "late-dialogue", "dialogue"]
+    # the earlier order (slo_waiting_order: class) put the class first among those on time
+    c = queue("class", Clock())
+    out, _ = step(c)
+    assert [r.request_id for r in out.scheduled] == ["voice"]
+    assert [r.request_id for r in c.waiting] == ["code", "dialogue", "bulk", "late-voice", "late-dialogue"]
+
+
+def test_a_request_preempted_for_a_late_one_sits_out_the_step():
+    """A bulk request preempted for a late voice turn sorts ahead of it (its own deadline is far
+    off) but is not readmitted in the same step, which would preempt it again without end."""
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.0)  # 4 rows fit a 50 ms ITL
+    s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
+    for i in range(4):
+        s.add_request(
+            req(f"bulk{i}", 2, RequestClass.BULK, t=100.0 + i * 0.001, base=10 * i + 1, max_tokens=20)
+        )
+    step(s)
+    s.add_request(req("voice", 2, RequestClass.VOICE, t=99.0, base=90, max_tokens=20))  # due 99.5: late
+    out, _ = step(s)
+    assert out.preempted_ids == ["bulk3"] and "voice" in {r.request_id for r in s.running}
+    assert [r.request_id for r in s.waiting] == ["bulk3"]

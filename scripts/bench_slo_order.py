@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""The mixed load under fcfs and under slo with each waiting order, in one run.
+
+``edge-rtgi bench mixed`` compares fcfs with slo as shipped. This runs the same mixed load
+(``bench.mixed``: all four workloads at once, bursts included) on three engines over one loaded
+model: ``fcfs``, ``slo-edf`` (``slo_waiting_order: edf``) and ``slo-class``
+(``slo_waiting_order: class``, the default), the three rotating run by run so that load
+from elsewhere hits them alike. Per policy and scale: attainment over all requests and per
+workload, goodput, p95 TTFT/ITL per workload, each slo variant over fcfs, the highest scale
+sustained at 90 %, and the load average before and after every run.
+
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_slo_order.py --scales 0.5,1,1.5 --out o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edge_rtgi.bench.mixed import (  # noqa: E402
+    MixedRun,
+    mixed_workloads,
+    run_mixed_once,
+    summarise_policies,
+    summarise_run,
+)
+from edge_rtgi.bench.suite import BenchConfig, load_models, warm_up  # noqa: E402
+
+# policy name -> (scheduling, slo_waiting_order)
+POLICIES = {"fcfs": ("fcfs", "class"), "slo-edf": ("slo", "edf"), "slo-class": ("slo", "class")}
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    from edge_rtgi.llm.engine import LLMEngine
+
+    cfg = BenchConfig(
+        model=args.model,
+        mixed_rate_scales=tuple(float(s) for s in args.scales.split(",")),
+        mixed_duration_s=args.duration,
+        mixed_rounds=args.rounds,
+    )
+    models = load_models(cfg)
+    engines = {}
+    for name, (scheduling, order) in POLICIES.items():
+        opt = dataclasses.replace(cfg.optimisations, scheduling=scheduling)
+        engine_cfg = opt.engine_config(cfg.model, cfg.num_threads).with_(slo_waiting_order=order)
+        engines[name] = LLMEngine.from_loaded(models.optimised, engine_cfg)
+    runs: list[MixedRun] = []
+    loads: list[dict] = []
+    names = list(POLICIES)
+    try:
+        for engine in engines.values():
+            warm_up(engine, models.optimised.tokenizer)
+        turn = 0
+        for scale in cfg.mixed_rate_scales:
+            for rnd in range(cfg.mixed_rounds):
+                for policy in names[turn % 3 :] + names[: turn % 3]:
+                    workloads = mixed_workloads(cfg, scale, seed=cfg.seed + rnd)
+                    load0 = os.getloadavg()
+                    results = await run_mixed_once(engines[policy], models, workloads)
+                    run = summarise_run(policy, scale, rnd, workloads, results)
+                    runs.append(run)
+                    loads.append(
+                        {"policy": policy, "scale": scale, "round": rnd, "load": [load0, os.getloadavg()]}
+                    )
+                    print(f"x{scale:g} round {rnd + 1} {policy}: {run.attainment:.0%}", flush=True)
+                turn += 1
+        step_models = {p: dataclasses.asdict(e.step_model.snapshot()) for p, e in engines.items()}
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    summaries = {}
+    for variant in ("slo-edf", "slo-class"):  # bench.mixed summarises the pair fcfs / slo
+        pair = [dataclasses.replace(r, policy="slo") if r.policy == variant else r for r in runs]
+        summaries[variant] = summarise_policies([r for r in pair if r.policy in ("fcfs", "slo")])
+    return {
+        "runs": [{**dataclasses.asdict(r), "attainment": r.attainment} for r in runs],
+        "run_load_average": loads,
+        "summary": summaries,
+        "step_model": step_models,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--scales", default="0.5,1,1.5", help="rate scales of the summed offered 8 req/s")
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per run")
+    ap.add_argument("--rounds", type=int, default=2, help="runs per policy and scale")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    started, load0 = time.monotonic(), os.getloadavg()
+    result = asyncio.run(main_async(args))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    result["conditions"] = {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commit": commit.stdout.strip(),
+        "load_average": [load0, os.getloadavg()],
+        "seconds": round(time.monotonic() - started, 1),
+        "scales": args.scales,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+    }
+    text = json.dumps(result, indent=1, default=str)
+    if args.out:
+        args.out.write_text(text)
+    for variant, summary in result["summary"].items():
+        print(variant, json.dumps(summary["slo_over_fcfs"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
