@@ -33,6 +33,10 @@ def test_settings_parse_and_bad_ones_name_the_key():
         ({"draft": "ngram", "k": 0}, "speculative.k"),
         ({"draft": "ngram", "k": 17}, "speculative.k"),
         ({"draft": "ngram", "k": True}, "speculative.k"),
+        ({"draft": "ngram", "k": "4"}, "speculative.k"),
+        ("ngram:0", "speculative.k"),
+        ("ngram:17", "speculative.k"),
+        ("ngram:-1", "speculative.k"),
         ({"draft": "eagle", "k": 4}, "speculative.draft"),
         ({"draft": "ngram", "n": 4}, "unknown key"),
         ("sometimes", "'auto', 'off'"),
@@ -44,6 +48,8 @@ def test_settings_parse_and_bad_ones_name_the_key():
     assert from_dict(EngineConfig, {"speculative": {"draft": "ngram", "k": 2}}).speculation().k == 2
     with pytest.raises(ConfigError, match="speculative.draft"):
         from_dict(AssistantStageConfig, {"speculative": {"draft": "medusa"}})
+    with pytest.raises(ConfigError, match=r"speculative\.k must be an integer in 1\.\.16"):
+        from_dict(AssistantStageConfig, {"speculative": {"draft": "ngram", "k": 0}})
     with pytest.raises(RequestError, match="speculative.k"):
         SamplingParams(speculative="ngram:99")
 
