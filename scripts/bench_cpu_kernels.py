@@ -16,7 +16,7 @@ Configurations:
 The per-op rows are compared with "per-op" (what each kernel is worth), the others with "layer loop".
 
 ``--multi-row``: the weight-only matmuls of one decode step (every quantised linear of the model,
-in forward order, the LM head included) on inputs of 1, 2, 4, 5, 8 and 16 rows (the shape of
+in forward order, the LM head included) on inputs of 1, 2, 4, 5, 8, 9, 12 and 16 rows (the shape of
 verifying k draft tokens, or of a decode batch), interleaved round by round:
 - "shipped": what ``Int4Linear`` / ``Int8Linear`` run (ATen's kernel at 1 row, ``cpu_ops.int4_mm`` /
   ``int8_mm`` at 2..16 rows);
@@ -78,7 +78,7 @@ def configure(name: str) -> contextlib.AbstractContextManager:
     return cpu_ops.disabled() if name == "none" else contextlib.nullcontext()
 
 
-MULTI_ROW_COUNTS = (1, 2, 4, 5, 8, 16)
+MULTI_ROW_COUNTS = (1, 2, 4, 5, 8, 9, 12, 16)
 
 
 def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_COUNTS) -> None:

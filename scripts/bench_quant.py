@@ -68,7 +68,7 @@ from edge_rtgi.llm.quant.plan import (
     plan_nbytes,
     uniform_plan,
 )
-from edge_rtgi.llm.quant.policy import AUTO_QUANT_KERNEL_MAX_ROWS
+from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
 from edge_rtgi.llm.quant.profile import SensitivityTable, calibration_text, collect_importance
 from edge_rtgi.llm.quant.report import compare_quality
 from edge_rtgi.llm.quant.schemes import parse_scheme, quantize_weight
@@ -215,7 +215,7 @@ def quantised_copy(full, plan: QuantPlan, label: str, importance: dict | None):
         importance=None if label.endswith(MINMAX_SUFFIX) or label == ENGINE_AUTO else importance,
     )
     if label == ENGINE_AUTO:
-        keep_dense_copies(model, AUTO_QUANT_KERNEL_MAX_ROWS)
+        keep_dense_copies(model, auto_quant_kernel_max_rows())
     return model
 
 

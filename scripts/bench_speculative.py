@@ -14,6 +14,8 @@ k drafts), from the engine's own cost table.
 
     flock /tmp/bench.lock .venv/bin/python scripts/bench_speculative.py [--runs 5] [--prompts 3]
         [--json docs/benchmarks/speculative.json]
+    # only the step costs at 1..16 tokens, with more than 8 / 16 rows on the dense copies, paired:
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_speculative.py --step-costs 8,16 --rounds 15
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ ADVERSARIAL = (
 )
 FIXED = (("ngram", 2), ("ngram", 4), ("ngram", 8))
 COST_SIZES = (1, 2, 3, 5, 9, 17)
+# --step-costs: the kernel microbenchmark's row counts (scripts/bench_cpu_kernels.py --multi-row)
+STEP_COST_SIZES = (1, 2, 4, 5, 8, 9, 12, 16)
 MAX_TOKENS = 48
 
 
@@ -99,10 +103,27 @@ def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> tupl
     return tokens / wall_s, tokens / cpu_s
 
 
-def step_costs(engine: LLMEngine, sizes: tuple[int, ...], repeats: int) -> dict[int, tuple[float, float]]:
+def set_kernel_max_rows(engine: LLMEngine, max_rows: int) -> None:
+    """Send inputs of more than ``max_rows`` rows to the dense bf16 copies (``quant: auto``'s
+    threshold, ``AUTO_QUANT_KERNEL_MAX_ROWS``), for an A/B of the threshold in one process."""
+    from edge_rtgi.llm import cpu_ops
+    from edge_rtgi.llm.quant.kernels import QuantLinear
+
+    model = engine.runner.model
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module.dense_weight is not None:
+            module.max_kernel_rows = max_rows
+    cpu_ops.forget_plan(model)  # the layer loop's plan holds the row limit it was built with
+
+
+def step_costs(
+    engine: LLMEngine, sizes: tuple[int, ...], repeats: int, max_rows: tuple[int, ...] = ()
+) -> dict[tuple[int, int], tuple[float, float]]:
     """Run time of one batch-1 step carrying n tokens (the last token plus n-1 drafts) after a
-    64-token context: median wall ms and CPU ms over ``repeats`` interleaved rounds. The same step
-    is re-run without being applied, so every round sees the same context."""
+    64-token context: median wall ms and CPU ms over ``repeats`` interleaved rounds, keyed by
+    (kernel row limit, n) (limit 0: as loaded). The same step is re-run without being applied,
+    so every round sees the same context; each row limit in ``max_rows`` is set in turn within
+    every round (``set_kernel_max_rows``)."""
     tok = engine.tokenizer
     assert tok is not None
     ids = tok.encode("The history of the printing press begins in the fifteenth century. " * 6)[:64]
@@ -113,20 +134,58 @@ def step_costs(engine: LLMEngine, sizes: tuple[int, ...], repeats: int) -> dict[
         engine.step()
     req = engine.scheduler.requests["cost"]
     params = {"cost": SamplingParams(max_tokens=200, ignore_eos=True)}
-    wall: dict[int, list[float]] = {n: [] for n in sizes}
-    cpu: dict[int, list[float]] = {n: [] for n in sizes}
+    limits = max_rows or (0,)
+    wall: dict[tuple[int, int], list[float]] = {(m, n): [] for m in limits for n in sizes}
+    cpu: dict[tuple[int, int], list[float]] = {(m, n): [] for m in limits for n in sizes}
     for _ in range(repeats):
-        for n in sizes:
-            req.draft_token_ids = list(ids[1:n])
-            output = engine.scheduler.schedule()
-            w, c = time.perf_counter(), time.process_time()
-            engine.runner.execute(output, params)
-            wall[n].append((time.perf_counter() - w) * 1e3)
-            cpu[n].append((time.process_time() - c) * 1e3)
+        for m in limits:
+            if m:
+                set_kernel_max_rows(engine, m)
+            for n in sizes:
+                req.draft_token_ids = list(ids[1:n])
+                output = engine.scheduler.schedule()
+                w, c = time.perf_counter(), time.process_time()
+                engine.runner.execute(output, params)
+                wall[m, n].append((time.perf_counter() - w) * 1e3)
+                cpu[m, n].append((time.process_time() - c) * 1e3)
     req.draft_token_ids = []
     engine.abort("cost")
     engine.step()
-    return {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in sizes}
+    return {key: (statistics.median(wall[key]), statistics.median(cpu[key])) for key in wall}
+
+
+def report_step_costs(engine: LLMEngine, rounds: int, limits: tuple[int, ...], json_path: str | None) -> None:
+    """``--step-costs``: only the step-cost table, at each kernel row limit, paired round by round."""
+    for _ in range(2):  # warm-up: first-call kernels, each path once
+        step_costs(engine, STEP_COST_SIZES, 1, limits)
+    load_before, started = os.getloadavg(), time.time()
+    costs = step_costs(engine, STEP_COST_SIZES, rounds, limits)
+    load_after = os.getloadavg()
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {rounds} rounds interleaved, "
+        f"threads {torch.get_num_threads()}, load {load_before[0]:.2f} -> {load_after[0]:.2f}"
+    )
+    print("batch-1 step carrying n tokens (n-1 drafts) after a 64-token context, median ms (ratio to n=1")
+    print("at the same row limit; 'limit' = AUTO_QUANT_KERNEL_MAX_ROWS, more rows take the dense bf16 copy)")
+    for m in limits:
+        for n in STEP_COST_SIZES:
+            wall_ms, cpu_ms = costs[m, n]
+            print(
+                f"  limit {m:2d} n={n:2d}: wall {wall_ms:7.2f} ({wall_ms / costs[m, 1][0]:4.2f}x)  "
+                f"cpu {cpu_ms:7.2f} ({cpu_ms / costs[m, 1][1]:4.2f}x)"
+            )
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+                    "rounds": rounds,
+                    "load": [load_before[0], load_after[0]],
+                    "step_ms": {f"limit{m}/n{n}": {"wall": c[0], "cpu": c[1]} for (m, n), c in costs.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 def main() -> None:
@@ -136,6 +195,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default=",".join((*WORKLOADS, "adversarial")))
     ap.add_argument("--json", default=None, help="write the raw figures here")
+    ap.add_argument(
+        "--step-costs",
+        default=None,
+        metavar="LIMITS",
+        help="only time one step at 1..16 tokens, at each of these kernel row limits (e.g. 8,16)",
+    )
+    ap.add_argument("--rounds", type=int, default=15, help="--step-costs: interleaved rounds")
     args = ap.parse_args()
     config = EngineConfig(num_threads=args.threads)
     prepared = load_prepared(
@@ -144,6 +210,10 @@ def main() -> None:
     # no engine thread: this thread calls step() itself, so timings have no hand-off in them
     engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
     torch.set_num_threads(args.threads)
+    if args.step_costs:
+        limits = tuple(int(m) for m in args.step_costs.split(","))
+        report_step_costs(engine, args.rounds, limits, args.json)
+        return
     workloads = args.workloads.split(",")
     settings = [Setting("off", None), Setting("auto", Speculator(SpeculativeConfig("auto")))]
     settings += [Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k))) for d, k in FIXED]
@@ -160,7 +230,7 @@ def main() -> None:
             for s in shuffled:
                 s.rates.setdefault(w, []).append(run_one(engine, s, w, prompts[w]))
     load_after = os.getloadavg()
-    costs = step_costs(engine, COST_SIZES, max(args.runs, 5) * 2)
+    costs = {n: c for (_, n), c in step_costs(engine, COST_SIZES, max(args.runs, 5) * 2).items()}
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {args.runs} runs, "
         f"{args.prompts} prompts/workload, max_tokens {MAX_TOKENS}, greedy, threads {args.threads}, "

@@ -87,15 +87,15 @@ def load_prepared(
     if not cacheable:
         loaded = load_model(path, torch_device, torch_dtype)
         return PreparedModel(loaded, apply_engine_quant(loaded.model, quant, loaded.tokenizer), False, None)
+    from edge_rtgi.llm import cpu_ops
+
+    cpu_ops.prepare(torch_device)  # before the key, which reads which kernels loaded
     root = keys.prepared_root(cache_dir)
     key = _key(path, root, torch_dtype, quant)
     folder = root / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
     found = _read(folder, key, keys.tokenizer_file(root, key["source_sha256"]))
     if found is not None:
         loaded, applied = found
-        from edge_rtgi.llm import cpu_ops
-
-        cpu_ops.prepare(torch_device)
         return PreparedModel(loaded, applied, True, folder)
     started = time.perf_counter()
     loaded = load_model(path, torch_device, torch_dtype)
@@ -112,6 +112,8 @@ def load_prepared(
 
 
 def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[str, str]:
+    from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
+
     return {
         "format": FORMAT,
         "source_sha256": keys.source_sha256(path, root),
@@ -119,6 +121,9 @@ def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[
         "device": "cpu",
         "dtype": str(dtype),
         "quant": str(quant),
+        # the layers store the row limit of quant "auto", which depends on the CPU's kernels
+        # (AMX or not): a copy made where it differed must not be reused here
+        "kernel_max_rows": str(auto_quant_kernel_max_rows()),
     }
 
 

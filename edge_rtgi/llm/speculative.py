@@ -230,7 +230,10 @@ CLASS_PRIORS: dict[RequestClass, tuple[float, float]] = {
     RequestClass.DIALOGUE: (1.0, 2.0),
     RequestClass.BULK: (2.0, 2.0),
 }
-PRIOR_WEIGHT = 4.0  # pseudo-observations a request's estimate starts with
+PRIOR_WEIGHT = 4.0  # pseudo-observations of the class prior a request's estimate starts with
+# At most this many pseudo-observations of its class's measured acceptance are added to them: a
+# class whose drafts keep failing starts its next request pessimistic, not at the prior again.
+CLASS_EVIDENCE_WEIGHT = 24.0
 K_CHOICES = (1, 2, 3, 4, 6, 8)
 MIN_GAIN = 1.03  # a draft must promise this speed-up over plain decoding, or the step goes plain
 
@@ -242,6 +245,7 @@ class _RequestArm:
     accepted: float
     rejected: float
     pending: list[int] = field(default_factory=list)  # a shadow proposal to score next step
+    start: tuple[float, float] = (0.0, 0.0)  # the pseudo-counts it started with (not evidence)
 
     @property
     def mean(self) -> float:
@@ -278,11 +282,13 @@ class AdaptivePolicy:
     """Per request, picks (draft, k) maximising expected tokens per unit of step cost.
 
     A model-based bandit: each (request, draft) keeps a Beta estimate of per-token acceptance,
-    started from its class's running totals (``CLASS_PRIORS`` before any), and each candidate k
-    is scored ``expected_tokens(optimistic acceptance, k) / cost ratio(k)`` with the cost ratio
-    from measured step times. With no candidate above ``MIN_GAIN`` the step is plain; cheap
-    drafts (no model run) still propose in the shadow then, and the next token scores them, so
-    a request whose text turns repetitive is noticed without paying for a verification.
+    started from its class's prior (``CLASS_PRIORS``) plus what earlier requests of the class
+    observed (``CLASS_EVIDENCE_WEIGHT`` at most), and each candidate k, up to what the draft
+    actually proposed, is scored ``expected_tokens(optimistic acceptance, k) / cost ratio(k)``
+    with the cost ratio from measured step times. With no candidate above ``MIN_GAIN`` the
+    step is plain; the cheap drafts' (no model run) proposals are then scored in the shadow by
+    the next token, so a request whose text turns repetitive is noticed without paying for a
+    verification.
     ``fixed`` pins the draft and k (the ablation and the ``{draft, k}`` setting).
     """
 
@@ -296,10 +302,22 @@ class AdaptivePolicy:
     def _arm(self, request: Request, draft: str) -> _RequestArm:
         arms = self._arms.setdefault(request.request_id, {})
         if draft not in arms:
-            a, r = self._class_totals.get((request.request_class, draft), CLASS_PRIORS[request.request_class])
+            a, r = CLASS_PRIORS[request.request_class]
             scale = PRIOR_WEIGHT / (a + r)
-            arms[draft] = _RequestArm(a * scale, r * scale)
+            a, r = a * scale, r * scale
+            seen_a, seen_r = self._class_totals.get((request.request_class, draft), (0.0, 0.0))
+            if seen_a + seen_r > 0:
+                weight = min(1.0, CLASS_EVIDENCE_WEIGHT / (seen_a + seen_r))
+                a, r = a + seen_a * weight, r + seen_r * weight
+            arms[draft] = _RequestArm(a, r, start=(a, r))
         return arms[draft]
+
+    def pinned(self, fixed: tuple[str, int] | None = None, adaptive: bool = False) -> tuple[str, int] | None:
+        """The (draft, k) a request's own setting (``fixed``) or the policy's pins, None when
+        the policy chooses (``adaptive``: the request asked for ``auto`` over a fixed policy)."""
+        if fixed is not None:
+            return fixed
+        return self.fixed if not adaptive else None
 
     def choose(
         self,
@@ -307,27 +325,34 @@ class AdaptivePolicy:
         base_tokens: int,
         fixed: tuple[str, int] | None = None,
         adaptive: bool = False,
+        available: Mapping[str, int] | None = None,
     ) -> tuple[str, int] | None:
         """(draft, k) for this request's next step, or None for a plain step. ``base_tokens``:
         tokens the step carries without this request's drafts; ``fixed`` / ``adaptive``: the
-        request's own setting over the policy's."""
-        if fixed is not None:
-            return fixed
-        if self.fixed is not None and not adaptive:
-            return self.fixed
+        request's own setting over the policy's; ``available``: how many tokens each draft has
+        proposed (None: as many as asked), so that no k is paid for on the promise of tokens the
+        draft does not have. A draft that proposed nothing is not a candidate."""
+        pinned = self.pinned(fixed, adaptive)
+        if pinned is not None:
+            return pinned
         best: tuple[float, str, int] | None = None
         for name in self.drafts:
+            most = MAX_DRAFT_TOKENS if available is None else available.get(name, 0)
+            if most <= 0:
+                continue
             alpha = self._arm(request, name).optimistic()
-            for k in K_CHOICES:
+            for k in sorted({min(k, most) for k in K_CHOICES}):
                 gain = expected_tokens(alpha, k) / self.costs.ratio(base_tokens, k)
                 if gain >= MIN_GAIN and (best is None or gain > best[0]):
                     best = (gain, name, k)
         return None if best is None else (best[1], best[2])
 
-    def shadow(self, request: Request) -> None:
-        """On a plain step, let each draft guess the next token; ``observe_plain`` scores it."""
+    def shadow(self, request: Request, proposals: Mapping[str, list[int]] | None = None) -> None:
+        """On a plain step, score each draft's guess of the next token (``observe_plain``):
+        the first token of its ``proposals`` entry, or a fresh one-token proposal."""
         for name, draft in self.drafts.items():
-            self._arm(request, name).pending = draft.propose(request, 1)
+            guess = proposals[name][:1] if proposals is not None else draft.propose(request, 1)
+            self._arm(request, name).pending = guess
 
     def observe_plain(self, request: Request, token: int) -> None:
         for arm in self._arms.get(request.request_id, {}).values():
@@ -344,11 +369,12 @@ class AdaptivePolicy:
         arm.rejected += 1 if accepted < proposed else 0
 
     def release(self, request: Request) -> None:
-        """Fold a finished request's estimates into its class's totals."""
+        """Fold what a finished request observed (not the pseudo-counts it started with) into
+        its class's totals."""
         for name, arm in self._arms.pop(request.request_id, {}).items():
             totals = self._class_totals.setdefault((request.request_class, name), [0.0, 0.0])
-            totals[0] += arm.accepted
-            totals[1] += arm.rejected
+            totals[0] += arm.accepted - arm.start[0]
+            totals[1] += arm.rejected - arm.start[1]
             # forget slowly, so the class prior follows a workload that changes
             if totals[0] + totals[1] > 200:
                 totals[0] *= 0.5
@@ -398,14 +424,23 @@ class Speculator:
                 fixed = (own.draft, own.k)
                 if own.draft not in self.policy.drafts:
                     self.policy.drafts[own.draft] = DRAFTS[own.draft]()
-            choice = self.policy.choose(
-                req, base_tokens, fixed, adaptive=own is not None and own.mode == "auto"
-            )
-            if choice is None:
-                self.policy.shadow(req)
-                continue
-            name, k = choice
-            req.draft_token_ids = self.policy.drafts[name].propose(req, k)
+            adaptive = own is not None and own.mode == "auto"
+            pinned = self.policy.pinned(fixed, adaptive)
+            if pinned is not None:
+                name, k = pinned
+                req.draft_token_ids = self.policy.drafts[name].propose(req, k)
+            else:
+                # Each draft (all cheap: no model run) proposes as far as it can once; the policy
+                # then picks which and how much of it to verify, knowing what it would get, or
+                # a plain step, and the proposals are scored in the shadow.
+                proposals = {n: d.propose(req, max(K_CHOICES)) for n, d in self.policy.drafts.items()}
+                available = {n: len(p) for n, p in proposals.items()}
+                choice = self.policy.choose(req, base_tokens, available=available)
+                if choice is None:
+                    self.policy.shadow(req, proposals)
+                    continue
+                name, k = choice
+                req.draft_token_ids = proposals[name][:k]
             if req.draft_token_ids:
                 self._chosen[req.request_id] = name
 

@@ -20,6 +20,7 @@ from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_engine_quant
+from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, engine_for, run_staggered
@@ -191,13 +192,18 @@ def test_bf16_logits_stay_close(folder, fused_mode):
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.9
 
 
-@pytest.mark.parametrize("quant", ["int4-g32", "int8"])
-def test_bf16_verification_shaped_steps_stay_close(folder, quant):
+@pytest.mark.parametrize(
+    ("quant", "step_tokens"), [("int4-g32", 5), ("int8", 5), ("auto", 5), ("auto", 12), ("auto", 16)]
+)
+def test_bf16_verification_shaped_steps_stay_close(folder, quant, step_tokens):
     """Steps of 5 tokens of one sequence (the shape of verifying 4 draft tokens) run every linear on
-    the multi-row kernels (AVX-512 BF16 where built); teacher-forced bf16 logits stay within the
-    bounds of the bf16 test above against ATen's kernels one row at a time."""
+    the multi-row kernels (AVX-512 BF16 or AMX where built); teacher-forced bf16 logits stay within
+    the bounds of the bf16 test above against ATen's kernels one row at a time. Under ``auto``,
+    steps of 12 and 16 tokens take the kernels up to ``auto_quant_kernel_max_rows()`` rows (16
+    with AMX) and the dense bf16 copies above it."""
     loaded = load_model(folder, device="cpu", dtype="bf16")
     apply_engine_quant(loaded.model, quant)
+    kernel_rows = auto_quant_kernel_max_rows() if quant == "auto" else cpu_ops.MULTI_ROW_MAX
     model, cfg = loaded.model, loaded.config
     ids = torch.tensor(loaded.tokenizer.encode(TEXTS[5] + " " + TEXTS[1]))
 
@@ -213,9 +219,13 @@ def test_bf16_verification_shaped_steps_stay_close(folder, quant):
                 rows.append(model.compute_logits(hidden))
         return torch.cat(rows)
 
+    assert len(ids) >= 2 * step_tokens
     before = cpu_ops.multi_row_calls()
-    fused = teacher_forced_logits(5)
-    assert cpu_ops.multi_row_calls() - before >= (len(ids) // 5) * 4 * cfg.num_layers
+    fused = teacher_forced_logits(step_tokens)
+    if step_tokens <= kernel_rows:
+        assert cpu_ops.multi_row_calls() - before >= (len(ids) // step_tokens) * 4 * cfg.num_layers
+    else:
+        assert cpu_ops.multi_row_calls() - before < (len(ids) // step_tokens) * 4 * cfg.num_layers
     with cpu_ops.disabled():
         plain = teacher_forced_logits(1)
     kl = torch.nn.functional.kl_div(

@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from edge_rtgi.llm import prepared
+from edge_rtgi.llm import prepared, quant
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.prepared import load_prepared
+from edge_rtgi.llm.quant import policy
+from edge_rtgi.llm.quant.kernels import QuantLinear
 from tests.tiny_models import make_tiny_hf_model, write_tiny_gguf
 
 
@@ -74,6 +76,24 @@ def test_another_code_version_is_never_used(gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(prepared.keys, "code_version", lambda: "0123456789abcdef")
     other = load_prepared(gguf, "cpu", "fp32", "none", cache_dir=tmp_path)
     assert not other.hit and other.cache_path != built.cache_path
+
+
+def test_a_copy_made_under_another_kernel_row_limit_is_never_used(gguf, tmp_path, monkeypatch):
+    # quant "auto"'s row limit (dense copies above it) depends on the CPU's kernels (AMX or
+    # not) and the layers store it, so a copy made where it differed must be rebuilt here
+    def limits(model) -> set[int]:
+        return {m.max_kernel_rows for m in model.modules() if isinstance(m, QuantLinear)}
+
+    built = load_prepared(gguf, "cpu", "bf16", "auto", cache_dir=tmp_path)
+    here = policy.auto_quant_kernel_max_rows()
+    assert limits(built.loaded.model) == {here}
+    other = 8 if here != 8 else 16
+    for module in (policy, quant):  # quant imported the function by name
+        monkeypatch.setattr(module, "auto_quant_kernel_max_rows", lambda: other)
+    moved = load_prepared(gguf, "cpu", "bf16", "auto", cache_dir=tmp_path)
+    assert not moved.hit and moved.cache_path != built.cache_path
+    assert limits(moved.loaded.model) == {other}
+    assert load_prepared(gguf, "cpu", "bf16", "auto", cache_dir=tmp_path).hit
 
 
 def test_a_copy_recorded_under_another_key_or_damaged_is_rebuilt(gguf, tmp_path, caplog):

@@ -15,6 +15,7 @@ from edge_rtgi.llm.speculative import (
     AdaptivePolicy,
     NgramDraft,
     SpeculativeConfig,
+    Speculator,
     StepCostTable,
     expected_tokens,
     parse_speculative,
@@ -33,6 +34,10 @@ def test_settings_parse_and_bad_ones_name_the_key():
         ({"draft": "ngram", "k": 0}, "speculative.k"),
         ({"draft": "ngram", "k": 17}, "speculative.k"),
         ({"draft": "ngram", "k": True}, "speculative.k"),
+        ({"draft": "ngram", "k": "4"}, "speculative.k"),
+        ("ngram:0", "speculative.k"),
+        ("ngram:17", "speculative.k"),
+        ("ngram:-1", "speculative.k"),
         ({"draft": "eagle", "k": 4}, "speculative.draft"),
         ({"draft": "ngram", "n": 4}, "unknown key"),
         ("sometimes", "'auto', 'off'"),
@@ -44,6 +49,8 @@ def test_settings_parse_and_bad_ones_name_the_key():
     assert from_dict(EngineConfig, {"speculative": {"draft": "ngram", "k": 2}}).speculation().k == 2
     with pytest.raises(ConfigError, match="speculative.draft"):
         from_dict(AssistantStageConfig, {"speculative": {"draft": "medusa"}})
+    with pytest.raises(ConfigError, match=r"speculative\.k must be an integer in 1\.\.16"):
+        from_dict(AssistantStageConfig, {"speculative": {"draft": "ngram", "k": 0}})
     with pytest.raises(RequestError, match="speculative.k"):
         SamplingParams(speculative="ngram:99")
 
@@ -134,3 +141,60 @@ def test_adaptive_policy_drafts_when_it_pays_and_falls_back_when_not():
     low.release(r)
     r2 = Request("r2", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
     assert low._arm(r2, "ngram").mean < 0.1
+
+
+def measured_costs() -> StepCostTable:
+    """Step times shaped like SmolLM2's on this machine: a k-draft step costs 1.4-1.5x a plain one."""
+    costs = StepCostTable()
+    for n, ms in ((1, 7.0), (2, 9.9), (3, 10.1), (4, 10.2), (5, 10.4), (7, 10.6), (9, 10.8)):
+        costs.observe(n, ms)
+    return costs
+
+
+def test_adaptive_policy_pays_only_for_tokens_the_draft_has():
+    policy = AdaptivePolicy([NgramDraft()], measured_costs())
+    r = Request("r", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
+    for _ in range(20):  # about a third of draft tokens accepted
+        policy.observe(r, "ngram", 4, 1)
+        policy.observe(r, "ngram", 4, 0)
+    # several drafts at that rate pay for a 1.4-1.5x step, one draft does not
+    choice = policy.choose(r, 1)
+    assert choice is not None and choice[1] >= 2
+    assert policy.choose(r, 1, available={"ngram": 1}) is None
+    assert policy.choose(r, 1, available={"ngram": 0}) is None
+    three = policy.choose(r, 1, available={"ngram": 3})
+    assert three is not None and three[1] <= 3
+
+
+def test_speculator_verifies_a_prefix_of_the_proposal_and_scores_it_when_plain():
+    speculator = Speculator(SpeculativeConfig("auto"))
+    speculator.costs = speculator.policy.costs = measured_costs()
+    r = Request("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], SamplingParams(), request_class=RequestClass.BULK)
+    whole = NgramDraft().propose(r, 8)
+    speculator.propose([(r, None)])
+    assert r.draft_token_ids and r.draft_token_ids == whole[: len(r.draft_token_ids)]
+    # a request whose drafts keep failing stops verifying; its proposal is scored in the shadow
+    for _ in range(30):
+        speculator.policy.observe(r, "ngram", 4, 0)
+    r.draft_token_ids = []
+    speculator.propose([(r, None)])
+    assert r.draft_token_ids == [] and speculator.policy._arms["r"]["ngram"].pending == whole[:1]
+    speculator.observe({"r": r}, {}, {}, {"r": [whole[0]]}, 1, 7.0)
+    assert speculator.stats.plain_steps == 1 and speculator.policy._arms["r"]["ngram"].pending == []
+
+
+def test_a_class_whose_drafts_fail_starts_its_next_request_pessimistic():
+    policy = AdaptivePolicy([NgramDraft()], measured_costs())
+    first = Request("r0", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
+    assert policy.choose(first, 1, available={"ngram": 3}) is not None  # the prior: try it
+    policy.release(first)  # observed nothing: the class has no evidence, the prior is not evidence
+    assert policy._class_totals[RequestClass.TRANSLATION, "ngram"] == [0.0, 0.0]
+    for i in range(10):  # each request: one verification of 3 drafts, none accepted
+        r = Request(f"r{i + 1}", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
+        policy.observe(r, "ngram", 3, 0)
+        policy.release(r)
+    nxt = Request("next", [1, 2, 3], SamplingParams(), request_class=RequestClass.TRANSLATION)
+    assert policy.choose(nxt, 1, available={"ngram": 3}) is None
+    # another class keeps its own prior
+    other = Request("other", [1, 2, 3], SamplingParams(), request_class=RequestClass.BULK)
+    assert policy.choose(other, 1, available={"ngram": 3}) is not None

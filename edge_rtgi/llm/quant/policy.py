@@ -5,8 +5,9 @@
   ``F.linear`` there; fp32 activations make the int8/int4 kernels slower than fp32 itself, and
   on CUDA the int4 path is opt-in, so everything else stays in full precision.
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
-  dequantised bf16 copy for inputs of more than ``AUTO_QUANT_KERNEL_MAX_ROWS`` rows (prefill
-  chunks, wide decode batches); see ``keep_dense_copy`` in ``kernels.py``.
+  dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
+  chunks, wide decode batches; 16 where the multi-row kernels run on AMX tiles, else 8); see
+  ``keep_dense_copy`` in ``kernels.py``.
 - Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
   (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
   at 5 bits per weight instead of 8, fewer bytes to read per token.
@@ -20,9 +21,24 @@ import torch
 
 from edge_rtgi import device as devices
 
-# Inputs of more rows than this run on the dense copy: the int8 kernel loses to bf16 F.linear
-# somewhere between 4 and 16 rows on the shapes measured (docs/engine.md).
+# Inputs of more rows than this run on the dense copy: ATen's weight-only kernels and the
+# multi-row kernels' AVX-512 loops lose to bf16 F.linear somewhere between 8 and 16 rows on the
+# shapes measured (docs/engine.md, docs/cpu_kernels.md).
 AUTO_QUANT_KERNEL_MAX_ROWS = 8
+# With AMX tiles the multi-row kernels beat the dense copy up to their widest input (16 rows).
+AUTO_QUANT_KERNEL_MAX_ROWS_AMX = 16
+
+
+def auto_quant_kernel_max_rows() -> int:
+    """Widest input ``quant: auto`` runs on the weight-only kernels rather than the dense copy:
+    ``AUTO_QUANT_KERNEL_MAX_ROWS_AMX`` where the fused CPU kernels are loaded with AMX tiles
+    (``cpu_ops.build_info()``), else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
+    copy's key (``llm.prepared``): the layers store it."""
+    from edge_rtgi.llm import cpu_ops
+
+    amx = (cpu_ops.build_info() or "").endswith("amx")
+    return AUTO_QUANT_KERNEL_MAX_ROWS_AMX if amx else AUTO_QUANT_KERNEL_MAX_ROWS
+
 
 # GGUF Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, so asymmetric int4 with
 # group 32 (min/max scaling) recovers the same codes; only d and m are rounded from fp16 to bf16.
