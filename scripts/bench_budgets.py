@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from edge_rtgi.bench.report import run_conditions  # noqa: E402
 from edge_rtgi.bench.suite import (  # noqa: E402
     BenchConfig,
     Optimisations,
@@ -108,16 +108,13 @@ def main() -> int:
     args = ap.parse_args()
     started, load0 = time.monotonic(), os.getloadavg()
     result = asyncio.run(main_async(args))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    result["conditions"] = {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "commit": commit.stdout.strip(),
-        "load_average": [load0, os.getloadavg()],
-        "seconds": round(time.monotonic() - started, 1),
-        "task_items": args.task_items,
-        "rate_scale": args.rate_scale,
-        "scheduling": args.scheduling or "fcfs",
-    }
+    result["conditions"] = run_conditions(
+        started,
+        load0,
+        task_items=args.task_items,
+        rate_scale=args.rate_scale,
+        scheduling=args.scheduling or "fcfs",
+    )
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         args.out.write_text(text)

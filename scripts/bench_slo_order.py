@@ -19,7 +19,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from edge_rtgi.bench.mixed import (  # noqa: E402
     summarise_policies,
     summarise_run,
 )
+from edge_rtgi.bench.report import run_conditions  # noqa: E402
 from edge_rtgi.bench.suite import BenchConfig, load_models, warm_up  # noqa: E402
 
 # policy name -> (scheduling, slo_waiting_order)
@@ -101,16 +101,9 @@ def main() -> int:
     args = ap.parse_args()
     started, load0 = time.monotonic(), os.getloadavg()
     result = asyncio.run(main_async(args))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    result["conditions"] = {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "commit": commit.stdout.strip(),
-        "load_average": [load0, os.getloadavg()],
-        "seconds": round(time.monotonic() - started, 1),
-        "scales": args.scales,
-        "duration_s": args.duration,
-        "rounds": args.rounds,
-    }
+    result["conditions"] = run_conditions(
+        started, load0, scales=args.scales, duration_s=args.duration, rounds=args.rounds
+    )
     text = json.dumps(result, indent=1, default=str)
     if args.out:
         args.out.write_text(text)

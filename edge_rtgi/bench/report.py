@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -665,3 +666,22 @@ def embed_in_doc(results: dict, doc: str | Path, image_prefix: str, how: str) ->
     body = "\n".join("#" + line if line.startswith("## ") else line for line in body.splitlines())
     head = text.split(RESULTS_HEADING)[0]
     doc.write_text(f"{head}{RESULTS_HEADING}\n\nProduced by `{how}`.\n\n{body.strip()}\n")
+
+
+def run_conditions(
+    started_monotonic_s: float, load_at_start: tuple[float, float, float], **settings: object
+) -> dict:
+    """The conditions a benchmark script records beside its figures: when, at which commit, the
+    load average at its start and end, how long it ran, and its own ``settings``."""
+    import subprocess
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "commit": commit.stdout.strip(),
+        "load_average": [load_at_start, os.getloadavg()],
+        "seconds": round(time.monotonic() - started_monotonic_s, 1),
+        **settings,
+    }
