@@ -44,7 +44,7 @@ class ServerConfig:
     max_audio_speed: float = 4.0
     drain_timeout_s: float = 10.0
     # how often freed C heap memory goes back to the OS while the daemon is in use; 0: never
-    heap_trim_interval_s: float = 60.0
+    heap_trim_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -2,10 +2,9 @@
 
 glibc's malloc keeps freed memory for reuse: the main heap can shrink only from its top, and
 the per-thread arenas (the daemon has some thirty threads: whisper, torch, onnxruntime, the
-worker pool) keep their pages whatever is freed in them. Sessions come and go, each with
-buffers of its own sizes, so the daemon's resident size crept up for as long as it served,
-although nothing leaked (docs/reliability.md, "Soak"). ``malloc_trim(0)`` returns the free
-pages of every arena; ``HeapTrimmer`` calls it now and then, in a worker thread.
+worker pool) keep their pages whatever is freed in them. ``malloc_trim(0)`` returns the free
+pages of every arena; ``HeapTrimmer`` calls it now and then, in a worker thread, when
+``server.heap_trim_interval_s`` asks for it (docs/daemon.md, "Memory over a long run").
 
 Elsewhere (musl, macOS) there is no ``malloc_trim`` and the trimmer does nothing.
 """
