@@ -106,7 +106,7 @@ class Int4KIVIPagedKVStorage(PagedKVStorage):
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         # a block's keys share per-channel scales over its positions: moving one token between
         # blocks would need requantising (EngineConfig refuses kv_eviction with int4)
-        raise NotImplementedError("int4 KV cannot be compacted")
+        raise RuntimeError("int4 KV cannot be compacted: EngineConfig refuses kv_eviction with kv_dtype int4")
 
     @staticmethod
     def bytes_per_block(
