@@ -316,6 +316,45 @@ def decode_attention(
 MULTI_ROW_MIN, MULTI_ROW_MAX = 2, 16
 
 
+# Matmuls of up to this many rows run unpadded: decode batches and draft verification see few
+# distinct row counts, and the weight-only kernels take most of them.
+_UNPADDED_ROWS = 16
+
+
+def padded_rows(rows: int) -> int:
+    """The row count ``linear`` pads a ``rows``-row bf16/fp16 CPU matmul to.
+
+    Unchanged up to 16 rows; beyond, the next multiple of 16, or of 1/32 of the power of two at or
+    below ``rows`` from 1,024 rows up, so padding is at most 15 rows or about 3 % of them.
+    """
+    if rows <= _UNPADDED_ROWS:
+        return rows
+    step = max(_UNPADDED_ROWS, 1 << max(0, rows.bit_length() - 6))
+    return -(-rows // step) * step
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` over the last dimension, with bf16/fp16 CPU inputs padded to ``padded_rows``.
+
+    oneDNN runs those matmuls and JIT-compiles, then caches (up to 1,024 entries), a kernel for
+    every distinct row count; prefill chunks of every length made a long-running daemon grow by
+    that cache (docs/reliability.md, "RSS: what grows"). Padding bounds the shapes it sees. The
+    padded rows are zeros and are cut from the result, which is a view of the first rows.
+    """
+    if x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float16):
+        return F.linear(x, weight, bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    rows = x2.shape[0]
+    padded = padded_rows(rows)
+    if padded == rows:
+        return F.linear(x, weight, bias)
+    xp = x2.new_empty((padded, x2.shape[1]))
+    xp[:rows].copy_(x2)
+    xp[rows:].zero_()
+    y = F.linear(xp, weight, bias)[:rows]
+    return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
+
+
 def multi_row_usable(x: Tensor) -> bool:
     """Whether ``int4_mm`` / ``int8_mm`` should run for the 2-D input ``x``: kernels loaded, CPU,
     float32 or bfloat16, no gradients, and 2..16 rows."""
@@ -439,13 +478,14 @@ def _build_plan(model) -> _LayerPlan | None:
             layer.mlp.down_proj,
         ):
             kind = type(linear)
-            if kind is torch.nn.Linear:
+            # model.Linear and the quantised layers (quant/kernels.py; both import this module)
+            # say which C++ kind they are; a subclass, which may compute otherwise, does not
+            # inherit the claim.
+            fused_kind = 0 if kind is torch.nn.Linear else vars(kind).get("fused_kind")
+            if fused_kind == 0:
                 params += [*bind(linear, ("weight",)), None, *bind(linear, ("bias",))]
                 meta += [0, 0]
                 continue
-            # The quantised layers (quant/kernels.py, which imports this module) say which C++
-            # kind they are; a subclass, which may compute otherwise, does not inherit the claim.
-            fused_kind = vars(kind).get("fused_kind")
             if fused_kind not in (1, 2) or (fused_kind == 2 and linear.on_cuda):
                 return None  # a layer type the C++ loop does not know: keep the Python layers
             dense = bind(linear, ("dense_weight",))[0]
