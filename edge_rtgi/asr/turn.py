@@ -97,9 +97,10 @@ BACKCHANNEL_WORDS = frozenset(
 )
 _BACKCHANNEL_MAX_WORDS = 3
 
-# Words after which an English sentence is not over: conjunctions, fillers, articles and
-# possessives, and prepositions that take an object. A question mark overrides them ("what is
-# it for?"); a stranded preposition in a statement is rare in a spoken request.
+# Words after which an English sentence is not over: conjunctions, fillers, articles,
+# possessives and the determiners "which"/"whose" ("which | planet is closest", cut at the
+# stop before "planet"), and prepositions that take an object. A question mark overrides them
+# ("what is it for?", "Which?"); a stranded preposition in a statement is rare in a request.
 UNFINISHED_LAST_WORDS = frozenset(
     {
         "and",
@@ -120,6 +121,8 @@ UNFINISHED_LAST_WORDS = frozenset(
         "your",
         "our",
         "their",
+        "which",
+        "whose",
         "to",
         "of",
         "for",

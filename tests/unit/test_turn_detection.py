@@ -194,6 +194,10 @@ def test_backchannels(text, expected):
         ("If it rains tomorrow.", True),  # a fronted clause with no main clause yet
         ("After the meeting.", True),
         ("On Saturday morning.", True),
+        ("which", True),  # the soak's cut: "Which | planet is closest to the sun?" (issue #18)
+        ("Tell me whose", True),
+        ("Which?", False),
+        ("Which planet is closest to the sun?", False),
         ("If it rains tomorrow, remind me to take an umbrella.", False),
         ("When does the sun set today?", False),  # a question, not a fronted clause
         ("When does the sun set today", False),
