@@ -34,6 +34,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -358,7 +359,11 @@ class RealtimeSoakClient(NativeSoakClient):
 # --------------------------------------------------------------------------- daemon and samples
 
 
-def start_daemon(folder: Path, light: bool, trace_heap: bool = False) -> tuple[subprocess.Popen, int]:
+def start_daemon(
+    folder: Path, light: bool, trace_heap: bool = False, wrap: str = ""
+) -> tuple[subprocess.Popen, int, int]:
+    """Start the daemon (under ``wrap``, a profiler's command line, if given); the process, the
+    daemon's port and the daemon's own pid (a wrapper's child, where there is a wrapper)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if trace_heap:
         env["EDGE_RTGI_TRACEMALLOC_DIR"] = str(folder / "heap")
@@ -368,14 +373,28 @@ def start_daemon(folder: Path, light: bool, trace_heap: bool = False) -> tuple[s
         config = folder / "soak.yaml"
         config.write_text("server:\n  port: 0\n  max_sessions: 16\n")
         cmd = [sys.executable, "-m", "edge_rtgi.cli", "serve", "--config", str(config)]
+    cmd = shlex.split(wrap) + cmd
     log = open(folder / "daemon.log", "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"PORT (\d+)|ws://[^:]+:(\d+)/v1/native", line)
         if m:
-            return proc, int(m.group(1) or m.group(2))
+            return proc, int(m.group(1) or m.group(2)), _python_descendant(proc.pid) if wrap else proc.pid
     raise SystemExit(f"the daemon did not start; see {folder / 'daemon.log'}")
+
+
+def _python_descendant(pid: int) -> int:
+    """The first process under ``pid`` (breadth first) that runs this interpreter: the daemon
+    itself when a wrapper such as heaptrack started it."""
+    queue = [pid]
+    while queue:
+        cur = queue.pop(0)
+        if cur != pid and Path(f"/proc/{cur}/exe").resolve() == Path(sys.executable).resolve():
+            return cur
+        children = Path(f"/proc/{cur}/task/{cur}/children")
+        queue += [int(c) for c in children.read_text().split()] if children.exists() else []
+    raise SystemExit(f"no Python process under the wrapper (pid {pid})")
 
 
 def sample(pid: int, port: int) -> dict:
@@ -430,12 +449,12 @@ async def settle(samples: list[dict], every_s: float, limit_s: float = 60.0) -> 
             return
 
 
-async def _heap_snapshot(proc: subprocess.Popen, folder: Path, delay_s: float) -> Path | None:
+async def _heap_snapshot(pid: int, folder: Path, delay_s: float) -> Path | None:
     """Ask the daemon (started with ``--trace-heap``) for a tracemalloc snapshot; its path."""
     await asyncio.sleep(delay_s)
     heap = folder / "heap"
     before = set(heap.glob("*.tracemalloc"))
-    proc.send_signal(signal.SIGUSR2)
+    os.kill(pid, signal.SIGUSR2)
     for _ in range(600):  # a snapshot of a large traced heap takes seconds
         await asyncio.sleep(0.5)
         new = set(heap.glob("*.tracemalloc")) - before
@@ -495,7 +514,7 @@ def plot(samples: list[dict], path: Path, title: str, idle_t_s: float | None = N
 
 async def soak(args: argparse.Namespace) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
-    proc, port = start_daemon(folder, args.light, args.trace_heap)
+    proc, port, pid = start_daemon(folder, args.light, args.trace_heap, args.wrap)
     voice_pipe, translate_pipe = (
         ("tiny-voice", "tiny-translate") if args.light else ("voice-assistant", "translate-en-es")
     )
@@ -503,7 +522,7 @@ async def soak(args: argparse.Namespace) -> dict:
     ledger = Ledger()
     samples: list[dict] = []
     stop = asyncio.Event()
-    sampling = asyncio.create_task(sampler(proc.pid, port, args.sample_s, samples, stop))
+    sampling = asyncio.create_task(sampler(pid, port, args.sample_s, samples, stop))
     await asyncio.sleep(args.sample_s * 2)  # samples of the daemon as started
     started = samples[-1]
     rng = random.Random(args.seed)
@@ -532,7 +551,7 @@ async def soak(args: argparse.Namespace) -> dict:
     budget = [args.max_utterances]
     t0 = time.monotonic()
     snapshot_at_5_min = (
-        asyncio.create_task(_heap_snapshot(proc, folder, args.heap_first_s)) if args.trace_heap else None
+        asyncio.create_task(_heap_snapshot(pid, folder, args.heap_first_s)) if args.trace_heap else None
     )
     await asyncio.gather(*(c.run(deadline, budget) for c in clients))
     ran_s = time.monotonic() - t0
@@ -540,14 +559,14 @@ async def soak(args: argparse.Namespace) -> dict:
     heap_growth = None
     if snapshot_at_5_min is not None:
         first = await snapshot_at_5_min
-        last = await _heap_snapshot(proc, folder, delay_s=0.0)
+        last = await _heap_snapshot(pid, folder, delay_s=0.0)
         heap_growth = heap_diff(first, last) if first and last else None
     stop.set()
     await sampling
     end = samples[-1]
     soak_samples = samples[warm_up_end:]
-    proc.terminate()
-    proc.wait(60)
+    os.kill(pid, signal.SIGTERM)
+    proc.wait(1800 if args.wrap else 60)  # a profiler may take minutes to write its data
     log_text = (folder / "daemon.log").read_text()
     after5 = [s for s in soak_samples if s["t_s"] - t0 >= 300] or soak_samples[len(soak_samples) // 2 :]
     idle_keys = ("threads", "fds", "kv_blocks_used", "sessions")
@@ -600,6 +619,12 @@ def main() -> int:
         "--heap-first-s", type=float, default=300.0, help="with --trace-heap: when the first snapshot is made"
     )
     ap.add_argument("--light", action="store_true", help="the light test pipelines (tiny models)")
+    ap.add_argument(
+        "--wrap",
+        default="",
+        help="run the daemon under this command, e.g. 'heaptrack -o DIR/daemon' (diagnosis only: "
+        "a profiler slows the daemon, so its latencies and turn counts are not comparable)",
+    )
     ap.add_argument("--out", help="folder for soak.json and soak.png")
     args = ap.parse_args()
     if args.trace_heap and args.light:
