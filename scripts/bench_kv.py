@@ -234,6 +234,8 @@ RECALL_CONFIGS = (
     "int8_segment_8x",
     "int8_sentence_4x",
     "int8_sentence_8x",
+    "int8_unpinned_4x",
+    "int8_unpinned_8x",
 )
 BLOCK_TOKENS = 16  # EngineConfig's default block_size, which engine_for keeps
 
@@ -268,27 +270,47 @@ def budget_for_bytes(lengths: list[int], bytes_ratio: float, factor: int) -> int
         budget += BLOCK_TOKENS
 
 
+def recall_eviction(mode: str, sinks: int) -> KVEviction:
+    """``kv_eviction`` of a recall row's MODE: h2o, snapkv, segment (by turn), sentence (segment
+    by sentence) or unpinned (segment by turn, the system prompt not pinned)."""
+    if mode == "sentence":
+        return KVEviction("segment", sink_tokens=sinks, segment="sentence")
+    if mode == "unpinned":
+        return KVEviction("segment", sink_tokens=sinks, pin_system=False)
+    return KVEviction(mode, sink_tokens=sinks)
+
+
+def is_recall_config(name: str) -> bool:
+    """One of RECALL_CONFIGS, or [int8_]MODE_bN (MODE of ``recall_eviction``)."""
+    if name in RECALL_CONFIGS:
+        return True
+    kind, _, budget = name.rpartition("_")
+    mode = kind.removeprefix("int8_")
+    modes = ("h2o", "snapkv", "segment", "sentence", "unpinned")
+    return mode in modes and budget[:1] == "b" and budget[1:].isdigit()
+
+
 def recall_config(
     name: str, mean_prompt: float, sinks: int, lengths: list[int], bytes_per_token: dict[str, float]
 ) -> dict[str, Any]:
-    """``engine_for`` keywords of a recall configuration. NAME_4x / NAME_8x hold a quarter / an
-    eighth of the mean prompt's tokens (a window of that many tokens, or that KV budget);
+    """``engine_for`` keywords of a recall configuration. [int8_]MODE_bN: a budget of N tokens.
+    NAME_4x / NAME_8x hold a quarter / an eighth of the mean prompt's tokens (a window of that
+    many tokens, or that KV budget);
     int8_MODE_4x / _8x: int8 KV with the largest budget at which the bytes held are at most a
     quarter / an eighth of the full bf16 cache's (``budget_for_bytes``, scales included); MODE
-    ``sentence`` is segment eviction by sentence."""
+    as in ``recall_eviction``."""
     if name in ("int8", "int4"):
         return {"kv_dtype": name}
     kind, _, factor_text = name.rpartition("_")
+    if factor_text.startswith("b"):  # NAME_bN: a budget of N tokens, to compare dtypes at one budget
+        kv_dtype, _, mode = kind.rpartition("_")
+        eviction = recall_eviction(mode, sinks)
+        return {"kv_dtype": kv_dtype or "auto", "budget_tokens": int(factor_text[1:]), "eviction": eviction}
     factor = int(factor_text.rstrip("x"))
     if kind.startswith("int8_"):
         ratio = bytes_per_token["int8"] / bytes_per_token["fp"]
         budget = budget_for_bytes(lengths, ratio, factor)
-        mode = kind.removeprefix("int8_")
-        eviction = (
-            KVEviction("segment", sink_tokens=sinks, segment="sentence")
-            if mode == "sentence"
-            else KVEviction(mode, sink_tokens=sinks)
-        )
+        eviction = recall_eviction(kind.removeprefix("int8_"), sinks)
         return {"kv_dtype": "int8", "budget_tokens": budget, "eviction": eviction}
     tokens = round(mean_prompt / factor)
     if kind == "window":
@@ -314,6 +336,8 @@ def recall(
         "mean_prompt_tokens": mean,
         "full_s": time.perf_counter() - start,
         "full_kv_bytes_per_session_mean": session_bytes(lengths, None, bytes_per_token["fp"]),
+        "item_ids": list(full.item_ids),
+        "full_replies": list(full.texts),
     }
     for name, kwargs in configs.items():
         start = time.perf_counter()
@@ -354,6 +378,7 @@ def recall(
             "wall_s": time.perf_counter() - start,
         }
         print(f"recall {name}: {out[name]}", flush=True)
+        out[name]["replies"] = list(outputs.texts)
     return out
 
 
@@ -473,9 +498,12 @@ def main() -> int:
             load.append(os.getloadavg()[0])
     if args.recall_items:
         names = [n for n in args.recall_configs.split(",") if n]
-        unknown = sorted(set(names) - set(RECALL_CONFIGS))
+        unknown = sorted(n for n in names if not is_recall_config(n))
         if unknown:
-            raise SystemExit(f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}")
+            raise SystemExit(
+                f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}, or "
+                "[int8_]MODE_bN for a budget of N tokens (MODE: h2o, snapkv, segment, sentence, unpinned)"
+            )
         out["recall"] = recall(loaded, args.recall_items, args.sinks, names, out["kv_bytes_per_token"])
         load.append(os.getloadavg()[0])
     out["load_avg_1m"] = load

@@ -210,6 +210,15 @@ def test_eviction_matches_the_dense_reference(loaded, mode, score, decode_mode):
         assert most_held <= -(-budget // BLOCK)
 
 
+def test_unpinned_segments_match_the_dense_reference(loaded):
+    policy = KVEviction("segment", sink_tokens=4, recent_tokens=8, pin_system=False)
+    budget, max_tokens = 44, 40
+    prompts = [chat_prompt(loaded), long_prompt(loaded)]
+    got, chunks, _ = run_recorded(loaded, prompts, max_tokens, kv_budget_tokens=budget, kv_eviction=policy)
+    for prompt, tokens, steps in zip(prompts, got, chunks, strict=True):
+        assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens)
+
+
 @pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
 def test_int8_kv_under_eviction_matches_the_dense_reference_on_int8_keys(loaded, mode):
     """int8 KV + eviction: compaction moves each survivor's codes and scale, so the engine must

@@ -75,6 +75,17 @@ def test_segments_are_kept_or_dropped_whole_and_the_first_is_pinned():
     ]
 
 
+def test_an_unpinned_system_prompt_competes_by_its_mass():
+    segments = [0, 0, 0, 0, 1, 1, 2, 2, 3]
+    scores = [0.0, 0.1, 0.1, 0.1, 5.0, 5.0, 2.0, 2.0, 0.0]
+    # protected: 0 (sink), 8 (recent); room 6 - 2 = 4. Pinned, the system prompt's 3 free tokens
+    # go first and no turn fits the 1 left; unpinned, the two heavier turns take the room.
+    pinned = KVEviction("segment", sink_tokens=1, recent_tokens=1)
+    assert select_keep(scores, 6, pinned, segments) == [0, 1, 2, 3, 8]
+    unpinned = KVEviction("segment", sink_tokens=1, recent_tokens=1, pin_system=False)
+    assert select_keep(scores, 6, unpinned, segments) == [0, 4, 5, 6, 7, 8]
+
+
 def test_room_no_whole_segment_fits_stays_empty():
     policy = KVEviction("segment", sink_tokens=0, recent_tokens=1)
     segments = [0, 1, 1, 1, 1, 2]
@@ -308,6 +319,12 @@ def test_eviction_config_errors_name_the_key_and_the_allowed_range():
         from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"score": "oracle"}})
     cfg = from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment"}})
     assert cfg.kv_eviction == KVEviction("segment")
+    cfg = from_dict(
+        EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment", "pin_system": False}}
+    )
+    assert cfg.kv_eviction == KVEviction("segment", pin_system=False)
+    with pytest.raises(ConfigError, match="pin_system"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"pin_system": "no"}})
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
