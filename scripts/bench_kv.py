@@ -18,10 +18,12 @@ full-KV engine, every figure measured in the same run.
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
   full-KV engine's replies against, at a quarter (4x) and an eighth (8x) of the items' mean
   prompt length: sinks + window, and importance eviction under that ``kv_budget_tokens``
-  (``kv_eviction`` h2o, snapkv, segment by turn); and int8 / int4 KV alone
+  (``kv_eviction`` h2o, snapkv, segment by turn); int8 / int4 KV alone; and int8 KV combined
+  with eviction (h2o, snapkv, segment by turn or by sentence) at the largest budget whose bytes
+  held, scales included, are at most a quarter / an eighth of the full bf16 cache's
   (--recall-configs picks some); task retention per distance with its paired-bootstrap
-  interval (``bench.task_eval.task_retention``), and each configuration's mean KV held per item
-  relative to the full cache.
+  interval (``bench.task_eval.task_retention``), and each configuration's KV held relative to
+  the full bf16 cache (tokens, bytes, a pool's whole blocks) and mean bytes per session.
 - **Endless session**: --turns voice-like turns through the engine, each a new request whose
   prompt is the whole history plus a 24-token utterance, 12 greedy tokens of reply; per turn the
   KV blocks in use, the tokens actually prefilled (prefix hits on the sink and window blocks
@@ -224,22 +226,101 @@ RECALL_CONFIGS = (
     "segment_8x",
     "int8",
     "int4",
+    "int8_h2o_4x",
+    "int8_h2o_8x",
+    "int8_snapkv_4x",
+    "int8_snapkv_8x",
+    "int8_segment_4x",
+    "int8_segment_8x",
+    "int8_sentence_4x",
+    "int8_sentence_8x",
+    "int8_unpinned_4x",
+    "int8_unpinned_8x",
 )
+BLOCK_TOKENS = 16  # EngineConfig's default block_size, which engine_for keeps
 
 
-def recall_config(name: str, mean_prompt: float, sinks: int) -> dict[str, Any]:
-    """``engine_for`` keywords of a recall configuration: NAME_4x / NAME_8x hold a quarter / an
-    eighth of the mean prompt (a window of that many tokens, or that KV budget)."""
+def held_fractions(lengths: list[int], cap: int | None, bytes_ratio: float) -> dict[str, float]:
+    """KV a configuration holds against the full bf16 cache on the same items, at most ``cap``
+    tokens per item (None: all of it), each token costing ``bytes_ratio`` of a bf16 token:
+    ``tokens`` (mean over items of held / full tokens), ``bytes`` (the same in bytes, scales
+    included), ``pool_bytes`` (whole 16-token blocks, summed over items: what a pool serving
+    them all at once needs against what the full cache needs)."""
+    held = [min(n, cap) if cap else n for n in lengths]
+    blocks = sum(-(-h // BLOCK_TOKENS) for h in held) / sum(-(-n // BLOCK_TOKENS) for n in lengths)
+    tokens = statistics.fmean(h / n for h, n in zip(held, lengths, strict=True))
+    return {"tokens": tokens, "bytes": tokens * bytes_ratio, "pool_bytes": blocks * bytes_ratio}
+
+
+def session_bytes(lengths: list[int], cap: int | None, bytes_per_token: float) -> float:
+    """Mean KV bytes one item's request holds at its end, in whole blocks (at most ``cap``
+    tokens): 1e9 / this is the concurrent sessions per GB of KV on this item mix."""
+    held = [min(n, cap) if cap else n for n in lengths]
+    return statistics.fmean(-(-h // BLOCK_TOKENS) * BLOCK_TOKENS * bytes_per_token for h in held)
+
+
+def budget_for_bytes(lengths: list[int], bytes_ratio: float, factor: int) -> int:
+    """The largest budget, in whole blocks, at which both the mean and the pool byte fractions
+    (``held_fractions``) are at most 1/``factor`` of the full bf16 cache's."""
+    budget = BLOCK_TOKENS
+    while True:
+        f = held_fractions(lengths, budget + BLOCK_TOKENS, bytes_ratio)
+        if max(f["bytes"], f["pool_bytes"]) > 1 / factor:
+            return budget
+        budget += BLOCK_TOKENS
+
+
+def recall_eviction(mode: str, sinks: int) -> KVEviction:
+    """``kv_eviction`` of a recall row's MODE: h2o, snapkv, segment (by turn), sentence (segment
+    by sentence) or unpinned (segment by turn, the system prompt not pinned)."""
+    if mode == "sentence":
+        return KVEviction("segment", sink_tokens=sinks, segment="sentence")
+    if mode == "unpinned":
+        return KVEviction("segment", sink_tokens=sinks, pin_system=False)
+    return KVEviction(mode, sink_tokens=sinks)
+
+
+def is_recall_config(name: str) -> bool:
+    """One of RECALL_CONFIGS, or [int8_]MODE_bN (MODE of ``recall_eviction``)."""
+    if name in RECALL_CONFIGS:
+        return True
+    kind, _, budget = name.rpartition("_")
+    mode = kind.removeprefix("int8_")
+    modes = ("h2o", "snapkv", "segment", "sentence", "unpinned")
+    return mode in modes and budget[:1] == "b" and budget[1:].isdigit()
+
+
+def recall_config(
+    name: str, mean_prompt: float, sinks: int, lengths: list[int], bytes_per_token: dict[str, float]
+) -> dict[str, Any]:
+    """``engine_for`` keywords of a recall configuration. [int8_]MODE_bN: a budget of N tokens.
+    NAME_4x / NAME_8x hold a quarter / an eighth of the mean prompt's tokens (a window of that
+    many tokens, or that KV budget);
+    int8_MODE_4x / _8x: int8 KV with the largest budget at which the bytes held are at most a
+    quarter / an eighth of the full bf16 cache's (``budget_for_bytes``, scales included); MODE
+    as in ``recall_eviction``."""
     if name in ("int8", "int4"):
         return {"kv_dtype": name}
-    kind, _, factor = name.rpartition("_")
-    tokens = round(mean_prompt / int(factor.rstrip("x")))
+    kind, _, factor_text = name.rpartition("_")
+    if factor_text.startswith("b"):  # NAME_bN: a budget of N tokens, to compare dtypes at one budget
+        kv_dtype, _, mode = kind.rpartition("_")
+        eviction = recall_eviction(mode, sinks)
+        return {"kv_dtype": kv_dtype or "auto", "budget_tokens": int(factor_text[1:]), "eviction": eviction}
+    factor = int(factor_text.rstrip("x"))
+    if kind.startswith("int8_"):
+        ratio = bytes_per_token["int8"] / bytes_per_token["fp"]
+        budget = budget_for_bytes(lengths, ratio, factor)
+        eviction = recall_eviction(kind.removeprefix("int8_"), sinks)
+        return {"kv_dtype": "int8", "budget_tokens": budget, "eviction": eviction}
+    tokens = round(mean_prompt / factor)
     if kind == "window":
         return {"window": KVWindow(sinks, tokens)}
     return {"budget_tokens": tokens, "eviction": KVEviction(kind, sink_tokens=sinks)}
 
 
-def recall(loaded: Any, num_items: int, sinks: int, names: list[str]) -> dict[str, Any]:
+def recall(
+    loaded: Any, num_items: int, sinks: int, names: list[str], bytes_per_token: dict[str, float]
+) -> dict[str, Any]:
     from edge_rtgi.bench.task_eval import prepare_items, run_on_engine, select_items, task_retention
     from edge_rtgi.bench.tasks import load_task_set
 
@@ -247,13 +328,16 @@ def recall(loaded: Any, num_items: int, sinks: int, names: list[str]) -> dict[st
     requests = prepare_items(select_items(task_set, num_items), loaded.tokenizer)
     lengths = [len(r.prompt_token_ids) + r.max_tokens for r in requests]
     mean = statistics.fmean(len(r.prompt_token_ids) for r in requests)
-    configs = {name: recall_config(name, mean, sinks) for name in names}
+    configs = {name: recall_config(name, mean, sinks, lengths, bytes_per_token) for name in names}
     start = time.perf_counter()
     full = run_on_engine(engine_for(loaded, None, 2048), task_set, num_items)
     out: dict[str, Any] = {
         "items": len(requests),
         "mean_prompt_tokens": mean,
         "full_s": time.perf_counter() - start,
+        "full_kv_bytes_per_session_mean": session_bytes(lengths, None, bytes_per_token["fp"]),
+        "item_ids": list(full.item_ids),
+        "full_replies": list(full.texts),
     }
     for name, kwargs in configs.items():
         start = time.perf_counter()
@@ -262,15 +346,21 @@ def recall(loaded: Any, num_items: int, sinks: int, names: list[str]) -> dict[st
         ret = task_retention(task_set, outputs, full)
         window, budget = kwargs.get("window"), kwargs.get("budget_tokens")
         cap = budget if budget else window.window_tokens + window.sink_tokens if window else None
-        held = [min(n, cap) / n if cap else 1.0 for n in lengths]
+        kv_dtype = kwargs.get("kv_dtype", "auto")
+        dtype_key = "fp" if kv_dtype == "auto" else kv_dtype
+        ratio = bytes_per_token[dtype_key] / bytes_per_token["fp"]
+        held = held_fractions(lengths, cap, ratio)
         eviction = kwargs.get("eviction")
         out[name] = {
             "window": None if window is None else [window.sink_tokens, window.window_tokens],
             "kv_budget_tokens": budget,
             "kv_eviction": None if eviction is None else eviction.__dict__,
             "evicted_tokens": engine.stats().kv_evicted_tokens,
-            "kv_dtype": kwargs.get("kv_dtype", "auto"),
-            "kv_fraction_of_full_tokens": statistics.fmean(held),
+            "kv_dtype": kv_dtype,
+            "kv_fraction_of_full_tokens": held["tokens"],
+            "kv_fraction_of_full_bytes": held["bytes"],
+            "kv_pool_fraction_of_full_bytes": held["pool_bytes"],
+            "kv_bytes_per_session_mean": session_bytes(lengths, cap, bytes_per_token[dtype_key]),
             "retention": ret.retention,
             "full_score": ret.interval.full_score,
             "optimised_score": ret.interval.optimised_score,
@@ -288,6 +378,7 @@ def recall(loaded: Any, num_items: int, sinks: int, names: list[str]) -> dict[st
             "wall_s": time.perf_counter() - start,
         }
         print(f"recall {name}: {out[name]}", flush=True)
+        out[name]["replies"] = list(outputs.texts)
     return out
 
 
@@ -407,10 +498,13 @@ def main() -> int:
             load.append(os.getloadavg()[0])
     if args.recall_items:
         names = [n for n in args.recall_configs.split(",") if n]
-        unknown = sorted(set(names) - set(RECALL_CONFIGS))
+        unknown = sorted(n for n in names if not is_recall_config(n))
         if unknown:
-            raise SystemExit(f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}")
-        out["recall"] = recall(loaded, args.recall_items, args.sinks, names)
+            raise SystemExit(
+                f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}, or "
+                "[int8_]MODE_bN for a budget of N tokens (MODE: h2o, snapkv, segment, sentence, unpinned)"
+            )
+        out["recall"] = recall(loaded, args.recall_items, args.sinks, names, out["kv_bytes_per_token"])
         load.append(os.getloadavg()[0])
     out["load_avg_1m"] = load
     if args.out:

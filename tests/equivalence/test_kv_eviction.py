@@ -19,6 +19,7 @@ from torch import Tensor
 from edge_rtgi.llm.engine import GenerationResult, LLMEngine, _segment_tokens
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
+from edge_rtgi.llm.kv.storage import Int8PagedKVStorage
 from edge_rtgi.llm.runner import SNAPKV_POOL_TOKENS
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
@@ -37,8 +38,17 @@ def loaded(request, tmp_path_factory):
 class EvictionReference:
     """Dense attention over the kept positions, with the eviction rule applied after each pass."""
 
-    def __init__(self, loaded, policy: KVEviction, budget: int, prompt: list[int], max_len: int):
+    def __init__(
+        self,
+        loaded,
+        policy: KVEviction,
+        budget: int,
+        prompt: list[int],
+        max_len: int,
+        int8_kv: bool = False,
+    ):
         model = loaded.model
+        self.int8_kv = int8_kv
         cfg = model.config
         self.model, self.policy, self.budget = model, policy, budget
         shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -57,6 +67,8 @@ class EvictionReference:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = q.shape[0]
         start = self.length
+        if self.int8_kv:  # what an int8 store gives back: per-token codes times their scale
+            k, v = (_int8_round_trip(x) for x in (k, v))
         self.k[layer, start : start + n], self.v[layer, start : start + n] = k, v
         index = torch.tensor(self.kept + list(range(start, start + n)))
         keys, values = self.k[layer, index], self.v[layer, index]  # [S, Hkv, D]
@@ -104,11 +116,22 @@ class EvictionReference:
         return token
 
 
+def _int8_round_trip(x: Tensor) -> Tensor:
+    codes, scale = Int8PagedKVStorage._quantise(x)
+    return (codes.float() * scale).to(x.dtype)
+
+
 def reference_tokens(
-    loaded, policy: KVEviction, budget: int, prompt: list[int], chunks: list[int], max_tokens: int
+    loaded,
+    policy: KVEviction,
+    budget: int,
+    prompt: list[int],
+    chunks: list[int],
+    max_tokens: int,
+    int8_kv: bool = False,
 ) -> list[int]:
     """The reference's greedy tokens, prefilling in the engine's chunks (eviction follows steps)."""
-    ref = EvictionReference(loaded, policy, budget, prompt, len(prompt) + max_tokens)
+    ref = EvictionReference(loaded, policy, budget, prompt, len(prompt) + max_tokens, int8_kv)
     start = 0
     for n in chunks:
         token = ref.forward(prompt[start : start + n])
@@ -185,6 +208,40 @@ def test_eviction_matches_the_dense_reference(loaded, mode, score, decode_mode):
         assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens)
     if policy.scores_every_query():  # never more than the budget after a step, prefill included
         assert most_held <= -(-budget // BLOCK)
+
+
+def test_unpinned_segments_match_the_dense_reference(loaded):
+    policy = KVEviction("segment", sink_tokens=4, recent_tokens=8, pin_system=False)
+    budget, max_tokens = 44, 40
+    prompts = [chat_prompt(loaded), long_prompt(loaded)]
+    got, chunks, _ = run_recorded(loaded, prompts, max_tokens, kv_budget_tokens=budget, kv_eviction=policy)
+    for prompt, tokens, steps in zip(prompts, got, chunks, strict=True):
+        assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
+def test_int8_kv_under_eviction_matches_the_dense_reference_on_int8_keys(loaded, mode):
+    """int8 KV + eviction: compaction moves each survivor's codes and scale, so the engine must
+    compute what the dense reference computes over the same int8-rounded keys and values."""
+    policy = KVEviction(mode, sink_tokens=4, recent_tokens=8, observation_tokens=8)
+    budget, max_tokens = 44, 40
+    prompts = [chat_prompt(loaded), long_prompt(loaded)]
+    got, chunks, _ = run_recorded(
+        loaded, prompts, max_tokens, kv_budget_tokens=budget, kv_eviction=policy, kv_dtype="int8"
+    )
+    for prompt, tokens, steps in zip(prompts, got, chunks, strict=True):
+        assert len(prompt) > budget
+        assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens, int8_kv=True)
+
+
+@pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
+def test_int8_kv_with_a_budget_larger_than_the_sequence_is_int8_kv(loaded, mode):
+    prompts = prompts_of(loaded)
+    plain, _ = run_engine(loaded, prompts, 40, kv_dtype="int8")
+    budgeted, _ = run_engine(
+        loaded, prompts, 40, kv_dtype="int8", kv_budget_tokens=200, kv_eviction=KVEviction(mode)
+    )
+    assert budgeted == plain
 
 
 @pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])

@@ -75,6 +75,17 @@ def test_segments_are_kept_or_dropped_whole_and_the_first_is_pinned():
     ]
 
 
+def test_an_unpinned_system_prompt_competes_by_its_mass():
+    segments = [0, 0, 0, 0, 1, 1, 2, 2, 3]
+    scores = [0.0, 0.1, 0.1, 0.1, 5.0, 5.0, 2.0, 2.0, 0.0]
+    # protected: 0 (sink), 8 (recent); room 6 - 2 = 4. Pinned, the system prompt's 3 free tokens
+    # go first and no turn fits the 1 left; unpinned, the two heavier turns take the room.
+    pinned = KVEviction("segment", sink_tokens=1, recent_tokens=1)
+    assert select_keep(scores, 6, pinned, segments) == [0, 1, 2, 3, 8]
+    unpinned = KVEviction("segment", sink_tokens=1, recent_tokens=1, pin_system=False)
+    assert select_keep(scores, 6, unpinned, segments) == [0, 4, 5, 6, 7, 8]
+
+
 def test_room_no_whole_segment_fits_stays_empty():
     policy = KVEviction("segment", sink_tokens=0, recent_tokens=1)
     segments = [0, 1, 1, 1, 1, 2]
@@ -253,6 +264,9 @@ def test_compaction_copies_surviving_keys_and_values_bit_exact(storage_cls):
         k = torch.randn(22, 2, 8, generator=gen).to(torch.bfloat16)
         storage.write(layer, slots, k, torch.randn(22, 2, 8, generator=gen).to(torch.bfloat16))
     before = [storage.gather(layer, slots) for layer in range(3)]
+    # what the format stores per slot (int8: codes and their per-token scales), before the copy
+    names = ("k", "v", "k_scale", "v_scale") if storage_cls is Int8PagedKVStorage else ("k", "v")
+    stored = {n: [t[slots].clone() for t in getattr(storage, n)] for n in names}
     keep = sorted(random.Random(seed).sample(range(22), 9))
     moves = kv.compact(r, keep)
     assert moves is not None
@@ -263,6 +277,9 @@ def test_compaction_copies_surviving_keys_and_values_bit_exact(storage_cls):
         k, v = storage.gather(layer, after_slots)
         assert torch.equal(k, before[layer][0][keep]), f"seed {seed}"
         assert torch.equal(v, before[layer][1][keep]), f"seed {seed}"
+    for n in names:  # every layer's stored codes and scales, not only what they dequantise to
+        for layer, (t, old) in enumerate(zip(getattr(storage, n), stored[n], strict=True)):
+            assert torch.equal(t[after_slots], old[keep]), f"{n}[{layer}], seed {seed}"
 
 
 # --- config --------------------------------------------------------------------------------
@@ -302,3 +319,31 @@ def test_eviction_config_errors_name_the_key_and_the_allowed_range():
         from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"score": "oracle"}})
     cfg = from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment"}})
     assert cfg.kv_eviction == KVEviction("segment")
+    cfg = from_dict(
+        EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment", "pin_system": False}}
+    )
+    assert cfg.kv_eviction == KVEviction("segment", pin_system=False)
+    with pytest.raises(ConfigError, match="pin_system"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"pin_system": "no"}})
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_eviction_combines_with_full_and_int8_kv(kv_dtype):
+    """int8 KV keeps one scale per slot, so compaction moves codes and scales together exactly."""
+    cfg = from_dict(
+        EngineConfig, {"kv_budget_tokens": 240, "kv_eviction": {"mode": "segment"}, "kv_dtype": kv_dtype}
+    )
+    assert (cfg.kv_dtype, cfg.kv_budget_tokens) == (kv_dtype, 240)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"kv_dtype": "int4"}, "kv_dtype: int4"),
+        ({"kv_dtype": "int8", "kv_window": {"sink_tokens": 4, "window_tokens": 64}}, "kv_window"),
+        ({"kv_dtype": "int8", "speculative": "ngram:4"}, "speculative"),
+    ],
+)
+def test_combinations_compaction_cannot_do_exactly_stay_refused(extra, named):
+    with pytest.raises(ConfigError, match=f"kv_eviction does not combine with {named} yet"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment"}, **extra})

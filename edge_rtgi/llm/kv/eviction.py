@@ -13,7 +13,8 @@ serves every layer:
   its end, then cut to the budget; decode queries add their mass afterwards;
 - ``segment``: the unit is a segment (a conversation turn, from the chat template's turn-start
   token, or a sentence), scored by the mean mass of its tokens, so a fact is kept or dropped
-  whole; the first segment (the system prompt) is pinned where it fits. Scored like snapkv by
+  whole; the first segment (the system prompt) is pinned where it fits (unless ``pin_system``
+  is off). Scored like snapkv by
   default (``score: observation``), but observed by the current turn (the question and the
   reply's header) rather than a fixed number of last queries, which would reach back into the
   previous turn and favour it: a turn's importance shows when a later question attends to it,
@@ -50,6 +51,9 @@ class KVEviction:
     conversation ``turn`` or a ``sentence`` (turns split at sentence ends). ``score``: where the
     mass comes from, ``accumulated`` (every query, h2o's default) or ``observation`` (the prompt's
     last queries, then decode queries: the default of snapkv and segment); None: the mode's.
+    ``pin_system``: under segment mode the first segment (the system prompt) ranks before every
+    other where it fits; False: it competes by its mass like the rest (a long system prompt
+    that fits a small budget otherwise leaves little room for the conversation's facts).
     """
 
     mode: str = "h2o"
@@ -58,6 +62,7 @@ class KVEviction:
     observation_tokens: int = 32
     segment: str = "turn"
     score: str | None = None
+    pin_system: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in EVICTION_MODES:
@@ -149,10 +154,10 @@ def select_keep(
     members: dict[int, list[int]] = {}
     for i in free:
         members.setdefault(segments[i], []).append(i)
-    first = segments[0] if n else 0
+    # the first segment (the system prompt) is pinned: it ranks before every other one
+    first = segments[0] if n and policy.pin_system else None
     units = sorted(
         members.items(),
-        # the first segment (the system prompt) is pinned: it ranks before every other one
         key=lambda kv: (kv[0] != first, -sum(scores[i] for i in kv[1]) / len(kv[1]), kv[0]),
     )
     for _, idx in units:
