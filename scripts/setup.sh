@@ -9,8 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# g++ and ninja-build compile the fused CPU decode kernels (edge_rtgi/llm/csrc/cpu_ops.cpp).
-APT_PACKAGES=(libportaudio2 espeak-ng apertium apertium-eng-spa pulseaudio pulseaudio-utils sox g++ ninja-build chromium)
+# g++ and ninja-build compile the fused CPU decode kernels (edge_rtgi/llm/csrc/cpu_ops.cpp);
+# the daemon runs on libjemalloc2 where it is installed (edge_rtgi/server/memory.py).
+APT_PACKAGES=(libportaudio2 espeak-ng apertium apertium-eng-spa pulseaudio pulseaudio-utils sox g++ ninja-build chromium libjemalloc2)
 
 if [ "${EDGE_RTGI_SKIP_APT:-0}" != 1 ] && command -v apt-get >/dev/null; then
   missing=()

@@ -112,6 +112,14 @@ async def _serve(config: Any, pipelines: dict) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from edge_rtgi.server.memory import reexec_with_jemalloc
+
+    try:
+        # Before the models load: the re-exec starts the process over with jemalloc preloaded.
+        allocator = reexec_with_jemalloc(["edge_rtgi.cli", *sys.argv[1:]])
+    except ValueError as exc:
+        raise ConfigError(str(exc), hint="unset it, or set auto, jemalloc or system") from None
+    log.info("memory allocator: %s", allocator)
     config, pipelines = _load(args)
     return asyncio.run(_serve(config, pipelines))
 

@@ -7,6 +7,12 @@ pages of every arena; ``HeapTrimmer`` calls it now and then, in a worker thread,
 ``server.heap_trim_interval_s`` asks for it (docs/daemon.md, "Memory over a long run").
 
 Elsewhere (musl, macOS) there is no ``malloc_trim`` and the trimmer does nothing.
+
+``use_jemalloc`` is the other tool, and the default: ``edge-rtgi serve`` re-executes itself
+with jemalloc preloaded where the library is installed (Debian's ``libjemalloc2``;
+``scripts/setup.sh`` installs it): under glibc's malloc the daemon's resident size kept rising
+through long soaks (docs/reliability.md, "RSS: what grows"). ``EDGE_RTGI_ALLOCATOR=system``
+keeps glibc's malloc; under jemalloc the trimmer does nothing (jemalloc returns memory itself).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -25,7 +32,100 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
+ALLOCATOR_ENV = "EDGE_RTGI_ALLOCATOR"  # "auto" (default): jemalloc where installed; "system"
+_REEXEC_ENV = "EDGE_RTGI_ALLOCATOR_REEXEC"  # set across the re-exec, so it happens once
+# Debian/Ubuntu's libjemalloc2 on x86-64 and on arm64 (Jetson), then the loader's search path.
+JEMALLOC_CANDIDATES = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "libjemalloc.so.2",
+)
+# Unused dirty pages go back to the system after about a second, on jemalloc's own thread, so
+# an idle daemon shrinks without a call from us.
+JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
+
+
+def jemalloc_loaded(maps_text: str | None = None) -> bool:
+    """True when jemalloc is mapped into this process (``/proc/self/maps``)."""
+    if maps_text is None:
+        try:
+            maps_text = Path("/proc/self/maps").read_text()
+        except OSError:
+            return False
+    return "libjemalloc" in maps_text
+
+
+def find_jemalloc() -> str | None:
+    """The path of an installed jemalloc shared library, or None."""
+    for candidate in JEMALLOC_CANDIDATES:
+        if "/" in candidate:
+            if Path(candidate).is_file():
+                return candidate
+            continue
+        try:
+            ctypes.CDLL(candidate)
+        except OSError:
+            continue
+        return candidate
+    return None
+
+
+@dataclass(frozen=True)
+class AllocatorChoice:
+    """What ``choose_allocator`` decided: the environment to re-execute with (None: run on as
+    is) and a line saying why, for the log."""
+
+    reexec_env: dict[str, str] | None
+    reason: str
+
+
+def choose_allocator(environ: dict[str, str], loaded: bool, jemalloc: str | None) -> AllocatorChoice:
+    """Whether the daemon should re-execute itself with jemalloc preloaded.
+
+    ``loaded``: jemalloc is already mapped; ``jemalloc``: the installed library's path (None:
+    not installed). Raises ``ValueError`` for an unknown ``EDGE_RTGI_ALLOCATOR``.
+    """
+    setting = environ.get(ALLOCATOR_ENV, "auto").strip().lower() or "auto"
+    if setting not in ("auto", "jemalloc", "system"):
+        raise ValueError(f"{ALLOCATOR_ENV} must be auto, jemalloc or system, got {setting!r}")
+    if loaded:
+        return AllocatorChoice(None, "jemalloc (preloaded)")
+    if setting == "system":
+        return AllocatorChoice(None, f"glibc malloc ({ALLOCATOR_ENV}=system)")
+    if jemalloc is None:
+        note = "not installed: apt-get install libjemalloc2"
+        if setting == "jemalloc":
+            raise ValueError(f"{ALLOCATOR_ENV}=jemalloc but jemalloc is {note}")
+        return AllocatorChoice(None, f"glibc malloc (jemalloc {note})")
+    if environ.get(_REEXEC_ENV):
+        # The preload was asked for and did not take (a loader that ignores LD_PRELOAD, for one).
+        return AllocatorChoice(None, f"glibc malloc (LD_PRELOAD of {jemalloc} did not load it)")
+    preload = environ.get("LD_PRELOAD", "")
+    env = dict(environ)
+    env["LD_PRELOAD"] = f"{jemalloc}:{preload}" if preload else jemalloc
+    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    env[_REEXEC_ENV] = "1"
+    return AllocatorChoice(env, f"jemalloc ({jemalloc})")
+
+
+def reexec_with_jemalloc(argv: list[str]) -> str:
+    """Re-execute this process (same pid, same descriptors) as ``python -m <argv>`` with
+    jemalloc preloaded, when ``choose_allocator`` says so; otherwise return the line to log
+    about the allocator in use. Linux only; elsewhere it returns at once."""
+    if not sys.platform.startswith("linux"):
+        return "the platform's malloc"
+    choice = choose_allocator(dict(os.environ), jemalloc_loaded(), find_jemalloc())
+    if choice.reexec_env is None:
+        return choice.reason
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", *argv], choice.reexec_env)
+    raise AssertionError("unreachable: execve returns only by raising")  # pragma: no cover
+
+
 def _load_malloc_trim() -> Callable[[int], int] | None:
+    if jemalloc_loaded():
+        return None  # glibc's trim would only walk glibc's idle arenas
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
