@@ -162,7 +162,9 @@ class AsrStage(Stage[AsrInput]):
         if load.model is None:
             fallback = TurnStatus("silence", "semantic", vad_min_silence_ms, fallback=load.error)
             return fallback, None
-        endpointer = SemanticEndpointer(load.model, turn.threshold, turn.semantic_min_ms, turn.text_check)
+        endpointer = SemanticEndpointer(
+            load.model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
+        )
         status = TurnStatus(
             "semantic",
             "semantic",
