@@ -205,6 +205,15 @@ def is_backchannel(text: str) -> bool:
     return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(w in BACKCHANNEL_WORDS for w in words)
 
 
+def talkover_speech_samples(talkover_start: int, now: int, silence_start: int | None) -> int:
+    """The speech heard over a reply since ``talkover_start`` (sample indices): up to the pause in
+    progress (``silence_start``), not through it. In semantic mode the VAD stays "in speech"
+    through a pause until the cap, so counting to ``now`` would make every backchannel that waits
+    for the model or the fragment hold ("Yes." + 600 ms) as long as a real barge-in."""
+    end = now if silence_start is None else min(silence_start, now)
+    return max(0, end - talkover_start)
+
+
 def transcript_unfinished(text: str) -> bool:
     """True when ``text`` (a speculative final) reads as a sentence cut off at a pause: it ends
     in a comma, dash or ellipsis, or (unless it is a question) in a conjunction, filler, article

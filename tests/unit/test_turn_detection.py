@@ -13,6 +13,7 @@ from edge_rtgi.asr.turn import (
     TurnDetectionConfig,
     is_backchannel,
     is_fragment,
+    talkover_speech_samples,
     transcript_unfinished,
     turn_features,
 )
@@ -257,3 +258,12 @@ def test_a_fragment_waits_for_the_hold_then_is_asked_again():
     # the hold off: the model's verdict on the fragment stands
     off = SemanticEndpointer(_Scorer(0.9), 0.5, 100, fragment_hold_ms=0)
     assert off.check_words(off.decide(audio, 0), "Add milk.", 1600).complete
+
+
+def test_talkover_counts_speech_not_the_pause_after_it():
+    # "Yes." over a reply: 0.4 s of speech, then a pause the VAD (semantic mode: cap 1.2 s) still
+    # counts as in speech; 0.7 s later that is 1.1 s of audio but 0.4 s of speech
+    start, pause = 16000, 16000 + 6400
+    assert talkover_speech_samples(start, pause + 11200, silence_start=pause) == 6400
+    assert talkover_speech_samples(start, start + 12000, silence_start=None) == 12000  # still talking
+    assert talkover_speech_samples(start, start + 100, silence_start=start - 50) == 0
