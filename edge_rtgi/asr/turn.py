@@ -84,6 +84,7 @@ BACKCHANNEL_WORDS = frozenset(
         "right",
         "sure",
         "alright",
+        "all",  # whisper writes "alright" as "All right."
         "i",
         "see",
         "got",
