@@ -6,6 +6,10 @@ before the silence cap; a sentence paused after "and" is held through the pause 
 one turn, and so is one paused after a fronted clause, which the model alone calls finished
 and the words check of the speculative final holds. A session whose model file is corrupt
 runs on the silence timer and says so in its description (what ``session.created`` carries).
+The decision rule is also checked on the audio clock (the transcriber fed 20 ms at a time, every
+decode awaited), where the outcome does not depend on the machine's load: a two-word fragment
+held through a pause by the fragment hold (and cut without it), a complete request ended at the
+model's first check, a two-word one after the hold.
 """
 
 from __future__ import annotations
