@@ -44,11 +44,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -209,16 +211,40 @@ async def main() -> int:
     ap.add_argument("--tts-concurrency", help="Piper first-chunk latency at these concurrent replies")
     ap.add_argument(
         "--turn-taking",
-        choices=("complete", "paused", "backchannel"),
+        choices=("complete", "paused", "backchannel", "heldout_complete", "heldout_paused"),
         help="semantic end of turn against the silence timer on one part of the turn-taking set (see below)",
     )
     ap.add_argument("--turn-items", metavar="A:B", help="with --turn-taking: a slice of the part's items")
     ap.add_argument(
         "--turn-merge", nargs="+", metavar="JSON", help="summarise --turn-taking --out files together"
     )
+    ap.add_argument(
+        "--turn-clock",
+        choices=("wall", "audio"),
+        default="wall",
+        help="with --turn-taking: through the daemon at real time (wall), or straight into the "
+        "ASR stage's transcriber with every decision made where it is due (audio; see below)",
+    )
+    ap.add_argument(
+        "--turn-modes",
+        type=lambda s: tuple(s.split(",")),
+        default=TURN_MODES,
+        help="with --turn-taking: which of semantic,model-only,silence (and on the audio clock "
+        "no-fragment-hold) to run; backchannels run semantic and silence",
+    )
+    ap.add_argument(
+        "--turn-model-cost",
+        type=int,
+        metavar="N",
+        help="time the turn model alone on N decisions (median and p95 ms) and stop",
+    )
     args = ap.parse_args()
+    if args.turn_model_cost:
+        return await asyncio.to_thread(turn_model_cost, args.turn_model_cost)
     if args.turn_merge:
         return merge_turn_results(args.turn_merge, args.out)
+    if args.turn_taking and args.turn_clock == "audio":
+        return await asyncio.to_thread(run_turn_taking_offline, args)
     if args.turn_taking:
         return await run_turn_taking(args)
     if args.against:
@@ -531,8 +557,13 @@ def print_many(result: dict) -> None:
 #                (replies capped at REPLY_TOKENS: only their first audio is timed)
 #   paused       a pause of 300-700 ms of silence inside the request: premature cut-offs
 #   backchannel  a question, then a backchannel ("mm-hm") 400 ms into the spoken reply: interruptions
+#   heldout_complete / heldout_paused  a second set of the same kinds, written before the
+#                rule was revised and not used to choose it (checks that the rule carries over)
 # ``--turn-items A:B`` takes a slice of the part's items (to keep each locked run short);
-# ``--turn-merge FILE...`` sums the JSON of several runs into one summary.
+# ``--turn-modes semantic,silence`` runs only those arms; ``--turn-merge FILE...`` sums the JSON
+# of several runs into one summary. ``--turn-clock audio`` plays the items into the ASR stage's
+# transcriber instead of the daemon, each decision made where it is due in the audio (below);
+# ``--turn-model-cost N`` times the model alone on N decisions.
 
 # semantic: the pipeline's (model + words check); model-only: the model's verdict alone
 TURN_MODES = ("semantic", "model-only", "silence")
@@ -759,7 +790,9 @@ def _slice(items: list, spec: str | None) -> list[tuple[int, object]]:
 
 
 async def run_turn_taking(args: argparse.Namespace) -> int:
-    """``--turn-taking PART``: each selected item in both modes, alternating which goes first."""
+    """``--turn-taking PART``: each selected item in every mode, rotating which goes first."""
+    if not set(args.turn_modes) <= set(TURN_MODES):
+        raise SystemExit(f"through the daemon --turn-modes takes some of {','.join(TURN_MODES)}")
     data = load_turn_set()
     voices = turn_voices()
     load_start = os.getloadavg()[0]
@@ -769,11 +802,11 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
         flush=True,
     )
     part = args.turn_taking
-    if part == "complete":
-        items = [(i, say_16k(voices[i % 2], t), t) for i, t in _slice(data["complete"], args.turn_items)]
-    elif part == "paused":
+    if part.endswith("complete"):
+        items = [(i, say_16k(voices[i % 2], t), t) for i, t in _slice(data[part], args.turn_items)]
+    elif part.endswith("paused"):
         items, kinds = [], {}
-        for i, p in _slice(data["paused"], args.turn_items):
+        for i, p in _slice(data[part], args.turn_items):
             audio, _ = say_paused(
                 voices[i % 2], p["before"], p["after"], TURN_PAUSES_MS[i % len(TURN_PAUSES_MS)]
             )
@@ -789,15 +822,15 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
     rows = []
     try:
         for n, (i, audio, text) in enumerate(items):
-            modes = TURN_MODES if part != "backchannel" else ("semantic", "silence")
+            modes = tuple(m for m in args.turn_modes if part != "backchannel" or m != "model-only")
             for mode in modes[n % len(modes) :] + modes[: n % len(modes)]:
-                if part == "complete":
+                if part.endswith("complete"):
                     row = await turn_complete_item(daemon.port, mode, audio)
-                elif part == "paused":
+                elif part.endswith("paused"):
                     row = await turn_paused_item(daemon.port, mode, audio)
                 else:
                     row = await turn_backchannel_item(daemon.port, mode, *audio)
-                if part == "paused":
+                if part.endswith("paused"):
                     row["kind"] = kinds[i]
                 row.update(
                     item=i,
@@ -829,13 +862,13 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
 
 
 def _turn_row_line(part: str, row: dict) -> str:
-    if part == "complete":
+    if part.endswith("complete"):
         ep, ac = _f(row["endpointing_ms"]).strip(), _f(row["endpointing_from_acoustic_end_ms"]).strip()
         model, v2v = _f(row["turn_decision_ms"]).strip(), _f(row["client_voice_to_voice_ms"]).strip()
         return (
             f"endpointing {ep} ms (from acoustic end {ac}), model {model} ms, v2v {v2v} ms; {row['finals']}"
         )
-    if part == "paused":
+    if part.endswith("paused"):
         return f"{'CUT' if row['premature'] else 'ok '} {row['finals']}"
     return (
         f"{'INTERRUPTED' if row['interrupted'] else 'kept'} (over reply: {row['over_reply']}, "
@@ -855,7 +888,7 @@ def summarize_turns(results: list[dict]) -> dict:
             rs = [r for r in rows if r["mode"] == mode]
             if not rs:
                 continue
-            if part == "complete":
+            if part.endswith("complete"):
                 s = {"n": len(rs)}
                 for key in (
                     "endpointing_ms",
@@ -871,7 +904,7 @@ def summarize_turns(results: list[dict]) -> dict:
                     reason: sum(r["end_reasons"][:1] == [reason] for r in rs)
                     for reason in sorted({x for r in rs for x in r["end_reasons"][:1]}, key=str)
                 }
-            elif part == "paused":
+            elif part.endswith("paused"):
                 s = {"n": len(rs), "premature": sum(r["premature"] for r in rs)}
                 kinds = sorted({r.get("kind", "") for r in rs})
                 s["by_kind"] = {k: sum(r["premature"] for r in rs if r.get("kind") == k) for k in kinds}
@@ -892,13 +925,15 @@ def print_turn_summary(summary: dict) -> None:
         f"\nturn taking, {len(loads)} run(s); load average at start/max: "
         + ", ".join(f"{lo['start']:.2f}/{lo['max']:.2f}" for lo in loads)
     )
-    for mode, s in summary.get("complete", {}).items():
-        print(f"  complete, {mode} (n={s['n']}, split {s['split']}, first turn ended by {s['ended_by']}):")
-        for key, v in s.items():
-            if isinstance(v, dict) and "p50" in v:
-                print(f"    {key:34s} p50 {_f(v['p50'])}  p95 {_f(v['p95'])}  (n={v['n']})")
-    for mode, s in summary.get("paused", {}).items():
-        print(f"  paused, {mode}: premature cut-offs {s['premature']} of {s['n']}")
+    for part in [p for p in summary if p.endswith("complete")]:
+        for mode, s in summary[part].items():
+            print(f"  {part}, {mode} (n={s['n']}, split {s['split']}, first turn ended by {s['ended_by']}):")
+            for key, v in s.items():
+                if isinstance(v, dict) and "p50" in v:
+                    print(f"    {key:34s} p50 {_f(v['p50'])}  p95 {_f(v['p95'])}  (n={v['n']})")
+    for part in [p for p in summary if p.endswith("paused")]:
+        for mode, s in summary[part].items():
+            print(f"  {part}, {mode}: premature cut-offs {s['premature']} of {s['n']}")
     for mode, s in summary.get("backchannel", {}).items():
         print(
             f"  backchannel, {mode}: interrupted {s['interrupted']} of {s['over_reply']} "
@@ -912,6 +947,341 @@ def merge_turn_results(paths: list[str], out: str | None) -> int:
     if out:
         Path(out).write_text(json.dumps(summary, indent=2))
     return 0
+
+
+# -- turn taking on the audio clock ------------------------------------------------------------
+#
+# ``--turn-taking PART --turn-clock audio`` plays the same rendered items straight into the ASR
+# stage's ``StreamingTranscriber`` (built as the voice-assistant pipeline builds it), 20 ms at a
+# time, with ``process_iter`` after every chunk and every decode awaited: each decision is made at
+# the audio position where it is due, as on a machine with unlimited CPU. Where turns end and
+# how much silence that took are then properties of the decision rule alone, not of the load; the
+# model's cost and the final's decode time are measured beside them (wall ms, load-dependent).
+# Every model decision is logged with its probability, its silence and the words it was checked
+# against, so a missed target can be traced to items.
+
+AUDIO_CHUNK = 320  # 20 ms, as the benchmark client sends
+# the daemon's three arms, and semantic without the fragment hold (the rule before it)
+AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold")
+PROBE_SILENCE_MS = (100, 200, 300, 500, 700, 1000)
+
+
+def _offline_setup():
+    from edge_rtgi.asr.config import AsrConfig
+    from edge_rtgi.asr.turn import load_turn_model
+    from edge_rtgi.asr.whisper import WhisperAsr
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+
+    pipe = load_pipelines([builtin_pipelines_dir()])["voice-assistant"]
+    cfg = pipe.stage(AsrConfig)
+    whisper = WhisperAsr(dataclasses.replace(cfg, shared=False), num_workers=2)
+    model = load_turn_model(cfg.turn_detection.model)
+    return cfg, whisper, model
+
+
+def offline_transcribe(
+    cfg, whisper, model, mode: str, audio: np.ndarray, lead_s: float, tail_s: float
+) -> dict:
+    """One item through a fresh ``StreamingTranscriber`` in ``mode`` on the audio clock: where
+    each turn ended (in audio), why, and every model decision (probability, silence, words)."""
+    from edge_rtgi.asr.events import FinalTranscript, SpeechEnded
+    from edge_rtgi.asr.streaming import StreamingTranscriber
+    from edge_rtgi.asr.turn import SemanticEndpointer
+    from edge_rtgi.asr.vad import SileroVad
+
+    turn = cfg.turn_detection
+    if mode == "model-only":
+        turn = turn.with_overrides(text_check=False)
+    elif mode == "no-fragment-hold":
+        turn = dataclasses.replace(turn, fragment_hold_ms=0)
+    elif mode == "silence":
+        turn = turn.with_overrides(mode="silence")
+    decisions: list[dict] = []
+    fed = [0]
+
+    class Recording(SemanticEndpointer):
+        """The stage's endpointer, logging what it decided and on what."""
+
+        def decide(self, audio_window, silence_start_index):
+            d = super().decide(audio_window, silence_start_index)
+            self.decided_at = time.perf_counter()
+            decisions.append(
+                {
+                    "silence_start_s": silence_start_index / 16000,
+                    "at_s": fed[0] / 16000,
+                    "probability": d.probability,
+                    "model_complete": d.complete,
+                    "model_ms": d.model_ms,
+                }
+            )
+            return d
+
+        def check_words(self, decision, text, silence_samples=0):
+            d = super().check_words(decision, text, silence_samples)
+            # the wait for the speculative final that the words check adds after the model
+            wait_ms = (time.perf_counter() - self.decided_at) * 1000.0
+            decisions[-1].update(
+                text=text,
+                unfinished_text=d.unfinished_text,
+                fragment_hold=d.retry_silence_samples is not None,
+                words_wait_ms=wait_ms,
+            )
+            return d
+
+    asr = _TimedDecodes(whisper)
+    endpointer = None
+    vad_cfg = cfg.vad
+    if turn.mode == "semantic":
+        endpointer = Recording(
+            model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
+        )
+    vad_cfg = dataclasses.replace(vad_cfg, min_silence_ms=turn.silence_ms(cfg.vad.min_silence_ms))
+    tr = StreamingTranscriber(asr, dataclasses.replace(cfg, vad=vad_cfg), SileroVad(vad_cfg), endpointer)
+    lead = np.zeros(int(lead_s * 16000), np.float32)
+    x = np.concatenate([lead, audio, np.zeros(int(tail_s * 16000), np.float32)])
+    events = []
+    try:
+        for i in range(0, len(x), AUDIO_CHUNK):
+            tr.insert_audio(x[i : i + AUDIO_CHUNK])
+            fed[0] = min(i + AUDIO_CHUNK, len(x))
+            events.extend(tr.process_iter())
+        events.extend(tr.finish())
+    finally:
+        tr.close()
+    ended = [e for e in events if isinstance(e, SpeechEnded)]
+    finals = [e for e in events if isinstance(e, FinalTranscript) and e.text.strip()]
+    return {
+        "mode": mode,
+        "turns": [
+            {
+                "speech_end_s": e.speech_end_audio_s,
+                "endpoint_s": e.endpoint_audio_s,
+                "reason": e.reason,
+                "turn_decision_ms": e.turn_decision_ms,
+            }
+            for e in ended
+        ],
+        "finals": [f.text for f in finals],
+        # wall ms of every beam-search decode (the speculative finals and any final), in order
+        "final_decode_ms": [ms for ms, beam in asr.decodes if beam == cfg.final_beam_size],
+        "decisions": decisions,
+    }
+
+
+class _TimedDecodes:
+    """The whisper model, timing each decode (wall ms) with its beam size; decodes run on the
+    transcriber's worker and its speculative-final thread, so the list is appended under a lock."""
+
+    def __init__(self, inner):
+        self.inner, self.config, self.multilingual = inner, inner.config, inner.multilingual
+        self.decodes: list[tuple[float, int | None]] = []
+        self._lock = threading.Lock()
+
+    def transcribe(self, audio, **kwargs):
+        t0 = time.perf_counter()
+        hyp = self.inner.transcribe(audio, **kwargs)
+        with self._lock:
+            self.decodes.append(((time.perf_counter() - t0) * 1000.0, kwargs.get("beam_size")))
+        return hyp
+
+    def last_timing(self):
+        return self.inner.last_timing()
+
+    def detach(self) -> None:
+        self.inner.detach()
+
+
+def probe_probabilities(model, audio: np.ndarray, cut_index: int) -> dict[str, float]:
+    """The model's probability with ``PROBE_SILENCE_MS`` of silence after ``audio[:cut_index]``
+    (100 ms of lead silence, as the stage's speech pad gives it)."""
+    lead = np.zeros(1600, np.float32)
+    return {
+        str(ms): round(
+            model.probability(np.concatenate([lead, audio[:cut_index], np.zeros(ms * 16, np.float32)])), 4
+        )
+        for ms in PROBE_SILENCE_MS
+    }
+
+
+def run_turn_taking_offline(args: argparse.Namespace) -> int:
+    """``--turn-taking PART --turn-clock audio``: each item in every mode on the audio clock."""
+    data = load_turn_set()
+    voices = turn_voices()
+    load_start = os.getloadavg()[0]
+    t_start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    part = args.turn_taking
+    if not set(args.turn_modes) <= set(AUDIO_CLOCK_MODES):
+        known, got = ",".join(AUDIO_CLOCK_MODES), ",".join(args.turn_modes)
+        raise SystemExit(f"--turn-modes takes some of {known}, got {got}")
+    if part == "backchannel":
+        raise SystemExit(
+            "--turn-clock audio covers complete and paused (backchannels need a reply: wall clock)"
+        )
+    cfg, whisper, model = _offline_setup()
+    lead_s = 0.3
+    rows = []
+    pairs = _slice(data[part], args.turn_items)
+    for n, (i, item) in enumerate(pairs):
+        voice = voices[i % 2]
+        if part.endswith("complete"):
+            audio, cut, text = say_16k(voice, item), None, item
+        else:
+            pause_ms = TURN_PAUSES_MS[i % len(TURN_PAUSES_MS)]
+            audio, cut = say_paused(voice, item["before"], item["after"], pause_ms)
+            text = f"{item['before']} | {item['after']}"
+        probe = probe_probabilities(model, audio, cut if cut is not None else len(audio))
+        modes = args.turn_modes
+        for mode in modes[n % len(modes) :] + modes[: n % len(modes)]:
+            row = offline_transcribe(cfg, whisper, model, mode, audio, lead_s, TURN_TAIL_S)
+            speech_end_s = lead_s + len(audio) / 16000
+            row.update(
+                item=i,
+                text=text,
+                voice="piper" if i % 2 == 0 else "espeak-ng",
+                acoustic_end_s=speech_end_s,
+                probe=probe,
+                load_average_1m=os.getloadavg()[0],
+            )
+            if part.endswith("paused"):
+                row.update(
+                    kind=item["kind"],
+                    pause_start_s=lead_s + cut / 16000,
+                    pause_ms=TURN_PAUSES_MS[i % len(TURN_PAUSES_MS)],
+                    premature=len(row["finals"]) > 1,
+                )
+            else:
+                first = row["turns"][0] if row["turns"] else None
+                row["endpointing_audio_ms"] = (
+                    1000 * (first["endpoint_s"] - first["speech_end_s"]) if first else None
+                )
+                row["endpointing_from_acoustic_end_audio_ms"] = (
+                    1000 * (first["endpoint_s"] - speech_end_s) if first else None
+                )
+            rows.append(row)
+            print(f"  {i:2d} {mode:10s} {_offline_line(part, row)} | {text!r}", flush=True)
+    result = {
+        "part": part,
+        "clock": "audio",
+        "items": args.turn_items or "all",
+        "started": t_start,
+        "commit": _commit(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": {
+            "start": load_start,
+            "max": max([load_start] + [r["load_average_1m"] for r in rows]),
+        },
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print_offline_summary(summarize_offline([result]))
+    return 0
+
+
+def turn_model_cost(decisions: int) -> int:
+    """``--turn-model-cost N``: the smart-turn model alone (features + onnxruntime, one thread as
+    the stage runs it) on N windows: the complete requests, each ending in 100 ms of silence."""
+    from edge_rtgi.asr.config import AsrConfig
+    from edge_rtgi.asr.turn import load_turn_model
+    from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
+
+    load_start = os.getloadavg()[0]
+    cfg = load_pipelines([builtin_pipelines_dir()])["voice-assistant"].stage(AsrConfig)
+    model = load_turn_model(cfg.turn_detection.model)
+    voices, texts = turn_voices(), load_turn_set()["complete"]
+    windows = [
+        np.concatenate([np.zeros(1600, np.float32), say_16k(voices[i % 2], t), np.zeros(1600, np.float32)])
+        for i, t in enumerate(texts[: min(len(texts), decisions)])
+    ]
+    for w in windows[:3]:  # warm-up, not timed
+        model.probability(w)
+    ms = []
+    for n in range(decisions):
+        t0 = time.perf_counter()
+        model.probability(windows[n % len(windows)])
+        ms.append((time.perf_counter() - t0) * 1000.0)
+    load_end = os.getloadavg()[0]
+    print(
+        f"smart-turn cost per decision over {decisions} decisions: p50 {pct(ms, 0.5):.1f} ms, "
+        f"p95 {pct(ms, 0.95):.1f} ms (load average {load_start:.2f} -> {load_end:.2f}, {os.cpu_count()} CPUs)"
+    )
+    return 0
+
+
+def _offline_line(part: str, row: dict) -> str:
+    ps = " ".join(f"{d['probability']:.2f}" for d in row["decisions"] if d["probability"] is not None)
+    reasons = ",".join(t["reason"] for t in row["turns"])
+    if part.endswith("paused"):
+        return f"{'CUT' if row['premature'] else 'ok '} p=[{ps}] {reasons} {row['finals']}"
+    return (
+        f"endpointing {_f(row['endpointing_audio_ms']).strip()} ms (audio) p=[{ps}] {reasons} {row['finals']}"
+    )
+
+
+def summarize_offline(results: list[dict]) -> dict:
+    """Per part and mode, over the rows of all ``results``: cut-offs, audio-clock endpointing,
+    the model's cost per decision and the final's decode time (wall ms)."""
+    summary: dict = {
+        "runs": [
+            {k: r[k] for k in ("part", "items", "started", "commit", "load_average_1m")} for r in results
+        ]
+    }
+    rows_by_part: dict[str, list[dict]] = {}
+    for res in results:
+        rows_by_part.setdefault(res["part"], []).extend(res["rows"])
+    for part, rows in rows_by_part.items():
+        for mode in AUDIO_CLOCK_MODES:
+            rs = [r for r in rows if r["mode"] == mode]
+            if not rs:
+                continue
+            s: dict = {
+                "n": len(rs),
+                "model_ms": _p50_p95([d["model_ms"] for r in rs for d in r["decisions"]]),
+                "final_decode_ms": _p50_p95([ms for r in rs for ms in r["final_decode_ms"]]),
+                "words_wait_ms": _p50_p95(
+                    [d["words_wait_ms"] for r in rs for d in r["decisions"] if "words_wait_ms" in d]
+                ),
+            }
+            if part.endswith("paused"):
+                s["premature"] = sum(r["premature"] for r in rs)
+                s["cut_items"] = [r["item"] for r in rs if r["premature"]]
+            else:
+                for key in ("endpointing_audio_ms", "endpointing_from_acoustic_end_audio_ms"):
+                    s[key] = _p50_p95([r[key] for r in rs if r.get(key) is not None])
+                s["split"] = sum(len(r["finals"]) > 1 for r in rs)
+                s["ended_by"] = {}
+                for r in rs:
+                    reason = r["turns"][0]["reason"] if r["turns"] else "none"
+                    s["ended_by"][reason] = s["ended_by"].get(reason, 0) + 1
+            summary.setdefault(part, {})[mode] = s
+    return summary
+
+
+def _p50_p95(vals: list[float]) -> dict:
+    return {"p50": pct(vals, 0.5), "p95": pct(vals, 0.95), "n": len(vals)}
+
+
+def print_offline_summary(summary: dict) -> None:
+    print("\nturn taking on the audio clock (decisions where due; costs in wall ms at this load):")
+    for part in [p for p in summary if p != "runs"]:
+        for mode, s in summary[part].items():
+            line = f"  {part}, {mode} (n={s['n']}):"
+            if part.endswith("paused"):
+                line += f" premature cut-offs {s['premature']} of {s['n']} {s['cut_items']}"
+            else:
+                ep, ac = s["endpointing_audio_ms"], s["endpointing_from_acoustic_end_audio_ms"]
+                line += (
+                    f" endpointing p50 {_f(ep['p50']).strip()} p95 {_f(ep['p95']).strip()} ms"
+                    f" (from acoustic end p50 {_f(ac['p50']).strip()}), split {s['split']},"
+                    f" ended by {s['ended_by']}"
+                )
+            m, d, w = s["model_ms"], s["final_decode_ms"], s["words_wait_ms"]
+            line += (
+                f"; model {_f(m['p50']).strip()}/{_f(m['p95']).strip()} ms (n={m['n']}),"
+                f" beam decodes {_f(d['p50']).strip()}/{_f(d['p95']).strip()} ms,"
+                f" words-check wait {_f(w['p50']).strip()}/{_f(w['p95']).strip()} ms"
+            )
+            print(line)
 
 
 def summarize(rows: list[dict], base: list[dict], load_start: float) -> dict:

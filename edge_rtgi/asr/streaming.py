@@ -261,8 +261,12 @@ class StreamingTranscriber:
         if self.config.speculative_final and fresh and not pending_here and pad_in:
             self._collect_pending(utt, wait=True)  # at most one decode in flight
             self._speculate_async(utt, silence_start)
-        decided = utt.decision is not None and utt.decision.silence_start_index == silence_start
-        if decided or now - silence_start < endpointer.check_samples:
+        earlier = utt.decision if utt.decision and utt.decision.silence_start_index == silence_start else None
+        if earlier is not None:  # decided at this pause: asked again only after a fragment's hold
+            retry = earlier.retry_silence_samples
+            if retry is None or now - silence_start < retry:
+                return
+        elif now - silence_start < endpointer.check_samples:
             return
         audio = self._ring.read(max(self._ring.oldest_index, utt.start_index, now - WINDOW_SAMPLES), now)
         utt.decision = endpointer.decide(audio, silence_start)
@@ -273,7 +277,7 @@ class StreamingTranscriber:
             spec = utt.speculative
             if spec is not None and spec.silence_start_index == silence_start:
                 words = utt.agreement.final_words(split_words(spec.hypothesis.text))
-                utt.decision = endpointer.check_words(utt.decision, " ".join(words))
+                utt.decision = endpointer.check_words(utt.decision, " ".join(words), now - silence_start)
         if utt.decision.complete:
             self.vad.force_end()
             self._end_active(silence_start, "semantic")

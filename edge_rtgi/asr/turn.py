@@ -84,6 +84,7 @@ BACKCHANNEL_WORDS = frozenset(
         "right",
         "sure",
         "alright",
+        "all",  # whisper writes "alright" as "All right."
         "i",
         "see",
         "got",
@@ -185,6 +186,20 @@ _AUXILIARIES = frozenset(
     }
 )
 _UNFINISHED_ENDINGS = (",", ";", ":", "-", "\u2013", "\u2014", "...", "\u2026")
+# A request of this many words or fewer ("Add milk.", "Tell me.", "Can you?") is more often
+# the first piece of a longer one than a whole turn; see ``TurnDetectionConfig.fragment_hold_ms``.
+FRAGMENT_MAX_WORDS = 2
+DEFAULT_FRAGMENT_HOLD_MS = 600
+
+
+def _words(text: str) -> list[str]:
+    """Lower-cased words without punctuation; digits are words ("at 6 30" ends in "30")."""
+    return [w for w in (re.sub(r"[^a-z0-9']", "", w.lower()) for w in text.split()) if w]
+
+
+def is_fragment(text: str) -> bool:
+    """True for a transcript of at most ``FRAGMENT_MAX_WORDS`` words (and at least one)."""
+    return 0 < len(_words(text)) <= FRAGMENT_MAX_WORDS
 
 
 def is_backchannel(text: str) -> bool:
@@ -192,6 +207,15 @@ def is_backchannel(text: str) -> bool:
     words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
     words = [w for w in words if w]
     return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(w in BACKCHANNEL_WORDS for w in words)
+
+
+def talkover_speech_samples(talkover_start: int, now: int, silence_start: int | None) -> int:
+    """The speech heard over a reply since ``talkover_start`` (sample indices): up to the pause in
+    progress (``silence_start``), not through it. In semantic mode the VAD stays "in speech"
+    through a pause until the cap, so counting to ``now`` would make every backchannel that waits
+    for the model or the fragment hold ("Yes." + 600 ms) as long as a real barge-in."""
+    end = now if silence_start is None else min(silence_start, now)
+    return max(0, end - talkover_start)
 
 
 def transcript_unfinished(text: str) -> bool:
@@ -205,13 +229,16 @@ def transcript_unfinished(text: str) -> bool:
         return True
     if t.endswith("?"):
         return False
-    words = [w for w in (re.sub(r"[^a-z']", "", w.lower()) for w in t.split()) if w]
+    words = _words(t)
     if not words:
         return False
     if words[-1] in UNFINISHED_LAST_WORDS:
         return True
     fronted = words[0] in CLAUSE_OPENERS and (len(words) < 2 or words[1] not in _AUXILIARIES)
-    return fronted and "," not in t
+    # a fronted phrase followed by a sentence of its own ("On Saturday morning. Wake me up.")
+    # has its main clause: whisper wrote a full stop where the speaker paused
+    one_sentence = re.search(r"[.!?]\s", t) is None
+    return fronted and one_sentence and "," not in t
 
 
 @dataclass(frozen=True)
@@ -222,7 +249,9 @@ class TurnDetectionConfig:
     ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the
     turn; it ends if the probability is at least ``threshold``, else at ``max_silence_ms``
     (unset: 1200). ``text_check``: a "finished" verdict also needs the speculative final not
-    to read as cut off (``transcript_unfinished``). ``barge_in_min_speech_ms``: in semantic
+    to read as cut off (``transcript_unfinished``), and when the final is a fragment of at most
+    two words ("Add milk.", "Tell me."), ``fragment_hold_ms`` of silence (0: no hold), at which
+    the model is asked again. ``barge_in_min_speech_ms``: in semantic
     mode, speech over a reply cuts it once it has lasted this long, or when its words turn out
     not to be a backchannel.
     """
@@ -234,6 +263,7 @@ class TurnDetectionConfig:
     model: str = DEFAULT_MODEL
     barge_in_min_speech_ms: int = 700
     text_check: bool = True
+    fragment_hold_ms: int = DEFAULT_FRAGMENT_HOLD_MS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -244,6 +274,8 @@ class TurnDetectionConfig:
             ms = getattr(self, name)
             if ms is not None and not 32 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [32, 10000] ms, got {ms}")
+        if not 0 <= self.fragment_hold_ms <= 10_000:
+            raise ValueError(f"fragment_hold_ms must be in [0, 10000] ms, got {self.fragment_hold_ms}")
         if not 0 <= self.barge_in_min_speech_ms <= 10_000:
             raise ValueError(
                 f"barge_in_min_speech_ms must be in [0, 10000] ms, got {self.barge_in_min_speech_ms}"
@@ -438,6 +470,9 @@ class TurnDecision:
     model_ms: float
     decided_t_s: float  # time.monotonic() when the decision was made
     unfinished_text: bool = False
+    # the words were a fragment and the pause is still shorter than the fragment hold: ask
+    # again once the silence reaches this many samples
+    retry_silence_samples: int | None = None
 
 
 class SemanticEndpointer:
@@ -447,11 +482,19 @@ class SemanticEndpointer:
     falls back to the silence cap; the session goes on.
     """
 
-    def __init__(self, scorer: TurnScorer, threshold: float, check_ms: int, text_check: bool = True):
+    def __init__(
+        self,
+        scorer: TurnScorer,
+        threshold: float,
+        check_ms: int,
+        text_check: bool = True,
+        fragment_hold_ms: int = 0,
+    ):
         self.scorer = scorer
         self.threshold = threshold
         self.text_check = text_check
         self.check_samples = check_ms * SAMPLE_RATE_HZ // 1000
+        self.fragment_hold_samples = fragment_hold_ms * SAMPLE_RATE_HZ // 1000
         self._warned = False
 
     def decide(self, audio: np.ndarray, silence_start_index: int) -> TurnDecision:
@@ -467,12 +510,18 @@ class SemanticEndpointer:
         complete = p is not None and p >= self.threshold
         return TurnDecision(silence_start_index, p, complete, model_ms, time.monotonic())
 
-    def check_words(self, decision: TurnDecision, text: str) -> TurnDecision:
-        """A "finished" verdict held against the pause's speculative final (``text_check``)."""
+    def check_words(self, decision: TurnDecision, text: str, silence_samples: int = 0) -> TurnDecision:
+        """A "finished" verdict held against the pause's speculative final (``text_check``):
+        words that read as cut off wait for the cap; a fragment ("Add milk.") waits until
+        ``silence_samples`` reaches the fragment hold, and is then asked about again."""
         unfinished = decision.complete and transcript_unfinished(text)
+        retry = None
+        if decision.complete and not unfinished and silence_samples < self.fragment_hold_samples:
+            retry = self.fragment_hold_samples if is_fragment(text) else None
         return dataclasses.replace(
             decision,
-            complete=decision.complete and not unfinished,
+            complete=decision.complete and not unfinished and retry is None,
             unfinished_text=unfinished,
+            retry_silence_samples=retry,
             decided_t_s=time.monotonic(),
         )

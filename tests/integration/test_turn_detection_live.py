@@ -6,18 +6,26 @@ before the silence cap; a sentence paused after "and" is held through the pause 
 one turn, and so is one paused after a fronted clause, which the model alone calls finished
 and the words check of the speculative final holds. A session whose model file is corrupt
 runs on the silence timer and says so in its description (what ``session.created`` carries).
+The decision rule is also checked on the audio clock (the transcriber fed 20 ms at a time, every
+decode awaited), where the outcome does not depend on the machine's load: a two-word fragment
+held through a pause by the fragment hold (and cut without it), a complete request ended at the
+model's first check, a two-word one after the hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
 
 from edge_rtgi import frames as F
-from edge_rtgi.asr.turn import transcript_unfinished
+from edge_rtgi.asr.events import FinalTranscript, SpeechEnded
+from edge_rtgi.asr.streaming import StreamingTranscriber
+from edge_rtgi.asr.turn import SemanticEndpointer, TurnDetectionConfig, transcript_unfinished
+from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
 from edge_rtgi.pipeline.config import parse_pipeline
 from edge_rtgi.pipeline.resources import Resources
@@ -171,3 +179,62 @@ async def test_a_pause_after_a_fronted_clause_does_not_end_the_turn(voice, resou
     finals = _finals(events)
     assert len(finals) == 1, [f.text for f in finals]
     assert "rains" in finals[0].text.lower() and "umbrella" in finals[0].text.lower()
+
+
+# -- the decision rule on the audio clock ------------------------------------------------------
+# The same stage objects fed 20 ms at a time with every decode awaited, so each decision falls
+# where it is due in the audio whatever the machine's load (the real-time tests above depend on
+# the load: a decision that comes late can land after the speech has resumed).
+
+
+def _audio_clock(
+    turn: TurnDetectionConfig, resources, audio: np.ndarray
+) -> tuple[list[str], list[SpeechEnded]]:
+    """``audio`` (with 0.3 s of silence before and 2 s after) through a fresh transcriber; the
+    finals and the ``SpeechEnded`` events."""
+    asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
+    vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
+    model = resources.turn_model("smart-turn-v3.2").model
+    assert model is not None
+    endpointer = SemanticEndpointer(
+        model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
+    )
+    cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
+    tr = StreamingTranscriber(resources.whisper(cfg), cfg, SileroVad(vad_cfg), endpointer)
+    z = np.zeros
+    x = np.concatenate([z(4800, np.float32), audio, z(32000, np.float32)])
+    events = []
+    try:
+        for i in range(0, len(x), 320):
+            tr.insert_audio(x[i : i + 320])
+            events.extend(tr.process_iter())
+        events.extend(tr.finish())
+    finally:
+        tr.close()
+    finals = [e.text for e in events if isinstance(e, FinalTranscript) and e.text.strip()]
+    return finals, [e for e in events if isinstance(e, SpeechEnded)]
+
+
+SEMANTIC = TurnDetectionConfig(mode="semantic", min_silence_ms=100, max_silence_ms=CAP_MS)
+
+
+def test_a_fragment_is_held_through_a_pause_that_the_model_alone_ends(voice, resources):
+    """ "Add milk, | eggs ...": Piper ends "Add milk," with a fall the model calls finished; the
+    fragment hold keeps the turn open through a 500 ms pause, and without it the turn is cut."""
+    audio, _ = _pieces(voice, "Add milk,", "eggs and two lemons to my shopping list.", pause_s=0.5)
+    finals, _ = _audio_clock(SEMANTIC, resources, audio)
+    assert len(finals) == 1 and "lemons" in finals[0].lower(), finals
+    cut, ended = _audio_clock(dataclasses.replace(SEMANTIC, fragment_hold_ms=0), resources, audio)
+    assert len(cut) == 2 and ended[0].reason == "semantic", cut
+
+
+def test_a_complete_request_ends_at_the_first_check_and_a_short_one_after_the_hold(voice, resources):
+    finals, ended = _audio_clock(SEMANTIC, resources, _say(voice, "What is the weather like in Paris today?"))
+    assert len(finals) == 1 and ended[0].reason == "semantic"
+    silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
+    assert silence_ms < 200, silence_ms  # the model's first check, 100 ms into the pause
+    finals, ended = _audio_clock(SEMANTIC, resources, _say(voice, "Thank you."))
+    silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
+    # a two-word turn waits for the 600 ms hold, then ends on the model's verdict, not the cap
+    assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
+    assert 600 <= silence_ms < CAP_MS, silence_ms

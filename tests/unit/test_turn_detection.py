@@ -12,6 +12,8 @@ from edge_rtgi.asr.turn import (
     SemanticEndpointer,
     TurnDetectionConfig,
     is_backchannel,
+    is_fragment,
+    talkover_speech_samples,
     transcript_unfinished,
     turn_features,
 )
@@ -48,6 +50,7 @@ def test_pipeline_yaml_takes_turn_detection():
         ("{mode: semantic, threshold: -0.1}", "threshold"),
         ("{mode: semantic, min_silence_ms: 400, max_silence_ms: 200}", "max_silence_ms"),
         ("{mode: smart}", "mode"),
+        ("{mode: semantic, fragment_hold_ms: -1}", "fragment_hold_ms"),
     ],
 )
 def test_bad_turn_settings_in_a_pipeline_name_the_key(turn, key):
@@ -175,6 +178,7 @@ def test_missing_or_corrupt_model_falls_back_with_one_warning(tmp_path, caplog, 
         ("Okay", True),
         ("I see.", True),
         ("Uh-huh", True),
+        ("All right.", True),
         ("Stop.", False),
         ("Yes, but what about Paris?", False),
         ("", False),
@@ -206,6 +210,11 @@ def test_backchannels(text, expected):
         ("Play some relaxing music.", False),
         ("Add milk.", False),  # complete words: the model's verdict stands
         ("", False),
+        ("Wake me up at 6 30.", False),  # digits are words: the sentence ends in "30", not "at"
+        ("Set an alarm for 7.", False),
+        ("Set an alarm for", True),
+        ("On Saturday morning. Wake me up at 9.", False),  # the fronted phrase has its own sentence
+        ("On Saturday morning. Wake me up at", True),
     ],
 )
 def test_words_that_leave_a_sentence_unfinished(text, unfinished):
@@ -223,3 +232,43 @@ def test_the_words_check_overrules_only_a_finished_verdict():
     assert (kept.complete, kept.unfinished_text) == (True, False)
     waiting = SemanticEndpointer(_Scorer(0.1), 0.5, 100).decide(audio, 0)
     assert ep.check_words(waiting, "Play some music.").complete is False
+
+
+def test_pipeline_yaml_takes_the_fragment_hold():
+    p = parse_pipeline(_asr_pipeline("{mode: semantic, fragment_hold_ms: 450}"), "t.yaml")
+    assert p.stages[0].turn_detection.fragment_hold_ms == 450
+    assert TurnDetectionConfig().fragment_hold_ms == 600
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [("Add milk.", True), ("Tell me.", True), ("Can you?", True), ("Stop.", True), ("", False)]
+    + [("Pause the movie.", False), ("Wake me up at 6 30.", False)],
+)
+def test_fragments_are_one_or_two_words(text, fragment):
+    assert is_fragment(text) is fragment
+
+
+def test_a_fragment_waits_for_the_hold_then_is_asked_again():
+    audio = np.zeros(16000, np.float32)
+    ep = SemanticEndpointer(_Scorer(0.9), 0.5, 100, fragment_hold_ms=600)
+    early = ep.check_words(ep.decide(audio, 0), "Add milk.", silence_samples=1600)
+    assert (early.complete, early.retry_silence_samples, early.unfinished_text) == (False, 9600, False)
+    later = ep.check_words(ep.decide(audio, 0), "Add milk.", silence_samples=9600)
+    assert (later.complete, later.retry_silence_samples) == (True, None)
+    # longer words end at the first check; unfinished words wait for the cap, not the hold
+    assert ep.check_words(ep.decide(audio, 0), "Add milk and eggs.", 1600).complete
+    held = ep.check_words(ep.decide(audio, 0), "Add milk and", 1600)
+    assert (held.complete, held.retry_silence_samples) == (False, None)
+    # the hold off: the model's verdict on the fragment stands
+    off = SemanticEndpointer(_Scorer(0.9), 0.5, 100, fragment_hold_ms=0)
+    assert off.check_words(off.decide(audio, 0), "Add milk.", 1600).complete
+
+
+def test_talkover_counts_speech_not_the_pause_after_it():
+    # "Yes." over a reply: 0.4 s of speech, then a pause the VAD (semantic mode: cap 1.2 s) still
+    # counts as in speech; 0.7 s later that is 1.1 s of audio but 0.4 s of speech
+    start, pause = 16000, 16000 + 6400
+    assert talkover_speech_samples(start, pause + 11200, silence_start=pause) == 6400
+    assert talkover_speech_samples(start, start + 12000, silence_start=None) == 12000  # still talking
+    assert talkover_speech_samples(start, start + 100, silence_start=start - 50) == 0

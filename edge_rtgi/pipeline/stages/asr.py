@@ -44,6 +44,7 @@ from edge_rtgi.asr.turn import (
     TurnModelLoad,
     TurnStatus,
     is_backchannel,
+    talkover_speech_samples,
 )
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.asr.whisper import Transcriber
@@ -162,7 +163,9 @@ class AsrStage(Stage[AsrInput]):
         if load.model is None:
             fallback = TurnStatus("silence", "semantic", vad_min_silence_ms, fallback=load.error)
             return fallback, None
-        endpointer = SemanticEndpointer(load.model, turn.threshold, turn.semantic_min_ms, turn.text_check)
+        endpointer = SemanticEndpointer(
+            load.model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
+        )
         status = TurnStatus(
             "semantic",
             "semantic",
@@ -362,7 +365,8 @@ class AsrStage(Stage[AsrInput]):
                 self._talkover_start = None
             elif self._talkover_start is not None and self._endpointer is not None:
                 long_ms = self._turn_cfg.barge_in_min_speech_ms
-                if total - self._talkover_start >= long_ms * SAMPLE_RATE_HZ // 1000:
+                heard = talkover_speech_samples(self._talkover_start, total, tr.vad.silence_start_index)
+                if heard >= long_ms * SAMPLE_RATE_HZ // 1000:
                     # once per utterance; the loop ignores it unless the speech is over a reply
                     self._talkover_start = None
                     loop.call_soon_threadsafe(self._talkover_long, F.now_s())
