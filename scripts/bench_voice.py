@@ -843,8 +843,18 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
     finally:
         await daemon.drain(timeout_s=1)
         daemon.resources.close()
+    result = _turn_result(args, part, t_start, load_start, rows)
+    print_turn_summary(summarize_turns([result]))
+    return 0
+
+
+def _turn_result(
+    args: argparse.Namespace, part: str, t_start: str, load_start: float, rows: list[dict], **extra: str
+) -> dict:
+    """One turn-taking run's record (written to ``--out`` when given)."""
     result = {
         "part": part,
+        **extra,
         "items": args.turn_items or "all",
         "started": t_start,
         "commit": _commit(),
@@ -857,8 +867,7 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
-    print_turn_summary(summarize_turns([result]))
-    return 0
+    return result
 
 
 def _turn_row_line(part: str, row: dict) -> str:
@@ -1159,21 +1168,7 @@ def run_turn_taking_offline(args: argparse.Namespace) -> int:
                 )
             rows.append(row)
             print(f"  {i:2d} {mode:10s} {_offline_line(part, row)} | {text!r}", flush=True)
-    result = {
-        "part": part,
-        "clock": "audio",
-        "items": args.turn_items or "all",
-        "started": t_start,
-        "commit": _commit(),
-        "cpus": os.cpu_count(),
-        "load_average_1m": {
-            "start": load_start,
-            "max": max([load_start] + [r["load_average_1m"] for r in rows]),
-        },
-        "rows": rows,
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    result = _turn_result(args, part, t_start, load_start, rows, clock="audio")
     print_offline_summary(summarize_offline([result]))
     return 0
 
