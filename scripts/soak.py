@@ -397,6 +397,17 @@ def _python_descendant(pid: int) -> int:
     raise SystemExit(f"no Python process under the wrapper (pid {pid})")
 
 
+def rss_trend_mb_per_min(samples: list[dict], t0: float) -> float:
+    """The least-squares slope of RSS against time over ``samples``, in MB per minute."""
+    if len(samples) < 2:
+        return 0.0
+    xs = [(s["t_s"] - t0) / 60 for s in samples]
+    ys = [s["rss_mb"] for s in samples]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
+
+
 def sample(pid: int, port: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
@@ -581,6 +592,9 @@ async def soak(args: argparse.Namespace) -> dict:
         "rss_growth_after_5_min_pct": round(
             100 * (max(s["rss_mb"] for s in after5) / after5[0]["rss_mb"] - 1), 2
         ),
+        # A least-squares slope besides the highest sample: an allocator that gives pages back
+        # in bursts (jemalloc) swings above and below a level that does not rise.
+        "rss_trend_after_5_min_mb_per_min": round(rss_trend_mb_per_min(after5, t0), 2),
         "started_idle_end": {k: (started[k], idle[k], end[k]) for k in idle_keys},
         "returned_to_idle": all(end[k] <= idle[k] for k in idle_keys),
         "log_tracebacks": log_text.count("Traceback (most recent call last)"),
