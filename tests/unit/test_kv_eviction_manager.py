@@ -161,13 +161,18 @@ def test_compact_keeps_untouched_prefix_blocks_cached_and_unhashes_rewritten_one
     assert kv.pool.num_cached_blocks == 2
 
 
-def test_compact_never_writes_a_block_another_request_shares():
-    kv = KVCacheManager(16, 4)
+def prefix_sharers(kv: KVCacheManager):
+    """Requests a and b of 9 tokens: a computed and cached, b's prefix-cache hit on a's blocks."""
     a, b = req("a", 9), req("b", 9)
     assert kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
     kv.cache_computed_blocks(a)
-    hit = kv.get_computed_blocks(b)
+    return a, b, kv.get_computed_blocks(b)
+
+
+def test_compact_never_writes_a_block_another_request_shares():
+    kv = KVCacheManager(16, 4)
+    a, b, hit = prefix_sharers(kv)
     assert hit.num_tokens == 8
     assert kv.allocate_slots(b, 1, hit)
     b.num_computed_tokens = 9
@@ -181,11 +186,7 @@ def test_compact_never_writes_a_block_another_request_shares():
 
 def test_compact_is_refused_without_a_block_for_copy_on_write():
     kv = KVCacheManager(4, 4)
-    a, b = req("a", 9), req("b", 9)
-    assert kv.allocate_slots(a, 9)
-    a.num_computed_tokens = 9
-    kv.cache_computed_blocks(a)
-    hit = kv.get_computed_blocks(b)
+    a, b, hit = prefix_sharers(kv)
     assert kv.allocate_slots(b, 1, hit)  # the pool's last block
     b.num_computed_tokens = 9
     assert kv.compact(b, [0, 1, 6, 7, 8]) is None
