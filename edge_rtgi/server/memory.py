@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -34,11 +35,10 @@ log = logging.getLogger(__name__)
 
 ALLOCATOR_ENV = "EDGE_RTGI_ALLOCATOR"  # "auto" (default): jemalloc where installed; "system"
 _REEXEC_ENV = "EDGE_RTGI_ALLOCATOR_REEXEC"  # set across the re-exec, so it happens once
-# Debian/Ubuntu's libjemalloc2 on x86-64 and on arm64 (Jetson), then the loader's search path.
+# Debian/Ubuntu's libjemalloc2 on x86-64 and on arm64 (Jetson); elsewhere the loader's cache.
 JEMALLOC_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
     "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
-    "libjemalloc.so.2",
 )
 # Unused dirty pages go back to the system after about a second, on jemalloc's own thread, so
 # an idle daemon shrinks without a call from us.
@@ -58,16 +58,10 @@ def jemalloc_loaded(maps_text: str | None = None) -> bool:
 def find_jemalloc() -> str | None:
     """The path of an installed jemalloc shared library, or None."""
     for candidate in JEMALLOC_CANDIDATES:
-        if "/" in candidate:
-            if Path(candidate).is_file():
-                return candidate
-            continue
-        try:
-            ctypes.CDLL(candidate)
-        except OSError:
-            continue
-        return candidate
-    return None
+        if Path(candidate).is_file():
+            return candidate
+    # find_library only looks the name up; loading the library to probe it would map it here.
+    return ctypes.util.find_library("jemalloc")
 
 
 @dataclass(frozen=True)
