@@ -364,7 +364,9 @@ def start_daemon(
 ) -> tuple[subprocess.Popen, int, int]:
     """Start the daemon (under ``wrap``, a profiler's command line, if given); the process, the
     daemon's port and the daemon's own pid (a wrapper's child, where there is a wrapper)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The caller's PYTHONPATH stays after ours (a diagnostic sitecustomize, for instance).
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     if trace_heap:
         env["EDGE_RTGI_TRACEMALLOC_DIR"] = str(folder / "heap")
     if light:
