@@ -43,7 +43,7 @@ from edge_rtgi.server.config import DaemonConfig
 from edge_rtgi.server.connection import ClientSocket, FloodLimits, query_param
 from edge_rtgi.server.http import browser, openai_api
 from edge_rtgi.server.http.tickets import Tickets
-from edge_rtgi.server.memory import HeapTrimmer
+from edge_rtgi.server.memory import CycleCollector, HeapTrimmer
 from edge_rtgi.server.metrics import CONTENT_TYPE, Metrics
 
 if TYPE_CHECKING:
@@ -125,6 +125,10 @@ class Daemon:
         self.heap_trimmer = (
             HeapTrimmer(interval_s, self._in_use, self.metrics.observe_heap_trim) if interval_s > 0 else None
         )
+        gc_s = config.server.gc_interval_s
+        self.cycle_collector = (
+            CycleCollector(gc_s, self._in_use, self.metrics.observe_gc) if gc_s > 0 else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -150,6 +154,8 @@ class Daemon:
             await self.wyoming.start()
         if self.heap_trimmer is not None:
             self.heap_trimmer.start()
+        if self.cycle_collector is not None:
+            self.cycle_collector.start()
 
     def _app(self) -> web.Application:
         app = web.Application(
@@ -190,6 +196,8 @@ class Daemon:
         self.draining = True
         if self.heap_trimmer is not None:
             await self.heap_trimmer.stop()
+        if self.cycle_collector is not None:
+            await self.cycle_collector.stop()
         timeout_s = self.config.server.drain_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -248,6 +256,8 @@ class Daemon:
         self.metrics.sessions_active.set(len(self.sessions))
         if self.heap_trimmer is not None:
             self.heap_trimmer.note_activity()
+        if self.cycle_collector is not None:
+            self.cycle_collector.note_activity()
 
     # ------------------------------------------------------------------ admission
 

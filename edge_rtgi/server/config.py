@@ -45,6 +45,9 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     # how often freed C heap memory goes back to the OS while the daemon is in use; 0: never
     heap_trim_interval_s: float = 0.0
+    # how often Python's cyclic garbage is collected while the daemon is in use (server/memory.py,
+    # CycleCollector); 0 leaves it to the collector's own schedule
+    gc_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -63,6 +66,10 @@ class ServerConfig:
             raise ValueError("history_turns must be >= 2")
         if self.heap_trim_interval_s < 0:
             raise ValueError("heap_trim_interval_s must be >= 0 (0 turns heap trimming off)")
+        if self.gc_interval_s < 0:
+            raise ValueError(
+                "gc_interval_s must be >= 0 (0 leaves garbage collection to Python's own schedule)"
+            )
         if self.token is not None and len(self.token) < MIN_TOKEN_CHARS:
             raise ValueError(f"token must be at least {MIN_TOKEN_CHARS} characters")
 

@@ -1,4 +1,8 @@
-"""Give the C heap's freed memory back to the operating system while the daemon runs.
+"""Keep the daemon's memory from piling up over a long run: Python's cyclic garbage and the C
+heap's freed pages.
+
+``CycleCollector`` runs a full garbage collection every ``server.gc_interval_s`` while the daemon
+is in use (``collect_cycles`` says why Python's own schedule is not enough here).
 
 glibc's malloc keeps freed memory for reuse: the main heap can shrink only from its top, and
 the per-thread arenas (the daemon has some thirty threads: whisper, torch, onnxruntime, the
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import signal
@@ -29,6 +34,7 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -167,39 +173,55 @@ def trim_heap() -> TrimResult | None:
     return TrimResult(released, rss_before - _rss_bytes(), time.perf_counter() - t0)
 
 
-class HeapTrimmer:
-    """Trims the heap every ``interval_s`` while the daemon is in use or was since the last trim.
+R = TypeVar("R")
+
+
+class PeriodicUpkeep(Generic[R]):
+    """Runs ``job`` every ``interval_s`` while the daemon is in use or was since the last run.
 
     ``in_use()`` says whether sessions or requests are running now; ``note_activity()`` marks
     that some ran and ended since (the daemon calls it when a session closes). An idle daemon is
-    trimmed once, not again and again for nothing. ``on_trim`` receives each result (metrics).
+    kept up once, not again and again for nothing. ``on_result`` receives each result (metrics).
+    ``in_thread``: run the job in a worker thread (a C call that releases the interpreter), or
+    on the event loop (Python work, which would hold the interpreter in any thread).
     """
+
+    name = "upkeep"
 
     def __init__(
         self,
         interval_s: float,
         in_use: Callable[[], bool],
-        on_trim: Callable[[TrimResult], None] | None = None,
+        job: Callable[[], R | None],
+        on_result: Callable[[R], None] | None = None,
+        in_thread: bool = False,
     ):
         if interval_s <= 0:
-            raise ValueError("interval_s must be > 0 (leave the trimmer out to turn it off)")
+            raise ValueError("interval_s must be > 0 (leave the upkeep out to turn it off)")
         self.interval_s = interval_s
         self._in_use = in_use
-        self._on_trim = on_trim
-        self._active = True  # the models' loading freed plenty: trim once after it
+        self._job = job
+        self._on_result = on_result
+        self._in_thread = in_thread
+        self._active = True  # the models' loading left plenty behind: run once after it
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def available(self) -> bool:
+        """Whether the job can do anything on this system."""
+        return True
+
     def note_activity(self) -> None:
-        """Something allocated and freed memory since the last trim."""
+        """Something allocated and freed memory since the last run."""
         self._active = True
 
     def start(self) -> None:
-        """Start trimming on the running event loop."""
-        if self._task is None and _MALLOC_TRIM is not None:
-            self._task = asyncio.create_task(self._run(), name="heap-trimmer")
+        """Start on the running event loop."""
+        if self._task is None and self.available:
+            self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def stop(self) -> None:
-        """Stop trimming (a trim running in its thread finishes on its own)."""
+        """Stop (a job running in its thread finishes on its own)."""
         if self._task is not None:
             self._task.cancel()
             try:
@@ -208,12 +230,12 @@ class HeapTrimmer:
                 pass
             self._task = None
 
-    async def trim_now(self) -> TrimResult | None:
-        """One trim in a worker thread, reported to ``on_trim``."""
+    async def run_now(self) -> R | None:
+        """One run, reported to ``on_result``."""
         self._active = False
-        result = await asyncio.to_thread(trim_heap)
-        if result is not None and self._on_trim is not None:
-            self._on_trim(result)
+        result = await asyncio.to_thread(self._job) if self._in_thread else self._job()
+        if result is not None and self._on_result is not None:
+            self._on_result(result)
         return result
 
     async def _run(self) -> None:
@@ -221,9 +243,67 @@ class HeapTrimmer:
             await asyncio.sleep(self.interval_s)
             if self._active or self._in_use():
                 try:
-                    await self.trim_now()
+                    await self.run_now()
                 except Exception:  # housekeeping must never end the daemon
-                    log.exception("heap trim failed")
+                    log.exception("%s failed", self.name)
+
+
+class HeapTrimmer(PeriodicUpkeep[TrimResult]):
+    """``trim_heap`` in a worker thread every ``interval_s`` while in use (``PeriodicUpkeep``)."""
+
+    name = "heap-trimmer"
+
+    def __init__(
+        self,
+        interval_s: float,
+        in_use: Callable[[], bool],
+        on_trim: Callable[[TrimResult], None] | None = None,
+    ):
+        super().__init__(interval_s, in_use, trim_heap, on_trim, in_thread=True)
+
+    @property
+    def available(self) -> bool:
+        return _MALLOC_TRIM is not None
+
+    async def trim_now(self) -> TrimResult | None:
+        """One trim in a worker thread, reported to ``on_trim``."""
+        return await self.run_now()
+
+
+@dataclass(frozen=True)
+class CollectResult:
+    """One full garbage collection: the objects it freed and how long it held the interpreter."""
+
+    collected: int
+    duration_s: float
+
+
+def collect_cycles() -> CollectResult:
+    """A full collection of Python's cyclic garbage (``gc.collect()``).
+
+    Reference cycles (an exception's traceback and the frames that hold it, a cancelled task's
+    callbacks, a response and its session) are freed only by the collector, and with the
+    loaded models frozen out of its reach (``cpu_priority.freeze_heap``) the daemon makes too
+    few long-lived objects to trigger a full collection for many minutes: the garbage, and
+    the audio and tensors it holds, piled up meanwhile (docs/reliability.md, "RSS: what
+    grows"). After the freeze a collection walks only what is not frozen: milliseconds."""
+    t0 = time.perf_counter()
+    collected = gc.collect()
+    return CollectResult(collected, time.perf_counter() - t0)
+
+
+class CycleCollector(PeriodicUpkeep[CollectResult]):
+    """``collect_cycles`` on the event loop every ``interval_s`` while in use."""
+
+    name = "cycle-collector"
+
+    def __init__(
+        self,
+        interval_s: float,
+        in_use: Callable[[], bool],
+        on_collect: Callable[[CollectResult], None] | None = None,
+    ):
+        super().__init__(interval_s, in_use, collect_cycles, on_collect, in_thread=False)
 
 
 TRACEMALLOC_ENV = "EDGE_RTGI_TRACEMALLOC_DIR"

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.request import Usage
     from edge_rtgi.pipeline.backends.base import BackendResult, RouteDecision
-    from edge_rtgi.server.memory import TrimResult
+    from edge_rtgi.server.memory import CollectResult, TrimResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the text format generate_latest writes, as the library names it
 
@@ -185,7 +185,25 @@ class Metrics:
             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
             registry=r,
         )
+        self.gc_runs = Counter(
+            "edge_rtgi_gc_runs", "Full collections of Python's cyclic garbage by the daemon", registry=r
+        )
+        self.gc_collected = Counter(
+            "edge_rtgi_gc_collected_objects", "Objects those collections freed", registry=r
+        )
+        self.gc_ms = Histogram(
+            "edge_rtgi_gc_ms",
+            "Time a full collection held the interpreter (ms)",
+            buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200),
+            registry=r,
+        )
         self.up.set(1)
+
+    def observe_gc(self, result: CollectResult) -> None:
+        """One full garbage collection (``edge_rtgi.server.memory.CycleCollector``)."""
+        self.gc_runs.inc()
+        self.gc_collected.inc(result.collected)
+        self.gc_ms.observe(result.duration_s * 1000)
 
     def observe_heap_trim(self, result: TrimResult) -> None:
         """One heap trim (``edge_rtgi.server.memory``)."""

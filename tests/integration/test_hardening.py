@@ -769,31 +769,37 @@ def _post_chat(port: int) -> tuple[int, str]:
 
 
 async def test_the_daemon_gives_freed_heap_memory_back_while_in_use(daemon, model):
-    """``heap_trim_interval_s``: trims run (in a worker thread) while a session is open and once
-    after it closes, and show in /metrics; an idle daemon stops trimming."""
+    """``heap_trim_interval_s`` and ``gc_interval_s``: trims (in a worker thread) and full garbage
+    collections run while a session is open and once after it closes, and show in /metrics; an
+    idle daemon stops both."""
     from edge_rtgi.server.memory import trim_heap
 
     if trim_heap() is None:
         pytest.skip("the C library has no malloc_trim")
-    d = light_daemon(model, resources=daemon.resources, heap_trim_interval_s=0.1)
+    d = light_daemon(model, resources=daemon.resources, heap_trim_interval_s=0.1, gc_interval_s=0.1)
     await d.start()
 
     def trims() -> float:
         return d.metrics.heap_trims._value.get()
 
+    def collections() -> float:
+        return d.metrics.gc_runs._value.get()
+
     try:
         c = await NativeClient.open(d.port, "?pipeline=tiny-chat")
         await c.wait_type("session.created")
         assert (await native_turn_works(c))["status"] == "completed"
-        assert await wait_until(lambda: trims() >= 2)
+        assert await wait_until(lambda: trims() >= 2 and collections() >= 2)
         await c.close()
         assert await wait_until(lambda: not d.sessions)
-        await asyncio.sleep(0.5)  # the trim after the close
-        idle = trims()
+        await asyncio.sleep(1.0)  # the trim and the collection after the close
+        idle = trims(), collections()
         await asyncio.sleep(0.5)
-        assert trims() == idle
+        assert (trims(), collections()) == idle
         _, body = await http_get(d.port, "/metrics")
         assert "edge_rtgi_heap_trims_total" in body and "edge_rtgi_heap_trim_ms_bucket" in body
         assert "edge_rtgi_heap_trim_rss_drop_bytes_total" in body
+        assert "edge_rtgi_gc_runs_total" in body and "edge_rtgi_gc_ms_bucket" in body
+        assert "edge_rtgi_gc_collected_objects_total" in body
     finally:
         await d.drain(timeout_s=1.0)

@@ -110,3 +110,52 @@ def test_sigusr2_writes_a_tracemalloc_snapshot_when_asked_for(tmp_path, monkeypa
     assert len(found) == 1
     snapshot = tracemalloc.Snapshot.load(str(found[0]))
     assert any(s.traceback[0].filename == __file__ for s in snapshot.statistics("traceback"))
+
+
+def test_the_cycle_collector_frees_cyclic_garbage_while_in_use_and_once_after():
+    import gc
+    import weakref
+
+    from edge_rtgi.server.memory import CollectResult, CycleCollector
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # only the cyclic collector frees it
+
+    results: list[CollectResult] = []
+    in_use = [True]
+
+    async def run() -> tuple[bool, int, int]:
+        collector = CycleCollector(0.02, lambda: in_use[0], results.append)
+        gc.disable()  # no help from Python's own schedule
+        try:
+            collector.start()
+            node = Node()
+            gone = weakref.ref(node)
+            del node
+            for _ in range(250):  # a full collection of this test process takes a while
+                await asyncio.sleep(0.02)
+                if gone() is None:
+                    break
+            freed = gone() is None
+            in_use[0] = False
+            await asyncio.sleep(0.5)
+            settled = len(results)
+            await asyncio.sleep(0.3)
+            idle = len(results) - settled
+            await collector.stop()
+            return freed, idle, settled
+        finally:
+            gc.enable()
+
+    freed, idle, settled = asyncio.run(run())
+    assert freed
+    assert settled >= 1 and idle == 0  # an idle daemon is not collected again and again
+    assert any(r.collected >= 1 for r in results)
+    assert all(r.duration_s >= 0 for r in results)
+
+
+def test_gc_interval_is_checked():
+    with pytest.raises(ValueError, match="gc_interval_s"):
+        ServerConfig(gc_interval_s=-1)
+    assert ServerConfig(gc_interval_s=0).gc_interval_s == 0  # Python's own schedule only
