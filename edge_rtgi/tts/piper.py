@@ -108,6 +108,10 @@ class PiperVoice:
         # Synthesis shares the cores with the LLM decoding the rest of the reply (and with ASR):
         # threads that spin between kernels burn CPU the others need (measured: docs/daemon.md).
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # A memory pattern is planned per input shape, and every sentence is a new length: with
+        # them the arena kept growing over hundreds of sentences; without, it levels off lower at
+        # about the same speed (docs/reliability.md, "RSS: what grows").
+        opts.enable_mem_pattern = False
         opts.log_severity_level = 3
         try:
             self._session = onnxruntime.InferenceSession(

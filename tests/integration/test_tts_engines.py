@@ -42,6 +42,11 @@ def test_piper_yields_one_chunk_per_sentence_before_the_rest_is_made(piper, monk
     assert piper.sample_rate_hz == 22050 and 2.5 < seconds < 9.0
 
 
+def test_piper_plans_no_memory_pattern_per_sentence_length(piper):
+    # each new sentence length would add a pattern and grow onnxruntime's arena (issue 18's soak)
+    assert piper._session.get_session_options().enable_mem_pattern is False
+
+
 def test_piper_phoneme_ids_follow_piper_conventions(piper):
     id_map = piper.config.phoneme_id_map
     ids = piper.phoneme_ids("hə")
