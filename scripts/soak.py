@@ -434,6 +434,7 @@ def sample(pid: int, port: int) -> dict:
         "running": total("edge_rtgi_engine_running_requests"),
         "waiting": total("edge_rtgi_engine_waiting_requests"),
         "sessions": total("edge_rtgi_sessions_active"),
+        "gc_collected": total("edge_rtgi_gc_collected_objects_total"),  # the daemon's collections
     }
 
 
@@ -597,6 +598,7 @@ async def soak(args: argparse.Namespace) -> dict:
         # A least-squares slope besides the highest sample: an allocator that gives pages back
         # in bursts (jemalloc) swings above and below a level that does not rise.
         "rss_trend_after_5_min_mb_per_min": round(rss_trend_mb_per_min(after5, t0), 2),
+        "gc_collected_objects": end.get("gc_collected", 0.0),
         "started_idle_end": {k: (started[k], idle[k], end[k]) for k in idle_keys},
         "returned_to_idle": all(end[k] <= idle[k] for k in idle_keys),
         "log_tracebacks": log_text.count("Traceback (most recent call last)"),
