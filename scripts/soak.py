@@ -36,6 +36,7 @@ import random
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -410,6 +411,15 @@ def rss_trend_mb_per_min(samples: list[dict], t0: float) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
+def rss_minute_medians(samples: list[dict], t0: float) -> list[float]:
+    """RSS medians of each whole minute from ``t0`` on: jemalloc gives pages back in bursts, so
+    single samples swing by 100 MB or more within a minute around a level that does not."""
+    minutes: dict[int, list[float]] = {}
+    for s in samples:
+        minutes.setdefault(int((s["t_s"] - t0) // 60), []).append(s["rss_mb"])
+    return [statistics.median(minutes[m]) for m in sorted(minutes)]
+
+
 def sample(pid: int, port: int) -> dict:
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
@@ -598,6 +608,11 @@ async def soak(args: argparse.Namespace) -> dict:
         # A least-squares slope besides the highest sample: an allocator that gives pages back
         # in bursts (jemalloc) swings above and below a level that does not rise.
         "rss_trend_after_5_min_mb_per_min": round(rss_trend_mb_per_min(after5, t0), 2),
+        # the highest minute's median after minute 5 against minute 5's (the first after5 minute)
+        "rss_growth_after_5_min_pct_minute_medians": round(
+            100 * (max(medians) / medians[0] - 1) if (medians := rss_minute_medians(after5, t0)) else 0.0,
+            2,
+        ),
         "gc_collected_objects": end.get("gc_collected", 0.0),
         "started_idle_end": {k: (started[k], idle[k], end[k]) for k in idle_keys},
         "returned_to_idle": all(end[k] <= idle[k] for k in idle_keys),
