@@ -18,10 +18,12 @@ full-KV engine, every figure measured in the same run.
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
   full-KV engine's replies against, at a quarter (4x) and an eighth (8x) of the items' mean
   prompt length: sinks + window, and importance eviction under that ``kv_budget_tokens``
-  (``kv_eviction`` h2o, snapkv, segment by turn); int8 / int4 KV alone; and int8 KV combined
-  with eviction (h2o, snapkv, segment by turn or by sentence) at the largest budget whose bytes
-  held, scales included, are at most a quarter / an eighth of the full bf16 cache's
-  (--recall-configs picks some); task retention per distance with its paired-bootstrap
+  (``kv_eviction`` h2o, snapkv, segment by turn); int8 / int4 KV alone; and int8 or int4 KV
+  combined with eviction (h2o, snapkv, segment by turn or by sentence) at the largest budget
+  whose bytes held, scales included (and int4's open-block buffer), are at most a quarter / an
+  eighth of the full bf16 cache's (--recall-configs picks some; --slack-tokens and
+  --contrast-tokens set those ``kv_eviction`` fields on every row with eviction); task
+  retention per distance with its paired-bootstrap
   interval (``bench.task_eval.task_retention``), and each configuration's KV held relative to
   the full bf16 cache (tokens, bytes, a pool's whole blocks) and mean bytes per session.
 - **Endless session**: --turns voice-like turns through the engine, each a new request whose
@@ -44,6 +46,7 @@ import os
 import resource
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,10 @@ def kv_bytes_per_token(loaded: Any) -> dict[str, float]:
         names = ("k", "v", "k_scale", "v_scale", "k_zero", "v_zero")  # not int4's open-block buffer
         tensors = [t for n in names for t in getattr(storage, n, [])]
         out[name] = sum(t.numel() * t.element_size() for t in tensors) / (4 * 16)
+    # int4's open-block buffer: one block of full-precision keys per running request, on top of
+    # the pool (``kv.int4``); counted per session in the int4 rows' bytes held
+    elem = torch.empty((), dtype=loaded.model.dtype).element_size()
+    out["int4_open_block"] = float(16 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem)
     return out
 
 
@@ -236,90 +243,135 @@ RECALL_CONFIGS = (
     "int8_sentence_8x",
     "int8_unpinned_4x",
     "int8_unpinned_8x",
+    "int4_h2o_8x",
+    "int4_snapkv_8x",
+    "int4_segment_8x",
+    "int4_sentence_8x",
+    "int4_unpinned_8x",
+    "int4_unpinned_4x",
 )
 BLOCK_TOKENS = 16  # EngineConfig's default block_size, which engine_for keeps
 
 
-def held_fractions(lengths: list[int], cap: int | None, bytes_ratio: float) -> dict[str, float]:
+@dataclass(frozen=True)
+class EvictionTuning:
+    """``kv_eviction`` settings every recall row with eviction gets (--slack-tokens,
+    --contrast-tokens)."""
+
+    slack_tokens: int | None = None
+    contrast_tokens: int = 0
+
+
+def held_fractions(
+    lengths: list[int], cap: int | None, bytes_ratio: float, session_extra: float = 0.0
+) -> dict[str, float]:
     """KV a configuration holds against the full bf16 cache on the same items, at most ``cap``
-    tokens per item (None: all of it), each token costing ``bytes_ratio`` of a bf16 token:
+    tokens per item (None: all of it), each token costing ``bytes_ratio`` of a bf16 token, plus
+    ``session_extra`` bf16 tokens' worth per item (int4's open-block buffer):
     ``tokens`` (mean over items of held / full tokens), ``bytes`` (the same in bytes, scales
-    included), ``pool_bytes`` (whole 16-token blocks, summed over items: what a pool serving
-    them all at once needs against what the full cache needs)."""
+    and the extra included), ``pool_bytes`` (whole 16-token blocks, summed over items: what a
+    pool serving them all at once needs against what the full cache needs)."""
     held = [min(n, cap) if cap else n for n in lengths]
-    blocks = sum(-(-h // BLOCK_TOKENS) for h in held) / sum(-(-n // BLOCK_TOKENS) for n in lengths)
+    full_blocks = sum(-(-n // BLOCK_TOKENS) for n in lengths)
+    blocks = sum(-(-h // BLOCK_TOKENS) for h in held) / full_blocks
     tokens = statistics.fmean(h / n for h, n in zip(held, lengths, strict=True))
-    return {"tokens": tokens, "bytes": tokens * bytes_ratio, "pool_bytes": blocks * bytes_ratio}
+    pairs = zip(held, lengths, strict=True)
+    byte_share = statistics.fmean((h * bytes_ratio + session_extra) / n for h, n in pairs)
+    pool = blocks * bytes_ratio + session_extra * len(lengths) / (full_blocks * BLOCK_TOKENS)
+    return {"tokens": tokens, "bytes": byte_share, "pool_bytes": pool}
 
 
-def session_bytes(lengths: list[int], cap: int | None, bytes_per_token: float) -> float:
+def session_bytes(
+    lengths: list[int], cap: int | None, bytes_per_token: float, session_extra_bytes: float = 0.0
+) -> float:
     """Mean KV bytes one item's request holds at its end, in whole blocks (at most ``cap``
-    tokens): 1e9 / this is the concurrent sessions per GB of KV on this item mix."""
+    tokens), plus ``session_extra_bytes`` (int4's open-block buffer): 1e9 / this is the
+    concurrent sessions per GB of KV on this item mix."""
     held = [min(n, cap) if cap else n for n in lengths]
-    return statistics.fmean(-(-h // BLOCK_TOKENS) * BLOCK_TOKENS * bytes_per_token for h in held)
+    return statistics.fmean(
+        -(-h // BLOCK_TOKENS) * BLOCK_TOKENS * bytes_per_token + session_extra_bytes for h in held
+    )
 
 
-def budget_for_bytes(lengths: list[int], bytes_ratio: float, factor: int) -> int:
+def budget_for_bytes(lengths: list[int], bytes_ratio: float, factor: int, session_extra: float = 0.0) -> int:
     """The largest budget, in whole blocks, at which both the mean and the pool byte fractions
     (``held_fractions``) are at most 1/``factor`` of the full bf16 cache's."""
     budget = BLOCK_TOKENS
     while True:
-        f = held_fractions(lengths, budget + BLOCK_TOKENS, bytes_ratio)
+        f = held_fractions(lengths, budget + BLOCK_TOKENS, bytes_ratio, session_extra)
         if max(f["bytes"], f["pool_bytes"]) > 1 / factor:
             return budget
         budget += BLOCK_TOKENS
 
 
-def recall_eviction(mode: str, sinks: int) -> KVEviction:
+def recall_eviction(mode: str, sinks: int, tuning: EvictionTuning) -> KVEviction:
     """``kv_eviction`` of a recall row's MODE: h2o, snapkv, segment (by turn), sentence (segment
-    by sentence) or unpinned (segment by turn, the system prompt not pinned)."""
+    by sentence) or unpinned (segment by turn, the system prompt not pinned), with ``tuning``'s
+    ``slack_tokens`` and ``contrast_tokens``."""
+    extra = {"slack_tokens": tuning.slack_tokens, "contrast_tokens": tuning.contrast_tokens}
     if mode == "sentence":
-        return KVEviction("segment", sink_tokens=sinks, segment="sentence")
+        return KVEviction("segment", sink_tokens=sinks, segment="sentence", **extra)
     if mode == "unpinned":
-        return KVEviction("segment", sink_tokens=sinks, pin_system=False)
-    return KVEviction(mode, sink_tokens=sinks)
+        return KVEviction("segment", sink_tokens=sinks, pin_system=False, **extra)
+    return KVEviction(mode, sink_tokens=sinks, **extra)
 
 
 def is_recall_config(name: str) -> bool:
-    """One of RECALL_CONFIGS, or [int8_]MODE_bN (MODE of ``recall_eviction``)."""
+    """One of RECALL_CONFIGS, or [int8_|int4_]MODE_bN (MODE of ``recall_eviction``)."""
     if name in RECALL_CONFIGS:
         return True
     kind, _, budget = name.rpartition("_")
-    mode = kind.removeprefix("int8_")
+    mode = kind.removeprefix("int8_").removeprefix("int4_")
     modes = ("h2o", "snapkv", "segment", "sentence", "unpinned")
     return mode in modes and budget[:1] == "b" and budget[1:].isdigit()
 
 
 def recall_config(
-    name: str, mean_prompt: float, sinks: int, lengths: list[int], bytes_per_token: dict[str, float]
+    name: str,
+    mean_prompt: float,
+    sinks: int,
+    lengths: list[int],
+    bytes_per_token: dict[str, float],
+    tuning: EvictionTuning = EvictionTuning(),
 ) -> dict[str, Any]:
     """``engine_for`` keywords of a recall configuration. [int8_]MODE_bN: a budget of N tokens.
     NAME_4x / NAME_8x hold a quarter / an eighth of the mean prompt's tokens (a window of that
     many tokens, or that KV budget);
-    int8_MODE_4x / _8x: int8 KV with the largest budget at which the bytes held are at most a
-    quarter / an eighth of the full bf16 cache's (``budget_for_bytes``, scales included); MODE
-    as in ``recall_eviction``."""
+    int8_MODE_4x / _8x, int4_MODE_4x / _8x: int8 / int4 KV with the largest budget at which the
+    bytes held are at most a quarter / an eighth of the full bf16 cache's (``budget_for_bytes``,
+    scales included, and for int4 its open-block buffer); MODE as in ``recall_eviction``."""
     if name in ("int8", "int4"):
         return {"kv_dtype": name}
     kind, _, factor_text = name.rpartition("_")
     if factor_text.startswith("b"):  # NAME_bN: a budget of N tokens, to compare dtypes at one budget
         kv_dtype, _, mode = kind.rpartition("_")
-        eviction = recall_eviction(mode, sinks)
+        eviction = recall_eviction(mode, sinks, tuning)
         return {"kv_dtype": kv_dtype or "auto", "budget_tokens": int(factor_text[1:]), "eviction": eviction}
     factor = int(factor_text.rstrip("x"))
-    if kind.startswith("int8_"):
-        ratio = bytes_per_token["int8"] / bytes_per_token["fp"]
-        budget = budget_for_bytes(lengths, ratio, factor)
-        eviction = recall_eviction(kind.removeprefix("int8_"), sinks)
-        return {"kv_dtype": "int8", "budget_tokens": budget, "eviction": eviction}
+    if kind.startswith(("int8_", "int4_")):
+        kv_dtype, _, mode = kind.partition("_")
+        ratio = bytes_per_token[kv_dtype] / bytes_per_token["fp"]
+        budget = budget_for_bytes(lengths, ratio, factor, open_block_tokens(kv_dtype, bytes_per_token))
+        eviction = recall_eviction(mode, sinks, tuning)
+        return {"kv_dtype": kv_dtype, "budget_tokens": budget, "eviction": eviction}
     tokens = round(mean_prompt / factor)
     if kind == "window":
         return {"window": KVWindow(sinks, tokens)}
-    return {"budget_tokens": tokens, "eviction": KVEviction(kind, sink_tokens=sinks)}
+    return {"budget_tokens": tokens, "eviction": recall_eviction(kind, sinks, tuning)}
+
+
+def open_block_tokens(kv_dtype: str, bytes_per_token: dict[str, float]) -> float:
+    """int4's open-block buffer per session, in bf16 tokens' worth (0 for other dtypes)."""
+    return bytes_per_token["int4_open_block"] / bytes_per_token["fp"] if kv_dtype == "int4" else 0.0
 
 
 def recall(
-    loaded: Any, num_items: int, sinks: int, names: list[str], bytes_per_token: dict[str, float]
+    loaded: Any,
+    num_items: int,
+    sinks: int,
+    names: list[str],
+    bytes_per_token: dict[str, float],
+    tuning: EvictionTuning = EvictionTuning(),
 ) -> dict[str, Any]:
     from edge_rtgi.bench.task_eval import prepare_items, run_on_engine, select_items, task_retention
     from edge_rtgi.bench.tasks import load_task_set
@@ -328,7 +380,7 @@ def recall(
     requests = prepare_items(select_items(task_set, num_items), loaded.tokenizer)
     lengths = [len(r.prompt_token_ids) + r.max_tokens for r in requests]
     mean = statistics.fmean(len(r.prompt_token_ids) for r in requests)
-    configs = {name: recall_config(name, mean, sinks, lengths, bytes_per_token) for name in names}
+    configs = {name: recall_config(name, mean, sinks, lengths, bytes_per_token, tuning) for name in names}
     start = time.perf_counter()
     full = run_on_engine(engine_for(loaded, None, 2048), task_set, num_items)
     out: dict[str, Any] = {
@@ -349,7 +401,8 @@ def recall(
         kv_dtype = kwargs.get("kv_dtype", "auto")
         dtype_key = "fp" if kv_dtype == "auto" else kv_dtype
         ratio = bytes_per_token[dtype_key] / bytes_per_token["fp"]
-        held = held_fractions(lengths, cap, ratio)
+        extra = open_block_tokens(kv_dtype, bytes_per_token)
+        held = held_fractions(lengths, cap, ratio, extra)
         eviction = kwargs.get("eviction")
         out[name] = {
             "window": None if window is None else [window.sink_tokens, window.window_tokens],
@@ -360,7 +413,9 @@ def recall(
             "kv_fraction_of_full_tokens": held["tokens"],
             "kv_fraction_of_full_bytes": held["bytes"],
             "kv_pool_fraction_of_full_bytes": held["pool_bytes"],
-            "kv_bytes_per_session_mean": session_bytes(lengths, cap, bytes_per_token[dtype_key]),
+            "kv_bytes_per_session_mean": session_bytes(
+                lengths, cap, bytes_per_token[dtype_key], extra * bytes_per_token["fp"]
+            ),
             "retention": ret.retention,
             "full_score": ret.interval.full_score,
             "optimised_score": ret.interval.optimised_score,
@@ -400,6 +455,18 @@ def main() -> int:
     ap.add_argument("--decode-runs", type=int, default=1)
     ap.add_argument(
         "--budget-tokens", type=int, default=512, help="kv_budget_tokens of the h2o/snapkv decode runs"
+    )
+    ap.add_argument(
+        "--slack-tokens",
+        type=int,
+        default=None,
+        help="kv_eviction.slack_tokens of the recall rows with eviction (default: one block)",
+    )
+    ap.add_argument(
+        "--contrast-tokens",
+        type=int,
+        default=0,
+        help="kv_eviction.contrast_tokens of the recall rows with eviction (0: raw attention mass)",
     )
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--recall-items", type=int, default=0, help="dialogue items; 0: skip")
@@ -502,9 +569,17 @@ def main() -> int:
         if unknown:
             raise SystemExit(
                 f"unknown --recall-configs {unknown}; choose from {', '.join(RECALL_CONFIGS)}, or "
-                "[int8_]MODE_bN for a budget of N tokens (MODE: h2o, snapkv, segment, sentence, unpinned)"
+                "[int8_|int4_]MODE_bN for a budget of N tokens "
+                "(MODE: h2o, snapkv, segment, sentence, unpinned)"
             )
-        out["recall"] = recall(loaded, args.recall_items, args.sinks, names, out["kv_bytes_per_token"])
+        out["recall"] = recall(
+            loaded,
+            args.recall_items,
+            args.sinks,
+            names,
+            out["kv_bytes_per_token"],
+            EvictionTuning(args.slack_tokens, args.contrast_tokens),
+        )
         load.append(os.getloadavg()[0])
     out["load_avg_1m"] = load
     if args.out:

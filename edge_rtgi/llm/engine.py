@@ -597,11 +597,13 @@ class LLMEngine:
             moves = self.kv.compact(req, keep)
             if moves is None:
                 continue  # no block for a copy-on-write: stay over budget until one frees
-            if moves.src:
+            if moves.src or moves.dest_blocks:
                 device = self.storage.k[0].device
-                self.storage.copy_slots(
+                self.storage.apply_compaction(
                     torch.tensor(moves.src, dtype=torch.long, device=device),
                     torch.tensor(moves.dst, dtype=torch.long, device=device),
+                    moves.dest_blocks,
+                    moves.num_dest_tokens,
                 )
             self.runner.keep_scores(req.request_id, keep)
             self._stats.kv_evicted_tokens += len(st.scores) - len(keep)

@@ -128,9 +128,9 @@ class EngineConfig:
             )
         eviction.check_budget(budget, self.block_size)
         # Each of these rewrites or reads a request's blocks in a way compaction would break.
+        # (int4 KV combines: its compaction rebuilds the rewritten blocks' per-block key scales.)
         clashes = {
             "kv_window": self.kv_window is not None,  # windows release blocks by position
-            "kv_dtype: int4": self.kv_dtype == "int4",  # keys quantised per block of positions
             "speculative": parse_speculative(self.speculative).enabled,  # truncates by position
         }
         for name, clash in clashes.items():

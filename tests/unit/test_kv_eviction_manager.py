@@ -13,7 +13,14 @@ import torch
 
 from edge_rtgi.config import ConfigError, from_dict
 from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
+from edge_rtgi.llm.kv.eviction import (
+    KVEviction,
+    local_contrast,
+    observation_queries,
+    segment_ids,
+    select_keep,
+)
+from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.request import Request
@@ -45,6 +52,24 @@ def test_select_keep_protects_sinks_and_recent_then_takes_the_heaviest():
     assert keep == [0, 1, 4, 6, 8, 9, 10]
     assert select_keep(scores, 20, policy) == list(range(11))  # under the target: everything
     assert select_keep(scores, 4, policy) == [0, 1, 8, 9, 10]  # never below the protected tokens
+
+
+def test_trims_go_slack_tokens_below_the_budget():
+    assert KVEviction("h2o").trim_target(240, 16) == 224  # default: one block below
+    assert KVEviction("h2o", slack_tokens=0).trim_target(240, 16) == 240
+    assert KVEviction("h2o", slack_tokens=100).trim_target(120, 16) == 37  # protected 36, plus one
+
+
+def test_local_contrast_ranks_a_fact_above_recent_small_talk():
+    """Mass decays with distance: raw mass prefers the recent segment (2), local contrast the
+    old segment whose tokens stand out from their neighbours (1)."""
+    segments = [0, 0, 1, 1, 2, 2, 3, 3, 3, 3, 4]
+    scores = [1.0, 1.0, 4.0, 4.0, 1.0, 1.0, 5.0, 5.0, 5.0, 5.0, 9.0]
+    assert local_contrast([2.0, 4.0, 6.0], 1) == [0.5, 1.0, 1.0]  # the upper median of a pair
+    raw = KVEviction("segment", sink_tokens=0, recent_tokens=1, pin_system=False)
+    assert select_keep(scores, 5, raw, segments) == [6, 7, 8, 9, 10]
+    contrast = KVEviction("segment", sink_tokens=0, recent_tokens=1, pin_system=False, contrast_tokens=2)
+    assert select_keep(scores, 5, contrast, segments) == [0, 1, 2, 3, 10]  # 1 first, then 0 fits
 
 
 def test_select_keep_ties_keep_the_older_token():
@@ -283,6 +308,104 @@ def test_compaction_copies_surviving_keys_and_values_bit_exact(storage_cls):
             assert torch.equal(t[after_slots], old[keep]), f"{n}[{layer}], seed {seed}"
 
 
+def _int4_bound(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Error of one KIVI round trip of ``x`` grouped along ``dim`` (tests/unit/test_kv_int4.py):
+    half a step of the group's range, plus fp16 rounding of scale and zero."""
+    lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
+    return 0.5 * (hi - lo) / 15 * (1 + 2**-8) + 2**-10 * torch.maximum(lo.abs(), hi.abs())
+
+
+def _int4_sequence(seed: int, n: int) -> tuple[Int4KIVIPagedKVStorage, KVCacheManager, Request, torch.Tensor]:
+    """A request of ``n`` tokens in blocks of 4, written in one step to a 2-layer int4 store
+    (fp32 compute, so the bound is not blurred by bf16); returns its slots too."""
+    gen = torch.Generator().manual_seed(seed)
+    storage = Int4KIVIPagedKVStorage(2, 12, 4, 2, 8, torch.float32)
+    kv = KVCacheManager(12, 4)
+    r = req("a", n)
+    assert kv.allocate_slots(r, n)
+    r.num_computed_tokens = n
+    table = held(kv, r)
+    slots = torch.tensor([table[i // 4] * 4 + i % 4 for i in range(n)])
+    for layer in range(2):
+        channels = torch.rand(1, 2, 8, generator=gen) * 4  # outlier channels, as keys have
+        k = torch.randn(n, 2, 8, generator=gen) * channels + torch.randn(1, 2, 8, generator=gen)
+        storage.write(layer, slots, k, torch.randn(n, 2, 8, generator=gen) * 3)
+    return storage, kv, r, slots
+
+
+def _compact_int4(storage, kv, r, keep) -> torch.Tensor:
+    moves = kv.compact(r, keep)
+    assert moves is not None
+    storage.apply_compaction(
+        torch.tensor(moves.src, dtype=torch.long),
+        torch.tensor(moves.dst, dtype=torch.long),
+        moves.dest_blocks,
+        moves.num_dest_tokens,
+    )
+    table = held(kv, r)
+    return torch.tensor([table[j // 4] * 4 + j % 4 for j in range(len(keep))])
+
+
+def test_int4_compaction_moves_values_exactly_and_requantises_keys_within_the_bound():
+    """Values (per token) move bit for bit; keys of untouched leading blocks and of the open last
+    block stay exact; keys re-quantised into a rewritten full block are within one KIVI round
+    trip's bound of what the model saw before (over the new block's tokens)."""
+    seed = random.randrange(1 << 30)
+    storage, kv, r, slots = _int4_sequence(seed, 23)  # blocks of 4: five full, the sixth open (3)
+    before = [storage.gather(layer, slots) for layer in range(2)]
+    names = ("v", "v_scale", "v_zero")
+    stored = {n: [t[slots].clone() for t in getattr(storage, n)] for n in names}
+    fixed_codes = [t[slots[:4]].clone() for t in storage.k]
+    fixed_scale = [t[held(kv, r)[0]].clone() for t in storage.k_scale]
+    rng = random.Random(seed)
+    keep = [0, 1, 2, 3, *sorted(rng.sample(range(4, 20), 7)), 20, 21, 22]  # block 0 kept in place
+    after = _compact_int4(storage, kv, r, keep)
+    assert len(keep) == 14  # three full blocks and an open one of 2
+    for layer in range(2):
+        k, v = storage.gather(layer, after)
+        want_k, want_v = before[layer][0][keep], before[layer][1][keep]
+        assert torch.equal(v, want_v), f"seed {seed}"
+        assert torch.equal(k[:4], want_k[:4]), f"seed {seed}: the untouched block changed"
+        assert torch.equal(storage.k[layer][slots[:4]], fixed_codes[layer])
+        assert torch.equal(storage.k_scale[layer][held(kv, r)[0]], fixed_scale[layer])
+        for b in (1, 2):  # rewritten full blocks: one round trip of the keys the model saw
+            rows = slice(4 * b, 4 * b + 4)
+            err = (k[rows] - want_k[rows]).abs()
+            assert (err <= _int4_bound(want_k[rows], 0)).all(), f"seed {seed}: block {b}, max {err.max()}"
+        assert torch.equal(k[12:], want_k[12:]), f"seed {seed}: the open block is full precision"
+        for n in names:
+            assert torch.equal(getattr(storage, n)[layer][after], stored[n][layer][keep]), f"{n}, seed {seed}"
+
+
+def test_int4_compaction_moves_whole_blocks_bit_exact_and_the_open_block_fills_as_usual():
+    seed = random.randrange(1 << 30)
+    storage, kv, r, slots = _int4_sequence(seed, 18)  # four full blocks, the fifth open (2 tokens)
+    table = held(kv, r)
+    before = [storage.gather(layer, slots) for layer in range(2)]
+    codes = [t[slots[8:16]].clone() for t in storage.k]
+    scales = [torch.stack([t[table[2]], t[table[3]]]).clone() for t in (*storage.k_scale, *storage.k_zero)]
+    keep = [0, 1, 2, 3, *range(8, 18)]  # drop block 1: blocks 2-3 move whole, the open one too
+    after = _compact_int4(storage, kv, r, keep)
+    new_table = held(kv, r)
+    for layer in range(2):
+        k, v = storage.gather(layer, after)
+        assert torch.equal(k, before[layer][0][keep]), f"seed {seed}"
+        assert torch.equal(v, before[layer][1][keep]), f"seed {seed}"
+        assert torch.equal(storage.k[layer][after[4:12]], codes[layer])
+    got = [torch.stack([t[new_table[1]], t[new_table[2]]]) for t in (*storage.k_scale, *storage.k_zero)]
+    assert all(torch.equal(a, b) for a, b in zip(got, scales, strict=True))
+    # the open block (2 tokens, moved) keeps filling; once full it is quantised like any block
+    gen = torch.Generator().manual_seed(seed + 1)
+    more = torch.randn(2, 2, 2, 8, generator=gen)
+    next_slots = torch.tensor([new_table[3] * 4 + 2, new_table[3] * 4 + 3])
+    for layer in range(2):
+        storage.write(layer, next_slots, more[0], more[1])
+    full = torch.cat([before[0][0][16:18], more[0]])
+    k, _ = storage.gather(0, torch.tensor([new_table[3] * 4 + i for i in range(4)]))
+    assert (k - full).abs().max() > 0  # quantised now
+    assert ((k - full).abs() <= _int4_bound(full, 0)).all(), f"seed {seed}"
+
+
 # --- config --------------------------------------------------------------------------------
 
 
@@ -312,8 +435,11 @@ def test_eviction_config_errors_name_the_key_and_the_allowed_range():
                 "kv_window": {"sink_tokens": 4, "window_tokens": 64},
             },
         )
-    with pytest.raises(ConfigError, match="kv_eviction does not combine with kv_dtype: int4"):
-        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {}, "kv_dtype": "int4"})
+    with pytest.raises(ConfigError, match=r"kv_dtype: int4 yet .*set speculative: off or kv_dtype: int8"):
+        from_dict(
+            EngineConfig,
+            {"kv_budget_tokens": 256, "kv_eviction": {}, "kv_dtype": "int4", "speculative": "ngram:4"},
+        )
     with pytest.raises(ConfigError, match=r"kv_window\.window_tokens must be > kv_window\.sink_tokens"):
         from_dict(EngineConfig, {"kv_window": {"sink_tokens": 8, "window_tokens": 4}})
     with pytest.raises(ConfigError, match=r"kv_eviction\.score must be one of accumulated, observation"):
@@ -324,13 +450,20 @@ def test_eviction_config_errors_name_the_key_and_the_allowed_range():
         EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"mode": "segment", "pin_system": False}}
     )
     assert cfg.kv_eviction == KVEviction("segment", pin_system=False)
+    with pytest.raises(
+        ConfigError, match=r"kv_eviction\.slack_tokens must be >= 0 \(or unset: one block\), got -1"
+    ):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"slack_tokens": -1}})
+    with pytest.raises(ConfigError, match=r"kv_eviction\.contrast_tokens must be >= 0, got -4"):
+        from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"contrast_tokens": -4}})
     with pytest.raises(ConfigError, match="pin_system"):
         from_dict(EngineConfig, {"kv_budget_tokens": 256, "kv_eviction": {"pin_system": "no"}})
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_eviction_combines_with_full_and_int8_kv(kv_dtype):
-    """int8 KV keeps one scale per slot, so compaction moves codes and scales together exactly."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4"])
+def test_eviction_combines_with_full_int8_and_int4_kv(kv_dtype):
+    """int8 KV keeps one scale per slot, so compaction moves codes and scales together exactly;
+    int4 rebuilds the blocks it rewrites (``Int4KIVIPagedKVStorage.apply_compaction``)."""
     cfg = from_dict(
         EngineConfig, {"kv_budget_tokens": 240, "kv_eviction": {"mode": "segment"}, "kv_dtype": kv_dtype}
     )
@@ -340,7 +473,7 @@ def test_eviction_combines_with_full_and_int8_kv(kv_dtype):
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        ({"kv_dtype": "int4"}, "kv_dtype: int4"),
+        ({"kv_dtype": "int4", "kv_window": {"sink_tokens": 4, "window_tokens": 64}}, "kv_window"),
         ({"kv_dtype": "int8", "kv_window": {"sink_tokens": 4, "window_tokens": 64}}, "kv_window"),
         ({"kv_dtype": "int8", "speculative": "ngram:4"}, "speculative"),
     ],

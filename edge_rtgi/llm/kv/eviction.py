@@ -22,8 +22,8 @@ serves every layer:
   before the question arrives; ``score: accumulated`` scores it the h2o way instead.
 
 The first ``sink_tokens`` and the last ``recent_tokens`` cached tokens are never evicted.
-Eviction trims to one block below the budget, so during decode a request compacts once per
-block of new tokens, not once per token. No torch here: the scheduler and its tests use it.
+Eviction trims to one block below the budget (``slack_tokens``), so during decode a request
+compacts once per block of new tokens, not once per token. No torch here: the scheduler and its tests use it.
 
 Positions: keys are stored rotated at their absolute position and a kept key keeps its
 rotation, so a query-key score still depends on their true offset (the model's view of the
@@ -54,6 +54,12 @@ class KVEviction:
     ``pin_system``: under segment mode the first segment (the system prompt) ranks before every
     other where it fits; False: it competes by its mass like the rest (a long system prompt
     that fits a small budget otherwise leaves little room for the conversation's facts).
+    ``slack_tokens``: how far below the budget a trim goes (None: one block), so that decode
+    compacts once per that many new tokens rather than after every token; 0 keeps the whole
+    budget in use, at a compaction per decode step under h2o (segment modes drop whole
+    segments, so they compact far less often).
+    ``contrast_tokens``: 0 ranks by raw attention mass; N divides each key's mass by the median
+    mass of the cached keys within N positions of it before ranking (``local_contrast``).
     """
 
     mode: str = "h2o"
@@ -63,6 +69,8 @@ class KVEviction:
     segment: str = "turn"
     score: str | None = None
     pin_system: bool = True
+    slack_tokens: int | None = None
+    contrast_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in EVICTION_MODES:
@@ -77,9 +85,13 @@ class KVEviction:
             raise ValueError(
                 f"kv_eviction.score must be one of {', '.join(SCORE_SOURCES)}, got {self.score!r}"
             )
-        for key in ("sink_tokens", "recent_tokens"):
+        for key in ("sink_tokens", "recent_tokens", "contrast_tokens"):
             if getattr(self, key) < 0:
                 raise ValueError(f"kv_eviction.{key} must be >= 0, got {getattr(self, key)}")
+        if self.slack_tokens is not None and self.slack_tokens < 0:
+            raise ValueError(
+                f"kv_eviction.slack_tokens must be >= 0 (or unset: one block), got {self.slack_tokens}"
+            )
         if self.observation_tokens < 1:
             raise ValueError(f"kv_eviction.observation_tokens must be >= 1, got {self.observation_tokens}")
 
@@ -97,9 +109,10 @@ class KVEviction:
             )
 
     def trim_target(self, budget_tokens: int, block_size: int) -> int:
-        """Tokens a request keeps after an eviction: one block below the budget, never fewer than
-        the protected tokens plus one."""
-        return max(self.protected_tokens + 1, budget_tokens - block_size)
+        """Tokens a request keeps after an eviction: ``slack_tokens`` (default one block) below
+        the budget, never fewer than the protected tokens plus one."""
+        slack = block_size if self.slack_tokens is None else self.slack_tokens
+        return max(self.protected_tokens + 1, budget_tokens - slack)
 
     def scores_every_query(self) -> bool:
         """Whether every query's attention mass counts (``score: accumulated``), or only the
@@ -122,6 +135,22 @@ def segment_ids(
     return out
 
 
+def local_contrast(scores: Sequence[float], radius_tokens: int) -> list[float]:
+    """Each score divided by the median score of the keys within ``radius_tokens`` of it.
+
+    Why: attention mass falls with distance (rotary positions favour near keys), so raw mass
+    ranks the last turns first whatever they say, and a fact 12 turns back loses to small talk
+    2 turns back. A fact the question looks up stands out from its neighbours instead; dividing
+    by the local median (not the mean, which the fact itself and sink-like tokens would raise)
+    measures that.
+    """
+    n, out = len(scores), []
+    for i in range(n):
+        window = sorted(scores[max(0, i - radius_tokens) : i + radius_tokens + 1])
+        out.append(scores[i] / max(window[len(window) // 2], 1e-12))
+    return out
+
+
 def select_keep(
     scores: Sequence[float],
     keep_tokens: int,
@@ -140,6 +169,8 @@ def select_keep(
     n = len(scores)
     if keep_tokens >= n:
         return list(range(n))
+    if policy.contrast_tokens:
+        scores = local_contrast(scores, policy.contrast_tokens)
     sinks = min(policy.sink_tokens, n)
     recent_start = max(sinks, n - policy.recent_tokens)
     keep = set(range(sinks)) | set(range(recent_start, n))

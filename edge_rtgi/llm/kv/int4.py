@@ -17,6 +17,8 @@ layer's write of a slot mapping, and shared by every layer: all layers write the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -104,9 +106,87 @@ class Int4KIVIPagedKVStorage(PagedKVStorage):
         self._plan: _StepPlan | None = None
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        # a block's keys share per-channel scales over its positions: moving one token between
-        # blocks would need requantising (EngineConfig refuses kv_eviction with int4)
-        raise RuntimeError("int4 KV cannot be compacted: EngineConfig refuses kv_eviction with kv_dtype int4")
+        # a block's keys share per-channel scales over its positions: a token cannot move alone
+        raise RuntimeError("int4 KV moves tokens only through apply_compaction, which rebuilds whole blocks")
+
+    @torch.inference_mode()  # the open-block buffer grows inside steps: inference tensors
+    def apply_compaction(
+        self, src: Tensor, dst: Tensor, dest_blocks: Sequence[int], num_dest_tokens: int
+    ) -> None:
+        """Rebuild the blocks a compaction rewrote (``PagedKVStorage.apply_compaction``).
+
+        Values are per token: codes, scale and zero move bit for bit. Keys share per-channel
+        scales over a block, so a rewritten block whose tokens are one closed block's, in order,
+        takes that block's codes and scales bit for bit; any other full block is re-quantised
+        from the keys the model saw (dequantised), so a key ends within half a step of its new
+        block's per-channel range (plus fp16 rounding of scale and zero) of what it was; a
+        partly filled last block goes back to the open-block buffer in full precision and is
+        quantised when it fills, as any block is. Why re-quantise rather than evict whole blocks:
+        the selection rule then keeps its token and segment granularity, which is what keeps a
+        fact whole, at the cost of a second rounding of the moved keys.
+        """
+        bs = self.block_size
+        if not dest_blocks:
+            if src.numel():
+                raise ValueError("slot moves without the destination blocks they fill")
+            return
+        moved = dict(zip(dst.tolist(), src.tolist(), strict=True))
+        dest_slots = [dest_blocks[j // bs] * bs + j % bs for j in range(num_dest_tokens)]
+        source_slots = [moved.get(d, d) for d in dest_slots]
+        n_full, tail = divmod(num_dest_tokens, bs)
+        exact_dst, exact_src, requant = [], [], []
+        for k in range(n_full):
+            first = source_slots[k * bs]
+            whole = first % bs == 0 and source_slots[k * bs : (k + 1) * bs] == list(range(first, first + bs))
+            if whole and int(self.open_row[first // bs]) < 0:
+                if first // bs != dest_blocks[k]:
+                    exact_dst.append(dest_blocks[k])
+                    exact_src.append(first // bs)
+            else:
+                requant.append(k)
+        # Open rows of the blocks involved (sources, and destinations that may carry a stale row
+        # from a request that ended with them partly filled); the last block keeps or takes one.
+        involved = {s // bs for s in source_slots} | set(dest_blocks)
+        old_rows = {b: int(self.open_row[b]) for b in involved if int(self.open_row[b]) >= 0}
+        last = dest_blocks[-1] if tail else -1
+        tail_row = old_rows.get(last, -1)
+        if tail and tail_row < 0:
+            tail_row = self._take_row()
+        d_idx = torch.tensor(dest_slots, dtype=torch.long, device=self.device)
+        s_idx = torch.tensor(source_slots, dtype=torch.long, device=self.device)
+        req_idx = torch.tensor(requant, dtype=torch.long, device=self.device)
+        req_blocks = torch.tensor([dest_blocks[k] for k in requant], dtype=torch.long, device=self.device)
+        ex_src = torch.tensor(exact_src, dtype=torch.long, device=self.device)
+        ex_dst = torch.tensor(exact_dst, dtype=torch.long, device=self.device)
+        h, d = self.num_kv_heads, self.head_dim
+        for layer in range(self.num_layers):
+            keys, _ = self.gather(layer, s_idx)  # what the model saw, before any write
+            for t in (self.v[layer], self.v_scale[layer], self.v_zero[layer]):
+                t.index_copy_(0, d_idx, t.index_select(0, s_idx))
+            codes_by_block = self.k[layer].view(self.num_blocks, bs, h, d // 2)
+            copied = [
+                codes_by_block.index_select(0, ex_src),
+                self.k_scale[layer].index_select(0, ex_src),
+                self.k_zero[layer].index_select(0, ex_src),
+            ]
+            if requant:
+                full = keys[: n_full * bs].view(n_full, bs, h, d).index_select(0, req_idx)
+                codes, scale, zero = quantise_int4(full, dim=1)  # per block and channel
+                codes_by_block.index_copy_(0, req_blocks, pack_int4(codes))
+                self.k_scale[layer].index_copy_(0, req_blocks, scale[:, 0])
+                self.k_zero[layer].index_copy_(0, req_blocks, zero[:, 0])
+            if exact_dst:
+                codes_by_block.index_copy_(0, ex_dst, copied[0])
+                self.k_scale[layer].index_copy_(0, ex_dst, copied[1])
+                self.k_zero[layer].index_copy_(0, ex_dst, copied[2])
+            if tail:
+                self.k_open[layer][tail_row, :tail] = keys[n_full * bs :]
+        for block, row in old_rows.items():
+            self.open_row[block] = -1
+            if row != tail_row:
+                self._free_rows.append(row)
+        if tail:
+            self.open_row[last] = tail_row
 
     @staticmethod
     def bytes_per_block(

@@ -50,11 +50,19 @@ class KVGroupSpec:
 @dataclass(frozen=True)
 class SlotMoves:
     """A compaction's copies: the KV at ``src[i]`` goes to ``dst[i]`` in every layer (read all
-    sources before writing any: they may overlap). ``num_freed_blocks``: blocks given back."""
+    sources before writing any: they may overlap). ``num_freed_blocks``: blocks given back.
+
+    ``dest_blocks``: the blocks the survivors now fill from offset 0, in table order, after the
+    leading blocks left untouched; ``num_dest_tokens``: how many survivors they hold (slots of
+    them not in ``dst`` kept their token in place). A format whose data spans a block (int4
+    keys, quantised per block) rebuilds these blocks from them.
+    """
 
     src: tuple[int, ...]
     dst: tuple[int, ...]
     num_freed_blocks: int
+    dest_blocks: tuple[int, ...] = ()
+    num_dest_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -354,7 +362,9 @@ class KVCacheManager:
         self.pool.free(reversed(gone))
         table[0] = [*blocks[:fixed], *dest]
         request.num_evicted_tokens += num_old - len(keep)
-        return SlotMoves(tuple(src), tuple(dst), len(gone))
+        return SlotMoves(
+            tuple(src), tuple(dst), len(gone), tuple(b.block_id for b in dest), len(keep) - fixed * bs
+        )
 
     # --- views -----------------------------------------------------------------------------
 

@@ -18,6 +18,8 @@ override ``write`` and ``gather``; the runner only calls those two.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -61,6 +63,16 @@ class PagedKVStorage:
         for tensors in self._per_slot():
             for t in tensors:
                 t.index_copy_(0, dst, t.index_select(0, src))
+
+    def apply_compaction(
+        self, src: Tensor, dst: Tensor, dest_blocks: Sequence[int], num_dest_tokens: int
+    ) -> None:
+        """Follow ``KVCacheManager.compact`` (its ``SlotMoves``): the KV at ``src`` moves to
+        ``dst``, and the survivors now fill ``dest_blocks`` from offset 0 (``num_dest_tokens`` of
+        them). Per-slot formats only copy (``copy_slots``, bit-exact); formats with data per
+        block (int4 keys) also rebuild the rewritten blocks."""
+        if src.numel():
+            self.copy_slots(src, dst)
 
     def _per_slot(self) -> list[list[Tensor]]:
         """The per-layer tensors indexed by slot."""
