@@ -123,7 +123,9 @@ def _finals(events):
 
 async def test_a_complete_question_ends_on_the_models_verdict(voice, resources):
     session = await Session.open({"t": _pipeline()}, resources)
-    assert session.describe()["turn_detection_status"]["mode"] == "semantic"
+    status = session.describe()["turn_detection_status"]
+    holds = (status["fragment_hold_ms"], status["continuation_hold_ms"])
+    assert (status["mode"], holds) == ("semantic", (600, 400))
     events = await _play(session, _say(voice, "What is the weather like in Paris today?"))
     finals = _finals(events)
     assert len(finals) == 1 and "paris" in finals[0].text.lower()
@@ -196,9 +198,7 @@ def _audio_clock(
     vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
     model = resources.turn_model("smart-turn-v3.2").model
     assert model is not None
-    endpointer = SemanticEndpointer(
-        model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
-    )
+    endpointer = SemanticEndpointer.from_config(model, turn)
     cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
     tr = StreamingTranscriber(resources.whisper(cfg), cfg, SileroVad(vad_cfg), endpointer)
     z = np.zeros
@@ -224,7 +224,8 @@ def test_a_fragment_is_held_through_a_pause_that_the_model_alone_ends(voice, res
     audio, _ = _pieces(voice, "Add milk,", "eggs and two lemons to my shopping list.", pause_s=0.5)
     finals, _ = _audio_clock(SEMANTIC, resources, audio)
     assert len(finals) == 1 and "lemons" in finals[0].lower(), finals
-    cut, ended = _audio_clock(dataclasses.replace(SEMANTIC, fragment_hold_ms=0), resources, audio)
+    no_holds = dataclasses.replace(SEMANTIC, fragment_hold_ms=0, continuation_hold_ms=0)
+    cut, ended = _audio_clock(no_holds, resources, audio)
     assert len(cut) == 2 and ended[0].reason == "semantic", cut
 
 
@@ -238,3 +239,19 @@ def test_a_complete_request_ends_at_the_first_check_and_a_short_one_after_the_ho
     # a two-word turn waits for the 600 ms hold, then ends on the model's verdict, not the cap
     assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
     assert 600 <= silence_ms < CAP_MS, silence_ms
+
+
+def test_a_list_is_held_through_its_comma_pauses_and_a_command_ends_after_the_hold(voice, resources):
+    """Piper pauses at each comma of a list and ends "Remind me about the dentist," with a fall
+    the model calls finished; whisper decodes it as a whole command. The continuation hold keeps
+    the turn open through those pauses (without it the turn is cut at the first one), and a whole
+    command then ends on the model's verdict after the hold, not at the cap."""
+    audio = _say(voice, "Remind me about the dentist, the bank, and the post office.")
+    finals, _ = _audio_clock(SEMANTIC, resources, audio)
+    assert len(finals) == 1 and "office" in finals[0].lower(), finals
+    cut, ended = _audio_clock(dataclasses.replace(SEMANTIC, continuation_hold_ms=0), resources, audio)
+    assert len(cut) >= 2 and ended[0].reason == "semantic", cut
+    finals, ended = _audio_clock(SEMANTIC, resources, _say(voice, "Find me a recipe for pancakes."))
+    silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
+    assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
+    assert 400 <= silence_ms < CAP_MS, silence_ms

@@ -163,9 +163,7 @@ class AsrStage(Stage[AsrInput]):
         if load.model is None:
             fallback = TurnStatus("silence", "semantic", vad_min_silence_ms, fallback=load.error)
             return fallback, None
-        endpointer = SemanticEndpointer(
-            load.model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
-        )
+        endpointer = SemanticEndpointer.from_config(load.model, turn)
         status = TurnStatus(
             "semantic",
             "semantic",
@@ -174,6 +172,8 @@ class AsrStage(Stage[AsrInput]):
             threshold=turn.threshold,
             model=turn.model,
             text_check=turn.text_check,
+            fragment_hold_ms=turn.fragment_hold_ms if turn.text_check else None,
+            continuation_hold_ms=turn.continuation_hold_ms if turn.text_check else None,
         )
         return status, endpointer
 
