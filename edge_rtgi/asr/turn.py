@@ -226,6 +226,40 @@ def talkover_speech_samples(talkover_start: int, now: int, silence_start: int | 
     return max(0, end - talkover_start)
 
 
+@dataclass
+class TalkoverMeter:
+    """The speech heard over a reply since it began at ``start_index`` (a sample index): from its
+    first word to now, less the pauses inside it, the ended ones and the one in progress. A
+    two-part backchannel ("Yes, | yes.") is two short bursts; counting its pause would make it as
+    long as a real barge-in. Fed on every chunk by the ASR stage's worker."""
+
+    start_index: int
+    paused_samples: int = 0
+    pause_start: int | None = None  # the pause in progress, as the VAD reports it
+
+    def heard_samples(self, now: int, silence_start: int | None) -> int:
+        """The speech so far at sample ``now``, with the VAD's ``silence_start_index``."""
+        if silence_start is not None and silence_start >= self.start_index:
+            self.pause_start = silence_start
+        elif silence_start is None and self.pause_start is not None:  # speech resumed
+            self.paused_samples += max(0, now - self.pause_start)
+            self.pause_start = None
+        return max(0, talkover_speech_samples(self.start_index, now, silence_start) - self.paused_samples)
+
+
+def talkover_cuts(heard_ms: int, text: str, words_pending: bool, min_ms: int, max_ms: int) -> bool:
+    """Whether speech over a reply, ``heard_ms`` long so far (``TalkoverMeter``), cuts
+    the reply now, before its final: once it is ``min_ms`` long, unless the words heard so far
+    (``text``) are a backchannel's or are still being decoded (``words_pending``: a decode of a
+    pause inside it, "Yes, | yes."); at ``max_ms``, whatever the words. Two-part backchannels
+    ("Okay, yeah.", "Right, right.") run past ``min_ms`` from first word to last."""
+    if heard_ms < min_ms:
+        return False
+    if heard_ms >= max_ms:
+        return True
+    return not words_pending and not is_backchannel(text)
+
+
 def transcript_unfinished(text: str) -> bool:
     """True when ``text`` (a speculative final) reads as a sentence cut off at a pause: it ends
     in a comma, dash or ellipsis, or (unless it is a question) in a conjunction, filler, article
@@ -261,8 +295,9 @@ class TurnDetectionConfig:
     two words ("Add milk.", "Tell me."), ``fragment_hold_ms`` of silence (0: no hold), at which
     the model is asked again; any other final that is not a question waits
     ``continuation_hold_ms`` (0: no hold) the same way. ``barge_in_min_speech_ms``: in semantic
-    mode, speech over a reply cuts it once it has lasted this long, or when its words turn out
-    not to be a backchannel.
+    mode, speech over a reply cuts it once it has lasted this long unless its words so far are a
+    backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
+    backchannel (``talkover_cuts``).
     """
 
     mode: str = "silence"
@@ -271,6 +306,7 @@ class TurnDetectionConfig:
     threshold: float = 0.5
     model: str = DEFAULT_MODEL
     barge_in_min_speech_ms: int = 700
+    barge_in_max_speech_ms: int = 1500
     text_check: bool = True
     fragment_hold_ms: int = DEFAULT_FRAGMENT_HOLD_MS
     continuation_hold_ms: int = DEFAULT_CONTINUATION_HOLD_MS
@@ -291,6 +327,11 @@ class TurnDetectionConfig:
         if not 0 <= self.barge_in_min_speech_ms <= 10_000:
             raise ValueError(
                 f"barge_in_min_speech_ms must be in [0, 10000] ms, got {self.barge_in_min_speech_ms}"
+            )
+        if not self.barge_in_min_speech_ms <= self.barge_in_max_speech_ms <= 10_000:
+            raise ValueError(
+                f"barge_in_max_speech_ms must be in [barge_in_min_speech_ms "
+                f"({self.barge_in_min_speech_ms}), 10000] ms, got {self.barge_in_max_speech_ms}"
             )
         if self.mode == "semantic" and self.semantic_max_ms < self.semantic_min_ms:
             raise ValueError(

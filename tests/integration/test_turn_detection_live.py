@@ -9,7 +9,9 @@ runs on the silence timer and says so in its description (what ``session.created
 The decision rule is also checked on the audio clock (the transcriber fed 20 ms at a time, every
 decode awaited), where the outcome does not depend on the machine's load: a two-word fragment
 held through a pause by the fragment hold (and cut without it), a complete request ended at the
-model's first check, a two-word one after the hold.
+model's first check, a two-word one after the hold, a list held through its comma pauses by
+the continuation hold; and speech over a reply measured as the ASR stage measures it, where a
+two-part backchannel runs past the barge-in length but its words keep it from cutting the reply.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import pytest
 from edge_rtgi import frames as F
 from edge_rtgi.asr.events import FinalTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import StreamingTranscriber
-from edge_rtgi.asr.turn import SemanticEndpointer, TurnDetectionConfig, transcript_unfinished
+from edge_rtgi.asr.turn import (
+    SemanticEndpointer,
+    TalkoverMeter,
+    TurnDetectionConfig,
+    talkover_cuts,
+    transcript_unfinished,
+)
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
 from edge_rtgi.pipeline.config import parse_pipeline
@@ -255,3 +263,57 @@ def test_a_list_is_held_through_its_comma_pauses_and_a_command_ends_after_the_ho
     silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
     assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
     assert 400 <= silence_ms < CAP_MS, silence_ms
+
+
+def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:
+    """``audio`` as speech over a reply, measured as the ASR stage measures it on every chunk (the
+    speech so far, the words heard so far, a decode on its way): the speech length at which it
+    would cut the reply before its final (None: never), and the longest length it reached."""
+    turn = SEMANTIC
+    asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
+    vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
+    model = resources.turn_model("smart-turn-v3.2").model
+    assert model is not None
+    cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
+    tr = StreamingTranscriber(
+        resources.whisper(cfg), cfg, SileroVad(vad_cfg), SemanticEndpointer.from_config(model, turn)
+    )
+    x = np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(32000, np.float32)])
+    meter, longest, cut_ms = None, 0, None
+    try:
+        for i in range(0, len(x), 320):
+            tr.insert_audio(x[i : i + 320])
+            total = i + len(x[i : i + 320])
+            if not tr.vad.in_speech:
+                meter = None
+            elif meter is None:
+                meter = TalkoverMeter(total)
+            else:
+                heard_ms = meter.heard_samples(total, tr.vad.silence_start_index) // 16
+                longest = max(longest, heard_ms)
+                cuts = talkover_cuts(
+                    heard_ms,
+                    tr.heard_text,
+                    tr.decode_pending,
+                    turn.barge_in_min_speech_ms,
+                    turn.barge_in_max_speech_ms,
+                )
+                if cut_ms is None and cuts:
+                    cut_ms = heard_ms
+            tr.process_iter()
+    finally:
+        tr.close()
+    return cut_ms, longest
+
+
+def test_a_two_part_backchannel_over_a_reply_is_kept_by_its_words(voice, resources):
+    """Piper's "Yes, yes." runs past the 700 ms barge-in length from its first word to its
+    last, but its speech, less the comma's pause, does not; and the speculative decode at that
+    pause reads "Yes.", so it would not cut the reply either way (its final then marks it a
+    backchannel). Speech that is not a backchannel still cuts it."""
+    audio = _say(voice, "Yes, yes.")
+    assert len(audio) / 16 >= SEMANTIC.barge_in_min_speech_ms  # its span alone would have cut it
+    cut_ms, longest = _talkover_cut_ms(resources, audio)
+    assert cut_ms is None and longest < SEMANTIC.barge_in_min_speech_ms, (cut_ms, longest)
+    cut_ms, _ = _talkover_cut_ms(resources, _say(voice, "No, I meant the one on Friday morning, not today."))
+    assert cut_ms is not None and cut_ms < SEMANTIC.barge_in_max_speech_ms, cut_ms
