@@ -230,7 +230,7 @@ async def main() -> int:
         type=lambda s: tuple(s.split(",")),
         default=TURN_MODES,
         help="with --turn-taking: which of semantic,model-only,silence (and on the audio clock "
-        "no-fragment-hold) to run; backchannels run semantic and silence",
+        "no-fragment-hold, no-continuation-hold) to run; backchannels run semantic and silence",
     )
     ap.add_argument(
         "--turn-model-cost",
@@ -971,7 +971,7 @@ def merge_turn_results(paths: list[str], out: str | None) -> int:
 
 AUDIO_CHUNK = 320  # 20 ms, as the benchmark client sends
 # the daemon's three arms, and semantic without the fragment hold (the rule before it)
-AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold")
+AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold", "no-continuation-hold")
 PROBE_SILENCE_MS = (100, 200, 300, 500, 700, 1000)
 
 
@@ -1002,7 +1002,9 @@ def offline_transcribe(
     if mode == "model-only":
         turn = turn.with_overrides(text_check=False)
     elif mode == "no-fragment-hold":
-        turn = dataclasses.replace(turn, fragment_hold_ms=0)
+        turn = dataclasses.replace(turn, fragment_hold_ms=0, continuation_hold_ms=0)
+    elif mode == "no-continuation-hold":  # the rule before the continuation hold
+        turn = dataclasses.replace(turn, continuation_hold_ms=0)
     elif mode == "silence":
         turn = turn.with_overrides(mode="silence")
     decisions: list[dict] = []
@@ -1032,7 +1034,9 @@ def offline_transcribe(
             decisions[-1].update(
                 text=text,
                 unfinished_text=d.unfinished_text,
+                # held: the words' hold (fragment or continuation) is longer than the pause so far
                 fragment_hold=d.retry_silence_samples is not None,
+                hold_ms=None if d.retry_silence_samples is None else d.retry_silence_samples / 16.0,
                 words_wait_ms=wait_ms,
             )
             return d
@@ -1041,9 +1045,7 @@ def offline_transcribe(
     endpointer = None
     vad_cfg = cfg.vad
     if turn.mode == "semantic":
-        endpointer = Recording(
-            model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
-        )
+        endpointer = Recording.from_config(model, turn)
     vad_cfg = dataclasses.replace(vad_cfg, min_silence_ms=turn.silence_ms(cfg.vad.min_silence_ms))
     tr = StreamingTranscriber(asr, dataclasses.replace(cfg, vad=vad_cfg), SileroVad(vad_cfg), endpointer)
     lead = np.zeros(int(lead_s * 16000), np.float32)

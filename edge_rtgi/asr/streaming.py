@@ -160,6 +160,19 @@ class StreamingTranscriber:
             self._active is not None and self._ring.total_written - self._active.start_index > self._max_len
         )
 
+    @property
+    def heard_text(self) -> str:
+        """The utterance in progress as last decoded (its latest partial, or the speculative final
+        of a pause inside it); "" before its first decode and between utterances."""
+        utt = self._active
+        return " ".join(t for t in utt.partial_key if t) if utt is not None else ""
+
+    @property
+    def decode_pending(self) -> bool:
+        """Semantic mode: a decode of the utterance in progress, up to a pause inside it, has been
+        started and its words are not in ``heard_text`` yet."""
+        return self._active is not None and self._active.pending is not None
+
     def insert_audio(self, samples: np.ndarray) -> None:
         """Append mono float32 16 kHz samples. Cheap (VAD only); never decodes.
 

@@ -190,11 +190,19 @@ _UNFINISHED_ENDINGS = (",", ";", ":", "-", "\u2013", "\u2014", "...", "\u2026")
 # the first piece of a longer one than a whole turn; see ``TurnDetectionConfig.fragment_hold_ms``.
 FRAGMENT_MAX_WORDS = 2
 DEFAULT_FRAGMENT_HOLD_MS = 600
+# A statement or command can go on after a short pause ("Remind me about the dentist, | the
+# bank, ..."); see ``TurnDetectionConfig.continuation_hold_ms``.
+DEFAULT_CONTINUATION_HOLD_MS = 400
 
 
 def _words(text: str) -> list[str]:
     """Lower-cased words without punctuation; digits are words ("at 6 30" ends in "30")."""
     return [w for w in (re.sub(r"[^a-z0-9']", "", w.lower()) for w in text.split()) if w]
+
+
+def is_question(text: str) -> bool:
+    """True when the transcript ends in a question mark (whisper's reading of the syntax)."""
+    return text.strip().endswith("?")
 
 
 def is_fragment(text: str) -> bool:
@@ -216,6 +224,40 @@ def talkover_speech_samples(talkover_start: int, now: int, silence_start: int | 
     for the model or the fragment hold ("Yes." + 600 ms) as long as a real barge-in."""
     end = now if silence_start is None else min(silence_start, now)
     return max(0, end - talkover_start)
+
+
+@dataclass
+class TalkoverMeter:
+    """The speech heard over a reply since it began at ``start_index`` (a sample index): from its
+    first word to now, less the pauses inside it, the ended ones and the one in progress. A
+    two-part backchannel ("Yes, | yes.") is two short bursts; counting its pause would make it as
+    long as a real barge-in. Fed on every chunk by the ASR stage's worker."""
+
+    start_index: int
+    paused_samples: int = 0
+    pause_start: int | None = None  # the pause in progress, as the VAD reports it
+
+    def heard_samples(self, now: int, silence_start: int | None) -> int:
+        """The speech so far at sample ``now``, with the VAD's ``silence_start_index``."""
+        if silence_start is not None and silence_start >= self.start_index:
+            self.pause_start = silence_start
+        elif silence_start is None and self.pause_start is not None:  # speech resumed
+            self.paused_samples += max(0, now - self.pause_start)
+            self.pause_start = None
+        return max(0, talkover_speech_samples(self.start_index, now, silence_start) - self.paused_samples)
+
+
+def talkover_cuts(heard_ms: int, text: str, words_pending: bool, min_ms: int, max_ms: int) -> bool:
+    """Whether speech over a reply, ``heard_ms`` long so far (``TalkoverMeter``), cuts
+    the reply now, before its final: once it is ``min_ms`` long, unless the words heard so far
+    (``text``) are a backchannel's or are still being decoded (``words_pending``: a decode of a
+    pause inside it, "Yes, | yes."); at ``max_ms``, whatever the words. Two-part backchannels
+    ("Okay, yeah.", "Right, right.") run past ``min_ms`` from first word to last."""
+    if heard_ms < min_ms:
+        return False
+    if heard_ms >= max_ms:
+        return True
+    return not words_pending and not is_backchannel(text)
 
 
 def transcript_unfinished(text: str) -> bool:
@@ -251,9 +293,11 @@ class TurnDetectionConfig:
     (unset: 1200). ``text_check``: a "finished" verdict also needs the speculative final not
     to read as cut off (``transcript_unfinished``), and when the final is a fragment of at most
     two words ("Add milk.", "Tell me."), ``fragment_hold_ms`` of silence (0: no hold), at which
-    the model is asked again. ``barge_in_min_speech_ms``: in semantic
-    mode, speech over a reply cuts it once it has lasted this long, or when its words turn out
-    not to be a backchannel.
+    the model is asked again; any other final that is not a question waits
+    ``continuation_hold_ms`` (0: no hold) the same way. ``barge_in_min_speech_ms``: in semantic
+    mode, speech over a reply cuts it once it has lasted this long unless its words so far are a
+    backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
+    backchannel (``talkover_cuts``).
     """
 
     mode: str = "silence"
@@ -262,8 +306,10 @@ class TurnDetectionConfig:
     threshold: float = 0.5
     model: str = DEFAULT_MODEL
     barge_in_min_speech_ms: int = 700
+    barge_in_max_speech_ms: int = 1500
     text_check: bool = True
     fragment_hold_ms: int = DEFAULT_FRAGMENT_HOLD_MS
+    continuation_hold_ms: int = DEFAULT_CONTINUATION_HOLD_MS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -274,11 +320,18 @@ class TurnDetectionConfig:
             ms = getattr(self, name)
             if ms is not None and not 32 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [32, 10000] ms, got {ms}")
-        if not 0 <= self.fragment_hold_ms <= 10_000:
-            raise ValueError(f"fragment_hold_ms must be in [0, 10000] ms, got {self.fragment_hold_ms}")
+        for name in ("fragment_hold_ms", "continuation_hold_ms"):
+            ms = getattr(self, name)
+            if not 0 <= ms <= 10_000:
+                raise ValueError(f"{name} must be in [0, 10000] ms, got {ms}")
         if not 0 <= self.barge_in_min_speech_ms <= 10_000:
             raise ValueError(
                 f"barge_in_min_speech_ms must be in [0, 10000] ms, got {self.barge_in_min_speech_ms}"
+            )
+        if not self.barge_in_min_speech_ms <= self.barge_in_max_speech_ms <= 10_000:
+            raise ValueError(
+                f"barge_in_max_speech_ms must be in [barge_in_min_speech_ms "
+                f"({self.barge_in_min_speech_ms}), 10000] ms, got {self.barge_in_max_speech_ms}"
             )
         if self.mode == "semantic" and self.semantic_max_ms < self.semantic_min_ms:
             raise ValueError(
@@ -445,6 +498,8 @@ class TurnStatus:
     threshold: float | None = None
     model: str | None = None
     text_check: bool | None = None
+    fragment_hold_ms: int | None = None
+    continuation_hold_ms: int | None = None
     fallback: str | None = None
 
     def to_wire(self) -> dict[str, object]:
@@ -470,8 +525,8 @@ class TurnDecision:
     model_ms: float
     decided_t_s: float  # time.monotonic() when the decision was made
     unfinished_text: bool = False
-    # the words were a fragment and the pause is still shorter than the fragment hold: ask
-    # again once the silence reaches this many samples
+    # the words' hold (a fragment, or words that are not a question) is longer than the pause
+    # so far: ask again once the silence reaches this many samples
     retry_silence_samples: int | None = None
 
 
@@ -489,13 +544,37 @@ class SemanticEndpointer:
         check_ms: int,
         text_check: bool = True,
         fragment_hold_ms: int = 0,
+        continuation_hold_ms: int = 0,
     ):
         self.scorer = scorer
         self.threshold = threshold
         self.text_check = text_check
         self.check_samples = check_ms * SAMPLE_RATE_HZ // 1000
         self.fragment_hold_samples = fragment_hold_ms * SAMPLE_RATE_HZ // 1000
+        self.continuation_hold_samples = continuation_hold_ms * SAMPLE_RATE_HZ // 1000
         self._warned = False
+
+    @classmethod
+    def from_config(cls, scorer: TurnScorer, turn: TurnDetectionConfig) -> SemanticEndpointer:
+        """The endpointer ``turn`` (a semantic-mode config) describes, scoring with ``scorer``."""
+        return cls(
+            scorer,
+            turn.threshold,
+            turn.semantic_min_ms,
+            turn.text_check,
+            turn.fragment_hold_ms,
+            turn.continuation_hold_ms,
+        )
+
+    def hold_samples(self, text: str) -> int:
+        """The silence a "finished" verdict on ``text`` must wait for before it ends the turn: the
+        fragment hold for one or two words, the continuation hold for any other words that are
+        not a question (a question's syntax is closed; a statement can go on after a comma's
+        pause), else none."""
+        hold = self.fragment_hold_samples if is_fragment(text) else 0
+        if not is_question(text):
+            hold = max(hold, self.continuation_hold_samples)
+        return hold
 
     def decide(self, audio: np.ndarray, silence_start_index: int) -> TurnDecision:
         t0 = time.perf_counter()
@@ -512,12 +591,14 @@ class SemanticEndpointer:
 
     def check_words(self, decision: TurnDecision, text: str, silence_samples: int = 0) -> TurnDecision:
         """A "finished" verdict held against the pause's speculative final (``text_check``):
-        words that read as cut off wait for the cap; a fragment ("Add milk.") waits until
-        ``silence_samples`` reaches the fragment hold, and is then asked about again."""
+        words that read as cut off wait for the cap; words that are not a question (and a
+        fragment, "Add milk.", longer) wait until ``silence_samples`` reaches their hold
+        (``hold_samples``), and are then asked about again."""
         unfinished = decision.complete and transcript_unfinished(text)
         retry = None
-        if decision.complete and not unfinished and silence_samples < self.fragment_hold_samples:
-            retry = self.fragment_hold_samples if is_fragment(text) else None
+        if decision.complete and not unfinished:
+            hold = self.hold_samples(text)
+            retry = hold if silence_samples < hold else None
         return dataclasses.replace(
             decision,
             complete=decision.complete and not unfinished and retry is None,

@@ -9,7 +9,9 @@ runs on the silence timer and says so in its description (what ``session.created
 The decision rule is also checked on the audio clock (the transcriber fed 20 ms at a time, every
 decode awaited), where the outcome does not depend on the machine's load: a two-word fragment
 held through a pause by the fragment hold (and cut without it), a complete request ended at the
-model's first check, a two-word one after the hold.
+model's first check, a two-word one after the hold, a list held through its comma pauses by
+the continuation hold; and speech over a reply measured as the ASR stage measures it, where a
+two-part backchannel runs past the barge-in length but its words keep it from cutting the reply.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import pytest
 from edge_rtgi import frames as F
 from edge_rtgi.asr.events import FinalTranscript, SpeechEnded
 from edge_rtgi.asr.streaming import StreamingTranscriber
-from edge_rtgi.asr.turn import SemanticEndpointer, TurnDetectionConfig, transcript_unfinished
+from edge_rtgi.asr.turn import (
+    SemanticEndpointer,
+    TalkoverMeter,
+    TurnDetectionConfig,
+    talkover_cuts,
+    transcript_unfinished,
+)
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
 from edge_rtgi.pipeline.config import parse_pipeline
@@ -123,7 +131,9 @@ def _finals(events):
 
 async def test_a_complete_question_ends_on_the_models_verdict(voice, resources):
     session = await Session.open({"t": _pipeline()}, resources)
-    assert session.describe()["turn_detection_status"]["mode"] == "semantic"
+    status = session.describe()["turn_detection_status"]
+    holds = (status["fragment_hold_ms"], status["continuation_hold_ms"])
+    assert (status["mode"], holds) == ("semantic", (600, 400))
     events = await _play(session, _say(voice, "What is the weather like in Paris today?"))
     finals = _finals(events)
     assert len(finals) == 1 and "paris" in finals[0].text.lower()
@@ -196,9 +206,7 @@ def _audio_clock(
     vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
     model = resources.turn_model("smart-turn-v3.2").model
     assert model is not None
-    endpointer = SemanticEndpointer(
-        model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
-    )
+    endpointer = SemanticEndpointer.from_config(model, turn)
     cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
     tr = StreamingTranscriber(resources.whisper(cfg), cfg, SileroVad(vad_cfg), endpointer)
     z = np.zeros
@@ -224,7 +232,8 @@ def test_a_fragment_is_held_through_a_pause_that_the_model_alone_ends(voice, res
     audio, _ = _pieces(voice, "Add milk,", "eggs and two lemons to my shopping list.", pause_s=0.5)
     finals, _ = _audio_clock(SEMANTIC, resources, audio)
     assert len(finals) == 1 and "lemons" in finals[0].lower(), finals
-    cut, ended = _audio_clock(dataclasses.replace(SEMANTIC, fragment_hold_ms=0), resources, audio)
+    no_holds = dataclasses.replace(SEMANTIC, fragment_hold_ms=0, continuation_hold_ms=0)
+    cut, ended = _audio_clock(no_holds, resources, audio)
     assert len(cut) == 2 and ended[0].reason == "semantic", cut
 
 
@@ -238,3 +247,73 @@ def test_a_complete_request_ends_at_the_first_check_and_a_short_one_after_the_ho
     # a two-word turn waits for the 600 ms hold, then ends on the model's verdict, not the cap
     assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
     assert 600 <= silence_ms < CAP_MS, silence_ms
+
+
+def test_a_list_is_held_through_its_comma_pauses_and_a_command_ends_after_the_hold(voice, resources):
+    """Piper pauses at each comma of a list and ends "Remind me about the dentist," with a fall
+    the model calls finished; whisper decodes it as a whole command. The continuation hold keeps
+    the turn open through those pauses (without it the turn is cut at the first one), and a whole
+    command then ends on the model's verdict after the hold, not at the cap."""
+    audio = _say(voice, "Remind me about the dentist, the bank, and the post office.")
+    finals, _ = _audio_clock(SEMANTIC, resources, audio)
+    assert len(finals) == 1 and "office" in finals[0].lower(), finals
+    cut, ended = _audio_clock(dataclasses.replace(SEMANTIC, continuation_hold_ms=0), resources, audio)
+    assert len(cut) >= 2 and ended[0].reason == "semantic", cut
+    finals, ended = _audio_clock(SEMANTIC, resources, _say(voice, "Find me a recipe for pancakes."))
+    silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
+    assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
+    assert 400 <= silence_ms < CAP_MS, silence_ms
+
+
+def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:
+    """``audio`` as speech over a reply, measured as the ASR stage measures it on every chunk (the
+    speech so far, the words heard so far, a decode on its way): the speech length at which it
+    would cut the reply before its final (None: never), and the longest length it reached."""
+    turn = SEMANTIC
+    asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
+    vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
+    model = resources.turn_model("smart-turn-v3.2").model
+    assert model is not None
+    cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
+    tr = StreamingTranscriber(
+        resources.whisper(cfg), cfg, SileroVad(vad_cfg), SemanticEndpointer.from_config(model, turn)
+    )
+    x = np.concatenate([np.zeros(4800, np.float32), audio, np.zeros(32000, np.float32)])
+    meter, longest, cut_ms = None, 0, None
+    try:
+        for i in range(0, len(x), 320):
+            tr.insert_audio(x[i : i + 320])
+            total = i + len(x[i : i + 320])
+            if not tr.vad.in_speech:
+                meter = None
+            elif meter is None:
+                meter = TalkoverMeter(total)
+            else:
+                heard_ms = meter.heard_samples(total, tr.vad.silence_start_index) // 16
+                longest = max(longest, heard_ms)
+                cuts = talkover_cuts(
+                    heard_ms,
+                    tr.heard_text,
+                    tr.decode_pending,
+                    turn.barge_in_min_speech_ms,
+                    turn.barge_in_max_speech_ms,
+                )
+                if cut_ms is None and cuts:
+                    cut_ms = heard_ms
+            tr.process_iter()
+    finally:
+        tr.close()
+    return cut_ms, longest
+
+
+def test_a_two_part_backchannel_over_a_reply_is_kept_by_its_words(voice, resources):
+    """Piper's "Yes, yes." runs past the 700 ms barge-in length from its first word to its
+    last, but its speech, less the comma's pause, does not; and the speculative decode at that
+    pause reads "Yes.", so it would not cut the reply either way (its final then marks it a
+    backchannel). Speech that is not a backchannel still cuts it."""
+    audio = _say(voice, "Yes, yes.")
+    assert len(audio) / 16 >= SEMANTIC.barge_in_min_speech_ms  # its span alone would have cut it
+    cut_ms, longest = _talkover_cut_ms(resources, audio)
+    assert cut_ms is None and longest < SEMANTIC.barge_in_min_speech_ms, (cut_ms, longest)
+    cut_ms, _ = _talkover_cut_ms(resources, _say(voice, "No, I meant the one on Friday morning, not today."))
+    assert cut_ms is not None and cut_ms < SEMANTIC.barge_in_max_speech_ms, cut_ms

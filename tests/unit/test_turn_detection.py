@@ -10,9 +10,12 @@ import pytest
 
 from edge_rtgi.asr.turn import (
     SemanticEndpointer,
+    TalkoverMeter,
     TurnDetectionConfig,
     is_backchannel,
     is_fragment,
+    is_question,
+    talkover_cuts,
     talkover_speech_samples,
     transcript_unfinished,
     turn_features,
@@ -272,3 +275,93 @@ def test_talkover_counts_speech_not_the_pause_after_it():
     assert talkover_speech_samples(start, pause + 11200, silence_start=pause) == 6400
     assert talkover_speech_samples(start, start + 12000, silence_start=None) == 12000  # still talking
     assert talkover_speech_samples(start, start + 100, silence_start=start - 50) == 0
+
+
+def test_words_that_are_not_a_question_wait_for_the_continuation_hold():
+    # "Remind me about the dentist, | the bank, ...": whisper writes the first item as a whole
+    # command and the model calls the comma's pause finished (0.98 at 100 ms on Piper's render)
+    audio = np.zeros(16000, np.float32)
+    ep = SemanticEndpointer(_Scorer(0.9), 0.5, 100, fragment_hold_ms=600, continuation_hold_ms=400)
+    early = ep.check_words(ep.decide(audio, 0), "Remind me about the dentist.", silence_samples=1600)
+    assert (early.complete, early.retry_silence_samples, early.unfinished_text) == (False, 6400, False)
+    later = ep.check_words(ep.decide(audio, 0), "Remind me about the dentist.", silence_samples=6400)
+    assert (later.complete, later.retry_silence_samples) == (True, None)
+    # a question ends at the first check; a fragment waits for the longer of the two holds
+    assert ep.check_words(ep.decide(audio, 0), "What is the capital of Australia?", 1600).complete
+    assert ep.check_words(ep.decide(audio, 0), "Add milk.", 1600).retry_silence_samples == 9600
+    assert ep.check_words(ep.decide(audio, 0), "Add milk.", 6400).retry_silence_samples == 9600
+    assert ep.check_words(ep.decide(audio, 0), "Can you?", 1600).retry_silence_samples == 9600
+    # unfinished words still wait for the cap, not a hold; an "unfinished" verdict is not held
+    held = ep.check_words(ep.decide(audio, 0), "Add milk and", 1600)
+    assert (held.complete, held.retry_silence_samples) == (False, None)
+    waiting = SemanticEndpointer(_Scorer(0.1), 0.5, 100, continuation_hold_ms=400).decide(audio, 0)
+    assert ep.check_words(waiting, "Play some music.", 1600).retry_silence_samples is None
+    # the hold off: the model's verdict on the statement stands at the first check
+    off = SemanticEndpointer(_Scorer(0.9), 0.5, 100, fragment_hold_ms=600, continuation_hold_ms=0)
+    assert off.check_words(off.decide(audio, 0), "Remind me about the dentist.", 1600).complete
+
+
+@pytest.mark.parametrize(
+    ("text", "question"),
+    [("How far away is the moon?", True), ("Can you? ", True), ("Play some music.", False), ("", False)],
+)
+def test_questions_end_in_a_question_mark(text, question):
+    assert is_question(text) is question
+
+
+def test_the_continuation_hold_comes_from_the_config():
+    p = parse_pipeline(_asr_pipeline("{mode: semantic, continuation_hold_ms: 350}"), "t.yaml")
+    turn = p.stages[0].turn_detection
+    assert turn.continuation_hold_ms == 350
+    assert TurnDetectionConfig().continuation_hold_ms == 400
+    ep = SemanticEndpointer.from_config(_Scorer(0.9), turn)
+    assert (ep.continuation_hold_samples, ep.fragment_hold_samples, ep.check_samples) == (5600, 9600, 2400)
+    with pytest.raises(ConfigError, match="continuation_hold_ms"):
+        parse_pipeline(_asr_pipeline("{mode: semantic, continuation_hold_ms: -5}"), "t.yaml")
+
+
+@pytest.mark.parametrize(
+    ("heard_ms", "text", "pending", "cuts"),
+    [
+        (400, "", False, False),  # shorter than any barge-in
+        (400, "Stop the music", False, False),  # its final will cut it, not its length
+        (700, "", False, True),  # long, no words yet: length alone, as before
+        (700, "No, I meant", False, True),
+        (700, "Yes.", False, False),  # "Yes, | yes.": a backchannel's words so far
+        (1200, "Right, right.", False, False),
+        (700, "", True, False),  # the decode of a pause inside it is on its way
+        (700, "Okay", True, False),
+        (1500, "Yes, yes, yes.", False, True),  # past any backchannel's length
+        (1500, "", True, True),
+    ],
+)
+def test_talkover_cuts_at_its_length_unless_its_words_are_a_backchannel(heard_ms, text, pending, cuts):
+    assert talkover_cuts(heard_ms, text, pending, 700, 1500) is cuts
+
+
+def test_barge_in_max_speech_is_checked_against_the_min():
+    assert TurnDetectionConfig().barge_in_max_speech_ms == 1500
+    with pytest.raises(ValueError, match="barge_in_max_speech_ms"):
+        TurnDetectionConfig(barge_in_min_speech_ms=800, barge_in_max_speech_ms=600)
+    with pytest.raises(ConfigError, match="barge_in_max_speech_ms"):
+        parse_pipeline(_asr_pipeline("{mode: semantic, barge_in_max_speech_ms: 20000}"), "t.yaml")
+
+
+def test_the_talkover_meter_counts_speech_not_the_pauses_inside_it():
+    # "Yes, | yes." over a reply: 0.35 s, a 0.3 s comma pause, 0.35 s: 1.0 s from the first word
+    # to the last, 0.7 s of speech; the VAD reports the pause from its first silent sample
+    start = 16000
+    m = TalkoverMeter(start)
+    assert m.heard_samples(start + 4800, None) == 4800
+    pause = start + 5600
+    assert m.heard_samples(pause + 1600, pause) == 5600  # the pause in progress is not speech
+    assert m.heard_samples(pause + 4800, pause) == 5600
+    # speech resumed: the pause ends where the VAD first reports speech again (the chunk it was
+    # found in counts as pause, a chunk's under-count)
+    assert m.heard_samples(pause + 4800 + 320, None) == 5600
+    assert m.heard_samples(pause + 4800 + 5600, None) == 5600 + 5600 - 320
+    assert m.heard_samples(pause + 4800 + 5600 + 3200, pause + 4800 + 5600) == 5600 + 5600 - 320
+    # no pause: the whole span, as before
+    assert TalkoverMeter(0).heard_samples(12000, None) == 12000
+    # a silence that began before the talkover (the VAD's index after a forced split) is not a pause in it
+    assert TalkoverMeter(start).heard_samples(start + 3200, start - 800) == 0

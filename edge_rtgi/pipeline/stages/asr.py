@@ -14,8 +14,9 @@ the turn. The model comes from the shared resources; when it cannot be loaded th
 on the silence timer alone and says so in ``turn_status`` (sent in ``session.created``).
 
 Barge-in in semantic mode: speech that starts over a reply does not cut it at once. It cuts it
-once it has lasted ``barge_in_min_speech_ms``, or when its final turns out to be more than a
-backchannel ("mm-hm", "yes"); a backchannel's final is shown to the client but is not a turn.
+once it has lasted ``barge_in_min_speech_ms`` (unless the words heard so far are a backchannel's:
+then at ``barge_in_max_speech_ms``), or when its final turns out to be more than a backchannel
+("mm-hm", "yes"); a backchannel's final is shown to the client but is not a turn.
 
 Latency marks: the stage remembers when each input chunk arrived, so the positions in the
 audio stream that the transcriber reports (speech end, endpoint) map back to wall-clock
@@ -40,11 +41,12 @@ from edge_rtgi.asr.events import AsrEvent, FinalTranscript, PartialTranscript, S
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
 from edge_rtgi.asr.turn import (
     SemanticEndpointer,
+    TalkoverMeter,
     TurnDetectionConfig,
     TurnModelLoad,
     TurnStatus,
     is_backchannel,
-    talkover_speech_samples,
+    talkover_cuts,
 )
 from edge_rtgi.asr.vad import SileroVad
 from edge_rtgi.asr.whisper import Transcriber
@@ -105,7 +107,7 @@ class AsrStage(Stage[AsrInput]):
         # semantic barge-in: the turn that started over a reply and has not cut it yet, and
         # (worker side) where its speech began
         self._talkover_turn: int | None = None
-        self._talkover_start: int | None = None
+        self._talkover: TalkoverMeter | None = None
         self.ctx: AsrContext = ctx
         self.config = config
         self.whisper = whisper
@@ -140,7 +142,7 @@ class AsrStage(Stage[AsrInput]):
         self._turn_cfg, self._endpointer, self.turn_status = turn, endpointer, status
         self.clock = _ArrivalClock()
         self._in_speech = False
-        self._talkover_start = None
+        self._talkover = None
 
     def _effective_turn(self) -> TurnDetectionConfig:
         try:
@@ -163,9 +165,7 @@ class AsrStage(Stage[AsrInput]):
         if load.model is None:
             fallback = TurnStatus("silence", "semantic", vad_min_silence_ms, fallback=load.error)
             return fallback, None
-        endpointer = SemanticEndpointer(
-            load.model, turn.threshold, turn.semantic_min_ms, turn.text_check, turn.fragment_hold_ms
-        )
+        endpointer = SemanticEndpointer.from_config(load.model, turn)
         status = TurnStatus(
             "semantic",
             "semantic",
@@ -174,6 +174,8 @@ class AsrStage(Stage[AsrInput]):
             threshold=turn.threshold,
             model=turn.model,
             text_check=turn.text_check,
+            fragment_hold_ms=turn.fragment_hold_ms if turn.text_check else None,
+            continuation_hold_ms=turn.continuation_hold_ms if turn.text_check else None,
         )
         return status, endpointer
 
@@ -360,15 +362,21 @@ class AsrStage(Stage[AsrInput]):
             if tr.vad.in_speech and not self._in_speech:
                 audio_ms = int(tr.audio_s * 1000)
                 loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s())
-                self._talkover_start = total
+                self._talkover = TalkoverMeter(total)
             elif not tr.vad.in_speech:
-                self._talkover_start = None
-            elif self._talkover_start is not None and self._endpointer is not None:
-                long_ms = self._turn_cfg.barge_in_min_speech_ms
-                heard = talkover_speech_samples(self._talkover_start, total, tr.vad.silence_start_index)
-                if heard >= long_ms * SAMPLE_RATE_HZ // 1000:
+                self._talkover = None
+            elif self._talkover is not None and self._endpointer is not None:
+                turn_cfg = self._turn_cfg
+                heard = self._talkover.heard_samples(total, tr.vad.silence_start_index)
+                if talkover_cuts(
+                    heard * 1000 // SAMPLE_RATE_HZ,
+                    tr.heard_text,
+                    tr.decode_pending,
+                    turn_cfg.barge_in_min_speech_ms,
+                    turn_cfg.barge_in_max_speech_ms,
+                ):
                     # once per utterance; the loop ignores it unless the speech is over a reply
-                    self._talkover_start = None
+                    self._talkover = None
                     loop.call_soon_threadsafe(self._talkover_long, F.now_s())
             self._in_speech = tr.vad.in_speech
             if tr.split_due:  # after a stall: cut long speech before the ring forgets where it began
