@@ -26,11 +26,14 @@ full-KV engine, every figure measured in the same run.
   retention per distance with its paired-bootstrap
   interval (``bench.task_eval.task_retention``), and each configuration's KV held relative to
   the full bf16 cache (tokens, bytes, a pool's whole blocks) and mean bytes per session.
-- **Endless session**: --turns voice-like turns through the engine, each a new request whose
-  prompt is the whole history plus a 24-token utterance, 12 greedy tokens of reply; per turn the
-  KV blocks in use, the tokens actually prefilled (prefix hits on the sink and window blocks
-  cover the rest), the process RSS and the mean inter-token latency. The full-KV engine runs the
-  same turns until its context window is full.
+- **Endless session** (--turns, --reply-tokens): one voice session through one engine, each turn
+  a new request whose prompt is the whole conversation in the chat template (system prompt, the
+  dialogue set's user turns in order, the replies) plus the next utterance, --reply-tokens greedy
+  tokens of reply; the full cache until its context window is full, and sinks + window (a fixed
+  KV budget of --sinks + --window tokens) for every turn. Per turn: KV blocks in use, tokens held,
+  RSS now, prefill ms, TTFT, decode ms/token, wall ITL, load; --session-plot draws them against
+  the turn. A 2,000-turn session holds the lock for long: --session-lock PATH takes it for
+  --session-lock-turns turns at a time, so each turn's timing is taken under it.
 
 Run under the shared lock, and write down ``uptime`` beside the figures:
 
@@ -40,10 +43,10 @@ Run under the shared lock, and write down ``uptime`` beside the figures:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
-import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -173,53 +176,304 @@ def long_text(
     }
 
 
-def endless_session(
-    loaded: Any, text: list[int], window: KVWindow | None, turns: int, num_blocks: int
-) -> list[dict[str, float]]:
-    """Per turn: KV blocks in use, prefilled tokens, RSS (MiB), mean inter-token latency (ms)."""
-    engine = engine_for(loaded, window, num_blocks)
-    history: list[int] = []
-    points = []
-    for turn in range(turns):
-        utterance = text[(turn * 24) % (len(text) - 24) :][:24]
-        prompt = history + utterance
-        if len(prompt) + 12 >= engine.max_model_len:
-            break  # the full-KV engine: its context window is full
-        result, most = run_one(engine, prompt, 12)
-        usage = result.usage
-        assert usage is not None
-        gaps = [b - a for a, b in zip(usage.token_times_ms, usage.token_times_ms[1:], strict=False)]
-        points.append(
-            {
-                "turn": turn,
-                "context_tokens": len(prompt),
-                "prefilled_tokens": usage.prompt_tokens - usage.cached_tokens,
-                "kv_blocks_peak": most,
-                "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "itl_ms": statistics.fmean(gaps),
-                "ttft_ms": usage.ttft_ms or 0.0,
-            }
-        )
-        history = prompt + result.token_ids
-    return points
+SESSION_SYSTEM_PROMPT = "You are a voice assistant. Answer in one short sentence."
+SESSION_COLUMNS = (
+    "turn",
+    "context_tokens",  # the turn's prompt: system prompt, every earlier turn, this utterance
+    "prefilled_tokens",  # what prefix hits left to compute
+    "kv_blocks_used",  # most pool blocks in use during the turn (this session is alone)
+    "kv_tokens_held",  # most tokens whose KV the request held at once (released blocks excluded)
+    "rss_mib",  # the process's resident set after the turn (VmRSS, not the peak)
+    "prefill_ms",  # forward pass(es) up to the first token
+    "ttft_ms",  # submit to first token: prefill plus the per-turn bookkeeping (hashing the history...)
+    "decode_ms_per_token",  # decode forward passes, mean per token
+    "itl_ms",  # wall time between the reply's tokens, mean
+    "turn_ms",  # wall time of the whole turn
+    "load_1m",
+    "locked",  # 1 when the turn ran while this process held --session-lock
+)
 
 
-def summarise_session(points: list[dict[str, float]]) -> dict[str, Any]:
-    if not points:
-        return {}
-    tenth = max(1, len(points) // 10)
-    first, last = points[:tenth], points[-tenth:]
+def session_utterances(tokenizer: Any) -> list[list[int]]:
+    """A voice session's turns, as the chat template renders each one: the user turns of the
+    dialogue task set (questions and facts one says to an assistant), in order, each followed
+    by the assistant header the reply is generated after."""
+    from edge_rtgi.bench.tasks import DialogueItem, load_task_set
+
+    items = [item for item in load_task_set("dialogue").items if isinstance(item, DialogueItem)]
+    said = dict.fromkeys(m.content for item in items for m in item.messages if m.role == "user")
+    system = [{"role": "system", "content": SESSION_SYSTEM_PROMPT}]
+    head = tokenizer.encode_chat(system, add_generation_prompt=False)
+    out = []
+    for text in said:
+        ids = tokenizer.encode_chat([*system, {"role": "user", "content": text}], add_generation_prompt=True)
+        if ids[: len(head)] != head:
+            raise SystemExit("the chat template does not render a turn as a suffix of the system prompt")
+        out.append(ids[len(head) :])
+    return out
+
+
+def rss_mib() -> float:
+    """The process's resident set now (not ``ru_maxrss``, the peak, which can only grow)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def session_turn(
+    engine: LLMEngine, prompt: list[int], reply_tokens: int, rid: str
+) -> tuple[dict[str, float], list[int]]:
+    """One turn through the engine, stepped here: what ``SESSION_COLUMNS`` records of it, and the reply."""
+    result = GenerationResult()
+    start = time.perf_counter()
+    engine.submit(
+        prompt, SamplingParams(max_tokens=reply_tokens, ignore_eos=True), result.add, request_id=rid
+    )
+    blocks = held = 0
+    prefill_s = decode_s = 0.0
+    decode_steps = 0
+    while True:
+        run_before = engine.stats().run_s
+        prefilling = not result.token_ids
+        req = engine.scheduler.requests.get(rid)
+        if not engine.step():
+            break
+        ran = engine.stats().run_s - run_before
+        if prefilling:
+            prefill_s += ran
+        else:
+            decode_s += ran
+            decode_steps += 1
+        blocks = max(blocks, engine.kv.pool.num_used_blocks)
+        if req is not None and not req.is_finished:
+            released = sum(b < 0 for b in engine.kv.block_ids(rid)[0])
+            held = max(held, req.num_kv_tokens - released * engine.kv.block_size)
+    turn_ms = (time.perf_counter() - start) * 1e3
+    if result.error or result.usage is None:
+        raise RuntimeError(f"turn {rid}: {result.error}")
+    usage = result.usage
+    times = usage.token_times_ms
     return {
-        "turns": len(points),
-        "context_tokens_at_end": points[-1]["context_tokens"],
-        "kv_blocks_peak_first_10pct": max(p["kv_blocks_peak"] for p in first),
-        "kv_blocks_peak_last_10pct": max(p["kv_blocks_peak"] for p in last),
-        "itl_ms_median_first_10pct": statistics.median(p["itl_ms"] for p in first),
-        "itl_ms_median_last_10pct": statistics.median(p["itl_ms"] for p in last),
-        "ttft_ms_median_first_10pct": statistics.median(p["ttft_ms"] for p in first),
-        "ttft_ms_median_last_10pct": statistics.median(p["ttft_ms"] for p in last),
-        "prefilled_tokens_median_last_10pct": statistics.median(p["prefilled_tokens"] for p in last),
+        "context_tokens": len(prompt),
+        "prefilled_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "kv_blocks_used": blocks,
+        "kv_tokens_held": held,
+        "prefill_ms": prefill_s * 1e3,
+        "ttft_ms": usage.ttft_ms or 0.0,
+        "decode_ms_per_token": decode_s * 1e3 / max(1, decode_steps),
+        "itl_ms": (times[-1] - times[0]) / max(1, len(times) - 1),
+        "turn_ms": turn_ms,
+    }, result.token_ids
+
+
+class SessionLock:
+    """Holds ``path`` (flock, as ``flock /tmp/bench.lock``) for ``turns`` turns at a time and
+    lets go between, so a long session never keeps other benchmarks off the lock for long."""
+
+    def __init__(self, path: Path | None, turns: int):
+        self.path, self.turns, self.fd = path, turns, -1
+
+    def before(self, turn: int) -> bool:
+        if self.path is None:
+            return False
+        if turn % self.turns == 0:
+            self.release()
+            import fcntl
+
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return True
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing drops the flock
+            self.fd = -1
+
+
+def session_end_of_turn(tok: Any) -> list[int]:
+    """The tokens the chat template puts after a reply ("<|im_end|>\\n" for SmolLM2)."""
+    ids = tok.encode_chat(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], add_generation_prompt=False
+    )
+    return list(ids[ids.index(tok.encode("y")[0]) + 1 :])
+
+
+def session_depth_probe(
+    loaded: Any, window: KVWindow, depths: list[int], rounds: int, reply_tokens: int
+) -> dict[str, Any]:
+    """Sessions at different depths in one engine, their turns interleaved so that load hits
+    them alike: the same-run baseline for "latency does not grow with the turn count". Each
+    session starts from a history of ``depth`` turns (the dialogue set's utterances, each
+    answered by a fixed ``reply_tokens``-token reply) and then runs ``rounds`` real turns,
+    round-robin; the first round (the deep sessions' long first prefill) is not counted.
+    Per depth: medians of decode ms/token, prefill ms and TTFT, and their ratio to the first."""
+    tok = loaded.tokenizer
+    utterances, end_of_turn = session_utterances(tok), session_end_of_turn(tok)
+    filler = tok.encode(" Noted, I will keep that in mind for you.")[:reply_tokens]
+    system = tok.encode_chat(
+        [{"role": "system", "content": SESSION_SYSTEM_PROMPT}], add_generation_prompt=False
+    )
+    histories = {}
+    for depth in depths:
+        h = list(system)
+        for turn in range(depth):
+            h += utterances[turn % len(utterances)] + filler + end_of_turn
+        histories[depth] = h
+    engine = engine_for(loaded, window, 640)
+    rows: dict[int, list[dict[str, float]]] = {d: [] for d in depths}
+    for r in range(rounds + 1):
+        for depth in depths:
+            turn = depth + r
+            prompt = histories[depth] + utterances[turn % len(utterances)]
+            point, reply = session_turn(engine, prompt, reply_tokens, f"probe-{depth}-{r}")
+            histories[depth] = prompt + reply + end_of_turn
+            if r:
+                rows[depth].append({**point, "load_1m": os.getloadavg()[0]})
+    del engine
+    gc.collect()
+    out: dict[str, Any] = {"depths": depths, "rounds": rounds, "reply_tokens": reply_tokens}
+    base = str(depths[0])
+    for depth in depths:
+        med = {k: statistics.median(p[k] for p in rows[depth]) for k in rows[depth][0]}
+        out[str(depth)] = {
+            "context_tokens_first": rows[depth][0]["context_tokens"],
+            "kv_blocks_used_max": max(p["kv_blocks_used"] for p in rows[depth]),
+            **{f"{k}_median": round(v, 2) for k, v in med.items()},
+        }
+    for depth in depths:
+        for k in ("decode_ms_per_token", "prefill_ms", "ttft_ms"):
+            ratio = out[str(depth)][f"{k}_median"] / out[base][f"{k}_median"]
+            out[str(depth)][f"{k}_ratio_to_{base}"] = round(ratio, 3)
+    return out
+
+
+def endless_session(
+    loaded: Any,
+    window: KVWindow | None,
+    turns: int,
+    num_blocks: int,
+    reply_tokens: int,
+    lock: SessionLock,
+) -> dict[str, list[float]]:
+    """A voice session of ``turns`` turns in one engine, each a new request whose prompt is the
+    whole conversation so far (system prompt, every user turn and reply, in the chat template)
+    plus the next utterance; ``reply_tokens`` greedy tokens of reply, which join the history with
+    the template's end of turn. The full cache (``window`` None) stops when the next turn would
+    not fit its context window. Returns ``SESSION_COLUMNS``, one value per turn."""
+    engine = engine_for(loaded, window, num_blocks)
+    tok = loaded.tokenizer
+    utterances = session_utterances(tok)
+    end_of_turn = session_end_of_turn(tok)
+    history = tok.encode_chat(
+        [{"role": "system", "content": SESSION_SYSTEM_PROMPT}], add_generation_prompt=False
+    )
+    columns: dict[str, list[float]] = {name: [] for name in SESSION_COLUMNS}
+    try:
+        for turn in range(turns):
+            prompt = history + utterances[turn % len(utterances)]
+            if len(prompt) + reply_tokens >= engine.max_model_len:
+                break  # the full cache: its context window is full
+            locked = lock.before(turn)
+            point, reply = session_turn(engine, prompt, reply_tokens, f"turn-{turn}")
+            point.update(turn=turn, rss_mib=rss_mib(), load_1m=os.getloadavg()[0], locked=int(locked))
+            for name in SESSION_COLUMNS:
+                columns[name].append(round(point[name], 2))
+            history = prompt + reply + end_of_turn
+            if turn % 100 == 0:
+                print(f"  turn {turn}: {point}", flush=True)
+    finally:
+        lock.release()
+        del engine
+        gc.collect()  # the next configuration's RSS must not include this engine's pool
+    return columns
+
+
+def summarise_session(columns: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians over the first and the last 100 turns (or tenth, if shorter), the least-squares
+    slope of decode ms/token and RSS per 1,000 turns past the first 100, and the peaks."""
+    n = len(columns["turn"])
+    if not n:
+        return {}
+    k = min(100, max(1, n // 10))
+
+    def med(name: str, part: slice) -> float:
+        return round(statistics.median(columns[name][part]), 2)
+
+    def slope_per_1000(name: str) -> float | None:
+        xs, ys = columns["turn"][k:], columns[name][k:]
+        return round(statistics.linear_regression(xs, ys).slope * 1000, 3) if len(xs) > 2 else None
+
+    first, last = slice(0, k), slice(n - k, n)
+    out: dict[str, Any] = {
+        "turns": n,
+        "stretch_turns": k,
+        "context_tokens_at_end": columns["context_tokens"][-1],
     }
+    for name in ("decode_ms_per_token", "itl_ms", "prefill_ms", "ttft_ms", "prefilled_tokens", "turn_ms"):
+        out[f"{name}_median_first"] = med(name, first)
+        out[f"{name}_median_last"] = med(name, last)
+    out["decode_ms_per_token_slope_per_1000_turns"] = slope_per_1000("decode_ms_per_token")
+    out["ttft_ms_slope_per_1000_turns"] = slope_per_1000("ttft_ms")
+    out["rss_mib_slope_per_1000_turns"] = slope_per_1000("rss_mib")
+    for name in ("kv_blocks_used", "kv_tokens_held", "rss_mib"):
+        out[f"{name}_max_first"] = max(columns[name][first])
+        out[f"{name}_max_last"] = max(columns[name][last])
+        out[f"{name}_max"] = max(columns[name])
+    out["rss_mib_first"], out["rss_mib_last"] = columns["rss_mib"][0], columns["rss_mib"][-1]
+    out["turns_locked"] = int(sum(columns["locked"]))
+    out["load_1m_range"] = [min(columns["load_1m"]), max(columns["load_1m"])]
+    return out
+
+
+def session_title(out: dict[str, Any]) -> str:
+    """The session plot's title: model, reply length, window, date and the load over the turns."""
+    runs = [v for v in out["session"].values() if isinstance(v, dict) and "columns" in v]
+    loads = [x for run in runs for x in run["columns"]["load_1m"]]
+    return (
+        f"{out['model']}: one voice session, whole history each turn, "
+        f"{out['session']['reply_tokens']}-token replies\n"
+        f"sinks_window = kv_window {out['window']['sink_tokens']} sinks + {out['window']['window_tokens']}; "
+        f"{out['date']}, 1-min load {min(loads):.1f}-{max(loads):.1f}"
+    )
+
+
+def plot_session(session: dict[str, Any], path: Path, title: str) -> None:
+    """KV blocks in use, RSS, decode ms/token and prefill ms against the turn, one line per
+    configuration (decode and prefill: a rolling median over 25 turns, the turns as dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("kv_blocks_used", "KV blocks in use (16 tokens each)", False),
+        ("rss_mib", "process RSS (MiB)", False),
+        ("decode_ms_per_token", "decode ms per token", True),
+        ("prefill_ms", "prefill ms (new tokens only)", True),
+        ("load_1m", "1-min load average (2 cores)", False),
+    )
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 13), sharex=True)
+    for ax, (name, label, rolling) in zip(axes, panels, strict=True):
+        for config, run in session.items():
+            cols = run["columns"]
+            xs, ys = cols["turn"], cols[name]
+            if rolling:
+                (line,) = ax.plot([], [], label=config)
+                ax.scatter(xs, ys, s=1, alpha=0.25, color=line.get_color())
+                smooth = [statistics.median(ys[max(0, i - 12) : i + 13]) for i in range(len(ys))]
+                ax.plot(xs, smooth, color=line.get_color())
+            else:
+                ax.plot(xs, ys, label=config)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if rolling:  # a few slow outliers under load would flatten the lines
+            values = sorted(v for run in session.values() for v in run["columns"][name])
+            ax.set_ylim(0, values[int(len(values) * 0.99) - 1] * 1.2 if values else None)
+    axes[0].legend(loc="upper left")
+    axes[-1].set_xlabel("turn")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 RECALL_CONFIGS = (
@@ -468,7 +722,20 @@ def main() -> int:
         default=0,
         help="kv_eviction.contrast_tokens of the recall rows with eviction (0: raw attention mass)",
     )
-    ap.add_argument("--turns", type=int, default=200)
+    ap.add_argument("--turns", type=int, default=200, help="endless session: turns")
+    ap.add_argument("--reply-tokens", type=int, default=8, help="endless session: greedy tokens per reply")
+    ap.add_argument("--session-plot", type=Path, help="endless session: write its plot (PNG) here")
+    ap.add_argument(
+        "--session-lock", type=Path, help="endless session: hold this flock (/tmp/bench.lock) while timing"
+    )
+    ap.add_argument("--session-lock-turns", type=int, default=250, help="turns per hold of --session-lock")
+    ap.add_argument(
+        "--probe-rounds", type=int, default=0, help="endless session: interleaved turns per depth; 0: skip"
+    )
+    ap.add_argument(
+        "--plot-from", type=Path, help="endless session: draw --session-plot from this JSON and stop"
+    )
+    ap.add_argument("--probe-depths", default="50,1900", help="endless session: the probe's starting turns")
     ap.add_argument("--recall-items", type=int, default=0, help="dialogue items; 0: skip")
     ap.add_argument(
         "--recall-configs",
@@ -483,6 +750,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    if args.plot_from and args.session_plot:
+        saved = json.loads(args.plot_from.read_text())
+        runs = {k: v for k, v in saved["session"].items() if isinstance(v, dict) and "columns" in v}
+        plot_session(runs, args.session_plot, session_title(saved))
+        return 0
     torch.set_num_threads(2)
     load = [os.getloadavg()[0]]
     loaded = load_prepared(resolve_model(MODEL, role="llm"), "cpu", "auto", "auto").loaded
@@ -556,13 +828,27 @@ def main() -> int:
                     flush=True,
                 )
         load.append(os.getloadavg()[0])
-    if "session" not in skip:
-        out["session"] = {}
-        for name in ("full", "sinks_window"):
-            points = endless_session(loaded, text, configs[name], args.turns, num_blocks=640)
-            out["session"][name] = {"summary": summarise_session(points), "points": points}
+    if "session" not in skip or args.probe_rounds:
+        session_configs = () if "session" in skip else ("full", "sinks_window")
+        out["session"] = {"reply_tokens": args.reply_tokens, "system_prompt": SESSION_SYSTEM_PROMPT}
+        lock = SessionLock(args.session_lock, args.session_lock_turns)
+        for name in session_configs:
+            columns = endless_session(loaded, configs[name], args.turns, 640, args.reply_tokens, lock)
+            out["session"][name] = {"summary": summarise_session(columns), "columns": columns}
             print(f"session {name}: {out['session'][name]['summary']}", flush=True)
             load.append(os.getloadavg()[0])
+        if args.probe_rounds:
+            depths = [int(d) for d in args.probe_depths.split(",")]
+            lock.before(0)
+            try:
+                probe = session_depth_probe(loaded, sinks, depths, args.probe_rounds, args.reply_tokens)
+            finally:
+                lock.release()
+            out["session"]["depth_probe"] = probe
+            print(f"session depth probe: {probe}", flush=True)
+        runs = {k: v for k, v in out["session"].items() if isinstance(v, dict) and "columns" in v}
+        if args.session_plot and runs:
+            plot_session(runs, args.session_plot, session_title(out))
     if args.recall_items:
         names = [n for n in args.recall_configs.split(",") if n]
         unknown = sorted(n for n in names if not is_recall_config(n))
@@ -584,7 +870,9 @@ def main() -> int:
     out["load_avg_1m"] = load
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        # a session's per-turn columns, one number a line, would nearly double the file: one line
+        indent = None if "session" in out else 1
+        args.out.write_text(json.dumps(out, indent=indent) + "\n")
     return 0
 
 

@@ -175,6 +175,8 @@ class LLMEngine:
                 min_prefill_chunk_tokens=self.config.min_prefill_chunk_tokens,
                 admission_wait_factor=self.config.admission_wait_factor,
                 slo_waiting_order=self.config.slo_waiting_order,
+                kv_budget_tokens=self.config.kv_budget_tokens,
+                kv_eviction=self.config.kv_eviction,
             ),
             self.kv,
             self.step_model,

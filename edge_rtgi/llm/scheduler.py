@@ -12,9 +12,10 @@ its whole gap this step gets a token sampled. That one rule gives:
   back all its blocks and returns to the waiting queue with ``num_computed_tokens = 0``;
   it is recomputed later (mostly from its own still-cached blocks).
 
-Deadlock freedom: a request whose worst case (prompt + max_tokens) cannot fit in the whole
-pool is rejected in ``add_request``. Otherwise preemption always ends with the oldest
-highest-priority request alone in the pool, where it fits.
+Deadlock freedom: a request whose worst case (prompt + max_tokens, or under importance
+eviction what its KV budget lets it hold at once, ``SchedulerConfig.max_held_tokens``) cannot fit
+in the whole pool is rejected in ``add_request``. Otherwise preemption always ends with the
+oldest highest-priority request alone in the pool, where it fits.
 
 Two policies (``SchedulerConfig.policy``):
 
@@ -42,6 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from edge_rtgi.errors import EngineBusy, RequestError
+from edge_rtgi.llm.kv.eviction import KVEviction
 from edge_rtgi.llm.kv.manager import KVCacheManager
 from edge_rtgi.llm.request import Request, RequestClass, RequestStatus, TokenLogprob
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
@@ -58,7 +60,11 @@ PREFILL_STALL_FACTOR = 2.0
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching limits. ``max_model_len`` is the context window in tokens."""
+    """Batching limits. ``max_model_len`` is the context window in tokens.
+
+    ``kv_budget_tokens`` with ``kv_eviction`` (the engine's importance eviction, set together):
+    admission counts what a request can hold at once under its budget, not its whole length.
+    """
 
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 32
@@ -70,8 +76,14 @@ class SchedulerConfig:
     # many times its TTFT SLO (0: never refuse); voice and translation are never refused
     admission_wait_factor: float = 4.0
     slo_waiting_order: str = "class"
+    kv_budget_tokens: int | None = None
+    kv_eviction: KVEviction | None = None
 
     def __post_init__(self) -> None:
+        if (self.kv_budget_tokens is None) != (self.kv_eviction is None):
+            raise ValueError("kv_budget_tokens and kv_eviction go together: set both or neither")
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens < 1:
+            raise ValueError(f"kv_budget_tokens must be >= 1, got {self.kv_budget_tokens}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, max_model_len >= 2")
         if self.policy not in POLICIES:
@@ -89,6 +101,24 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len})"
             )
+
+    def max_held_tokens(self, num_prompt_tokens: int, num_total_tokens: int) -> int:
+        """Most tokens a request of ``num_prompt_tokens`` that may reach ``num_total_tokens``
+        holds in the KV cache at once.
+
+        Without eviction: all of them. Under a budget, the engine trims a request after every
+        step in which it passed the budget, so between steps it holds at most the budget and
+        during a step one step's tokens more. Scores from every query (h2o) trim during
+        prefill too; observation scores (snapkv, segment) hold the prompt whole until its last
+        queries have scored it, and a recompute after preemption may carry one chunk past the
+        prompt before the first trim (``LLMEngine._evict``).
+        """
+        budget, policy = self.kv_budget_tokens, self.kv_eviction
+        if budget is None or policy is None:
+            return num_total_tokens
+        step = self.max_num_batched_tokens
+        held = budget + step if policy.scores_every_query() else max(budget, num_prompt_tokens) + step
+        return min(num_total_tokens, held)
 
 
 @dataclass(frozen=True)
@@ -252,15 +282,39 @@ class Scheduler:
                 hint="shorten the prompt",
             )
         worst_tokens = min(request.max_total_tokens, cfg.max_model_len)
-        worst_blocks = kv.max_blocks_for(worst_tokens, cfg.max_num_batched_tokens)
-        if worst_blocks > kv.num_blocks:
+        held_tokens = cfg.max_held_tokens(request.num_prompt_tokens, worst_tokens)
+        worst_blocks = kv.max_blocks_for(held_tokens, cfg.max_num_batched_tokens)
+        if worst_blocks <= kv.num_blocks:
+            return
+        pool = f"the pool holds {kv.num_blocks} blocks ({kv.num_blocks * kv.block_size} tokens)"
+        blocks = f"{worst_blocks} blocks of {kv.block_size} over {kv.num_groups} KV group(s)"
+        if held_tokens == worst_tokens:
             raise RequestError(
-                f"request needs up to {worst_tokens} tokens of KV cache ({worst_blocks} blocks of "
-                f"{kv.block_size} over {kv.num_groups} KV group(s)) but the pool holds "
-                f"{kv.num_blocks} blocks "
-                f"({kv.num_blocks * kv.block_size} tokens)",
+                f"request needs up to {worst_tokens} tokens of KV cache ({blocks}) but {pool}",
                 hint="lower max_tokens, shorten the prompt, or give the engine more kv blocks",
             )
+        policy = cfg.kv_eviction
+        assert policy is not None and cfg.kv_budget_tokens is not None  # held < worst only under a budget
+        if policy.scores_every_query() or request.num_prompt_tokens <= cfg.kv_budget_tokens:
+            what = (
+                f"kv_budget_tokens {cfg.kv_budget_tokens} plus one step's "
+                f"{cfg.max_num_batched_tokens} tokens (max_num_batched_tokens)"
+            )
+            hint = "lower kv_budget_tokens or max_num_batched_tokens, or give the engine more kv blocks"
+        else:
+            what = (
+                f"its {request.num_prompt_tokens}-token prompt, held whole until kv_eviction "
+                f"{policy.mode} scores it, plus one step's {cfg.max_num_batched_tokens} tokens"
+            )
+            hint = (
+                "shorten the prompt, use kv_eviction mode h2o (it trims during prefill), "
+                "or give the engine more kv blocks"
+            )
+        raise RequestError(
+            f"request holds up to {held_tokens} tokens of KV cache under eviction ({what}; "
+            f"{blocks}) but {pool}",
+            hint=hint,
+        )
 
     def check_admission(self, request: Request) -> None:
         """Under ``slo``, raise EngineBusy for a dialogue or bulk request that would wait longer

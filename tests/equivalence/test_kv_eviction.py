@@ -319,3 +319,52 @@ def test_int4_kv_under_eviction_holds_the_budget_and_batched_equals_alone(loaded
         assert most_held <= -(-budget // BLOCK)
     evicting = LLMEngine.from_loaded(loaded, EngineConfig(block_size=BLOCK, **settings), start=False)
     assert evicting.storage.__class__.__name__ == "Int4KIVIPagedKVStorage"
+
+
+@pytest.mark.parametrize(("mode", "num_blocks", "held_blocks"), [("h2o", 16, 15), ("snapkv", 24, 22)])
+def test_a_request_longer_than_the_pool_runs_under_its_budget(loaded, mode, num_blocks, held_blocks):
+    """72 + 120 tokens need 48 blocks of 4; under a budget of 44 the request holds at most the
+    budget plus one 16-token chunk (h2o: 15 blocks), or its prompt whole plus a chunk (snapkv:
+    22 blocks), so admission lets it into a pool that small and it gives the reference's tokens."""
+    policy = KVEviction(mode, sink_tokens=4, recent_tokens=8, observation_tokens=8)
+    budget, max_tokens = 44, 120
+    prompt = long_prompt(loaded)
+    assert -(-(len(prompt) + max_tokens) // BLOCK) > num_blocks
+    got, chunks, most_held = run_recorded(
+        loaded, [prompt], max_tokens, num_kv_blocks=num_blocks, kv_budget_tokens=budget, kv_eviction=policy
+    )
+    assert len(got[0]) == max_tokens
+    assert got[0] == reference_tokens(loaded, policy, budget, prompt, chunks[0], max_tokens)
+    assert most_held <= held_blocks
+
+
+def test_a_pool_too_small_for_the_budget_or_the_prompt_is_an_error_naming_sizes(loaded):
+    prompt = long_prompt(loaded)
+    plain = LLMEngine.from_loaded(
+        loaded, EngineConfig(block_size=BLOCK, num_kv_blocks=16, max_num_batched_tokens=CHUNK), start=False
+    )
+    (res,) = plain.generate([prompt], SamplingParams(max_tokens=120, ignore_eos=True))
+    assert res.finish_reason == "error" and "needs up to 191 tokens" in (res.error or "")
+
+    def refused(mode: str, num_blocks: int, budget: int) -> str:
+        cfg = EngineConfig(
+            block_size=BLOCK,
+            num_kv_blocks=num_blocks,
+            max_num_batched_tokens=CHUNK,
+            kv_budget_tokens=budget,
+            kv_eviction=KVEviction(mode, sink_tokens=4, recent_tokens=8),
+        )
+        engine = LLMEngine.from_loaded(loaded, cfg, start=False)
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=120, ignore_eos=True))
+        assert out.finish_reason == "error" and not out.token_ids
+        return out.error or ""
+
+    # snapkv holds the 72-token prompt whole: 88 tokens, 22 blocks, in a pool of 16
+    assert "72-token prompt, held whole until kv_eviction snapkv" in refused("snapkv", 16, 44)
+    # a budget of 60 plus a chunk of 16 is 19 blocks, more than the pool's 16
+    assert "kv_budget_tokens 60 plus one step's 16" in refused("h2o", 16, 60)
+    # the model's positions still bound a request under eviction
+    long = (prompt * 4)[: loaded.model.config.max_position_embeddings]
+    cfg = EngineConfig(block_size=BLOCK, kv_budget_tokens=44, kv_eviction=KVEviction("h2o"))
+    (out,) = LLMEngine.from_loaded(loaded, cfg, start=False).generate([long], SamplingParams(max_tokens=4))
+    assert "context window is 256 tokens" in (out.error or "")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edge_rtgi.config import ConfigError, from_dict
+from edge_rtgi.errors import RequestError
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.kv.eviction import (
     KVEviction,
@@ -270,6 +271,101 @@ def test_preemption_forgets_evictions():
     assert kv.compact(r, [0, 1, 7]) is not None and r.num_evicted_tokens == 5
     s._preempt(r)
     assert r.num_evicted_tokens == 0 and r.num_kv_tokens == 0
+
+
+def evict_like_the_engine(s: Scheduler, policy: KVEviction, budget: int, rng: random.Random) -> int:
+    """``LLMEngine._evict`` with seeded random scores: trim every request over the budget (under
+    observation scores only once its prompt is computed). Returns the most tokens one held."""
+    most = max((r.num_kv_tokens for r in s.running), default=0)
+    for over in s.over_kv_budget(budget):
+        if not policy.scores_every_query() and over.num_computed_tokens < over.num_prompt_tokens:
+            continue
+        scores = [rng.random() for _ in range(over.num_kv_tokens)]
+        keep = select_keep(scores, policy.trim_target(budget, s.kv.block_size), policy)
+        assert s.kv.compact(over, keep) is not None
+    return most
+
+
+def run_under_budget(s: Scheduler, policy: KVEviction, budget: int, seed: int = 0) -> tuple[int, int]:
+    """Run the scheduler to the end; the most blocks in use at once and tokens any request held."""
+    rng, most_blocks, most_tokens = random.Random(seed), 0, 0
+    while s.has_unfinished():
+        out = s.schedule()
+        s.update_from_output(out, fake_run(out))
+        most_blocks = max(most_blocks, s.kv.pool.num_used_blocks)
+        most_tokens = max(most_tokens, evict_like_the_engine(s, policy, budget, rng))
+    return most_blocks, most_tokens
+
+
+def budgeted(num_blocks: int, budget: int, policy: KVEviction | None, step: int = 8) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(step, 4, 256, kv_budget_tokens=budget if policy else None, kv_eviction=policy),
+        KVCacheManager(num_blocks, 4),
+    )
+
+
+H2O = KVEviction("h2o", sink_tokens=2, recent_tokens=4)
+SNAPKV = KVEviction("snapkv", sink_tokens=2, recent_tokens=4, observation_tokens=4)
+
+
+def test_admission_counts_the_budget_not_the_whole_length_under_h2o():
+    """30 + 60 tokens need 23 blocks of 4; h2o under a budget of 12 holds at most 12 + one step's
+    8 tokens (5 blocks), so a pool of 8 blocks runs it to its end."""
+    with pytest.raises(RequestError, match=r"needs up to 89 tokens .*23 blocks of 4.* holds 8 blocks"):
+        budgeted(8, 12, None).add_request(req("a", 30, max_tokens=60))
+    s = budgeted(8, 12, H2O)
+    r = req("a", 30, max_tokens=60)
+    s.add_request(r)
+    most_blocks, most_tokens = run_under_budget(s, H2O, 12)
+    assert r.num_output_tokens == 60 and r.num_evicted_tokens > 0
+    assert most_tokens <= 12 + 8 and most_blocks <= 5
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_observation_scores_hold_the_prompt_whole_so_admission_counts_it():
+    """snapkv keeps a 40-token prompt until its end: 40 + 8 tokens (12 blocks) at most."""
+    s = budgeted(12, 12, SNAPKV)
+    r = req("a", 40, max_tokens=60)
+    s.add_request(r)
+    most_blocks, most_tokens = run_under_budget(s, SNAPKV, 12)
+    assert r.num_output_tokens == 60 and most_tokens == 40 and most_blocks <= 12
+    # one block fewer: refused, naming the prompt held whole and h2o as a way out
+    with pytest.raises(RequestError, match=r"40-token prompt, held whole until kv_eviction snapkv") as err:
+        budgeted(11, 12, SNAPKV).add_request(req("b", 40, max_tokens=60))
+    assert "h2o" in (err.value.hint or "") and "holds 11 blocks" in str(err.value)
+    budgeted(11, 12, H2O).add_request(req("b", 40, max_tokens=60))  # h2o trims during prefill
+
+
+def test_a_budget_the_pool_cannot_hold_is_refused_naming_the_sizes():
+    with pytest.raises(RequestError, match=r"up to 20 tokens .*kv_budget_tokens 12 plus one step's 8") as err:
+        budgeted(4, 12, H2O).add_request(req("a", 30, max_tokens=60))
+    assert "lower kv_budget_tokens" in (err.value.hint or "")
+    # the context window still bounds positions, eviction or not
+    with pytest.raises(RequestError, match="context window is 256 tokens"):
+        budgeted(64, 12, H2O).add_request(req("long", 300))
+    # a request shorter than its budget is counted whole, as without eviction
+    with pytest.raises(RequestError, match=r"needs up to 9 tokens"):
+        budgeted(2, 64, H2O).add_request(req("short", 6, max_tokens=4))
+
+
+def test_requests_longer_than_the_pool_preempt_each_other_and_all_finish():
+    """Deadlock freedom under a budget: three requests each far longer than the pool, which holds
+    only one of them at its budget at a time, all run to their end."""
+    s = budgeted(6, 12, H2O)
+    reqs = [req(f"r{i}", 30, base=1 + 40 * i, max_tokens=40) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    most_blocks, most_tokens = run_under_budget(s, H2O, 12, seed=3)
+    assert all(r.num_output_tokens == 40 for r in reqs)
+    assert s.num_preemptions > 0 and most_blocks <= 6 and most_tokens <= 20
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_scheduler_config_takes_the_budget_and_eviction_together():
+    with pytest.raises(ValueError, match="go together"):
+        SchedulerConfig(kv_budget_tokens=12)
+    with pytest.raises(ValueError, match="go together"):
+        SchedulerConfig(kv_eviction=H2O)
 
 
 # --- storage -------------------------------------------------------------------------------
