@@ -259,12 +259,13 @@ def test_int8_kv_under_eviction_matches_the_dense_reference_on_int8_keys(loaded,
         assert tokens == reference_tokens(loaded, policy, budget, prompt, steps, max_tokens, int8_kv=True)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
-def test_int8_kv_with_a_budget_larger_than_the_sequence_is_int8_kv(loaded, mode):
+def test_quantised_kv_with_a_budget_larger_than_the_sequence_is_that_kv(loaded, mode, kv_dtype):
     prompts = prompts_of(loaded)
-    plain, _ = run_engine(loaded, prompts, 40, kv_dtype="int8")
+    plain, _ = run_engine(loaded, prompts, 40, kv_dtype=kv_dtype)
     budgeted, _ = run_engine(
-        loaded, prompts, 40, kv_dtype="int8", kv_budget_tokens=200, kv_eviction=KVEviction(mode)
+        loaded, prompts, 40, kv_dtype=kv_dtype, kv_budget_tokens=200, kv_eviction=KVEviction(mode)
     )
     assert budgeted == plain
 
@@ -285,16 +286,6 @@ def test_eviction_off_runs_todays_path(loaded):
     plain, _ = run_engine(loaded, prompts, 24)
     again, _ = run_engine(loaded, prompts, 24, kv_budget_tokens=None, kv_eviction=None)
     assert again == plain
-
-
-@pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
-def test_int4_kv_with_a_budget_larger_than_the_sequence_is_int4_kv(loaded, mode):
-    prompts = prompts_of(loaded)
-    plain, _ = run_engine(loaded, prompts, 40, kv_dtype="int4")
-    budgeted, _ = run_engine(
-        loaded, prompts, 40, kv_dtype="int4", kv_budget_tokens=200, kv_eviction=KVEviction(mode)
-    )
-    assert budgeted == plain
 
 
 @pytest.mark.parametrize("mode", ["h2o", "snapkv", "segment"])
