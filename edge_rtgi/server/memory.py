@@ -286,7 +286,7 @@ def collect_cycles() -> CollectResult:
     loaded models frozen out of its reach (``cpu_priority.freeze_heap``) the daemon makes too
     few long-lived objects to trigger a full collection for many minutes: the garbage, and
     the audio and tensors it holds, piled up meanwhile (docs/reliability.md, "RSS: what
-    grows"). After the freeze a collection walks only what is not frozen: milliseconds."""
+    grows"). After the freeze a collection walks only what is not frozen, so it is short."""
     t0 = time.perf_counter()
     collected = gc.collect()
     return CollectResult(collected, time.perf_counter() - t0)
