@@ -265,10 +265,6 @@ class HeapTrimmer(PeriodicUpkeep[TrimResult]):
     def available(self) -> bool:
         return _MALLOC_TRIM is not None
 
-    async def trim_now(self) -> TrimResult | None:
-        """One trim in a worker thread, reported to ``on_trim``."""
-        return await self.run_now()
-
 
 @dataclass(frozen=True)
 class CollectResult:
