@@ -167,7 +167,8 @@ def _initial_grid(wg: Tensor, scheme: QuantScheme, shrink: float) -> tuple[Tenso
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
     span = (hi - lo) * shrink
     scales = _bf16((span / 15.0).clamp(min=1e-8))  # the zero is placed on the scale the kernel reads
-    return scales, (lo + hi - span) / 2 + 8 * scales
+    # lo + (range - span) / 2 rounds to exactly lo when shrink is 1, whatever the CPU's data
+    return scales, lo + (hi - lo - span) / 2 + 8 * scales
 
 
 def _least_squares_grid(
