@@ -194,7 +194,6 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_row_deferrals: int = 0  # admissions the slo policy held back for running decodes' ITL
-    num_itl_guarded_steps: int = 0  # slo steps kept to one ITL: a decode had no late gap to spare
     num_refused_busy: int = 0  # requests the slo admission refused as busy
     # speculative decoding: draft tokens verified, and accepted (edge_rtgi.llm.speculative)
     spec_draft_tokens: int = 0
@@ -238,7 +237,6 @@ class EngineStats:
         snap = replace(
             self,
             num_row_deferrals=scheduler.num_row_deferrals,
-            num_itl_guarded_steps=scheduler.num_itl_guarded_steps,
             num_refused_busy=scheduler.num_refused_busy,
             spec_draft_tokens=scheduler.num_draft_tokens,
             spec_accepted_tokens=scheduler.num_accepted_draft_tokens,

@@ -146,9 +146,6 @@ class Request:
     num_preemptions: int = 0
     # When the last token was sampled (the ITL clock; None before the first token).
     last_token_time_s: float | None = None
-    # Gaps between sampled tokens so far, and how many of them ran past the ITL objective.
-    num_itl_gaps: int = 0
-    num_late_itl_gaps: int = 0
     error: str | None = None
     # Chained hashes of this request's full blocks, filled lazily by the KV manager and kept
     # across preemption so that recomputation finds its own blocks again.
@@ -179,13 +176,6 @@ class Request:
         if self.last_token_time_s is None:
             return self.ttft_deadline_s - now_s
         return self.last_token_time_s + self.objective.itl_ms / 1e3 - now_s
-
-    def can_absorb_late_gap(self, percentile: float) -> bool:
-        """Whether one more gap past the ITL objective still lets the request's ITL, judged at
-        its ``percentile``-th percentile over the gaps it may reach (``max_tokens - 1``, or more
-        where it has already had more), stay within the objective."""
-        gaps = max(self.max_tokens - 1, self.num_itl_gaps + 1)
-        return self.num_late_itl_gaps + 1 <= (1.0 - percentile / 100.0) * gaps + 1e-9
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -54,9 +54,7 @@ POLICIES = ("fcfs", "slo")
 # time, late ones behind by class (not yet shown better: scripts/bench_slo_order.py compares them).
 WAITING_ORDERS = ("edf", "class")
 # A request's ITL objective is judged on its 95th percentile, so a step that carries prefill may
-# take a little longer than one ITL: up to this many ITL objectives, while every decode in the
-# step can still afford one more late gap at that percentile (``Request.can_absorb_late_gap``).
-ITL_PERCENTILE = 95.0
+# take a little longer than one ITL: up to this many ITL objectives.
 PREFILL_STALL_FACTOR = 2.0
 
 
@@ -266,7 +264,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
-        self.num_itl_guarded_steps = 0  # steps kept to one ITL: a decode had no late gap to spare
         self.num_refused_busy = 0
         self.num_draft_tokens = 0  # speculation: draft tokens verified, and accepted
         self.num_accepted_draft_tokens = 0
@@ -523,15 +520,8 @@ class Scheduler:
             # the decodes miss their ITL with no prefill at all (a machine slowed by other work):
             # holding prompts back cannot save them and would only starve every first token
             return None
-        # A stalled step is a late gap for every decode in it. Once one of them has no late gap
-        # left at its percentile, the step keeps to one ITL and no first token lifts that: under
-        # overload, stalls on every step would make every running stream miss at once.
-        spare = all(r.can_absorb_late_gap(ITL_PERCENTILE) for r in decodes)
-        target_ms = (PREFILL_STALL_FACTOR if spare else 1.0) * itl_ms
+        target_ms = PREFILL_STALL_FACTOR * itl_ms
         room = max(self.config.min_prefill_chunk_tokens, int((target_ms - base_ms) / per_token_ms))
-        if not spare:
-            self.num_itl_guarded_steps += 1
-            return room
         step_ms = base_ms + room * per_token_ms
         for r in (*self.running, *self.waiting[:4]):
             left = r.num_tokens - r.num_computed_tokens
@@ -624,12 +614,7 @@ class Scheduler:
                 if status is not None:
                     self._finish(req, status)
                     break
-            now = self.clock()
-            if req.last_token_time_s is not None:
-                req.num_itl_gaps += 1
-                if (now - req.last_token_time_s) * 1e3 > req.objective.itl_ms:
-                    req.num_late_itl_gaps += 1
-            req.last_token_time_s = now
+            req.last_token_time_s = self.clock()
             updates.append(RequestUpdate(sr.request_id, new_tokens, req.status.finish_reason))
         return updates
 

@@ -337,12 +337,6 @@ class EngineCollector(Collector):
                 "Admissions held back so that running decodes keep their ITL SLO (scheduling: slo)",
                 labels=["model"],
             ),
-            "itl_guarded_steps": CounterMetricFamily(
-                "edge_rtgi_engine_itl_guarded_steps",
-                "Steps whose prefill was kept to one ITL because a running decode had no late gap "
-                "left at its ITL percentile (scheduling: slo)",
-                labels=["model"],
-            ),
             "refused_busy": CounterMetricFamily(
                 "edge_rtgi_engine_refused_busy",
                 "Requests refused as busy by the slo admission (their queue wait would pass their SLO)",
@@ -385,7 +379,6 @@ class EngineCollector(Collector):
                 ("kv_cached", s.kv_blocks_cached),
                 ("kv_total", s.kv_blocks_total),
                 ("row_deferrals", s.num_row_deferrals),
-                ("itl_guarded_steps", s.num_itl_guarded_steps),
                 ("refused_busy", s.num_refused_busy),
                 ("spec_draft", s.spec_draft_tokens),
                 ("spec_accepted", s.spec_accepted_tokens),

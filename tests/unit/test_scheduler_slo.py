@@ -124,49 +124,6 @@ def test_prefill_is_sized_so_running_decodes_keep_their_itl_unless_a_first_token
     assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 255
 
 
-def test_late_gaps_are_counted_against_the_itl_objective():
-    clock = Clock()
-    s = make(clock=clock, budget=64)
-    s.add_request(req("a", 4, slo=RequestSLO(1000, 50.0), max_tokens=8))
-    step(s)  # the first token: no gap yet
-    r = s.requests["a"]
-    assert (r.num_itl_gaps, r.num_late_itl_gaps) == (0, 0)
-    for gap_s in (0.03, 0.08, 0.05, 0.051):
-        clock.now_s += gap_s
-        step(s)
-    assert (r.num_itl_gaps, r.num_late_itl_gaps) == (4, 2)  # 80 and 51 ms ran past 50 ms
-
-
-def test_can_absorb_late_gap_follows_the_percentile_over_the_gaps_it_may_reach():
-    r = req("a", 4, max_tokens=41)  # up to 40 gaps: 5 % of them is 2
-    assert r.can_absorb_late_gap(95.0)
-    r.num_late_itl_gaps = 1
-    assert r.can_absorb_late_gap(95.0)
-    r.num_late_itl_gaps = 2
-    assert not r.can_absorb_late_gap(95.0)
-    r.num_itl_gaps = 79  # past max_tokens (drafts, a longer reply): the gaps it has had count
-    assert r.can_absorb_late_gap(95.0)
-    assert not req("b", 4, max_tokens=10).can_absorb_late_gap(95.0)  # 9 gaps: not one to spare
-
-
-def test_a_decode_with_no_late_gap_to_spare_keeps_prefill_steps_to_one_itl():
-    clock = Clock()
-    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5)  # 15 ms for one decode row
-    s = make(model=model, clock=clock, budget=256, num_blocks=512)
-    s.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=50))
-    step(s)
-    s.requests["voice"].num_late_itl_gaps = 2  # 49 gaps at most: 2.45 late ones allowed, 2 spent
-    s.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
-    out, _ = step(s)
-    # one ITL, not two: (50 - 15) / 0.5 = 70 tokens of prompt
-    assert {r.request_id: len(r.token_ids) for r in out.scheduled} == {"voice": 1, "long": 70}
-    assert s.num_itl_guarded_steps == 1
-    # and a first token due before that pace reaches it does not lift the cap
-    s.add_request(req("urgent", 400, RequestClass.BULK, base=600, max_tokens=2, slo=RequestSLO(200, 250)))
-    out, _ = step(s)
-    assert sum(len(r.token_ids) for r in out.scheduled) == 1 + 70
-
-
 def test_admission_stops_where_one_more_row_would_break_the_tightest_itl():
     model = trained_model(fixed=5.0, per_row=10.0, per_token=0.0)  # k rows: 5 + 10 k ms
     s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
