@@ -767,6 +767,37 @@ def recall(
     return out
 
 
+def kl_only(loaded: Any, args: argparse.Namespace, bytes_per_token: dict[str, float]) -> dict[str, Any]:
+    """KL(full || configuration) over --kl-tokens of the evaluation text for --recall-configs
+    int8 / int4 and every --kv-plans plan, without the recall set (its replies cost minutes per
+    row on this machine; the KL costs one prefill)."""
+    from edge_rtgi.llm.quant.profile import calibration_text
+
+    tokens = list(loaded.tokenizer.encode(calibration_text("eval")))[: args.kl_tokens]
+    configs: dict[str, dict[str, Any]] = {
+        n: {"kv_dtype": n} for n in args.recall_configs.split(",") if n in ("int8", "int4")
+    }
+    plans = dict(item.split("=", 1) for item in args.kv_plans.split(",") if item)
+    for label, path in plans.items():
+        configs[f"plan_{label}"] = {"kv_dtype": "plan", "kv_plan": path}
+    reference = next_token_logprobs(loaded, tokens)
+    out: dict[str, Any] = {"tokens": len(tokens) - 1}
+    for name, kwargs in configs.items():
+        start = time.perf_counter()
+        per_row = kl_rows(reference, next_token_logprobs(loaded, tokens, **kwargs))
+        info = plan_bytes(loaded, kwargs["kv_plan"], bytes_per_token) if "kv_plan" in kwargs else None
+        out[name] = {
+            "kv_plan": info,
+            "kv_bytes_per_token": info["bytes_per_token"] if info else bytes_per_token[kwargs["kv_dtype"]],
+            "kl_mean": float(per_row.mean()),
+            "kl_p95": float(per_row.quantile(0.95)),
+            "kl_per_256": [round(float(c.mean()), 6) for c in per_row.split(256)],
+            "wall_s": time.perf_counter() - start,
+        }
+        print(f"kl {name}: {out[name]['kl_mean']:.5f} (p95 {out[name]['kl_p95']:.5f})", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--text-tokens", type=int, default=8000)
@@ -937,6 +968,9 @@ def main() -> int:
         runs = {k: v for k, v in out["session"].items() if isinstance(v, dict) and "columns" in v}
         if args.session_plot and runs:
             plot_session(runs, args.session_plot, session_title(out))
+    if args.kl_tokens and not args.recall_items:  # KL alone: every configuration without eviction
+        out["kl"] = kl_only(loaded, args, out["kv_bytes_per_token"])
+        load.append(os.getloadavg()[0])
     if args.recall_items:
         names = [n for n in args.recall_configs.split(",") if n]
         unknown = sorted(n for n in names if not is_recall_config(n))

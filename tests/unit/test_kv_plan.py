@@ -49,6 +49,8 @@ def test_mixed_store_writes_and_gathers_each_layer_as_its_uniform_store():
         got, want = mixed.gather(layer, every), uniform[name].gather(layer, every)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"layer {layer} seed {seed}"
         assert mixed.k[layer].dtype == uniform[name].k[layer].dtype  # int layers never look plain
+        part, index = mixed.part_of(layer)
+        assert type(part) is UNIFORM[name] and part.k[index] is mixed.k[layer]
 
 
 def test_mixed_bytes_per_block_sums_the_layers():

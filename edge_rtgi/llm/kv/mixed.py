@@ -95,6 +95,11 @@ class MixedPagedKVStorage(PagedKVStorage):
         """The precision layer ``layer`` is kept in."""
         return self.layer_dtypes[layer]
 
+    def part_of(self, layer: int) -> tuple[PagedKVStorage, int]:
+        """The uniform store holding ``layer`` and the layer's index in it: what a kernel for one
+        precision (a fused int4 decode, say) reads, per layer."""
+        return self._route[layer]
+
     def write(self, layer: int, slot_mapping: Tensor, k: Tensor, v: Tensor) -> None:
         part, i = self._route[layer]
         part.write(i, slot_mapping, k, v)
