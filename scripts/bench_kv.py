@@ -677,6 +677,47 @@ def kl_rows(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     return (ref.exp() * (ref - logp)).sum(-1)
 
 
+KL_BLOCK_TOKENS = 64  # bootstrap unit of the KL comparisons: neighbouring tokens are not independent
+
+
+def kl_summary(per_row: torch.Tensor) -> dict[str, Any]:
+    """Mean, p95 and the per-token KLs (6 digits) of one configuration."""
+    return {
+        "mean": float(per_row.mean()),
+        "p95": float(per_row.quantile(0.95)),
+        "tokens": len(per_row),
+        "per_token": [round(float(x), 6) for x in per_row],
+    }
+
+
+def kl_comparisons(rows: dict[str, list[float]], baselines: tuple[str, ...]) -> dict[str, Any]:
+    """Mean KL of each row over each baseline's (and over its ``inv`` control's, for a plan),
+    with a paired bootstrap 95 % interval (2,000 resamples, seed 0) over blocks of
+    KL_BLOCK_TOKENS tokens, the same blocks drawn for both rows; not capped."""
+    import numpy as np
+
+    def blocks(values: list[float]) -> Any:
+        n = len(values) // KL_BLOCK_TOKENS
+        return np.asarray(values[: n * KL_BLOCK_TOKENS]).reshape(n, KL_BLOCK_TOKENS).mean(1)
+
+    out: dict[str, Any] = {}
+    for name, values in rows.items():
+        partners = [b for b in baselines if b in rows and b != name]
+        if name.startswith("plan_") and f"{name}inv" in rows:
+            partners.append(f"{name}inv")
+        for other in partners:
+            a, b = blocks(values), blocks(rows[other])
+            draws = np.random.default_rng(0).integers(0, len(a), size=(2000, len(a)))
+            ratios = a[draws].sum(1) / b[draws].sum(1)
+            low, high = np.percentile(ratios, [2.5, 97.5])
+            out[f"{name}/{other}"] = {
+                "ratio": float(a.sum() / b.sum()),
+                "interval": [float(low), float(high)],
+                "blocks": len(a),
+            }
+    return out
+
+
 def recall(
     loaded: Any,
     num_items: int,
@@ -729,8 +770,7 @@ def recall(
         eviction = kwargs.get("eviction")
         kl = None
         if reference is not None and kl_tokens and eviction is None and window is None:
-            per_row = kl_rows(reference, next_token_logprobs(loaded, kl_tokens, **kwargs))
-            kl = {"mean": float(per_row.mean()), "p95": float(per_row.quantile(0.95)), "tokens": len(per_row)}
+            kl = kl_summary(kl_rows(reference, next_token_logprobs(loaded, kl_tokens, **kwargs)))
         out[name] = {
             "window": None if window is None else [window.sink_tokens, window.window_tokens],
             "kv_budget_tokens": budget,
@@ -764,6 +804,14 @@ def recall(
         }
         print(f"recall {name}: {out[name]}", flush=True)
         out[name]["replies"] = list(outputs.texts)
+    kls = {
+        n: v["kl_eval_text"]["per_token"]
+        for n, v in out.items()
+        if isinstance(v, dict) and v.get("kl_eval_text")
+    }
+    if kls:
+        out["kl_comparisons"] = kl_comparisons(kls, ("int8", "int4"))
+        print(f"kl comparisons: {out['kl_comparisons']}", flush=True)
     return out
 
 
@@ -792,9 +840,13 @@ def kl_only(loaded: Any, args: argparse.Namespace, bytes_per_token: dict[str, fl
             "kl_mean": float(per_row.mean()),
             "kl_p95": float(per_row.quantile(0.95)),
             "kl_per_256": [round(float(c.mean()), 6) for c in per_row.split(256)],
+            "kl": kl_summary(per_row),
             "wall_s": time.perf_counter() - start,
         }
         print(f"kl {name}: {out[name]['kl_mean']:.5f} (p95 {out[name]['kl_p95']:.5f})", flush=True)
+    rows = {n: v["kl"]["per_token"] for n, v in out.items() if isinstance(v, dict)}
+    out["comparisons"] = kl_comparisons(rows, ("int8", "int4"))
+    print(f"kl comparisons: {out['comparisons']}", flush=True)
     return out
 
 
