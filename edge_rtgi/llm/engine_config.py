@@ -200,6 +200,12 @@ class EngineConfig:
             return self.num_kv_blocks
         from edge_rtgi.llm.kv.mixed import mixed_bytes_per_block
 
+        groups = len(model_config.kv_groups())
+        if self.kv_dtype == "plan" and groups > 1:  # a plan names model layers, a group's serve several
+            raise ValueError(
+                f"kv_dtype plan needs a model with one KV group; {model_config.arch} has {groups} "
+                "(per-layer windows): use kv_dtype auto, int8 or int4"
+            )
         per_block = mixed_bytes_per_block(
             self.kv_layer_dtypes(layers_per_block(model_config)),
             self.block_size,

@@ -224,3 +224,11 @@ def test_profiled_plan_stays_within_tolerance_of_the_plain_path(model_dir, tmp_p
     assert mean_kl(["auto"] * 3) == 0.0
     assert 0 < mean_kl(chosen) < 0.01
     assert mean_kl(chosen) < mean_kl(chosen[::-1])
+
+
+@pytest.mark.parametrize("num_kv_blocks", [None, 64])
+def test_models_with_several_kv_groups_refuse_a_plan(tmp_path, num_kv_blocks):
+    loaded = load_model(make_tiny_hf_model("gemma3", tmp_path / "gemma"), "cpu", "fp32")
+    cfg = EngineConfig(num_kv_blocks=num_kv_blocks, kv_dtype="plan", kv_plan=_plan(tmp_path, ["int8"] * 3))
+    with pytest.raises(ValueError, match="kv_dtype plan needs a model with one KV group"):
+        LLMEngine.from_loaded(loaded, cfg, start=False)
