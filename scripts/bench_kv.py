@@ -26,6 +26,14 @@ full-KV engine, every figure measured in the same run.
   retention per distance with its paired-bootstrap
   interval (``bench.task_eval.task_retention``), and each configuration's KV held relative to
   the full bf16 cache (tokens, bytes, a pool's whole blocks) and mean bytes per session.
+- **KV precision per layer** (--kv-plans LABEL=PLAN.yaml,...: plans from ``edge-rtgi quantize
+  --profile-kv --target-kv-bits``, engine ``kv_dtype: plan``): each plan is a recall row named
+  ``plan_LABEL`` beside the int8 / int4 rows, with its bytes per token (``kv.mixed``, scales
+  included, plus int4 layers' open-block buffer per session); and with --kl-tokens N, the mean
+  KL(full || configuration) of the next-token distributions over N tokens of the quantisation
+  evaluation text (``bench/data/quant_eval.txt``, not the calibration text the plans were
+  profiled on), prefilled through the engine in chunks of 256, for every recall row without
+  eviction.
 - **Endless session** (--turns, --reply-tokens): one voice session through one engine, each turn
   a new request whose prompt is the whole conversation in the chat template (system prompt, the
   dialogue set's user turns in order, the replies) plus the next utterance, --reply-tokens greedy
@@ -60,6 +68,7 @@ from edge_rtgi.llm.engine import GenerationResult, LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.kv.eviction import KVEviction
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
+from edge_rtgi.llm.kv.mixed import mixed_bytes_per_block
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import KVWindow
 from edge_rtgi.llm.prepared import load_prepared
@@ -123,6 +132,7 @@ def engine_for(
     kv_dtype: str = "auto",
     budget_tokens: int | None = None,
     eviction: KVEviction | None = None,
+    kv_plan: str | None = None,
 ) -> LLMEngine:
     cfg = EngineConfig(
         model=MODEL,
@@ -130,6 +140,7 @@ def engine_for(
         max_num_batched_tokens=256,
         kv_window=window,
         kv_dtype=kv_dtype,
+        kv_plan=kv_plan,
         kv_budget_tokens=budget_tokens,
         kv_eviction=eviction,
         num_threads=2,
@@ -619,6 +630,94 @@ def open_block_tokens(kv_dtype: str, bytes_per_token: dict[str, float]) -> float
     return bytes_per_token["int4_open_block"] / bytes_per_token["fp"] if kv_dtype == "int4" else 0.0
 
 
+def plan_bytes(loaded: Any, plan_path: str, bytes_per_token: dict[str, float]) -> dict[str, Any]:
+    """A KV plan's layers, bytes per token (``kv.mixed``, scales included) and open-block
+    buffer per session (int4 layers' share of int4's), as ``bytes_per_token`` keys would be."""
+    cfg = loaded.config
+    dtypes = EngineConfig(kv_dtype="plan", kv_plan=plan_path).kv_layer_dtypes(cfg.num_layers)
+    per_block = mixed_bytes_per_block(
+        dtypes, BLOCK_TOKENS, cfg.num_kv_heads, cfg.head_dim, loaded.model.dtype
+    )
+    int4_share = dtypes.count("int4") / cfg.num_layers
+    return {
+        "layers": dtypes,
+        "counts": {d: dtypes.count(d) for d in ("auto", "int8", "int4")},
+        "bytes_per_token": per_block / BLOCK_TOKENS,
+        "bits_per_value": 8
+        * per_block
+        / (2 * BLOCK_TOKENS * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim),
+        "open_block_bytes": bytes_per_token["int4_open_block"] * int4_share,
+    }
+
+
+def next_token_logprobs(loaded: Any, tokens: list[int], **kwargs: Any) -> torch.Tensor:
+    """[len(tokens) - 1, vocab] fp32 log-probabilities of each next token, the prompt prefilled
+    through an engine built with ``kwargs`` (``engine_for``) in chunks of 256."""
+    rows: dict[int, torch.Tensor] = {}
+
+    def hook(module: Any, args: tuple[Any, ...], hidden: torch.Tensor) -> None:
+        positions = args[1].tolist()
+        keep = [i for i, p in enumerate(positions) if p + 1 < len(tokens)]
+        if keep:
+            logp = torch.log_softmax(module.compute_logits(hidden[keep]), dim=-1)
+            for row, i in enumerate(keep):
+                rows[positions[i]] = logp[row]
+
+    handle = loaded.model.register_forward_hook(hook)
+    try:
+        engine = engine_for(loaded, num_blocks=-(-len(tokens) // 16) + 64, **{"window": None, **kwargs})
+        run_one(engine, tokens, 1)
+    finally:
+        handle.remove()
+    return torch.stack([rows[p] for p in range(len(tokens) - 1)])
+
+
+def kl_rows(ref: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(ref || q) per row, nats, from two [N, vocab] log-probability tensors."""
+    return (ref.exp() * (ref - logp)).sum(-1)
+
+
+KL_BLOCK_TOKENS = 64  # bootstrap unit of the KL comparisons: neighbouring tokens are not independent
+
+
+def kl_summary(per_row: torch.Tensor) -> dict[str, Any]:
+    """Mean, p95 and the per-token KLs (6 digits) of one configuration."""
+    return {
+        "mean": float(per_row.mean()),
+        "p95": float(per_row.quantile(0.95)),
+        "tokens": len(per_row),
+        "per_token": [round(float(x), 6) for x in per_row],
+    }
+
+
+def kl_comparisons(rows: dict[str, list[float]], baselines: tuple[str, ...]) -> dict[str, Any]:
+    """Mean KL of each row over each baseline's (and over its ``inv`` control's, for a plan),
+    with a paired bootstrap 95 % interval (2,000 resamples, seed 0) over blocks of
+    KL_BLOCK_TOKENS tokens, the same blocks drawn for both rows; not capped."""
+    import numpy as np
+
+    def blocks(values: list[float]) -> Any:
+        n = len(values) // KL_BLOCK_TOKENS
+        return np.asarray(values[: n * KL_BLOCK_TOKENS]).reshape(n, KL_BLOCK_TOKENS).mean(1)
+
+    out: dict[str, Any] = {}
+    for name, values in rows.items():
+        partners = [b for b in baselines if b in rows and b != name]
+        if name.startswith("plan_") and f"{name}inv" in rows:
+            partners.append(f"{name}inv")
+        for other in partners:
+            a, b = blocks(values), blocks(rows[other])
+            draws = np.random.default_rng(0).integers(0, len(a), size=(2000, len(a)))
+            ratios = a[draws].sum(1) / b[draws].sum(1)
+            low, high = np.percentile(ratios, [2.5, 97.5])
+            out[f"{name}/{other}"] = {
+                "ratio": float(a.sum() / b.sum()),
+                "interval": [float(low), float(high)],
+                "blocks": len(a),
+            }
+    return out
+
+
 def recall(
     loaded: Any,
     num_items: int,
@@ -626,6 +725,8 @@ def recall(
     names: list[str],
     bytes_per_token: dict[str, float],
     tuning: EvictionTuning = EvictionTuning(),
+    plans: dict[str, str] | None = None,
+    kl_tokens: list[int] | None = None,
 ) -> dict[str, Any]:
     from edge_rtgi.bench.task_eval import prepare_items, run_on_engine, select_items, task_retention
     from edge_rtgi.bench.tasks import load_task_set
@@ -635,6 +736,11 @@ def recall(
     lengths = [len(r.prompt_token_ids) + r.max_tokens for r in requests]
     mean = statistics.fmean(len(r.prompt_token_ids) for r in requests)
     configs = {name: recall_config(name, mean, sinks, lengths, bytes_per_token, tuning) for name in names}
+    plan_info = {}
+    for label, path in (plans or {}).items():  # KV precision per layer: bytes from the plan itself
+        configs[f"plan_{label}"] = {"kv_dtype": "plan", "kv_plan": path}
+        plan_info[f"plan_{label}"] = plan_bytes(loaded, path, bytes_per_token)
+    reference = next_token_logprobs(loaded, kl_tokens) if kl_tokens else None
     start = time.perf_counter()
     full = run_on_engine(engine_for(loaded, None, 2048), task_set, num_items)
     out: dict[str, Any] = {
@@ -653,22 +759,32 @@ def recall(
         window, budget = kwargs.get("window"), kwargs.get("budget_tokens")
         cap = budget if budget else window.window_tokens + window.sink_tokens if window else None
         kv_dtype = kwargs.get("kv_dtype", "auto")
-        dtype_key = "fp" if kv_dtype == "auto" else kv_dtype
-        ratio = bytes_per_token[dtype_key] / bytes_per_token["fp"]
-        extra = open_block_tokens(kv_dtype, bytes_per_token)
+        if name in plan_info:
+            token_bytes = plan_info[name]["bytes_per_token"]
+            extra = plan_info[name]["open_block_bytes"] / bytes_per_token["fp"]
+        else:
+            token_bytes = bytes_per_token["fp" if kv_dtype == "auto" else kv_dtype]
+            extra = open_block_tokens(kv_dtype, bytes_per_token)
+        ratio = token_bytes / bytes_per_token["fp"]
         held = held_fractions(lengths, cap, ratio, extra)
         eviction = kwargs.get("eviction")
+        kl = None
+        if reference is not None and kl_tokens and eviction is None and window is None:
+            kl = kl_summary(kl_rows(reference, next_token_logprobs(loaded, kl_tokens, **kwargs)))
         out[name] = {
             "window": None if window is None else [window.sink_tokens, window.window_tokens],
             "kv_budget_tokens": budget,
             "kv_eviction": None if eviction is None else eviction.__dict__,
             "evicted_tokens": engine.stats().kv_evicted_tokens,
             "kv_dtype": kv_dtype,
+            "kv_plan": plan_info.get(name),
+            "kv_bytes_per_token": token_bytes,
+            "kl_eval_text": kl,
             "kv_fraction_of_full_tokens": held["tokens"],
             "kv_fraction_of_full_bytes": held["bytes"],
             "kv_pool_fraction_of_full_bytes": held["pool_bytes"],
             "kv_bytes_per_session_mean": session_bytes(
-                lengths, cap, bytes_per_token[dtype_key], extra * bytes_per_token["fp"]
+                lengths, cap, token_bytes, extra * bytes_per_token["fp"]
             ),
             "retention": ret.retention,
             "full_score": ret.interval.full_score,
@@ -688,6 +804,49 @@ def recall(
         }
         print(f"recall {name}: {out[name]}", flush=True)
         out[name]["replies"] = list(outputs.texts)
+    kls = {
+        n: v["kl_eval_text"]["per_token"]
+        for n, v in out.items()
+        if isinstance(v, dict) and v.get("kl_eval_text")
+    }
+    if kls:
+        out["kl_comparisons"] = kl_comparisons(kls, ("int8", "int4"))
+        print(f"kl comparisons: {out['kl_comparisons']}", flush=True)
+    return out
+
+
+def kl_only(loaded: Any, args: argparse.Namespace, bytes_per_token: dict[str, float]) -> dict[str, Any]:
+    """KL(full || configuration) over --kl-tokens of the evaluation text for --recall-configs
+    int8 / int4 and every --kv-plans plan, without the recall set (its replies cost minutes per
+    row on this machine; the KL costs one prefill)."""
+    from edge_rtgi.llm.quant.profile import calibration_text
+
+    tokens = list(loaded.tokenizer.encode(calibration_text("eval")))[: args.kl_tokens]
+    configs: dict[str, dict[str, Any]] = {
+        n: {"kv_dtype": n} for n in args.recall_configs.split(",") if n in ("int8", "int4")
+    }
+    plans = dict(item.split("=", 1) for item in args.kv_plans.split(",") if item)
+    for label, path in plans.items():
+        configs[f"plan_{label}"] = {"kv_dtype": "plan", "kv_plan": path}
+    reference = next_token_logprobs(loaded, tokens)
+    out: dict[str, Any] = {"tokens": len(tokens) - 1}
+    for name, kwargs in configs.items():
+        start = time.perf_counter()
+        per_row = kl_rows(reference, next_token_logprobs(loaded, tokens, **kwargs))
+        info = plan_bytes(loaded, kwargs["kv_plan"], bytes_per_token) if "kv_plan" in kwargs else None
+        out[name] = {
+            "kv_plan": info,
+            "kv_bytes_per_token": info["bytes_per_token"] if info else bytes_per_token[kwargs["kv_dtype"]],
+            "kl_mean": float(per_row.mean()),
+            "kl_p95": float(per_row.quantile(0.95)),
+            "kl_per_256": [round(float(c.mean()), 6) for c in per_row.split(256)],
+            "kl": kl_summary(per_row),
+            "wall_s": time.perf_counter() - start,
+        }
+        print(f"kl {name}: {out[name]['kl_mean']:.5f} (p95 {out[name]['kl_p95']:.5f})", flush=True)
+    rows = {n: v["kl"]["per_token"] for n, v in out.items() if isinstance(v, dict)}
+    out["comparisons"] = kl_comparisons(rows, ("int8", "int4"))
+    print(f"kl comparisons: {out['comparisons']}", flush=True)
     return out
 
 
@@ -746,6 +905,18 @@ def main() -> int:
         "--skip",
         default="",
         help="comma-separated: ppl (fp: its full-precision runs, quant: its int8/int4 runs), decode, session",
+    )
+    ap.add_argument(
+        "--kv-plans",
+        default="",
+        help="comma-separated LABEL=PLAN.yaml: KV precision per layer (kv_dtype: plan), a recall row each",
+    )
+    ap.add_argument(
+        "--kl-tokens",
+        type=int,
+        default=0,
+        help="KL against the full cache over this many tokens of the evaluation text, for recall rows "
+        "without eviction (0: skip)",
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -849,6 +1020,9 @@ def main() -> int:
         runs = {k: v for k, v in out["session"].items() if isinstance(v, dict) and "columns" in v}
         if args.session_plot and runs:
             plot_session(runs, args.session_plot, session_title(out))
+    if args.kl_tokens and not args.recall_items:  # KL alone: every configuration without eviction
+        out["kl"] = kl_only(loaded, args, out["kv_bytes_per_token"])
+        load.append(os.getloadavg()[0])
     if args.recall_items:
         names = [n for n in args.recall_configs.split(",") if n]
         unknown = sorted(n for n in names if not is_recall_config(n))
@@ -858,6 +1032,12 @@ def main() -> int:
                 "[int8_|int4_]MODE_bN for a budget of N tokens "
                 "(MODE: h2o, snapkv, segment, sentence, unpinned)"
             )
+        plans = dict(item.split("=", 1) for item in args.kv_plans.split(",") if item)
+        kl_tokens = None
+        if args.kl_tokens:
+            from edge_rtgi.llm.quant.profile import calibration_text
+
+            kl_tokens = list(loaded.tokenizer.encode(calibration_text("eval")))[: args.kl_tokens]
         out["recall"] = recall(
             loaded,
             args.recall_items,
@@ -865,6 +1045,8 @@ def main() -> int:
             names,
             out["kv_bytes_per_token"],
             EvictionTuning(args.slack_tokens, args.contrast_tokens),
+            plans,
+            kl_tokens,
         )
         load.append(os.getloadavg()[0])
     out["load_avg_1m"] = load

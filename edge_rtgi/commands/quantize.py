@@ -7,6 +7,13 @@ Typical use::
         --plan-out plan.yaml --save smollm2.q.safetensors --report report/
 
 The steps run in that order and any subset can be given in one call.
+
+KV precision per layer goes through the same table and allocator (docs/engine.md "KV precision
+per layer")::
+
+    edge-rtgi quantize smollm2-135m-instruct --profile-kv --out kv-sens.yaml
+    edge-rtgi quantize smollm2-135m-instruct --sensitivity kv-sens.yaml --target-kv-bits 7 \
+        --plan-out kv-plan.yaml    # then engine: {kv_dtype: plan, kv_plan: kv-plan.yaml}
 """
 
 from __future__ import annotations
@@ -89,6 +96,64 @@ def _task_retention(quant, full, items: int | None) -> list:
     ]
 
 
+def _profile_kv(args, loaded, run_dtype, table):
+    """The KV rows (``kv_profile``), measured in the activation dtype, merged into ``table``."""
+    import torch
+
+    from edge_rtgi.llm.quant.kv_profile import KV_SCHEMES, profile_kv_sensitivity
+
+    schemes = tuple(args.kv_schemes.split(",")) if args.kv_schemes else KV_SCHEMES
+    work = loaded.model if run_dtype == torch.float32 else copy.deepcopy(loaded.model).to(run_dtype)
+    kv_table = profile_kv_sensitivity(
+        work,
+        loaded.tokenizer,
+        tuple(s for s in schemes if s != "auto"),
+        args.window_tokens,
+        args.calib_windows,
+        progress=not args.quiet,
+    )
+    del work
+    if table is None:
+        kv_table.info["model"] = str(args.model)
+        return kv_table
+    table.kl.update(kv_table.kl)
+    table.shapes.update(kv_table.shapes)
+    table.info.update(kv_table.info)
+    return table
+
+
+def _add_kv_plan(args, loaded, table, plan) -> None:
+    """Allocate the KV precision per layer under ``--target-kv-bits`` and write it, in the plan's
+    ``kv`` section (with the weight plan of this call, if any), to ``--plan-out``."""
+    from edge_rtgi.device import resolve_dtype
+    from edge_rtgi.llm.quant.allocate import Budget, allocate_kv
+    from edge_rtgi.llm.quant.plan import QuantPlan, model_groups, model_kv_layers
+    from edge_rtgi.llm.quant.profile import SensitivityTable
+
+    if table is None:
+        if not args.sensitivity:
+            raise ConfigError(
+                "--target-kv-bits needs a sensitivity table with KV rows",
+                hint="add --profile-kv, or --sensitivity FILE from an earlier --profile-kv run",
+            )
+        table = SensitivityTable.load(args.sensitivity)
+    # "auto" layers cost what the engine's default dtype takes (bf16 on a bf16 CPU), whatever
+    # --dtype the profile ran in (fp32 resolves the signal below bf16's noise floor)
+    layers = model_kv_layers(loaded.model, dtype=resolve_dtype("auto", loaded.model.device))
+    budget = Budget.from_args(layers, args.target_kv_bits, None, flag="--target-kv-bits")
+    schemes = tuple(args.kv_schemes.split(",")) if args.kv_schemes else None
+    kv = allocate_kv(layers, table, budget, schemes)
+    out = args.plan_out or "plan.yaml"
+    full = plan if plan is not None else QuantPlan()
+    full.kv = kv
+    full.save(out, model_groups(loaded.model) if plan is not None else None, len(layers))
+    print(
+        f"kv plan: {kv.notes['kv_bits']} bits per KV value, {kv.notes['kv_bytes_per_token']:.0f} bytes "
+        f"per token -> {out}",
+        file=sys.stderr,
+    )
+
+
 def cmd_quantize(args) -> int:
     import torch
 
@@ -105,9 +170,12 @@ def cmd_quantize(args) -> int:
     from edge_rtgi.llm.quant.schemes import quantiser_name
     from edge_rtgi.llm.weights import load_model
 
-    if not (args.profile or args.target_bits or args.max_mb or args.plan or args.uniform):
+    kv_work = args.profile_kv or args.target_kv_bits is not None
+    if not (args.profile or args.target_bits or args.max_mb or args.plan or args.uniform or kv_work):
         raise ConfigError(
-            "nothing to do", hint="give --profile, a budget (--target-bits/--max-mb), --plan or --uniform"
+            "nothing to do",
+            hint="give --profile, a budget (--target-bits/--max-mb), --plan or --uniform; "
+            "or --profile-kv, --target-kv-bits",
         )
     if args.task_items is not None and args.task_items < 0:
         raise ConfigError(
@@ -144,10 +212,17 @@ def cmd_quantize(args) -> int:
         )
         del work
         table.info["model"] = str(args.model)
+    if args.profile_kv:
+        table = _profile_kv(args, loaded, run_dtype, table)
+    if args.profile or args.profile_kv:
+        assert table is not None
         out = args.out or "sensitivity.yaml"
         table.save(out)
-        print(f"sensitivity table ({table.info['seconds']} s) -> {out}", file=sys.stderr)
+        seconds = table.info.get("seconds", 0) + table.info.get("kv_seconds", 0)
+        print(f"sensitivity table ({seconds:.1f} s) -> {out}", file=sys.stderr)
     plan = _plan_from_args(args, loaded, table, quantiser_name({} if args.grids == "fitted" else None))
+    if args.target_kv_bits is not None:
+        _add_kv_plan(args, loaded, table, plan)
     if plan is None:
         return 0
     if args.save:
@@ -196,10 +271,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prof.add_argument(
         "--window-tokens", type=int, default=256, help="tokens per calibration window (default 256)"
     )
+    prof.add_argument(
+        "--profile-kv",
+        action="store_true",
+        help="measure each layer's KV sensitivity (int8, int4) into the same table (rows layers.N.kv)",
+    )
+    prof.add_argument("--kv-schemes", help="comma-separated KV precisions (default: auto, int8, int4)")
     alloc = p.add_argument_group("bit allocation")
     alloc.add_argument("--sensitivity", help="a table from an earlier --profile")
     alloc.add_argument("--target-bits", type=float, help="average bits per weight, scales and zeros included")
     alloc.add_argument("--max-mb", type=float, help="size cap of the quantised groups in MB (10^6 bytes)")
+    alloc.add_argument(
+        "--target-kv-bits",
+        type=float,
+        help="average bits per cached KV value (scales included; bf16 16, int8 8.5, int4 5.5 for "
+        "SmolLM2): a KV precision per layer, in the plan's kv section",
+    )
     alloc.add_argument("--plan-out", help="where the chosen plan goes (default plan.yaml)")
     alloc.add_argument("--plan", help="use this plan YAML instead of allocating")
     alloc.add_argument("--uniform", help="one scheme everywhere (e.g. int8, int4-g64) instead of allocating")

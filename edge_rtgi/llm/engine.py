@@ -34,9 +34,10 @@ from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_bl
 from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
+from edge_rtgi.llm.kv.mixed import MixedPagedKVStorage
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import windowed_groups
-from edge_rtgi.llm.model import Transformer
+from edge_rtgi.llm.model import ModelConfig, Transformer
 from edge_rtgi.llm.request import (
     Request,
     RequestClass,
@@ -113,6 +114,32 @@ class _Wake:
 _Command = _Add | _Abort | _Wake
 
 
+def _build_storage(
+    config: EngineConfig, mcfg: ModelConfig, num_blocks: int, num_groups: int, model: Transformer
+) -> PagedKVStorage:
+    """The KV storage ``config.kv_dtype`` asks for: one precision for every layer, or with
+    ``kv_dtype: plan`` a precision per layer (``kv.mixed``)."""
+    shape = (num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, model.dtype, model.device)
+    if config.kv_dtype == "plan":
+        if num_groups > 1:  # a plan names model layers; a group's storage layers serve several
+            raise ValueError(
+                f"kv_dtype plan needs a model with one KV group; {mcfg.arch} has {num_groups} "
+                "(per-layer windows): use kv_dtype auto, int8 or int4"
+            )
+        return MixedPagedKVStorage(config.kv_layer_dtypes(mcfg.num_layers), *shape)
+    storage_cls: type[PagedKVStorage] = PagedKVStorage
+    if config.kv_dtype == "int8":
+        storage_cls = Int8PagedKVStorage
+    elif config.kv_dtype == "int4":
+        if num_groups > 1:  # its open-block bookkeeping is per step, for one slot mapping
+            raise ValueError(
+                f"kv_dtype int4 needs a model with one KV group; {mcfg.arch} has {num_groups} "
+                "(per-layer windows): use kv_dtype auto or int8"
+            )
+        storage_cls = Int4KIVIPagedKVStorage
+    return storage_cls(layers_per_block(mcfg), *shape)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache. See docs/engine.md."""
 
@@ -141,25 +168,7 @@ class LLMEngine:
         self.kv = KVCacheManager(
             num_blocks, self.config.block_size, self.config.enable_prefix_caching, groups
         )
-        storage_cls: type[PagedKVStorage] = PagedKVStorage
-        if self.config.kv_dtype == "int8":
-            storage_cls = Int8PagedKVStorage
-        elif self.config.kv_dtype == "int4":
-            if len(groups) > 1:  # its open-block bookkeeping is per step, for one slot mapping
-                raise ValueError(
-                    f"kv_dtype int4 needs a model with one KV group; {mcfg.arch} has {len(groups)} "
-                    "(per-layer windows): use kv_dtype auto or int8"
-                )
-            storage_cls = Int4KIVIPagedKVStorage
-        self.storage = storage_cls(
-            layers_per_block(mcfg),
-            num_blocks,
-            self.config.block_size,
-            mcfg.num_kv_heads,
-            mcfg.head_dim,
-            model.dtype,
-            model.device,
-        )
+        self.storage = _build_storage(self.config, mcfg, num_blocks, len(groups), model)
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill:  # a whole prompt must fit one step
             budget = max(budget, self.max_model_len)

@@ -14,10 +14,11 @@ from edge_rtgi.llm.speculative import SpeculativeConfig, parse_speculative
 if TYPE_CHECKING:  # pragma: no cover
     from edge_rtgi.llm.kv.manager import KVCacheManager
     from edge_rtgi.llm.model import ModelConfig
+    from edge_rtgi.llm.quant.plan import KVPlan
     from edge_rtgi.llm.scheduler import Scheduler, SchedulerOutput
     from edge_rtgi.llm.step_model import StepModelSnapshot
 
-KV_DTYPES = ("auto", "int8", "int4")
+KV_DTYPES = ("auto", "int8", "int4", "plan")
 SCHEDULING_POLICIES = ("fcfs", "slo")  # edge_rtgi.llm.scheduler.POLICIES (kept torch-free there)
 
 
@@ -30,7 +31,9 @@ class EngineConfig:
     ``decode_mode``: "padded" runs all decodes of a step in one SDPA call over a padded
     gather; "per_seq" runs one SDPA per sequence (see docs/engine.md for measurements).
     ``kv_dtype``: "auto" stores KV in the model's dtype, "int8" with per-slot scales, "int4"
-    KIVI-style (keys per channel over a block, values per token in groups; ``kv.int4``).
+    KIVI-style (keys per channel over a block, values per token in groups; ``kv.int4``), "plan"
+    a precision per layer from the ``kv`` section of the quantisation plan at ``kv_plan``
+    (``kv.mixed``; written by ``edge-rtgi quantize --profile-kv --target-kv-bits``).
     ``kv_window``: attention sinks plus a sliding window for every layer (StreamingLLM,
     ``kv.window``): each query sees the first ``sink_tokens`` and the last ``window_tokens``
     tokens, the blocks between are freed, and a request may then run past the model's context
@@ -62,6 +65,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     decode_mode: str = "padded"
     kv_dtype: str = "auto"
+    kv_plan: str | None = None
     kv_window: KVWindow | None = None
     kv_budget_tokens: int | None = None
     kv_eviction: KVEviction | None = None
@@ -95,7 +99,9 @@ class EngineConfig:
             raise ValueError(f"decode_mode must be 'padded' or 'per_seq', got {self.decode_mode!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        if self.kv_dtype == "int4" and parse_speculative(self.speculative).enabled:
+        if self.kv_dtype == "plan" or self.kv_plan is not None:
+            self._check_kv_plan()
+        if "int4" in self.kv_layer_dtypes_named() and parse_speculative(self.speculative).enabled:
             # int4 KV quantises a block when it fills, rejected drafts included: output would
             # drift from the same engine without speculation (tests/equivalence/test_speculative_kv.py)
             raise ValueError(
@@ -116,6 +122,49 @@ class EngineConfig:
             raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
         if self.slo_waiting_order not in ("edf", "class"):
             raise ValueError(f"slo_waiting_order must be 'edf' or 'class', got {self.slo_waiting_order!r}")
+
+    def _check_kv_plan(self) -> None:
+        if self.kv_dtype != "plan" or self.kv_plan is None:
+            raise ValueError(
+                "kv_dtype: plan and kv_plan go together: set kv_dtype: plan with kv_plan: PATH (a "
+                "quantisation plan with a kv section), or neither"
+            )
+        self.load_kv_plan()  # a file or entry the plan cannot use is an error now, not at start
+
+    def load_kv_plan(self) -> KVPlan:
+        """The ``kv`` section of the plan at ``kv_plan`` (ValueError naming the key and what is
+        allowed where the file, the section or an entry is not valid)."""
+        from edge_rtgi.errors import ConfigError
+        from edge_rtgi.llm.quant.plan import QuantPlan
+
+        try:
+            plan = QuantPlan.load(str(self.kv_plan))
+        except ConfigError as exc:
+            raise ValueError(f"kv_plan: {exc}") from None
+        if plan.kv is None:
+            raise ValueError(
+                f"kv_plan: {self.kv_plan} has no kv section (a per-layer KV precision); write one "
+                "with edge-rtgi quantize MODEL --profile-kv --target-kv-bits B"
+            )
+        return plan.kv
+
+    def kv_layer_dtypes_named(self) -> set[str]:
+        """Every KV precision this config names: ``kv_dtype``, or with a plan, its entries."""
+        if self.kv_dtype != "plan" or self.kv_plan is None:
+            return {self.kv_dtype}
+        kv = self.load_kv_plan()
+        return {kv.default, *kv.layers.values()}
+
+    def kv_layer_dtypes(self, num_layers: int) -> list[str]:
+        """The KV precision of each of ``num_layers`` layers (``kv.mixed.LAYER_KV_DTYPES``)."""
+        from edge_rtgi.errors import ConfigError
+
+        if self.kv_dtype != "plan":
+            return [self.kv_dtype] * num_layers
+        try:
+            return list(self.load_kv_plan().layer_dtypes(num_layers, f"kv_plan {self.kv_plan}"))
+        except ConfigError as exc:  # a ValueError, as from __post_init__, for from_dict's callers
+            raise ValueError(str(exc)) from None
 
     def _check_eviction(self) -> None:
         budget, eviction = self.kv_budget_tokens, self.kv_eviction
@@ -149,17 +198,20 @@ class EngineConfig:
         """Blocks in the pool: ``num_kv_blocks``, or what ``kv_cache_memory_mb`` holds."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
-        from edge_rtgi.llm.kv.storage import PagedKVStorage
+        from edge_rtgi.llm.kv.mixed import mixed_bytes_per_block
 
-        elem_dtype = torch.int8 if self.kv_dtype == "int8" else dtype
-        storage_cls = Int4KIVIPagedKVStorage if self.kv_dtype == "int4" else PagedKVStorage
-        per_block = storage_cls.bytes_per_block(
-            layers_per_block(model_config),
+        groups = len(model_config.kv_groups())
+        if self.kv_dtype == "plan" and groups > 1:  # a plan names model layers, a group's serve several
+            raise ValueError(
+                f"kv_dtype plan needs a model with one KV group; {model_config.arch} has {groups} "
+                "(per-layer windows): use kv_dtype auto, int8 or int4"
+            )
+        per_block = mixed_bytes_per_block(
+            self.kv_layer_dtypes(layers_per_block(model_config)),
             self.block_size,
             model_config.num_kv_heads,
             model_config.head_dim,
-            elem_dtype,
+            dtype,
         )
         return max(1, self.kv_cache_memory_mb * 2**20 // per_block)
 

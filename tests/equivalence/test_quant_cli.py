@@ -160,3 +160,36 @@ def test_eval_prompts_must_be_positive(tiny_dir, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert rc == 2 and "--task-items must be at least 0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_profile_kv_and_allocate_a_kv_plan_the_engine_loads(tiny_dir, tmp_path, capsys):
+    """--profile-kv writes layers.N.kv rows into the table; --target-kv-bits writes a plan whose
+    kv section the engine runs (kv_dtype: plan) within the budget; too small a budget is refused."""
+    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.llm.engine_config import EngineConfig
+    from edge_rtgi.llm.kv.mixed import MixedPagedKVStorage
+    from edge_rtgi.llm.quant.profile import SensitivityTable
+    from edge_rtgi.llm.sampling import SamplingParams
+
+    sens, plan = tmp_path / "kv-sens.yaml", tmp_path / "kv-plan.yaml"
+    common = ["quantize", str(tiny_dir), "--dtype", "fp32", "-q", "--window-tokens", "64"]
+    assert main([*common, "--profile-kv", "--out", str(sens)]) == 0
+    table = SensitivityTable.load(sens)
+    assert set(table.kl) == {"layers.0.kv", "layers.1.kv"}
+    assert all(set(row) == {"int8", "int4"} and row["int4"] > 0 for row in table.kl.values())
+    assert main([*common, "--sensitivity", str(sens), "--target-kv-bits", "10", "--plan-out", str(plan)]) == 0
+    kv = QuantPlan.load(plan).kv
+    assert kv is not None and kv.notes["kv_bits"] <= 10
+    loaded = load_model(tiny_dir, device="cpu", dtype="fp32")
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(num_kv_blocks=32, kv_dtype="plan", kv_plan=str(plan)), start=False
+    )
+    assert isinstance(engine.storage, MixedPagedKVStorage)
+    assert list(engine.storage.layer_dtypes) == kv.layer_dtypes(2)
+    [result] = engine.generate(
+        [loaded.tokenizer.encode("Hello there")], SamplingParams(max_tokens=4, ignore_eos=True)
+    )
+    assert len(result.token_ids) == 4
+    assert main([*common, "--sensitivity", str(sens), "--target-kv-bits", "3", "--plan-out", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert "below the smallest plan" in err and "--target-kv-bits >= 6.000" in err

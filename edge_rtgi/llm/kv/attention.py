@@ -168,8 +168,9 @@ class PagedAttentionBackend:
         return out
 
     def decode_slots(self) -> cpu_ops.DecodeSlots | None:
-        """The fused CPU decode path's view of this step: decodes only, padded mode, plain store,
-        one KV group (every layer reads the same keys)."""
+        """The fused CPU decode path's view of this step: decodes only, padded mode, every layer
+        stored in the model's dtype (a plain store, or a per-layer plan without int layers), one
+        KV group (every layer reads the same keys)."""
         md = self.md
         if (
             len(self.groups) != 1
@@ -177,7 +178,7 @@ class PagedAttentionBackend:
             or md.decode_slots is None
             or md.decode_sink_rope is not None
             or md.decode_scores is not None
-            or type(self.storage) is not PagedKVStorage
+            or any(k.dtype != self.storage.dtype for k in self.storage.k)  # int8/int4 layers
         ):
             return None
         return cpu_ops.DecodeSlots(

@@ -112,6 +112,14 @@ class Int8PagedKVStorage(PagedKVStorage):
         self.k_scale = [torch.ones(scale_shape, device=device) for _ in range(num_layers)]
         self.v_scale = [torch.ones(scale_shape, device=device) for _ in range(num_layers)]
 
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Memory one block takes across all layers: int8 codes and an fp32 scale per slot and
+        head, for keys and values (``dtype``, the compute dtype, does not enter)."""
+        return 2 * num_layers * block_size * num_kv_heads * (head_dim + 4)
+
     def _per_slot(self) -> list[list[Tensor]]:
         return [self.k, self.v, self.k_scale, self.v_scale]
 

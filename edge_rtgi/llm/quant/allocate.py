@@ -14,21 +14,40 @@ upgrading it from int4-g64 to int8 removes the most KL of any single change but 
 the greedy first spends the budget on small groups with a higher gain per byte, after which the
 head no longer fits. At 5.25 bits the greedy plan kept the head at int4 (measured mean KL 0.093
 on the evaluation text); the exact plan moves it to int8.
+
+The same allocator chooses KV precision per layer (``allocate_kv``): the items are layers' KV
+caches (``plan.KVLayer``: bytes per block in the model's dtype, int8 or int4), the KLs are
+``kv_profile``'s rows ``layers.{i}.kv`` of the same table, and the budget is average bits per
+cached value (``--target-kv-bits``, scales and zeros included).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from edge_rtgi.errors import ConfigError
-from edge_rtgi.llm.quant.plan import QuantPlan, WeightGroup, plan_nbytes
+from edge_rtgi.llm.quant.plan import KVLayer, KVPlan, QuantPlan, WeightGroup, plan_nbytes
 from edge_rtgi.llm.quant.profile import SensitivityTable
-from edge_rtgi.llm.quant.schemes import parse_scheme
 
 DP_MAX_STEPS = 1 << 18  # most steps on the byte axis of the knapsack (see the module docstring)
+
+
+class PlanItem(Protocol):
+    """What the allocator chooses a scheme for: a weight group or a layer's KV cache."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def numel(self) -> int: ...
+
+    def option_nbytes(self, scheme: str) -> int | None:
+        """Bytes in ``scheme``; None where it does not apply."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -39,7 +58,18 @@ class Budget:
     described: str
 
     @classmethod
-    def from_args(cls, groups: list[WeightGroup], target_bits: float | None, max_mb: float | None) -> Budget:
+    def from_args(
+        cls,
+        groups: list[WeightGroup] | list[KVLayer],
+        target_bits: float | None,
+        max_mb: float | None,
+        flag: str = "--target-bits",
+    ) -> Budget:
+        if flag != "--target-bits":  # KV: bits per cached value, no size cap
+            if target_bits is None or target_bits <= 0:
+                raise ConfigError(f"{flag} must be positive, got {target_bits}")
+            numel = sum(g.numel for g in groups)
+            return cls(int(target_bits * numel / 8), f"{target_bits} bits per KV value")
         if target_bits is not None and max_mb is None:
             if target_bits <= 0:
                 raise ConfigError(f"--target-bits must be positive, got {target_bits}")
@@ -52,23 +82,26 @@ class Budget:
         raise ConfigError("give exactly one budget: --target-bits B or --max-mb N")
 
 
-def _candidates(group: WeightGroup, table: SensitivityTable, schemes: tuple[str, ...] | None) -> list:
-    """(bytes, kl, name) options for a group, dominated ones removed, cheapest first."""
+def _candidates(
+    group: PlanItem, table: SensitivityTable, schemes: tuple[str, ...] | None, lossless: str | None = None
+) -> list:
+    """(bytes, kl, name) options for a group, dominated ones removed, cheapest first. ``lossless``:
+    a scheme whose KL is 0 by construction, a candidate where ``schemes`` allows it."""
     measured = table.kl.get(group.name)
     if measured is None:
         raise ConfigError(
             f"the sensitivity table has no row for {group.name}",
-            hint="profile this model again with edge-rtgi quantize --profile",
+            hint="profile this model again with edge-rtgi quantize --profile"
+            + (" --profile-kv" if group.name.endswith(".kv") else ""),
         )
-    # "none" (bf16) is a candidate only when asked for: its KL is exactly 0 by construction, while
-    # every measured trial carries the bf16 noise floor (docs/quantization.md), so it would look
-    # better than it is next to int8.
-    options = {**measured, **({"none": 0.0} if schemes and "none" in schemes else {})}
+    options = dict(measured)
+    if lossless is not None and (schemes is None or lossless in schemes):
+        options[lossless] = 0.0
     rows = []
     for name, kl in options.items():
-        scheme = parse_scheme(name)
-        if (schemes is None or name in schemes) and group.allowed(scheme):
-            rows.append((scheme.nbytes(group.out_features, group.in_features), kl, name))
+        nbytes = group.option_nbytes(name) if schemes is None or name in schemes else None
+        if nbytes is not None:
+            rows.append((nbytes, kl, name))
     rows.sort()
     kept, best = [], float("inf")
     for row in rows:  # keep only options that are cheaper than every option with lower KL
@@ -82,22 +115,12 @@ def allocate(
     groups: list[WeightGroup], table: SensitivityTable, budget: Budget, schemes: tuple[str, ...] | None = None
 ) -> QuantPlan:
     """The plan minimising summed KL within ``budget``; ``schemes`` limits the candidates."""
-    options = {g.name: _candidates(g, table, schemes) for g in groups}
-    assert all(len(rows) < 256 for rows in options.values())  # picks are stored as uint8
-    empty = [name for name, rows in options.items() if not rows]
-    if empty:
-        raise ConfigError(f"no allowed candidate scheme for {', '.join(empty)}")
-    cheapest = sum(rows[0][0] for rows in options.values())
+    # "none" (bf16) is a candidate only when asked for: its KL is exactly 0 by construction, while
+    # every measured trial carries the bf16 noise floor (docs/quantization.md), so it would look
+    # better than it is next to int8.
+    options = {g.name: _candidates(g, table, schemes, "none" if schemes else None) for g in groups}
+    resolved, total_kl = _allocate(options, budget, sum(g.numel for g in groups), "--target-bits")
     numel = sum(g.numel for g in groups)
-    if cheapest > budget.max_bytes:
-        raise ConfigError(
-            f"budget of {budget.described} is below the smallest plan: every group at its cheapest "
-            f"candidate needs {8 * cheapest / numel:.3f} bits per weight ({cheapest / 1e6:.2f} MB)",
-            hint=f"use --target-bits >= {8 * cheapest / numel:.3f} or --max-mb >= {cheapest / 1e6:.2f}",
-        )
-    choice = _knapsack(options, budget.max_bytes - cheapest)
-    resolved = {name: options[name][choice[name]][2] for name in options}
-    total_kl = sum(options[name][choice[name]][1] for name in options)
     notes = {
         "budget": budget.described,
         "bits_per_weight": round(8 * plan_nbytes(resolved, groups) / numel, 4),
@@ -105,6 +128,52 @@ def allocate(
         "predicted_kl_sum": float(f"{total_kl:.4g}"),
     }
     return QuantPlan(resolved, "none", notes)
+
+
+def allocate_kv(
+    layers: list[KVLayer], table: SensitivityTable, budget: Budget, schemes: tuple[str, ...] | None = None
+) -> KVPlan:
+    """The KV precision per layer minimising summed KL within ``budget`` (bytes per block across
+    layers); ``schemes`` limits the candidates among auto, int8 and int4. The model's dtype
+    ("auto") has KL 0 by construction: ``kv_profile`` measures against that very path."""
+    options = {kv.name: _candidates(kv, table, schemes, "auto") for kv in layers}
+    resolved, total_kl = _allocate(options, budget, sum(kv.numel for kv in layers), "--target-kv-bits")
+    per_block = sum(kv.option_nbytes(resolved[kv.name]) or 0 for kv in layers)
+    block_tokens = layers[0].block_size
+    notes = {
+        "budget": budget.described,
+        "kv_bits": round(8 * per_block / sum(kv.numel for kv in layers), 4),
+        "kv_bytes_per_token": per_block / block_tokens,
+        "predicted_kl_sum": float(f"{total_kl:.4g}"),
+    }
+    return KVPlan(resolved, "auto", notes)
+
+
+def _allocate(
+    options: dict[str, list], budget: Budget, numel: int, flag: str
+) -> tuple[dict[str, str], float]:
+    """The chosen scheme per item and the summed KL of the choice."""
+    assert all(len(rows) < 256 for rows in options.values())  # picks are stored as uint8
+    empty = [name for name, rows in options.items() if not rows]
+    if empty:
+        raise ConfigError(f"no allowed candidate scheme for {', '.join(empty)}")
+    cheapest = sum(rows[0][0] for rows in options.values())
+    if cheapest > budget.max_bytes:
+        weights = flag == "--target-bits"
+        size = f" or --max-mb >= {cheapest / 1e6:.2f}" if weights else ""
+        unit = "bits per weight" if weights else "bits per KV value"
+        item, size_text = (
+            ("group", f"{cheapest / 1e6:.2f} MB") if weights else ("layer", f"{cheapest} B per block")
+        )
+        raise ConfigError(
+            f"budget of {budget.described} is below the smallest plan: every {item} at its cheapest "
+            f"candidate needs {8 * cheapest / numel:.3f} {unit} ({size_text})",
+            hint=f"use {flag} >= {8 * cheapest / numel:.3f}{size}",
+        )
+    choice = _knapsack(options, budget.max_bytes - cheapest)
+    resolved = {name: options[name][choice[name]][2] for name in options}
+    total_kl = sum(options[name][choice[name]][1] for name in options)
+    return resolved, total_kl
 
 
 def _knapsack(options: dict[str, list], spare_bytes: int) -> dict[str, int]:

@@ -11,6 +11,18 @@ Groups are the fused linears of ``edge_rtgi.llm.model``: ``layers.{i}.qkv``, ``l
 
 A plan that names a group the model does not have is refused with the names, and so is a scheme
 that does not fit a group's shape.
+
+A plan may also carry a ``kv`` section: the precision each layer's KV cache is kept in
+(``kv_dtype: plan`` with ``kv_plan: PATH`` in the engine settings; ``kv.mixed``). Entries are named
+like weight groups, ``layers.{i}.kv``, and take the values ``kv_dtype`` takes for the whole model::
+
+    kv:
+      default: int4            # layers not listed below ("auto", the model's dtype, when absent)
+      layers:
+        layers.0.kv: auto
+        layers.3.kv: int8
+
+Either section may be absent; ``edge-rtgi quantize --target-kv-bits`` writes the ``kv`` one.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from torch import nn
 
 from edge_rtgi.device import cpu_has_bf16
 from edge_rtgi.errors import ConfigError
+from edge_rtgi.llm.kv.mixed import LAYER_KV_DTYPES, mixed_bytes_per_block
 from edge_rtgi.llm.quant.kernels import (
     QuantLinear,
     TiedQuantEmbedding,
@@ -63,6 +76,11 @@ class WeightGroup:
     def numel(self) -> int:
         return self.out_features * self.in_features
 
+    def option_nbytes(self, scheme: str) -> int | None:
+        """Bytes of this matrix in ``scheme`` (None: the scheme does not fit it)."""
+        parsed = parse_scheme(scheme)
+        return parsed.nbytes(self.out_features, self.in_features) if self.allowed(parsed) else None
+
     def allowed(self, scheme: QuantScheme) -> bool:
         if not scheme.fits(self.out_features, self.in_features):
             return False
@@ -96,13 +114,118 @@ def model_groups(model: Transformer) -> list[WeightGroup]:
     return groups
 
 
+def kv_layer_name(layer: int) -> str:
+    """A layer's KV entry in plans and sensitivity tables."""
+    return f"layers.{layer}.kv"
+
+
+@dataclass(frozen=True)
+class KVLayer:
+    """One layer's KV cache as an allocation item: its bytes per block in each precision
+    (``kv.mixed``), and ``numel``, the values one block of it holds (keys and values)."""
+
+    name: str
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    def option_nbytes(self, scheme: str) -> int | None:
+        """Bytes one block of this layer takes in precision ``scheme`` (None: not one)."""
+        if scheme not in LAYER_KV_DTYPES:
+            return None
+        if scheme == "int4" and self.head_dim % 2:
+            return None
+        return mixed_bytes_per_block([scheme], self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+
+def model_kv_layers(
+    model: Transformer, block_size: int = 16, dtype: torch.dtype | None = None
+) -> list[KVLayer]:
+    """The KV allocation items of a ``Transformer``, one per layer, for blocks of ``block_size``
+    with full-precision KV in ``dtype`` (default: the model's)."""
+    cfg = model.config
+    kv_dtype = dtype if dtype is not None else model.dtype
+    return [
+        KVLayer(kv_layer_name(i), block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        for i in range(cfg.num_layers)
+    ]
+
+
+@dataclass
+class KVPlan:
+    """KV precision per layer entry (``layers.{i}.kv``); layers absent use ``default``."""
+
+    layers: dict[str, str] = field(default_factory=dict)
+    default: str = "auto"
+    notes: dict = field(default_factory=dict)
+
+    def layer_dtypes(self, num_layers: int, source: str = "kv plan") -> list[str]:
+        """The precision of each of ``num_layers`` layers; a ConfigError names entries the model
+        does not have."""
+        known = {kv_layer_name(i) for i in range(num_layers)}
+        missing = sorted(set(self.layers) - known)
+        if missing:
+            raise ConfigError(
+                f"{source} names KV layers the model does not have: {', '.join(missing)}",
+                hint=f"the model has layers.0.kv ... layers.{num_layers - 1}.kv",
+            )
+        return [self.layers.get(kv_layer_name(i), self.default) for i in range(num_layers)]
+
+    def to_dict(self, num_layers: int | None = None) -> dict:
+        layers = (
+            {kv_layer_name(i): d for i, d in enumerate(self.layer_dtypes(num_layers))}
+            if num_layers is not None
+            else dict(self.layers)
+        )
+        doc: dict = {"default": self.default, "layers": layers}
+        if self.notes:
+            doc["notes"] = self.notes
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: object, source: str) -> KVPlan:
+        """Parse a plan's ``kv`` section; a ConfigError names the key and the allowed values."""
+        if not isinstance(doc, dict):
+            raise ConfigError(f"{source}: kv must be a mapping", hint="kv: {default: int4, layers: {...}}")
+        unknown = set(doc) - {"default", "layers", "notes"}
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown keys kv.{sorted(unknown)}", hint="allowed: default, layers, notes"
+            )
+        allowed = ", ".join(LAYER_KV_DTYPES)
+        default = str(doc.get("default", "auto"))
+        if default not in LAYER_KV_DTYPES:
+            raise ConfigError(f"{source}: kv.default is {default!r}", hint=f"allowed: {allowed}")
+        layers = doc.get("layers") or {}
+        if not isinstance(layers, dict):
+            raise ConfigError(f"{source}: kv.layers must be a mapping", hint="e.g. layers.0.kv: int8")
+        entries = {}
+        for name, value in layers.items():
+            parts = str(name).split(".")
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] != "kv":
+                raise ConfigError(
+                    f"{source}: kv.layers.{name} is not a KV layer", hint="name them layers.{i}.kv"
+                )
+            if str(value) not in LAYER_KV_DTYPES:
+                raise ConfigError(f"{source}: kv.layers.{name} is {value!r}", hint=f"allowed: {allowed}")
+            entries[str(name)] = str(value)
+        return cls(entries, default, dict(doc.get("notes") or {}))
+
+
 @dataclass
 class QuantPlan:
-    """Scheme name per group name. Groups absent from ``schemes`` use ``default``."""
+    """Scheme name per group name. Groups absent from ``schemes`` use ``default``. ``kv``: the
+    KV precision per layer, when the plan carries one."""
 
     schemes: dict[str, str] = field(default_factory=dict)
     default: str = "none"
     notes: dict = field(default_factory=dict)
+    kv: KVPlan | None = None
 
     def scheme_for(self, group: str) -> QuantScheme:
         return parse_scheme(self.schemes.get(group, self.default))
@@ -134,11 +257,15 @@ class QuantPlan:
                 hint="int4 needs in_features divisible by the group size; pick a smaller group",
             )
 
-    def to_yaml(self, groups: list[WeightGroup] | None = None) -> str:
+    def to_yaml(self, groups: list[WeightGroup] | None = None, num_layers: int | None = None) -> str:
+        """The plan as YAML; with ``groups`` / ``num_layers``, every weight group / KV layer is
+        listed explicitly (after validation)."""
         schemes = self.resolved(groups) if groups is not None else dict(self.schemes)
-        doc = {"format": PLAN_FORMAT, "default": self.default, "groups": schemes}
+        doc: dict = {"format": PLAN_FORMAT, "default": self.default, "groups": schemes}
         if self.notes:
             doc["notes"] = self.notes
+        if self.kv is not None:
+            doc["kv"] = self.kv.to_dict(num_layers)
         return yaml.safe_dump(doc, sort_keys=False)
 
     @classmethod
@@ -151,18 +278,22 @@ class QuantPlan:
             raise ConfigError(
                 f"{source} is not a quantisation plan", hint=f"expected 'format: {PLAN_FORMAT}'"
             )
-        unknown = set(doc) - {"format", "default", "groups", "notes"}
+        unknown = set(doc) - {"format", "default", "groups", "notes", "kv"}
         if unknown:
             raise ConfigError(
-                f"{source}: unknown keys {sorted(unknown)}", hint="allowed: format, default, groups, notes"
+                f"{source}: unknown keys {sorted(unknown)}",
+                hint="allowed: format, default, groups, notes, kv",
             )
         schemes = {str(k): str(v) for k, v in (doc.get("groups") or {}).items()}
         for name in schemes.values():
             parse_scheme(name)
-        return cls(schemes, str(doc.get("default", "none")), dict(doc.get("notes") or {}))
+        kv = KVPlan.from_dict(doc["kv"], source) if "kv" in doc else None
+        return cls(schemes, str(doc.get("default", "none")), dict(doc.get("notes") or {}), kv)
 
-    def save(self, path: str | Path, groups: list[WeightGroup] | None = None) -> None:
-        Path(path).write_text(self.to_yaml(groups), encoding="utf-8")
+    def save(
+        self, path: str | Path, groups: list[WeightGroup] | None = None, num_layers: int | None = None
+    ) -> None:
+        Path(path).write_text(self.to_yaml(groups, num_layers), encoding="utf-8")
 
     @classmethod
     def load(cls, path: str | Path) -> QuantPlan:
