@@ -10,6 +10,8 @@ hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
 - ``decode_attention``: the new keys/values written at their slots, then one query per row over
   the listed key slots (grouped-query heads; an optional mask per key). Same math as SDPA,
   summed in a different order.
+- ``decode_attention_int4``: the same attention over an int4 KIVI cache (``kv/int4.py``),
+  reading its codes in place instead of dequantising the cache into a copy first.
 - ``int4_mm`` / ``int8_mm``: weight-only int4 / int8 matmuls for 2..16 rows (verification of
   draft tokens, decode batches) that read each weight block once for all rows; one row keeps
   ATen's kernels. Same weight layouts as ATen's; sums in another order.
@@ -307,6 +309,65 @@ def decode_attention(
         raise RuntimeError("decode_attention called without the fused CPU kernels loaded")
     return _ops.decode_attention.default(
         q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale
+    )
+
+
+@dataclass(frozen=True)
+class Int4KVLayer:
+    """One layer of an int4 KIVI cache (``kv.int4.Int4KIVIPagedKVStorage``) as
+    ``decode_attention_int4`` reads it: N slots in NB blocks of ``block_size``, Hkv heads of D."""
+
+    k_codes: Tensor  # [N, Hkv, D/2] uint8, two channels per byte (even channel low nibble)
+    k_scale: Tensor  # [NB, Hkv, D] fp16, per block and channel
+    k_zero: Tensor  # [NB, Hkv, D] fp16
+    k_open: Tensor  # [R, block_size, Hkv, D] full-precision keys of blocks not yet full
+    open_row: Tensor  # [NB] int64: a block's row in k_open, -1 when closed (its codes valid)
+    v_codes: Tensor  # [N, Hkv, D/2] uint8
+    v_scale: Tensor  # [N, Hkv, D/value_group] fp16, per slot and channel group
+    v_zero: Tensor  # [N, Hkv, D/value_group] fp16
+    block_size: int
+    value_group: int
+
+
+def decode_attention_int4_usable(q: Tensor, k_open: Tensor) -> bool:
+    """Whether ``decode_attention_int4`` should run: kernels loaded, CPU, float32 or bfloat16
+    queries in the cache's full-precision dtype. No key-count cut-off, unlike
+    ``decode_attention_usable``: the alternative dequantises the whole cache per layer first,
+    which costs more than the fused loop at every length (docs/engine.md, int4 KV)."""
+    return _use(q) and k_open.dtype == q.dtype
+
+
+def decode_attention_int4(
+    q: Tensor, kv: Int4KVLayer, key_slots: Tensor, key_mask: Tensor | None, scale: float
+) -> Tensor:
+    """Attention of row b's query heads ``q[b]`` ([Hq, D]) over the int4 keys and values at
+    ``key_slots[b]`` ([B, S] int64), skipping keys whose ``key_mask`` ([B, S] or [B, 1, 1, S]
+    bool) is False; -> [B, Hq, D] in q's dtype. Reads the codes in place (no dequantised copy of
+    the cache): ``q.k = (q*scale).codes + q.zero`` per block, values likewise per channel group;
+    keys of blocks not yet full come from ``kv.k_open``. fp32 sums, so it differs from
+    ``gather`` + SDPA by the order of the sums and, in bf16, by the rounding of the dequantised
+    keys and values to bf16 that gather does and this does not.
+
+    The caller writes the step's new keys and values first (``storage.write``, which keeps the
+    open-block bookkeeping). Only call it where ``decode_attention_int4_usable`` said yes.
+    """
+    if _ops is None:
+        raise RuntimeError("decode_attention_int4 called without the fused CPU kernels loaded")
+    return _ops.decode_attention_int4.default(
+        q,
+        kv.k_codes,
+        kv.k_scale,
+        kv.k_zero,
+        kv.k_open,
+        kv.open_row,
+        kv.v_codes,
+        kv.v_scale,
+        kv.v_zero,
+        key_slots,
+        key_mask,
+        scale,
+        kv.block_size,
+        kv.value_group,
     )
 
 
