@@ -75,6 +75,9 @@ _lock = threading.Lock()
 _ops: _OpNamespace | None = None  # torch.ops.edge_rtgi once loaded
 _failure: str | None = None
 _disabled_depth = 0  # disabled() blocks currently open, in any thread
+# Kernels that disabled(name) can switch off alone, and how many such blocks are open for each.
+SWITCHABLE = ("decode_attention_int4",)
+_disabled_kernels = dict.fromkeys(SWITCHABLE, 0)
 
 
 def build_dir() -> Path:
@@ -221,20 +224,36 @@ def failure() -> str | None:
 
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled(*kernels: str) -> Iterator[None]:
     """Run the PyTorch ops inside this block (equivalence tests and A/B benchmarks).
 
-    Process-wide, not per thread: an engine thread sharing the model runs the PyTorch ops too
-    while any ``disabled()`` block is open. Blocks may nest and overlap across threads.
+    ``kernels``: switch off only these (names from ``SWITCHABLE``), e.g.
+    ``disabled("decode_attention_int4")`` to time int4 KV's gather + SDPA against the fused
+    kernel with every other kernel on. Process-wide, not per thread: an engine thread sharing the
+    model runs the PyTorch ops too while any ``disabled()`` block is open. Blocks may nest and
+    overlap across threads.
     """
     global _disabled_depth
+    unknown = [k for k in kernels if k not in _disabled_kernels]
+    if unknown:
+        raise ValueError(
+            f"cpu_ops.disabled: unknown kernel(s) {unknown}; these can be switched off alone: {SWITCHABLE}"
+        )
     with _lock:
-        _disabled_depth += 1
+        if kernels:
+            for k in kernels:
+                _disabled_kernels[k] += 1
+        else:
+            _disabled_depth += 1
     try:
         yield
     finally:
         with _lock:
-            _disabled_depth -= 1
+            if kernels:
+                for k in kernels:
+                    _disabled_kernels[k] -= 1
+            else:
+                _disabled_depth -= 1
 
 
 def _use(x: Tensor) -> bool:
@@ -333,8 +352,9 @@ def decode_attention_int4_usable(q: Tensor, k_open: Tensor) -> bool:
     """Whether ``decode_attention_int4`` should run: kernels loaded, CPU, float32 or bfloat16
     queries in the cache's full-precision dtype. No key-count cut-off, unlike
     ``decode_attention_usable``: the alternative dequantises the whole cache per layer first,
-    which costs more than the fused loop at every length (docs/engine.md, int4 KV)."""
-    return _use(q) and k_open.dtype == q.dtype
+    which costs more than the fused loop at every length (docs/engine.md, int4 KV). Off inside
+    ``disabled()`` and ``disabled("decode_attention_int4")``."""
+    return _use(q) and k_open.dtype == q.dtype and _disabled_kernels["decode_attention_int4"] == 0
 
 
 def decode_attention_int4(

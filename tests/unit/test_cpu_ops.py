@@ -290,6 +290,13 @@ def test_decode_attention_int4_refuses_bad_inputs():
     assert not cpu_ops.decode_attention_int4_usable(q.bfloat16(), kv.k_open)
     with cpu_ops.disabled():
         assert not cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+    with cpu_ops.disabled("decode_attention_int4"):  # this kernel alone
+        assert not cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+        assert cpu_ops.available()
+    assert cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with cpu_ops.disabled("rms_norm"):
+            pass
 
 
 def test_bad_slots_are_refused_with_the_slot():

@@ -32,6 +32,9 @@
 #include <immintrin.h>
 #define EDGE_RTGI_AVX512 1
 #endif
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #if defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -430,22 +433,103 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k_new_in, const Tensor
 
 struct Int4Layer {
   const uint8_t* k_codes;
-  const at::Half* k_scale;
-  const at::Half* k_zero;
+  const uint16_t* k_scale;  // fp16 bits
+  const uint16_t* k_zero;
   const int64_t* open_row;
   const uint8_t* v_codes;
-  const at::Half* v_scale;
-  const at::Half* v_zero;
+  const uint16_t* v_scale;
+  const uint16_t* v_zero;
   int64_t num_kv_heads, block_size, value_group;
 };
+
+// fp16 bits -> float: F16C's instruction where the build has it (x86-64-v3 and up); elsewhere the
+// bit manipulation that c10::Half's conversion also falls back to in an extension build.
+inline float half_to_f(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
 
 // Codes of one slot and head, as floats in nibble order: the low nibbles (even channels) in
 // out[0, half), the high nibbles (odd channels) in out[half, 2 half). Kept in this order through
 // the dot products and the value sums; only the output goes back to channel order.
-inline void unpack_codes(const uint8_t* codes, int64_t half, float* out) {
+inline void unpack_codes(const uint8_t* __restrict__ codes, int64_t half, float* __restrict__ out) {
   for (int64_t i = 0; i < half; ++i) {
     out[i] = static_cast<float>(codes[i] & 15);
     out[half + i] = static_cast<float>(codes[i] >> 4);
+  }
+}
+
+#ifdef EDGE_RTGI_AVX512
+// 16 bytes of codes -> their low and high nibbles as 16 floats each.
+inline void nibbles16(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+}
+#endif
+
+// One key's scores: out[j * stride] = qz[j] + qs_j . codes for the query heads j < group (qs:
+// [group, 2 half], nibble order). scratch: 2 half floats for the portable loop.
+inline void int4_key_scores(const uint8_t* codes, const float* qs, const float* qz, int64_t group, int64_t half,
+                            float* out, int64_t stride, float* scratch) {
+#ifdef EDGE_RTGI_AVX512
+  if (half % 16 == 0) {  // codes unpacked in registers once for all heads; the compiler's loop
+    constexpr int64_t kHeads = 4;  // unpacked to memory and reduced each head separately
+    for (int64_t j0 = 0; j0 < group; j0 += kHeads) {
+      const int64_t nj = std::min(kHeads, group - j0);
+      __m512 acc[kHeads] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t i = 0; i < half; i += 16) {
+        __m512 lo, hi;
+        nibbles16(codes + i, lo, hi);
+        for (int64_t j = 0; j < nj; ++j) {
+          const float* q = qs + (j0 + j) * 2 * half;
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), lo, acc[j]);
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + half + i), hi, acc[j]);
+        }
+      }
+      for (int64_t j = 0; j < nj; ++j) out[(j0 + j) * stride] = qz[j0 + j] + _mm512_reduce_add_ps(acc[j]);
+    }
+    return;
+  }
+#endif
+  unpack_codes(codes, half, scratch);
+  for (int64_t j = 0; j < group; ++j) out[j * stride] = qz[j] + dot(qs + j * 2 * half, scratch, 2 * half);
+}
+
+// One value's share: acc_j += ps[j * vgroups + g] * codes of channel group g, for the query heads
+// j < group (acc: [group, 2 half], nibble order; group g is bytes [g half_vg, (g + 1) half_vg)).
+inline void int4_value_axpy(const uint8_t* codes, const float* ps, int64_t group, int64_t half, int64_t half_vg,
+                            int64_t vgroups, float* acc, float* scratch) {
+#ifdef EDGE_RTGI_AVX512
+  if (half_vg % 16 == 0) {
+    for (int64_t i = 0; i < half; i += 16) {
+      __m512 lo, hi;
+      nibbles16(codes + i, lo, hi);
+      const int64_t g = i / half_vg;
+      for (int64_t j = 0; j < group; ++j) {
+        const __m512 w = _mm512_set1_ps(ps[j * vgroups + g]);
+        float* a = acc + j * 2 * half;
+        _mm512_storeu_ps(a + i, _mm512_fmadd_ps(w, lo, _mm512_loadu_ps(a + i)));
+        _mm512_storeu_ps(a + half + i, _mm512_fmadd_ps(w, hi, _mm512_loadu_ps(a + half + i)));
+      }
+    }
+    return;
+  }
+#endif
+  unpack_codes(codes, half, scratch);
+  const float* __restrict__ c = scratch;
+  for (int64_t j = 0; j < group; ++j) {
+    float* __restrict__ a = acc + j * 2 * half;
+    for (int64_t g = 0; g < vgroups; ++g) {
+      const float w = ps[j * vgroups + g];
+      for (int64_t i = g * half_vg; i < (g + 1) * half_vg; ++i) {
+        a[i] += w * c[i];
+        a[half + i] += w * c[half + i];
+      }
+    }
   }
 }
 
@@ -480,7 +564,8 @@ void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k
   float* pacc = part_acc.data();
   at::parallel_for(0, work, grain_rows(stretch * dim * group * 2), [=](int64_t begin, int64_t end) {
     std::vector<float> qf(group * dim), qs(group * dim), qz(group), sz(2 * dim), codes(dim);
-    std::vector<float> scores(group * stretch), acc(group * dim), zacc(group * vgroups), vsz(2 * vgroups);
+    std::vector<float> scores(group * stretch), acc(group * dim), zacc(group * vgroups), vsz(2 * vgroups),
+        ps(group * vgroups);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t split = item % splits, bh = item / splits;
       const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
@@ -503,13 +588,13 @@ void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k
           cur_block = block;
           cur_row = kv.open_row[block];
           if (cur_row < 0) {  // a closed block: its per-channel scale and zero, folded into q
-            const at::Half* ks = kv.k_scale + (block * num_kv_heads + h) * dim;
-            const at::Half* kz = kv.k_zero + (block * num_kv_heads + h) * dim;
+            const uint16_t* ks = kv.k_scale + (block * num_kv_heads + h) * dim;
+            const uint16_t* kz = kv.k_zero + (block * num_kv_heads + h) * dim;
             for (int64_t i = 0; i < half; ++i) {  // nibble order, as unpack_codes
-              sz[i] = static_cast<float>(ks[2 * i]);
-              sz[half + i] = static_cast<float>(ks[2 * i + 1]);
+              sz[i] = half_to_f(ks[2 * i]);
+              sz[half + i] = half_to_f(ks[2 * i + 1]);
             }
-            for (int64_t i = 0; i < dim; ++i) sz[dim + i] = static_cast<float>(kz[i]);
+            for (int64_t i = 0; i < dim; ++i) sz[dim + i] = half_to_f(kz[i]);
             for (int64_t j = 0; j < group; ++j) {
               const float* qj = qf.data() + j * dim;
               float* qsj = qs.data() + j * dim;
@@ -525,10 +610,8 @@ void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k
           const T* key = k_open + ((cur_row * bs + slot % bs) * num_kv_heads + h) * dim;
           for (int64_t j = 0; j < group; ++j) scores[j * stretch + s] = dot(qf.data() + j * dim, key, dim);
         } else {
-          unpack_codes(kv.k_codes + slot * code_stride + h * half, half, codes.data());
-          for (int64_t j = 0; j < group; ++j) {
-            scores[j * stretch + s] = qz[j] + dot(qs.data() + j * dim, codes.data(), dim);
-          }
+          int4_key_scores(kv.k_codes + slot * code_stride + h * half, qs.data(), qz.data(), group, half,
+                          scores.data() + s, stretch, codes.data());
         }
       }
       // Each head's softmax weights over the stretch, relative to the stretch's maximum.
@@ -546,26 +629,21 @@ void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k
       for (int64_t s = 0; s < n; ++s) {
         if (row_mask && !row_mask[s]) continue;
         const int64_t slot = row_slots[s];
-        unpack_codes(kv.v_codes + slot * code_stride + h * half, half, codes.data());
-        const at::Half* vs = kv.v_scale + (slot * num_kv_heads + h) * vgroups;
-        const at::Half* vz = kv.v_zero + (slot * num_kv_heads + h) * vgroups;
+        const uint16_t* vs = kv.v_scale + (slot * num_kv_heads + h) * vgroups;
+        const uint16_t* vz = kv.v_zero + (slot * num_kv_heads + h) * vgroups;
         for (int64_t g = 0; g < vgroups; ++g) {
-          vsz[g] = static_cast<float>(vs[g]);
-          vsz[vgroups + g] = static_cast<float>(vz[g]);
+          vsz[g] = half_to_f(vs[g]);
+          vsz[vgroups + g] = half_to_f(vz[g]);
         }
         for (int64_t j = 0; j < group; ++j) {
           const float p = scores[j * stretch + s];
-          float* aj = acc.data() + j * dim;
           for (int64_t g = 0; g < vgroups; ++g) {
-            const float ps = p * vsz[g];
+            ps[j * vgroups + g] = p * vsz[g];
             zacc[j * vgroups + g] += p * vsz[vgroups + g];
-            // channels of group g: bytes [g half_vg, (g + 1) half_vg), both nibbles
-            for (int64_t i = g * half_vg; i < (g + 1) * half_vg; ++i) {
-              aj[i] += ps * codes[i];
-              aj[half + i] += ps * codes[half + i];
-            }
           }
         }
+        int4_value_axpy(kv.v_codes + slot * code_stride + h * half, ps.data(), group, half, half_vg, vgroups,
+                        acc.data(), codes.data());
       }
       for (int64_t j = 0; j < group; ++j) {  // back to channel order, plus the zeros' share
         const float* aj = acc.data() + j * dim;
@@ -656,11 +734,10 @@ Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Te
   for (int64_t i = 0, n = key_slots.numel(); i < n; ++i) {
     TORCH_CHECK(ks[i] >= 0 && ks[i] < num_slots, op, "key slot ", ks[i], " out of range [0, ", num_slots, ")");
   }
-  const Int4Layer kv{k_codes.const_data_ptr<uint8_t>(), k_scale.const_data_ptr<at::Half>(),
-                     k_zero.const_data_ptr<at::Half>(),  rows_of,
-                     v_codes.const_data_ptr<uint8_t>(), v_scale.const_data_ptr<at::Half>(),
-                     v_zero.const_data_ptr<at::Half>(),  num_kv_heads,
-                     block_size,                        value_group};
+  auto bits = [](const Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::Half>()); };
+  const Int4Layer kv{k_codes.const_data_ptr<uint8_t>(), bits(k_scale), bits(k_zero), rows_of,
+                     v_codes.const_data_ptr<uint8_t>(), bits(v_scale), bits(v_zero), num_kv_heads,
+                     block_size, value_group};
   Tensor out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
     decode_attention_int4_impl<float>(q, kv, in_ptr<float>(k_open), key_slots, key_mask, scale, out);
