@@ -27,6 +27,16 @@ Each figure is the median over rounds of a step's time divided by the 1-row "shi
 same round.
 
     python scripts/bench_cpu_kernels.py --multi-row --rounds 15
+
+``--int4-attention``: one layer's decode attention over an int4 KIVI cache (SmolLM2's 9 query / 3 KV
+heads of 64, blocks of 16, bf16) at 64, 384, 2,048 and 8,192 keys, interleaved round by round:
+- "int4 fused": ``cpu_ops.decode_attention_int4``, the codes read in place;
+- "int4 gather + SDPA": the path without it (``storage.gather`` dequantises a copy, then SDPA);
+- "bf16 gather + SDPA": a bf16 cache's path above ``DECODE_ATTENTION_MAX_KEYS``;
+- "bf16 fused": ``cpu_ops.decode_attention`` on the bf16 cache (its slot write included).
+Medians over rounds of each call's time and of its ratio to "int4 fused" in the same round.
+
+    python scripts/bench_cpu_kernels.py --int4-attention --rounds 200
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import argparse
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +147,56 @@ def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_C
         print(f"{rows:>4} " + " ".join(cells))
 
 
+def int4_attention_calls(n: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """The four ways to attend one query per head over ``n`` keys (see ``--int4-attention``)."""
+    from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
+    from edge_rtgi.llm.kv.storage import PagedKVStorage
+
+    heads, kv_heads, dim, block, dtype = 9, 3, 64, 16, torch.bfloat16
+    blocks = n // block + 1
+    int4 = Int4KIVIPagedKVStorage(1, blocks, block, kv_heads, dim, dtype)
+    plain = PagedKVStorage(1, blocks, block, kv_heads, dim, dtype)
+    slots = torch.arange(n)
+    k, v = torch.randn(n, kv_heads, dim).to(dtype), torch.randn(n, kv_heads, dim).to(dtype)
+    int4.write(0, slots, k, v)
+    plain.write(0, slots, k, v)
+    q, key_slots, kv = torch.randn(1, heads, dim).to(dtype), slots[None], int4.fused_layer(0)
+
+    def sdpa(storage: PagedKVStorage) -> torch.Tensor:
+        keys, values = storage.gather(0, key_slots)
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), enable_gqa=True
+        )
+
+    return {
+        "int4 fused": lambda: cpu_ops.decode_attention_int4(q, kv, key_slots, None, dim**-0.5),
+        "int4 gather + SDPA": lambda: sdpa(int4),
+        "bf16 gather + SDPA": lambda: sdpa(plain),
+        "bf16 fused": lambda: cpu_ops.decode_attention(
+            q, k[-1:], v[-1:], plain.k[0], plain.v[0], slots[-1:], key_slots, None, dim**-0.5
+        ),
+    }
+
+
+def int4_attention(rounds: int, key_counts: tuple[int, ...] = (64, 384, 2048, 8192)) -> None:
+    for n in key_counts:
+        calls = int4_attention_calls(n)
+        times: dict[str, list[float]] = {name: [] for name in calls}
+        for _ in range(max(5, rounds * 2048 // max(n, 2048))):  # fewer rounds for long rows
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - start)
+        base = times["int4 fused"]
+        for name, ts in times.items():
+            ratio = statistics.median(t / b for t, b in zip(ts, base, strict=True))
+            print(
+                f"{n:>5} keys  {name:<20} {1e6 * statistics.median(ts):8.1f} us  "
+                f"{ratio:5.2f}x int4 fused  ({len(ts)} rounds)",
+                flush=True,
+            )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -147,9 +208,21 @@ def main(argv=None) -> int:
         "--max-context", type=int, default=300, help="restart at the prompt after this many tokens"
     )
     ap.add_argument("--multi-row", action="store_true", help="the multi-row matmul benchmark instead")
-    ap.add_argument("--rounds", type=int, default=15, help="--multi-row: interleaved rounds")
+    ap.add_argument(
+        "--rounds", type=int, default=15, help="--multi-row, --int4-attention: interleaved rounds"
+    )
+    ap.add_argument(
+        "--int4-attention", action="store_true", help="the int4 KV decode attention benchmark instead"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.int4_attention:
+        if not cpu_ops.load():
+            raise SystemExit(f"fused CPU kernels unavailable: {cpu_ops.failure()}")
+        print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
+        with torch.inference_mode():
+            int4_attention(args.rounds)
+        return 0
     loaded = load_model(resolve_model(args.model, role="llm"), device="cpu", dtype="auto")
     if not cpu_ops.available():
         raise SystemExit(f"fused CPU kernels unavailable: {cpu_ops.failure()}")

@@ -13,8 +13,8 @@ full-KV engine, every figure measured in the same run.
 - **Decode tok/s** at 2k and 8k context (--decode-lengths): 32 greedy tokens after a 2k prompt
   and after the long text (no scoring hook), rate = (n - 1) / (last token time - first token
   time); full cache against sinks + window, or (--decode-configs) h2o / snapkv eviction under
-  --budget-tokens, the configurations interleaved over --decode-runs runs, medians and ratios to
-  the first.
+  --budget-tokens, or int8 / int4 KV (int4_gather: int4 with its fused decode kernel off), the
+  configurations interleaved over --decode-runs runs, medians and ratios to the first.
 - **Dialogue recall** (--recall-items, spread over distances 1, 4, 12, 30 turns back): the
   full-KV engine's replies against, at a quarter (4x) and an eighth (8x) of the items' mean
   prompt length: sinks + window, and importance eviction under that ``kv_budget_tokens``
@@ -51,6 +51,7 @@ Run under the shared lock, and write down ``uptime`` beside the figures:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -64,6 +65,7 @@ from typing import Any
 import torch
 
 from edge_rtgi.catalog import resolve_model
+from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.engine import GenerationResult, LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.kv.eviction import KVEviction
@@ -863,7 +865,8 @@ def main() -> int:
     ap.add_argument(
         "--decode-configs",
         default="full,sinks_window",
-        help="comma-separated, the first is the baseline: full, sinks_window, window_only, h2o, snapkv",
+        help="comma-separated, the first is the baseline: full, sinks_window, window_only, h2o, snapkv, "
+        "int8, int4 (KV dtypes, full cache), int4_gather (int4 with its fused decode kernel off)",
     )
     ap.add_argument("--decode-runs", type=int, default=1)
     ap.add_argument(
@@ -980,6 +983,8 @@ def main() -> int:
             for _ in range(args.decode_runs):  # configurations interleaved, so load drifts hit all alike
                 for name in names:
                     kwargs: dict[str, Any] = {"window": configs.get(name)}
+                    if name in ("int8", "int4", "int4_gather"):
+                        kwargs = {"window": None, "kv_dtype": name.removesuffix("_gather")}
                     if name in ("h2o", "snapkv"):
                         kwargs = {
                             "window": None,
@@ -987,7 +992,10 @@ def main() -> int:
                             "eviction": KVEviction(name),
                         }
                     engine = engine_for(loaded, num_blocks=-(-length // 16) + 64, **kwargs)
-                    result, _ = run_one(engine, text[:length], args.decode_tokens)
+                    # int4_gather: int4 KV with its fused decode kernel off (gather + SDPA)
+                    off = ("decode_attention_int4",) if name == "int4_gather" else None
+                    with cpu_ops.disabled(*off) if off else contextlib.nullcontext():
+                        result, _ = run_one(engine, text[:length], args.decode_tokens)
                     rates[name].append(decode_rate(result))
             for name in names:
                 out["decode"][f"{name}_{length}"] = statistics.median(rates[name])
@@ -998,6 +1006,7 @@ def main() -> int:
                     f"{args.decode_runs} runs ({ratio:.2f}x {names[0]})",
                     flush=True,
                 )
+        out["decode_runs"] = args.decode_runs
         load.append(os.getloadavg()[0])
     if "session" not in skip or args.probe_rounds:
         session_configs = () if "session" in skip else ("full", "sinks_window")

@@ -10,6 +10,8 @@ hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
 - ``decode_attention``: the new keys/values written at their slots, then one query per row over
   the listed key slots (grouped-query heads; an optional mask per key). Same math as SDPA,
   summed in a different order.
+- ``decode_attention_int4``: the same attention over an int4 KIVI cache (``kv/int4.py``),
+  reading its codes in place instead of dequantising the cache into a copy first.
 - ``int4_mm`` / ``int8_mm``: weight-only int4 / int8 matmuls for 2..16 rows (verification of
   draft tokens, decode batches) that read each weight block once for all rows; one row keeps
   ATen's kernels. Same weight layouts as ATen's; sums in another order.
@@ -73,6 +75,9 @@ _lock = threading.Lock()
 _ops: _OpNamespace | None = None  # torch.ops.edge_rtgi once loaded
 _failure: str | None = None
 _disabled_depth = 0  # disabled() blocks currently open, in any thread
+# Kernels that disabled(name) can switch off alone, and how many such blocks are open for each.
+SWITCHABLE = ("decode_attention_int4",)
+_disabled_kernels = dict.fromkeys(SWITCHABLE, 0)
 
 
 def build_dir() -> Path:
@@ -219,20 +224,36 @@ def failure() -> str | None:
 
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled(*kernels: str) -> Iterator[None]:
     """Run the PyTorch ops inside this block (equivalence tests and A/B benchmarks).
 
-    Process-wide, not per thread: an engine thread sharing the model runs the PyTorch ops too
-    while any ``disabled()`` block is open. Blocks may nest and overlap across threads.
+    ``kernels``: switch off only these (names from ``SWITCHABLE``), e.g.
+    ``disabled("decode_attention_int4")`` to time int4 KV's gather + SDPA against the fused
+    kernel with every other kernel on. Process-wide, not per thread: an engine thread sharing the
+    model runs the PyTorch ops too while any ``disabled()`` block is open. Blocks may nest and
+    overlap across threads.
     """
     global _disabled_depth
+    unknown = [k for k in kernels if k not in _disabled_kernels]
+    if unknown:
+        raise ValueError(
+            f"cpu_ops.disabled: unknown kernel(s) {unknown}; these can be switched off alone: {SWITCHABLE}"
+        )
     with _lock:
-        _disabled_depth += 1
+        if kernels:
+            for k in kernels:
+                _disabled_kernels[k] += 1
+        else:
+            _disabled_depth += 1
     try:
         yield
     finally:
         with _lock:
-            _disabled_depth -= 1
+            if kernels:
+                for k in kernels:
+                    _disabled_kernels[k] -= 1
+            else:
+                _disabled_depth -= 1
 
 
 def _use(x: Tensor) -> bool:
@@ -307,6 +328,66 @@ def decode_attention(
         raise RuntimeError("decode_attention called without the fused CPU kernels loaded")
     return _ops.decode_attention.default(
         q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale
+    )
+
+
+@dataclass(frozen=True)
+class Int4KVLayer:
+    """One layer of an int4 KIVI cache (``kv.int4.Int4KIVIPagedKVStorage``) as
+    ``decode_attention_int4`` reads it: N slots in NB blocks of ``block_size``, Hkv heads of D."""
+
+    k_codes: Tensor  # [N, Hkv, D/2] uint8, two channels per byte (even channel low nibble)
+    k_scale: Tensor  # [NB, Hkv, D] fp16, per block and channel
+    k_zero: Tensor  # [NB, Hkv, D] fp16
+    k_open: Tensor  # [R, block_size, Hkv, D] full-precision keys of blocks not yet full
+    open_row: Tensor  # [NB] int64: a block's row in k_open, -1 when closed (its codes valid)
+    v_codes: Tensor  # [N, Hkv, D/2] uint8
+    v_scale: Tensor  # [N, Hkv, D/value_group] fp16, per slot and channel group
+    v_zero: Tensor  # [N, Hkv, D/value_group] fp16
+    block_size: int
+    value_group: int
+
+
+def decode_attention_int4_usable(q: Tensor, k_open: Tensor) -> bool:
+    """Whether ``decode_attention_int4`` should run: kernels loaded, CPU, float32 or bfloat16
+    queries in the cache's full-precision dtype. No key-count cut-off, unlike
+    ``decode_attention_usable``: the alternative dequantises the whole cache per layer first,
+    which costs more than the fused loop at every length (docs/engine.md, int4 KV). Off inside
+    ``disabled()`` and ``disabled("decode_attention_int4")``."""
+    return _use(q) and k_open.dtype == q.dtype and _disabled_kernels["decode_attention_int4"] == 0
+
+
+def decode_attention_int4(
+    q: Tensor, kv: Int4KVLayer, key_slots: Tensor, key_mask: Tensor | None, scale: float
+) -> Tensor:
+    """Attention of row b's query heads ``q[b]`` ([Hq, D]) over the int4 keys and values at
+    ``key_slots[b]`` ([B, S] int64), skipping keys whose ``key_mask`` ([B, S] or [B, 1, 1, S]
+    bool) is False; -> [B, Hq, D] in q's dtype. Reads the codes in place (no dequantised copy of
+    the cache): ``q.k = (q*scale).codes + q.zero`` per block, values likewise per channel group;
+    keys of blocks not yet full come from ``kv.k_open``. fp32 sums, so it differs from
+    ``gather`` + SDPA by the order of the sums and, in bf16, by the rounding of the dequantised
+    keys and values to bf16 that gather does and this does not.
+
+    The caller writes the step's new keys and values first (``storage.write``, which keeps the
+    open-block bookkeeping). Only call it where ``decode_attention_int4_usable`` said yes.
+    """
+    if _ops is None:
+        raise RuntimeError("decode_attention_int4 called without the fused CPU kernels loaded")
+    return _ops.decode_attention_int4.default(
+        q,
+        kv.k_codes,
+        kv.k_scale,
+        kv.k_zero,
+        kv.k_open,
+        kv.open_row,
+        kv.v_codes,
+        kv.v_scale,
+        kv.v_zero,
+        key_slots,
+        key_mask,
+        scale,
+        kv.block_size,
+        kv.value_group,
     )
 
 

@@ -233,3 +233,34 @@ def test_bf16_verification_shaped_steps_stay_close(folder, quant, step_tokens):
     ).item()
     assert kl < 1e-3, kl
     assert (fused.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("quant", ["none", "int4-g32"])
+def test_int4_kv_fused_decode_equals_gather_then_sdpa(folder, quant, monkeypatch):
+    """``kv_dtype: int4``: decode steps read the int4 codes in place
+    (``cpu_ops.decode_attention_int4``, padded batches with masks, blocks filling and closing);
+    the same engine with the kernels off gathers a dequantised copy and runs SDPA. In fp32 the two
+    differ only in the order of the sums, so the greedy tokens are identical."""
+    loaded = load_model(folder, device="cpu", dtype="fp32")
+    apply_engine_quant(loaded.model, quant)
+    calls = 0
+    real = cpu_ops.decode_attention_int4
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(cpu_ops, "decode_attention_int4", counted)
+    tok = loaded.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(TEXTS))]
+    fused = run_staggered(engine_for(loaded, max_num_batched_tokens=64, kv_dtype="int4"), prompts, params)
+    fused_calls = calls
+    assert fused_calls >= 20 * loaded.config.num_layers
+    with cpu_ops.disabled():
+        plain = run_staggered(engine_for(loaded, max_num_batched_tokens=64, kv_dtype="int4"), prompts, params)
+    assert calls == fused_calls  # the kernels off: gather + SDPA
+    for got, want in zip(fused, plain, strict=True):
+        assert got.error is None and want.error is None
+        assert got.token_ids == want.token_ids

@@ -142,6 +142,163 @@ def test_decode_attention_contiguous_window(dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def int4_cache(dtype, kv_heads, dim, block_size, lengths, gen):
+    """An int4 KIVI storage (2 layers) holding one sequence per entry of ``lengths`` in shuffled
+    blocks, written as the engine writes (a chunk, then one token per step), so that sequences
+    whose length is not a multiple of ``block_size`` end in an open block. Returns the storage
+    and each sequence's slots in position order."""
+    from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
+
+    need = sum(-(-n // block_size) for n in lengths)
+    num_blocks = need + 3
+    st = Int4KIVIPagedKVStorage(2, num_blocks, block_size, kv_heads, dim, dtype)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    seq_slots = []
+    for n in lengths:
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(n)])
+        channel = torch.rand(1, kv_heads, dim, generator=gen) * 3  # outlier channels, as keys have
+        k = torch.randn(n, kv_heads, dim, generator=gen) * channel + torch.randn(
+            1, kv_heads, dim, generator=gen
+        )
+        v = torch.randn(n, kv_heads, dim, generator=gen) * 2
+        chunk = max(1, n - 3)
+        steps = [slice(0, chunk)] + [slice(i, i + 1) for i in range(chunk, n)]
+        for step in steps:
+            mapping = slots[step].clone()  # a new slot-mapping tensor per step, as the runner's
+            for layer in range(2):
+                st.write(layer, mapping, k[step].to(dtype), v[step].to(dtype))
+        seq_slots.append(slots)
+    return st, seq_slots
+
+
+def int4_reference(st, layer, q, key_slots, key_mask):
+    """fp64 attention over the storage's dequantised keys and values, not rounded to the compute
+    dtype (the kernel keeps them in fp32; ``gather`` rounds them to bf16)."""
+    from edge_rtgi.llm.kv.int4 import dequantise_int4, unpack_int4
+
+    outs = []
+    for b in range(q.shape[0]):
+        flat = key_slots[b][key_mask[b]] if key_mask is not None else key_slots[b]
+        blocks = flat // st.block_size
+        keys = dequantise_int4(
+            unpack_int4(st.k[layer][flat]), st.k_scale[layer][blocks], st.k_zero[layer][blocks]
+        ).double()
+        rows = st.open_row[blocks]
+        is_open = rows >= 0
+        keys[is_open] = st.k_open[layer][rows[is_open], flat[is_open] % st.block_size].double()
+        s, h, d = keys.shape
+        g = st.value_group
+        codes = unpack_int4(st.v[layer][flat]).view(s, h, d // g, g)
+        values = dequantise_int4(codes, st.v_scale[layer][flat][..., None], st.v_zero[layer][flat][..., None])
+        outs.append(sdpa(q[b : b + 1].double(), keys, values.view(s, h, d).double(), None))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 20), (6, 2, 96)])
+@pytest.mark.parametrize("block_size", [4, 5, 16])
+def test_decode_attention_int4_matches_gather_then_sdpa(dtype, heads, kv_heads, dim, block_size):
+    """Batched rows of different lengths (padding masked), paged blocks, open last blocks, GQA.
+
+    Bounds: fp32 against ``gather`` + SDPA within 1e-5 (the same dequantised numbers; the sums run
+    in another order and q.k is formed as (q*scale).codes + q.zero). bf16 against an fp64
+    reference over the same dequantised numbers within bf16 output rounding (2^-8 relative), and
+    on average closer to it than bf16 ``gather`` + SDPA, which rounds every dequantised key and
+    value to bf16 first."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = [block_size * 3, 2 * block_size + 1, 37, 1]  # full, just opened, any, one key
+    st, seqs = int4_cache(dtype, kv_heads, dim, block_size, lengths, gen)
+    rows, width = len(lengths), max(lengths) + 2
+    key_slots = torch.zeros(rows, width, dtype=torch.long)  # padded with slot 0, as the runner pads
+    key_mask = torch.zeros(rows, width, dtype=torch.bool)
+    for b, slots in enumerate(seqs):
+        key_slots[b, : len(slots)], key_mask[b, : len(slots)] = slots, True
+    key_mask[0, 2] = False  # a masked key inside a sequence too
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype) * 2
+    got = cpu_ops.decode_attention_int4(q, st.fused_layer(1), key_slots, key_mask[:, None, None], dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    keys, values = st.gather(1, key_slots)
+    want = torch.cat(
+        [sdpa(q[b : b + 1], keys[b][key_mask[b]], values[b][key_mask[b]], None) for b in range(rows)]
+    )
+    exact = int4_reference(st, 1, q, key_slots, key_mask)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-3)
+        # gather + SDPA adds the bf16 rounding of every key and value to its output's
+        closer = (got.double() - exact).abs().mean() <= (want.double() - exact).abs().mean()
+        assert closer, "the fused kernel is farther from the exact result than gather + SDPA"
+
+
+def test_decode_attention_int4_long_rows_split_over_threads():
+    """Thousands of keys: the work is split into stretches whose softmax sums are merged."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    st, seqs = int4_cache(torch.float32, 3, 64, 16, [3001, 700], gen)
+    key_slots = torch.zeros(2, 3001, dtype=torch.long)
+    key_mask = torch.zeros(2, 3001, dtype=torch.bool)
+    for b, slots in enumerate(seqs):
+        key_slots[b, : len(slots)], key_mask[b, : len(slots)] = slots, True
+    q = torch.randn(2, 9, 64, generator=gen) * 3
+    got = cpu_ops.decode_attention_int4(q, st.fused_layer(0), key_slots, key_mask, 0.125)
+    torch.testing.assert_close(
+        got.double(), int4_reference(st, 0, q, key_slots, key_mask), rtol=1e-5, atol=1e-5
+    )
+    # without a mask (one full row)
+    got = cpu_ops.decode_attention_int4(q[:1], st.fused_layer(0), key_slots[:1], None, 0.125)
+    torch.testing.assert_close(
+        got.double(), int4_reference(st, 0, q[:1], key_slots[:1], None), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_decode_attention_int4_refuses_bad_inputs():
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(0)
+    st, seqs = int4_cache(torch.float32, 2, 32, 4, [9], gen)
+    kv, q, slots = st.fused_layer(0), torch.randn(1, 4, 32), seqs[0][None]
+
+    def call(kv=kv, q=q, slots=slots, mask=None, **changes):
+        return cpu_ops.decode_attention_int4(q, dataclasses.replace(kv, **changes), slots, mask, 0.2)
+
+    with pytest.raises(RuntimeError, match=r"key slot 999 out of range \[0, "):
+        call(slots=torch.tensor([[0, 999]]))
+    with pytest.raises(RuntimeError, match="k_open must be BFloat16, got Float"):
+        call(q=q.bfloat16())
+    with pytest.raises(RuntimeError, match="v_scale must be Half, got Float"):
+        call(v_scale=kv.v_scale.float())
+    with pytest.raises(RuntimeError, match=r"k_scale must be \[6, 2, 32\]"):
+        call(k_scale=kv.k_scale[:, :1])
+    with pytest.raises(RuntimeError, match=r"open_row\[0\] = 7 is outside \[-1, "):
+        call(open_row=torch.full_like(kv.open_row, 7))
+    with pytest.raises(RuntimeError, match="value_group 12 must be even and divide the head dim 32"):
+        call(value_group=12)
+    with pytest.raises(RuntimeError, match="block_size 5 must be positive and divide the 24 slots"):
+        call(block_size=5)
+    with pytest.raises(RuntimeError, match="query heads are not a multiple"):
+        call(q=torch.randn(1, 3, 32))
+    with pytest.raises(RuntimeError, match="key_mask must have one flag per key slot"):
+        call(mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="k_codes must be contiguous"):
+        call(k_codes=kv.k_codes.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 activations only"):
+        call(q=q.double())
+    # usable: kernels on, CPU, the store's dtype; off inside disabled()
+    assert cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+    assert not cpu_ops.decode_attention_int4_usable(q.bfloat16(), kv.k_open)
+    with cpu_ops.disabled():
+        assert not cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+    with cpu_ops.disabled("decode_attention_int4"):  # this kernel alone
+        assert not cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+        assert cpu_ops.available()
+    assert cpu_ops.decode_attention_int4_usable(q, kv.k_open)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with cpu_ops.disabled("rms_norm"):
+            pass
+
+
 def test_bad_slots_are_refused_with_the_slot():
     k_store = torch.zeros(8, 1, 16)
     q, k = torch.zeros(1, 2, 16), torch.zeros(1, 1, 16)

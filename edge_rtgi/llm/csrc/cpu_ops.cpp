@@ -13,6 +13,9 @@
 //   decode_attention(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, scale)
 //       writes each row's new key/value at its slot, then one query per row attends over the
 //       slots listed for that row (grouped-query heads share their key/value head).
+//   decode_attention_int4(q, k_codes, k_scale, k_zero, k_open, open_row, v_codes, v_scale, v_zero,
+//                         key_slots, key_mask, scale, block_size, value_group)
+//       the same attention over an int4 KIVI cache (kv/int4.py), reading its codes in place.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,11 +25,15 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define EDGE_RTGI_AVX512 1
+#endif
+#if defined(__F16C__)
+#include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
 #include <sys/syscall.h>
@@ -407,6 +414,335 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k_new_in, const Tensor
     write_slots<bf16_bits>(k_new, k_store, new_slots);
     write_slots<bf16_bits>(v_new, v_store, new_slots);
     decode_attention_impl<bf16_bits>(q, k_store, v_store, key_slots, key_mask, scale, out);
+  }
+  return out;
+}
+
+// --- Decode attention over int4 KV (KIVI) ---------------------------------------------------
+//
+// Int4KIVIPagedKVStorage's layout (edge_rtgi/llm/kv/int4.py), read where it lies: no dequantised
+// copy of the cache. Codes are packed two per byte, the even channel in the low nibble.
+//   keys:   codes [N, Hkv, D/2]; fp16 scale and zero per block of block_size slots and channel
+//           [NB, Hkv, D]; a block not yet full has its keys in full precision in k_open
+//           [R, block_size, Hkv, D] at row open_row[block] (-1: closed, its codes are valid).
+//   values: codes [N, Hkv, D/2]; fp16 scale and zero per slot and group of value_group channels
+//           [N, Hkv, D/value_group].
+// With k_i = c_i s_i + z_i, q.k = sum_i (q_i s_i) c_i + sum_i q_i z_i: per query head and block,
+// qs = q*s and qz = q.z are formed once, then each key costs one dot of qs with its codes.
+// Values likewise: acc += (p s_g) c per channel, and p z_g is summed per group and added once.
+
+struct Int4Layer {
+  const uint8_t* k_codes;
+  const uint16_t* k_scale;  // fp16 bits
+  const uint16_t* k_zero;
+  const int64_t* open_row;
+  const uint8_t* v_codes;
+  const uint16_t* v_scale;
+  const uint16_t* v_zero;
+  int64_t num_kv_heads, block_size, value_group;
+};
+
+// fp16 bits -> float: F16C's instruction where the build has it (x86-64-v3 and up); elsewhere the
+// bit manipulation that c10::Half's conversion also falls back to in an extension build.
+inline float half_to_f(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// Codes of one slot and head, as floats in nibble order: the low nibbles (even channels) in
+// out[0, half), the high nibbles (odd channels) in out[half, 2 half). Kept in this order through
+// the dot products and the value sums; only the output goes back to channel order.
+inline void unpack_codes(const uint8_t* __restrict__ codes, int64_t half, float* __restrict__ out) {
+  for (int64_t i = 0; i < half; ++i) {
+    out[i] = static_cast<float>(codes[i] & 15);
+    out[half + i] = static_cast<float>(codes[i] >> 4);
+  }
+}
+
+#ifdef EDGE_RTGI_AVX512
+// 16 bytes of codes -> their low and high nibbles as 16 floats each.
+inline void nibbles16(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+}
+#endif
+
+// One key's scores: out[j * stride] = qz[j] + qs_j . codes for the query heads j < group (qs:
+// [group, 2 half], nibble order). scratch: 2 half floats for the portable loop.
+inline void int4_key_scores(const uint8_t* codes, const float* qs, const float* qz, int64_t group, int64_t half,
+                            float* out, int64_t stride, float* scratch) {
+#ifdef EDGE_RTGI_AVX512
+  if (half % 16 == 0) {  // codes unpacked in registers once for all heads; the compiler's loop
+    constexpr int64_t kHeads = 4;  // unpacked to memory and reduced each head separately
+    for (int64_t j0 = 0; j0 < group; j0 += kHeads) {
+      const int64_t nj = std::min(kHeads, group - j0);
+      __m512 acc[kHeads] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t i = 0; i < half; i += 16) {
+        __m512 lo, hi;
+        nibbles16(codes + i, lo, hi);
+        for (int64_t j = 0; j < nj; ++j) {
+          const float* q = qs + (j0 + j) * 2 * half;
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), lo, acc[j]);
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + half + i), hi, acc[j]);
+        }
+      }
+      for (int64_t j = 0; j < nj; ++j) out[(j0 + j) * stride] = qz[j0 + j] + _mm512_reduce_add_ps(acc[j]);
+    }
+    return;
+  }
+#endif
+  unpack_codes(codes, half, scratch);
+  for (int64_t j = 0; j < group; ++j) out[j * stride] = qz[j] + dot(qs + j * 2 * half, scratch, 2 * half);
+}
+
+// One value's share: acc_j += ps[j * vgroups + g] * codes of channel group g, for the query heads
+// j < group (acc: [group, 2 half], nibble order; group g is bytes [g half_vg, (g + 1) half_vg)).
+inline void int4_value_axpy(const uint8_t* codes, const float* ps, int64_t group, int64_t half, int64_t half_vg,
+                            int64_t vgroups, float* acc, float* scratch) {
+#ifdef EDGE_RTGI_AVX512
+  if (half_vg % 16 == 0) {
+    for (int64_t i = 0; i < half; i += 16) {
+      __m512 lo, hi;
+      nibbles16(codes + i, lo, hi);
+      const int64_t g = i / half_vg;
+      for (int64_t j = 0; j < group; ++j) {
+        const __m512 w = _mm512_set1_ps(ps[j * vgroups + g]);
+        float* a = acc + j * 2 * half;
+        _mm512_storeu_ps(a + i, _mm512_fmadd_ps(w, lo, _mm512_loadu_ps(a + i)));
+        _mm512_storeu_ps(a + half + i, _mm512_fmadd_ps(w, hi, _mm512_loadu_ps(a + half + i)));
+      }
+    }
+    return;
+  }
+#endif
+  unpack_codes(codes, half, scratch);
+  const float* __restrict__ c = scratch;
+  for (int64_t j = 0; j < group; ++j) {
+    float* __restrict__ a = acc + j * 2 * half;
+    for (int64_t g = 0; g < vgroups; ++g) {
+      const float w = ps[j * vgroups + g];
+      for (int64_t i = g * half_vg; i < (g + 1) * half_vg; ++i) {
+        a[i] += w * c[i];
+        a[half + i] += w * c[half + i];
+      }
+    }
+  }
+}
+
+template <typename T>
+void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k_open, const Tensor& key_slots,
+                                const c10::optional<Tensor>& key_mask, double scale, Tensor& out) {
+  const int64_t rows = q.size(0), num_heads = q.size(1), dim = q.size(2), half = dim / 2;
+  const int64_t num_kv_heads = kv.num_kv_heads, group = num_heads / num_kv_heads;
+  const int64_t num_keys = key_slots.size(1), bs = kv.block_size;
+  const int64_t vgroups = dim / kv.value_group, half_vg = kv.value_group / 2;
+  const int64_t code_stride = num_kv_heads * half;
+  const T* qp = in_ptr<T>(q);
+  const int64_t* slots = key_slots.const_data_ptr<int64_t>();
+  const bool* mask = key_mask.has_value() ? key_mask->const_data_ptr<bool>() : nullptr;
+  T* op = out_ptr<T>(out);
+  const float sc = static_cast<float>(scale);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // Work items: (row, kv head, stretch of keys). At batch 1 there are only a few KV heads (3 for
+  // SmolLM2), which would leave a core idle part of the time; stretches give every thread several
+  // items. Their partial softmax sums are merged at the end (flash-decoding), which changes only
+  // the order of the sums. A stretch is a whole number of blocks, so a block's qs/qz is formed once.
+  const int64_t heads_total = rows * num_kv_heads;
+  const int64_t want_items = 8 * static_cast<int64_t>(at::get_num_threads());
+  int64_t splits = std::min((want_items + heads_total - 1) / heads_total, std::max<int64_t>(1, num_keys / 128));
+  splits = std::max<int64_t>(1, splits);
+  const int64_t stretch = std::max<int64_t>(1, ((num_keys + splits - 1) / splits + bs - 1) / bs * bs);
+  splits = std::max<int64_t>(1, (num_keys + stretch - 1) / stretch);
+  const int64_t work = heads_total * splits;
+  std::vector<float> part_max(work * group), part_sum(work * group), part_acc(work * group * dim);
+  float* pmax = part_max.data();
+  float* psum = part_sum.data();
+  float* pacc = part_acc.data();
+  at::parallel_for(0, work, grain_rows(stretch * dim * group * 2), [=](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), qs(group * dim), qz(group), sz(2 * dim), codes(dim);
+    std::vector<float> scores(group * stretch), acc(group * dim), zacc(group * vgroups), vsz(2 * vgroups),
+        ps(group * vgroups);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t split = item % splits, bh = item / splits;
+      const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
+      const int64_t s0 = split * stretch, n = std::min(num_keys, s0 + stretch) - s0;
+      const int64_t* row_slots = slots + b * num_keys + s0;
+      const bool* row_mask = mask ? mask + b * num_keys + s0 : nullptr;
+      for (int64_t j = 0; j < group; ++j) {
+        const T* qh = qp + (b * num_heads + h * group + j) * dim;
+        for (int64_t i = 0; i < dim; ++i) qf[j * dim + i] = to_f(qh[i]) * sc;
+      }
+      // Scores (masked keys -inf).
+      int64_t cur_block = -1, cur_row = -1;
+      for (int64_t s = 0; s < n; ++s) {
+        if (row_mask && !row_mask[s]) {
+          for (int64_t j = 0; j < group; ++j) scores[j * stretch + s] = kNegInf;
+          continue;
+        }
+        const int64_t slot = row_slots[s], block = slot / bs;
+        if (block != cur_block) {
+          cur_block = block;
+          cur_row = kv.open_row[block];
+          if (cur_row < 0) {  // a closed block: its per-channel scale and zero, folded into q
+            const uint16_t* ks = kv.k_scale + (block * num_kv_heads + h) * dim;
+            const uint16_t* kz = kv.k_zero + (block * num_kv_heads + h) * dim;
+            for (int64_t i = 0; i < half; ++i) {  // nibble order, as unpack_codes
+              sz[i] = half_to_f(ks[2 * i]);
+              sz[half + i] = half_to_f(ks[2 * i + 1]);
+            }
+            for (int64_t i = 0; i < dim; ++i) sz[dim + i] = half_to_f(kz[i]);
+            for (int64_t j = 0; j < group; ++j) {
+              const float* qj = qf.data() + j * dim;
+              float* qsj = qs.data() + j * dim;
+              for (int64_t i = 0; i < half; ++i) {
+                qsj[i] = qj[2 * i] * sz[i];
+                qsj[half + i] = qj[2 * i + 1] * sz[half + i];
+              }
+              qz[j] = dot(qj, sz.data() + dim, dim);
+            }
+          }
+        }
+        if (cur_row >= 0) {  // an open block: full-precision keys
+          const T* key = k_open + ((cur_row * bs + slot % bs) * num_kv_heads + h) * dim;
+          for (int64_t j = 0; j < group; ++j) scores[j * stretch + s] = dot(qf.data() + j * dim, key, dim);
+        } else {
+          int4_key_scores(kv.k_codes + slot * code_stride + h * half, qs.data(), qz.data(), group, half,
+                          scores.data() + s, stretch, codes.data());
+        }
+      }
+      // Each head's softmax weights over the stretch, relative to the stretch's maximum.
+      for (int64_t j = 0; j < group; ++j) {
+        float* sj = scores.data() + j * stretch;
+        float row_max = kNegInf;
+        for (int64_t s = 0; s < n; ++s) row_max = std::max(row_max, sj[s]);
+        for (int64_t s = 0; s < n; ++s) sj[s] = sj[s] == kNegInf ? 0.f : exp_f(sj[s] - row_max);
+        pmax[item * group + j] = row_max;
+        psum[item * group + j] = sum(sj, n);
+      }
+      // Weighted values: codes times (p * scale) per channel, p * zero per group.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(zacc.begin(), zacc.end(), 0.f);
+      for (int64_t s = 0; s < n; ++s) {
+        if (row_mask && !row_mask[s]) continue;
+        const int64_t slot = row_slots[s];
+        const uint16_t* vs = kv.v_scale + (slot * num_kv_heads + h) * vgroups;
+        const uint16_t* vz = kv.v_zero + (slot * num_kv_heads + h) * vgroups;
+        for (int64_t g = 0; g < vgroups; ++g) {
+          vsz[g] = half_to_f(vs[g]);
+          vsz[vgroups + g] = half_to_f(vz[g]);
+        }
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = scores[j * stretch + s];
+          for (int64_t g = 0; g < vgroups; ++g) {
+            ps[j * vgroups + g] = p * vsz[g];
+            zacc[j * vgroups + g] += p * vsz[vgroups + g];
+          }
+        }
+        int4_value_axpy(kv.v_codes + slot * code_stride + h * half, ps.data(), group, half, half_vg, vgroups,
+                        acc.data(), codes.data());
+      }
+      for (int64_t j = 0; j < group; ++j) {  // back to channel order, plus the zeros' share
+        const float* aj = acc.data() + j * dim;
+        float* pj = pacc + (item * group + j) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float z = zacc[j * vgroups + i / half_vg];
+          pj[2 * i] = aj[i] + z;
+          pj[2 * i + 1] = aj[half + i] + z;
+        }
+      }
+    }
+  });
+  // Merge the stretches of each (row, query head).
+  for (int64_t bh = 0; bh < heads_total; ++bh) {
+    const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
+    for (int64_t j = 0; j < group; ++j) {
+      float top = kNegInf;
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, pmax[(bh * splits + k) * group + j]);
+      float denom = 0.f;
+      std::vector<float> o(dim, 0.f);
+      for (int64_t k = 0; k < splits && top != kNegInf; ++k) {
+        const int64_t idx = (bh * splits + k) * group + j;
+        if (pmax[idx] == kNegInf) continue;
+        const float w = exp_f(pmax[idx] - top);
+        denom += w * psum[idx];
+        for (int64_t i = 0; i < dim; ++i) o[i] += w * pacc[idx * dim + i];
+      }
+      // A row with every key masked out gets zeros (as decode_attention); callers never pass one.
+      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      T* oh = op + (b * num_heads + h * group + j) * dim;
+      for (int64_t i = 0; i < dim; ++i) oh[i] = from_f<T>(o[i] * inv);
+    }
+  }
+}
+
+Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Tensor& k_scale, const Tensor& k_zero,
+                             const Tensor& k_open, const Tensor& open_row, const Tensor& v_codes,
+                             const Tensor& v_scale, const Tensor& v_zero, const Tensor& key_slots_in,
+                             const c10::optional<Tensor>& key_mask_in, double scale, int64_t block_size,
+                             int64_t value_group) {
+  const char* op = "edge_rtgi::decode_attention_int4: ";
+  check_activation(q_in, "decode_attention_int4");
+  TORCH_CHECK(q_in.dim() == 3, op, "q must be [B, Hq, D], got ", q_in.sizes());
+  TORCH_CHECK(k_codes.dim() == 3, op, "k_codes must be [N, Hkv, D/2], got ", k_codes.sizes());
+  const int64_t rows = q_in.size(0), dim = q_in.size(2);
+  const int64_t num_slots = k_codes.size(0), num_kv_heads = k_codes.size(1);
+  TORCH_CHECK(dim % 2 == 0 && k_codes.size(2) * 2 == dim, op, "k_codes must hold two channels per byte of q's ",
+              "head dim ", dim, " (even): [N, Hkv, ", dim / 2, "], got ", k_codes.sizes());
+  TORCH_CHECK(num_kv_heads > 0 && q_in.size(1) % num_kv_heads == 0, op, "the ", q_in.size(1),
+              " query heads are not a multiple of the ", num_kv_heads, " KV heads");
+  TORCH_CHECK(block_size > 0 && num_slots % block_size == 0, op, "block_size ", block_size,
+              " must be positive and divide the ", num_slots, " slots");
+  TORCH_CHECK(value_group > 0 && value_group % 2 == 0 && dim % value_group == 0, op, "value_group ", value_group,
+              " must be even and divide the head dim ", dim);
+  TORCH_CHECK(k_open.dim() == 4, op, "k_open must be [R, block_size, Hkv, D], got ", k_open.sizes());
+  const int64_t num_blocks = num_slots / block_size, open_rows = k_open.size(0);
+  auto expect = [&](const Tensor& t, const char* name, at::ScalarType type, std::vector<int64_t> shape) {
+    TORCH_CHECK(t.device().is_cpu(), op, name, " must be a CPU tensor, got ", t.device());
+    TORCH_CHECK(t.scalar_type() == type, op, name, " must be ", type, ", got ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), op, name, " must be ", at::IntArrayRef(shape), ", got ",
+                t.sizes());
+    TORCH_CHECK(t.is_contiguous(), op, name, " must be contiguous");
+  };
+  expect(k_codes, "k_codes", at::kByte, {num_slots, num_kv_heads, dim / 2});
+  expect(v_codes, "v_codes", at::kByte, {num_slots, num_kv_heads, dim / 2});
+  expect(k_scale, "k_scale", at::kHalf, {num_blocks, num_kv_heads, dim});
+  expect(k_zero, "k_zero", at::kHalf, {num_blocks, num_kv_heads, dim});
+  expect(v_scale, "v_scale", at::kHalf, {num_slots, num_kv_heads, dim / value_group});
+  expect(v_zero, "v_zero", at::kHalf, {num_slots, num_kv_heads, dim / value_group});
+  expect(k_open, "k_open", q_in.scalar_type(), {open_rows, block_size, num_kv_heads, dim});
+  expect(open_row, "open_row", at::kLong, {num_blocks});
+  const int64_t* rows_of = open_row.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    TORCH_CHECK(rows_of[b] >= -1 && rows_of[b] < open_rows, op, "open_row[", b, "] = ", rows_of[b],
+                " is outside [-1, ", open_rows, ")");
+  }
+  TORCH_CHECK(key_slots_in.dim() == 2 && key_slots_in.size(0) == rows, op, "key_slots must be [B, S] with B = ",
+              rows, " (one row per query row), got ", key_slots_in.sizes());
+  Tensor q = q_in.contiguous(), key_slots = key_slots_in.to(at::kLong).contiguous();
+  const int64_t num_keys = key_slots.size(1);
+  c10::optional<Tensor> key_mask;
+  if (key_mask_in.has_value()) {
+    TORCH_CHECK(key_mask_in->numel() == rows * num_keys, op, "key_mask must have one flag per key slot ([B, S] or ",
+                "[B, 1, 1, S] with B, S = ", rows, ", ", num_keys, "), got ", key_mask_in->sizes());
+    key_mask = key_mask_in->to(at::kBool).reshape({rows, num_keys}).contiguous();
+  }
+  const int64_t* ks = key_slots.const_data_ptr<int64_t>();
+  for (int64_t i = 0, n = key_slots.numel(); i < n; ++i) {
+    TORCH_CHECK(ks[i] >= 0 && ks[i] < num_slots, op, "key slot ", ks[i], " out of range [0, ", num_slots, ")");
+  }
+  auto bits = [](const Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::Half>()); };
+  const Int4Layer kv{k_codes.const_data_ptr<uint8_t>(), bits(k_scale), bits(k_zero), rows_of,
+                     v_codes.const_data_ptr<uint8_t>(), bits(v_scale), bits(v_zero), num_kv_heads,
+                     block_size, value_group};
+  Tensor out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention_int4_impl<float>(q, kv, in_ptr<float>(k_open), key_slots, key_mask, scale, out);
+  } else {
+    decode_attention_int4_impl<bf16_bits>(q, kv, in_ptr<bf16_bits>(k_open), key_slots, key_mask, scale, out);
   }
   return out;
 }
@@ -1075,6 +1411,9 @@ TORCH_LIBRARY(edge_rtgi, m) {
         "float eps, float scale) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_store, Tensor(b!) v_store, "
         "Tensor new_slots, Tensor key_slots, Tensor? key_mask, float scale) -> Tensor");
+  m.def("decode_attention_int4(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_open, "
+        "Tensor open_row, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor key_slots, Tensor? key_mask, "
+        "float scale, int block_size, int value_group) -> Tensor");
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, str loops=\"best\") -> Tensor");
   m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\") -> Tensor");
   m.def("multi_row_calls() -> int");
@@ -1091,6 +1430,7 @@ TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
   m.impl("rotary_", &rotary_);
   m.impl("silu_mul", &silu_mul);
   m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_int4", &decode_attention_int4);
   m.impl("decode_layers", &decode_layers);
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);

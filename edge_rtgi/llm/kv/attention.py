@@ -8,7 +8,9 @@ The runner lays out a step's tokens with all decodes first (one token each, toke
 2. decodes: gathers each sequence's slots into a padded ``[B, S_max]`` batch and runs one
    SDPA call with a padding mask (or one SDPA per sequence, see ``decode_mode``). A step of
    decodes only, on the CPU, instead runs the fused kernel ``cpu_ops.decode_attention``, which
-   writes step 1 and reads the keys at their slots without gathering them;
+   writes step 1 and reads the keys at their slots without gathering them; on an int4 KIVI
+   store (``kv.int4``) such a step writes through the storage and then runs
+   ``cpu_ops.decode_attention_int4``, which reads the int4 codes in place;
 3. prefill chunks: gathers each sequence's slots and runs one SDPA per chunk, causal.
 
 Under ``kv_window`` with sinks (``kv.window``), a sequence whose window has slid past its sinks
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edge_rtgi.llm import cpu_ops
+from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 from edge_rtgi.llm.rope import apply_rope
 
@@ -117,6 +120,17 @@ class PagedAttentionBackend:
             and md.decode_sink_rope is None
             and md.decode_scores is None
         ):
+            if isinstance(self.storage, Int4KIVIPagedKVStorage):
+                if cpu_ops.decode_attention_int4_usable(q, self.storage.k_open[layer]):
+                    # The write keeps the open-block bookkeeping in Python; attention reads codes.
+                    self.storage.write(layer, md.slot_mapping, k, v)
+                    return cpu_ops.decode_attention_int4(
+                        q,
+                        self.storage.fused_layer(layer),
+                        md.decode_slots,
+                        md.decode_mask,
+                        q.shape[-1] ** -0.5,
+                    )
             k_store = self.storage.k[layer]
             if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
                 # Writes the new keys/values too; an int8 store (other dtype) never gets here.

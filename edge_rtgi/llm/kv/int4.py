@@ -9,7 +9,9 @@ The key group is one KV block (``block_size`` tokens). A block's keys stay in fu
 a small *open-block* buffer until the block is full; then they are quantised together and the
 buffer slot is reused. A sequence has one partly filled block per KV group, so the buffer holds
 about one block per running request (it grows when a step needs more). Values are quantised as
-they are written. Dequantisation happens on gather, into the compute dtype.
+they are written. A decode-only step on the CPU reads the codes in place
+(``cpu_ops.decode_attention_int4``, through ``fused_layer``); other steps (prefill chunks, scored
+or sink-rotated decodes, CUDA, kernels off) dequantise on gather, into the compute dtype.
 
 Bookkeeping (which blocks are open, where their buffer is) is done once per step, at the first
 layer's write of a slot mapping, and shared by every layer: all layers write the same slots.
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 
 VALUE_GROUP = 32  # channels per value scale (KIVI's group size); the head dim when not a multiple
@@ -260,6 +263,22 @@ class Int4KIVIPagedKVStorage(PagedKVStorage):
         self.v[layer].index_copy_(0, slot_mapping, pack_int4(codes.reshape(t, h, d)))
         self.v_scale[layer].index_copy_(0, slot_mapping, scale[..., 0])
         self.v_zero[layer].index_copy_(0, slot_mapping, zero[..., 0])
+
+    def fused_layer(self, layer: int) -> cpu_ops.Int4KVLayer:
+        """``layer``'s tensors for ``cpu_ops.decode_attention_int4``. Take it after the step's
+        ``write``: the open-block buffer may grow there (a new tensor)."""
+        return cpu_ops.Int4KVLayer(
+            self.k[layer],
+            self.k_scale[layer],
+            self.k_zero[layer],
+            self.k_open[layer],
+            self.open_row,
+            self.v[layer],
+            self.v_scale[layer],
+            self.v_zero[layer],
+            self.block_size,
+            self.value_group,
+        )
 
     def gather(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         flat = slots.reshape(-1)
