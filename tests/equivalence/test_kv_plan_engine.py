@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.engine import LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.kv.int4 import dequantise_int4, quantise_int4
@@ -232,3 +233,30 @@ def test_models_with_several_kv_groups_refuse_a_plan(tmp_path, num_kv_blocks):
     cfg = EngineConfig(num_kv_blocks=num_kv_blocks, kv_dtype="plan", kv_plan=_plan(tmp_path, ["int8"] * 3))
     with pytest.raises(ValueError, match="kv_dtype plan needs a model with one KV group"):
         LLMEngine.from_loaded(loaded, cfg, start=False)
+
+
+def test_a_plans_int4_layers_take_the_fused_int4_decode(model_dir, tmp_path, monkeypatch):
+    """A mixed plan's int4 layers decode through ``cpu_ops.decode_attention_int4`` on their own
+    int4 store (``MixedPagedKVStorage.part_of``); in fp32 the greedy tokens equal the same plan
+    with the kernels off (gather + SDPA), which differs only in the order of the sums."""
+    if not cpu_ops.load():
+        pytest.skip(f"fused CPU kernels unavailable: {cpu_ops.failure()}")
+    loaded = load_model(model_dir, "cpu", "fp32")
+    calls = 0
+    real = cpu_ops.decode_attention_int4
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(cpu_ops, "decode_attention_int4", counted)
+    prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
+    plan = _plan(tmp_path, MIXED)
+    fused = _run(_engine(loaded, kv_dtype="plan", kv_plan=plan), prompts, 24)
+    assert calls >= 20  # one int4 layer, a call per decode step
+    fused_calls = calls
+    with cpu_ops.disabled():
+        plain = _run(_engine(loaded, kv_dtype="plan", kv_plan=plan), prompts, 24)
+    assert calls == fused_calls
+    assert fused == plain

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
+from edge_rtgi.llm.kv.mixed import MixedPagedKVStorage
 from edge_rtgi.llm.kv.storage import PagedKVStorage
 from edge_rtgi.llm.rope import apply_rope
 
@@ -120,13 +121,19 @@ class PagedAttentionBackend:
             and md.decode_sink_rope is None
             and md.decode_scores is None
         ):
-            if isinstance(self.storage, Int4KIVIPagedKVStorage):
-                if cpu_ops.decode_attention_int4_usable(q, self.storage.k_open[layer]):
+            # a per-layer plan's int4 layers live in an int4 store of their own
+            part, index = (
+                self.storage.part_of(layer)
+                if isinstance(self.storage, MixedPagedKVStorage)
+                else (self.storage, layer)
+            )
+            if isinstance(part, Int4KIVIPagedKVStorage):
+                if cpu_ops.decode_attention_int4_usable(q, part.k_open[index]):
                     # The write keeps the open-block bookkeeping in Python; attention reads codes.
-                    self.storage.write(layer, md.slot_mapping, k, v)
+                    part.write(index, md.slot_mapping, k, v)
                     return cpu_ops.decode_attention_int4(
                         q,
-                        self.storage.fused_layer(layer),
+                        part.fused_layer(index),
                         md.decode_slots,
                         md.decode_mask,
                         q.shape[-1] ** -0.5,
