@@ -11,16 +11,12 @@ token, so that comparison is left to the real-model benchmark (scripts/bench_kv.
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import Tensor
 
 from edge_rtgi.llm.engine import LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.kv.int4 import dequantise_int4, quantise_int4
-from edge_rtgi.llm.model import Transformer, causal_window_mask
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
+from tests.kv_reference import reference
 from tests.tiny_models import make_tiny_hf_model
 
 BLOCK, CHUNK = 4, 16
@@ -34,52 +30,6 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return load_model(make_tiny_hf_model("llama", tmp_path_factory.mktemp("llama"), seed=1), "cpu", "fp64")
-
-
-class KiviReference:
-    def __init__(self, model: Transformer, max_len: int):
-        cfg = model.config
-        self.model = model
-        shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
-        self.group = 32 if cfg.head_dim % 32 == 0 else cfg.head_dim
-        self.length = 0
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        start, end = self.length, self.length + q.shape[0]
-        self.k[layer, start:end], self.v[layer, start:end] = k, v
-        keys = self.k[layer, :end].clone()
-        for b in range(end // BLOCK):  # full blocks: per channel over the block's tokens
-            rows = slice(b * BLOCK, (b + 1) * BLOCK)
-            keys[rows] = dequantise_int4(*quantise_int4(keys[rows], dim=0)).to(keys.dtype)
-        t, h, d = self.v[layer, :end].shape
-        grouped = self.v[layer, :end].reshape(t, h, d // self.group, self.group)
-        values = dequantise_int4(*quantise_int4(grouped, dim=-1)).reshape(t, h, d).to(keys.dtype)
-        mask = causal_window_mask(torch.arange(start, end), torch.arange(end), None)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
-
-    @torch.inference_mode()
-    def forward(self, ids: list[int]) -> int:
-        hidden = self.model(torch.tensor(ids), torch.arange(self.length, self.length + len(ids)), self)
-        self.length += len(ids)
-        return int(self.model.compute_logits(hidden[-1:])[0].argmax())
-
-
-def reference(loaded, prompt: list[int], max_tokens: int) -> list[int]:
-    ref = KiviReference(loaded.model, len(prompt) + max_tokens)
-    for i in range(0, len(prompt), CHUNK):
-        token = ref.forward(prompt[i : i + CHUNK])
-    out = [token]
-    while len(out) < max_tokens:
-        out.append(ref.forward([out[-1]]))
-    return out
 
 
 @pytest.mark.parametrize("decode_mode", ["padded", "per_seq"])
@@ -96,7 +46,8 @@ def test_int4_kv_engine_equals_the_kivi_reference(llama, decode_mode):
     prompts = [llama.tokenizer.encode(t) for t in TEXTS]
     got = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     for prompt, result in zip(prompts, got, strict=True):
-        assert result.token_ids == reference(llama, prompt, 24)
+        layers = ["int4"] * llama.config.num_layers
+        assert result.token_ids == reference(llama, layers, prompt, 24, BLOCK, CHUNK)
     assert engine.stats().kv_blocks_used == 0
 
 

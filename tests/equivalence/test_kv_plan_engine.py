@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.engine import LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.kv.int4 import dequantise_int4, quantise_int4
 from edge_rtgi.llm.kv.mixed import MixedPagedKVStorage
-from edge_rtgi.llm.kv.storage import Int8PagedKVStorage
-from edge_rtgi.llm.model import Transformer, causal_window_mask
 from edge_rtgi.llm.quant.allocate import Budget, allocate_kv
 from edge_rtgi.llm.quant.kv_profile import profile_kv_sensitivity
 from edge_rtgi.llm.quant.plan import model_kv_layers
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
+from tests.kv_reference import reference
 from tests.tiny_models import make_tiny_hf_model
 
 BLOCK, CHUNK = 4, 16
@@ -92,65 +89,6 @@ def test_plan_of_int4_layers_is_the_int4_store(model_dir, tmp_path):
             assert torch.equal(getattr(part, name)[layer], getattr(int4.storage, name)[layer]), name
 
 
-class PerLayerReference:
-    """Dense KV in full precision; each forward pass attends, per layer, over the round trip of
-    that layer's precision: int4 as KIVI (keys of each full block per channel, the last unfilled
-    block exact, values per token), int8 per slot and head, auto exact."""
-
-    def __init__(self, model: Transformer, layers: list[str], max_len: int):
-        cfg = model.config
-        self.model, self.layers = model, layers
-        shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
-        self.group = 32 if cfg.head_dim % 32 == 0 else cfg.head_dim
-        self.length = 0
-
-    def _round_trip(self, layer: int, end: int) -> tuple[Tensor, Tensor]:
-        keys, values = self.k[layer, :end].clone(), self.v[layer, :end].clone()
-        if self.layers[layer] == "int8":
-            for x in (keys, values):
-                codes, scale = Int8PagedKVStorage._quantise(x)
-                x.copy_(codes.float() * scale)
-        elif self.layers[layer] == "int4":
-            for b in range(end // BLOCK):
-                rows = slice(b * BLOCK, (b + 1) * BLOCK)
-                keys[rows] = dequantise_int4(*quantise_int4(keys[rows], dim=0)).to(keys.dtype)
-            t, h, d = values.shape
-            grouped = values.reshape(t, h, d // self.group, self.group)
-            values = dequantise_int4(*quantise_int4(grouped, dim=-1)).reshape(t, h, d).to(keys.dtype)
-        return keys, values
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        start, end = self.length, self.length + q.shape[0]
-        self.k[layer, start:end], self.v[layer, start:end] = k, v
-        keys, values = self._round_trip(layer, end)
-        mask = causal_window_mask(torch.arange(start, end), torch.arange(end), None)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1)
-
-    @torch.inference_mode()
-    def forward(self, ids: list[int]) -> int:
-        hidden = self.model(torch.tensor(ids), torch.arange(self.length, self.length + len(ids)), self)
-        self.length += len(ids)
-        return int(self.model.compute_logits(hidden[-1:])[0].argmax())
-
-
-def reference(loaded, layers: list[str], prompt: list[int], max_tokens: int) -> list[int]:
-    ref = PerLayerReference(loaded.model, layers, len(prompt) + max_tokens)
-    for i in range(0, len(prompt), CHUNK):
-        token = ref.forward(prompt[i : i + CHUNK])
-    out = [token]
-    while len(out) < max_tokens:
-        out.append(ref.forward([out[-1]]))
-    return out
-
-
 @pytest.mark.parametrize("decode_mode", ["padded", "per_seq"])
 def test_mixed_plan_equals_a_per_layer_reference(model_dir, tmp_path, decode_mode):
     loaded = load_model(model_dir, "cpu", "fp64")
@@ -166,7 +104,7 @@ def test_mixed_plan_equals_a_per_layer_reference(model_dir, tmp_path, decode_mod
     engine = LLMEngine.from_loaded(loaded, cfg, start=False)
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     for prompt, got in zip(prompts, _run(engine, prompts, 24), strict=True):
-        assert got == reference(loaded, MIXED, prompt, 24)
+        assert got == reference(loaded, MIXED, prompt, 24, BLOCK, CHUNK)
     # batched with each other, the plan gives what each request gives alone
     batched = LLMEngine.from_loaded(
         loaded, cfg.with_(max_num_seqs=8, enable_prefix_caching=False), start=False
