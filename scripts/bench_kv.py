@@ -866,7 +866,8 @@ def main() -> int:
         "--decode-configs",
         default="full,sinks_window",
         help="comma-separated, the first is the baseline: full, sinks_window, window_only, h2o, snapkv, "
-        "int8, int4 (KV dtypes, full cache), int4_gather (int4 with its fused decode kernel off)",
+        "int8, int4 (KV dtypes, full cache), int4_gather (int4 with its fused decode kernel off), "
+        "full_cutoff (bf16 with the paged cache's old 384-key cut-off to gather + SDPA)",
     )
     ap.add_argument("--decode-runs", type=int, default=1)
     ap.add_argument(
@@ -992,10 +993,17 @@ def main() -> int:
                             "eviction": KVEviction(name),
                         }
                     engine = engine_for(loaded, num_blocks=-(-length // 16) + 64, **kwargs)
-                    # int4_gather: int4 KV with its fused decode kernel off (gather + SDPA)
+                    # int4_gather: int4 KV with its fused decode kernel off (gather + SDPA);
+                    # full_cutoff: bf16 KV with the paged cache's old 384-key cut-off to SDPA
                     off = ("decode_attention_int4",) if name == "int4_gather" else None
-                    with cpu_ops.disabled(*off) if off else contextlib.nullcontext():
-                        result, _ = run_one(engine, text[:length], args.decode_tokens)
+                    paged_cutoff = cpu_ops.PAGED_DECODE_ATTENTION_MAX_KEYS
+                    if name == "full_cutoff":
+                        cpu_ops.PAGED_DECODE_ATTENTION_MAX_KEYS = cpu_ops.DECODE_ATTENTION_MAX_KEYS
+                    try:
+                        with cpu_ops.disabled(*off) if off else contextlib.nullcontext():
+                            result, _ = run_one(engine, text[:length], args.decode_tokens)
+                    finally:
+                        cpu_ops.PAGED_DECODE_ATTENTION_MAX_KEYS = paged_cutoff
                     rates[name].append(decode_rate(result))
             for name in names:
                 out["decode"][f"{name}_{length}"] = statistics.median(rates[name])

@@ -62,8 +62,12 @@ ENV_MARCH = "EDGE_RTGI_KERNEL_MARCH"
 
 
 # Above this many keys per query, SDPA's flash kernel (tiled GEMMs) beats the fused loop, which
-# has no GEMM; the crossover measurement is in docs/cpu_kernels.md.
+# has no GEMM, over a contiguous cache; the crossover measurement is in docs/cpu_kernels.md.
 DECODE_ATTENTION_MAX_KEYS = 384
+# The same cut-off for a paged cache, where SDPA must first gather the keys and values into a
+# copy: the fused loop, which reads them at their slots, won at every length measured (None: no
+# cut-off; docs/cpu_kernels.md). A setting so that a benchmark can restore the old rule.
+PAGED_DECODE_ATTENTION_MAX_KEYS: int | None = None
 
 
 def target_arch() -> str:
@@ -295,12 +299,14 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def decode_attention_usable(q: Tensor, k_store: Tensor, num_keys: int) -> bool:
+def decode_attention_usable(q: Tensor, k_store: Tensor, num_keys: int, paged: bool = False) -> bool:
     """Whether ``decode_attention`` should run: kernels loaded, CPU, one dtype, a contiguous store,
-    and few enough keys that the fused loop beats SDPA (``DECODE_ATTENTION_MAX_KEYS``)."""
+    and few enough keys that the fused loop beats SDPA (``DECODE_ATTENTION_MAX_KEYS``, or
+    ``PAGED_DECODE_ATTENTION_MAX_KEYS`` for a ``paged`` cache, whose SDPA path gathers first)."""
+    max_keys = PAGED_DECODE_ATTENTION_MAX_KEYS if paged else DECODE_ATTENTION_MAX_KEYS
     return (
         _use(q)
-        and num_keys <= DECODE_ATTENTION_MAX_KEYS
+        and (max_keys is None or num_keys <= max_keys)
         and k_store.dtype == q.dtype
         and k_store.is_contiguous()
     )
@@ -484,6 +490,7 @@ class DecodeSlots:
     new_slots: Tensor  # [B] int64
     key_slots: Tensor  # [B, S] int64
     key_mask: Tensor | None  # [B, S] (or [B, 1, 1, S]) bool
+    paged: bool = False  # a paged cache: PAGED_DECODE_ATTENTION_MAX_KEYS is its cut-off
 
 
 @dataclass(frozen=True)
@@ -610,9 +617,14 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
         return None
     describe = getattr(backend, "decode_slots", None)
     slots: DecodeSlots | None = describe() if describe is not None else None
+    max_keys = (
+        None
+        if slots is None
+        else (PAGED_DECODE_ATTENTION_MAX_KEYS if slots.paged else DECODE_ATTENTION_MAX_KEYS)
+    )
     if (
         slots is None
-        or slots.key_slots.shape[1] > DECODE_ATTENTION_MAX_KEYS
+        or (max_keys is not None and slots.key_slots.shape[1] > max_keys)
         or slots.k_stores[0].dtype != x.dtype
     ):
         return None

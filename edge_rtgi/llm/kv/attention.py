@@ -139,7 +139,7 @@ class PagedAttentionBackend:
                         q.shape[-1] ** -0.5,
                     )
             k_store = self.storage.k[layer]
-            if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1]):
+            if cpu_ops.decode_attention_usable(q, k_store, md.decode_slots.shape[1], paged=True):
                 # Writes the new keys/values too; an int8 store (other dtype) never gets here.
                 return cpu_ops.decode_attention(
                     q,
@@ -203,7 +203,7 @@ class PagedAttentionBackend:
         ):
             return None
         return cpu_ops.DecodeSlots(
-            self.storage.k, self.storage.v, md.slot_mapping, md.decode_slots, md.decode_mask
+            self.storage.k, self.storage.v, md.slot_mapping, md.decode_slots, md.decode_mask, paged=True
         )
 
     def _decodes(self, md: PagedAttentionMetadata, layer: int, q: Tensor) -> Tensor:
