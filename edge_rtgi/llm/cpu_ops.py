@@ -299,16 +299,17 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def _few_enough_keys(num_keys: int, paged: bool) -> bool:
+    max_keys = PAGED_DECODE_ATTENTION_MAX_KEYS if paged else DECODE_ATTENTION_MAX_KEYS
+    return max_keys is None or num_keys <= max_keys
+
+
 def decode_attention_usable(q: Tensor, k_store: Tensor, num_keys: int, paged: bool = False) -> bool:
     """Whether ``decode_attention`` should run: kernels loaded, CPU, one dtype, a contiguous store,
     and few enough keys that the fused loop beats SDPA (``DECODE_ATTENTION_MAX_KEYS``, or
     ``PAGED_DECODE_ATTENTION_MAX_KEYS`` for a ``paged`` cache, whose SDPA path gathers first)."""
-    max_keys = PAGED_DECODE_ATTENTION_MAX_KEYS if paged else DECODE_ATTENTION_MAX_KEYS
     return (
-        _use(q)
-        and (max_keys is None or num_keys <= max_keys)
-        and k_store.dtype == q.dtype
-        and k_store.is_contiguous()
+        _use(q) and _few_enough_keys(num_keys, paged) and k_store.dtype == q.dtype and k_store.is_contiguous()
     )
 
 
@@ -617,14 +618,9 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
         return None
     describe = getattr(backend, "decode_slots", None)
     slots: DecodeSlots | None = describe() if describe is not None else None
-    max_keys = (
-        None
-        if slots is None
-        else (PAGED_DECODE_ATTENTION_MAX_KEYS if slots.paged else DECODE_ATTENTION_MAX_KEYS)
-    )
     if (
         slots is None
-        or (max_keys is not None and slots.key_slots.shape[1] > max_keys)
+        or not _few_enough_keys(slots.key_slots.shape[1], slots.paged)
         or slots.k_stores[0].dtype != x.dtype
     ):
         return None

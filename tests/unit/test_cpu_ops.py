@@ -206,7 +206,9 @@ def test_decode_attention_int4_matches_gather_then_sdpa(dtype, heads, kv_heads, 
     reference over the same dequantised numbers within bf16 output rounding (2^-8 relative), and
     on average closer to it than bf16 ``gather`` + SDPA, which rounds every dequantised key and
     value to bf16 first."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed {seed}")  # fresh data each run; pytest shows this line when the test fails
+    gen = torch.Generator().manual_seed(seed)
     lengths = [block_size * 3, 2 * block_size + 1, 37, 1]  # full, just opened, any, one key
     st, seqs = int4_cache(dtype, kv_heads, dim, block_size, lengths, gen)
     rows, width = len(lengths), max(lengths) + 2
@@ -235,7 +237,9 @@ def test_decode_attention_int4_matches_gather_then_sdpa(dtype, heads, kv_heads, 
 
 def test_decode_attention_int4_long_rows_split_over_threads():
     """Thousands of keys: the work is split into stretches whose softmax sums are merged."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    seed = int(torch.randint(0, 2**31, ()))
+    print(f"seed {seed}")  # fresh data each run; pytest shows this line when the test fails
+    gen = torch.Generator().manual_seed(seed)
     st, seqs = int4_cache(torch.float32, 3, 64, 16, [3001, 700], gen)
     key_slots = torch.zeros(2, 3001, dtype=torch.long)
     key_mask = torch.zeros(2, 3001, dtype=torch.bool)
@@ -285,6 +289,8 @@ def test_decode_attention_int4_refuses_bad_inputs():
         call(k_codes=kv.k_codes.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(RuntimeError, match="float32 or bfloat16 activations only"):
         call(q=q.double())
+    with pytest.raises(RuntimeError, match="q needs at least one row and one head"):  # not a crash
+        call(q=torch.randn(0, 4, 32), slots=slots[:0])
     # usable: kernels on, CPU, the store's dtype; off inside disabled()
     assert cpu_ops.decode_attention_int4_usable(q, kv.k_open)
     assert not cpu_ops.decode_attention_int4_usable(q.bfloat16(), kv.k_open)

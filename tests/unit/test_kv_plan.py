@@ -173,3 +173,26 @@ def test_engine_settings_for_kv_plans(tmp_path):
         from_dict(EngineConfig, {"kv_dtype": "plan", "kv_plan": bad})
     with pytest.raises(ConfigError, match=r"kv_dtype must be one of \('auto', 'int8', 'int4', 'plan'\)"):
         from_dict(EngineConfig, {"kv_dtype": "int2"})
+
+
+def test_a_plan_with_int4_refuses_single_token_moves_before_moving_anything():
+    """int4 keys share per-block scales, so ``copy_slots`` is refused; the other layers' stores
+    must not have moved first (a half-moved cache)."""
+    mixed = MixedPagedKVStorage(["auto", "int8", "int4"], BLOCKS, BS, H, D, torch.float32)
+    slots = torch.arange(0, 8)
+    for layer in range(3):
+        mixed.write(layer, slots, torch.randn(8, H, D), torch.randn(8, H, D))
+    before = [mixed.gather(layer, slots) for layer in range(3)]
+    with pytest.raises(RuntimeError, match="int4 KV moves tokens only through apply_compaction"):
+        mixed.copy_slots(torch.tensor([5]), torch.tensor([1]))
+    for layer in range(3):
+        for got, want in zip(mixed.gather(layer, slots), before[layer], strict=True):
+            assert torch.equal(got, want)
+    # without int4 the moves happen
+    plain = MixedPagedKVStorage(["auto", "int8"], BLOCKS, BS, H, D, torch.float32)
+    for layer in range(2):
+        plain.write(layer, slots, torch.randn(8, H, D), torch.randn(8, H, D))
+    plain.copy_slots(torch.tensor([5]), torch.tensor([1]))
+    for layer in range(2):
+        keys, _ = plain.gather(layer, slots)
+        assert torch.equal(keys[1], keys[5])

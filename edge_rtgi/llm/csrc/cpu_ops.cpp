@@ -687,6 +687,7 @@ Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Te
   const char* op = "edge_rtgi::decode_attention_int4: ";
   check_activation(q_in, "decode_attention_int4");
   TORCH_CHECK(q_in.dim() == 3, op, "q must be [B, Hq, D], got ", q_in.sizes());
+  TORCH_CHECK(q_in.size(0) > 0 && q_in.size(1) > 0, op, "q needs at least one row and one head, got ", q_in.sizes());
   TORCH_CHECK(k_codes.dim() == 3, op, "k_codes must be [N, Hkv, D/2], got ", k_codes.sizes());
   const int64_t rows = q_in.size(0), dim = q_in.size(2);
   const int64_t num_slots = k_codes.size(0), num_kv_heads = k_codes.size(1);

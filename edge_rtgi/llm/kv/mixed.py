@@ -109,8 +109,10 @@ class MixedPagedKVStorage(PagedKVStorage):
         return part.gather(i, slots)
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
-        # int4 refuses single-token moves (its keys share per-block scales): so does a plan with it
-        for part in self.parts.values():
+        # int4 refuses single-token moves (its keys share per-block scales): so does a plan with
+        # it, before any other part has moved
+        parts = sorted(self.parts.values(), key=lambda p: not isinstance(p, Int4KIVIPagedKVStorage))
+        for part in parts:
             part.copy_slots(src, dst)
 
     def apply_compaction(
