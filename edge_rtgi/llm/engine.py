@@ -30,7 +30,7 @@ from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
-from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, layers_per_block
+from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, check_plan_kv_groups, layers_per_block
 from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
 from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
 from edge_rtgi.llm.kv.manager import KVCacheManager
@@ -121,11 +121,7 @@ def _build_storage(
     ``kv_dtype: plan`` a precision per layer (``kv.mixed``)."""
     shape = (num_blocks, config.block_size, mcfg.num_kv_heads, mcfg.head_dim, model.dtype, model.device)
     if config.kv_dtype == "plan":
-        if num_groups > 1:  # a plan names model layers; a group's storage layers serve several
-            raise ValueError(
-                f"kv_dtype plan needs a model with one KV group; {mcfg.arch} has {num_groups} "
-                "(per-layer windows): use kv_dtype auto, int8 or int4"
-            )
+        check_plan_kv_groups(mcfg.arch, num_groups)
         return MixedPagedKVStorage(config.kv_layer_dtypes(mcfg.num_layers), *shape)
     storage_cls: type[PagedKVStorage] = PagedKVStorage
     if config.kv_dtype == "int8":

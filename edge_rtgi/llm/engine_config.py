@@ -200,12 +200,8 @@ class EngineConfig:
             return self.num_kv_blocks
         from edge_rtgi.llm.kv.mixed import mixed_bytes_per_block
 
-        groups = len(model_config.kv_groups())
-        if self.kv_dtype == "plan" and groups > 1:  # a plan names model layers, a group's serve several
-            raise ValueError(
-                f"kv_dtype plan needs a model with one KV group; {model_config.arch} has {groups} "
-                "(per-layer windows): use kv_dtype auto, int8 or int4"
-            )
+        if self.kv_dtype == "plan":
+            check_plan_kv_groups(model_config.arch, len(model_config.kv_groups()))
         per_block = mixed_bytes_per_block(
             self.kv_layer_dtypes(layers_per_block(model_config)),
             self.block_size,
@@ -214,6 +210,16 @@ class EngineConfig:
             dtype,
         )
         return max(1, self.kv_cache_memory_mb * 2**20 // per_block)
+
+
+def check_plan_kv_groups(arch: str, num_groups: int) -> None:
+    """Refuse ``kv_dtype: plan`` on a model with several KV groups: a plan names model layers, and
+    a group's storage layers serve several of them."""
+    if num_groups > 1:
+        raise ValueError(
+            f"kv_dtype plan needs a model with one KV group; {arch} has {num_groups} "
+            "(per-layer windows): use kv_dtype auto, int8 or int4"
+        )
 
 
 def layers_per_block(model_config: ModelConfig) -> int:
