@@ -32,12 +32,12 @@ import torch
 
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.catalog import resolve_model
-from edge_rtgi.llm.engine import LLMEngine
+from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.prepared import load_prepared
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
+from edge_rtgi.llm.speculative import Draft, NgramDraft, SpeculativeConfig, Speculator
 
 WORKLOADS = ("code", "translation", "dialogue", "voice")
 # Prompts with nothing to copy: drafts guess from text they have not seen
@@ -47,6 +47,7 @@ ADVERSARIAL = (
     "List the planets of the solar system with one unusual fact about each.",
 )
 FIXED = (("ngram", 2), ("ngram", 4), ("ngram", 8))
+EAGLE_FIXED = (("eagle", 2), ("eagle", 4), ("eagle", 6))
 COST_SIZES = (1, 2, 3, 5, 9, 17)
 # --step-costs: the kernel microbenchmark's row counts (scripts/bench_cpu_kernels.py --multi-row)
 STEP_COST_SIZES = (1, 2, 4, 5, 8, 9, 12, 16)
@@ -77,6 +78,7 @@ def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> tupl
     """Decode rate over ``prompts``: tokens after each first token per second of wall time, and
     per second of this process's CPU time (on a shared machine the steadier of the two)."""
     engine.speculator = setting.speculator
+    engine.runner.collect_features = setting.speculator is not None and setting.speculator.wants_features
     before = engine.stats()
     steps_before = setting.speculator.stats.verify_steps if setting.speculator is not None else 0
     tokens, wall_s, cpu_s = 0, 0.0, 0.0
@@ -129,6 +131,7 @@ def step_costs(
     ids = tok.encode("The history of the printing press begins in the fifteenth century. " * 6)[:64]
     deltas: list[RequestDelta] = []
     engine.speculator = None
+    engine.runner.collect_features = False
     engine.submit(ids, SamplingParams(max_tokens=200, ignore_eos=True), deltas.append, request_id="cost")
     while not deltas:
         engine.step()
@@ -202,6 +205,14 @@ def main() -> None:
         help="only time one step at 1..16 tokens, at each of these kernel row limits (e.g. 8,16)",
     )
     ap.add_argument("--rounds", type=int, default=15, help="--step-costs: interleaved rounds")
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        help="the eagle draft (catalogue name or path; default: the catalogue's)",
+    )
+    ap.add_argument(
+        "--no-eagle", action="store_true", help="only the n-gram draft (the earlier runs' settings)"
+    )
     args = ap.parse_args()
     config = EngineConfig(num_threads=args.threads)
     prepared = load_prepared(
@@ -215,8 +226,25 @@ def main() -> None:
         report_step_costs(engine, args.rounds, limits, args.json)
         return
     workloads = args.workloads.split(",")
-    settings = [Setting("off", None), Setting("auto", Speculator(SpeculativeConfig("auto")))]
+
+    def eagle() -> list[Draft]:
+        return (
+            []
+            if args.no_eagle
+            else [load_eagle_draft(args.draft_model, engine.model, engine.tokenizer, config.model)]
+        )
+
+    settings = [
+        Setting("off", None),
+        Setting("auto", Speculator(SpeculativeConfig("auto"), [NgramDraft(), *eagle()])),
+    ]
     settings += [Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k))) for d, k in FIXED]
+    if not args.no_eagle:
+        settings.append(Setting("auto-ngram", Speculator(SpeculativeConfig("auto"))))
+        settings += [
+            Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k), eagle()))
+            for d, k in EAGLE_FIXED
+        ]
     prompts = {w: prompts_for(engine, w, args.prompts) for w in workloads}
     for w in workloads:  # warm-up: first-call kernels, allocator
         run_one(engine, settings[0], w, prompts[w][:1])

@@ -16,7 +16,7 @@ from typing import Any
 from edge_rtgi.config import from_dict, load_yaml, where
 from edge_rtgi.errors import ConfigError
 
-ROLES = ("llm", "asr", "tts", "vad", "turn")
+ROLES = ("llm", "asr", "tts", "vad", "turn", "draft")
 SOURCE_KINDS = ("pypi", "hub", "python-package")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 

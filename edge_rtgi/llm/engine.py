@@ -28,7 +28,7 @@ import torch
 
 from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.device import release_cpu_workers
-from edge_rtgi.errors import EdgeRtgiError, EngineBusy, RequestError
+from edge_rtgi.errors import ConfigError, EdgeRtgiError, EngineBusy, ModelNotFoundError, RequestError
 from edge_rtgi.llm.detokenize import BoundaryStopper, IncrementalDetokenizer, StopStringMatcher
 from edge_rtgi.llm.engine_config import EngineConfig, EngineStats, check_plan_kv_groups, layers_per_block
 from edge_rtgi.llm.kv.eviction import KVEviction, observation_queries, segment_ids, select_keep
@@ -56,7 +56,7 @@ from edge_rtgi.llm.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from edge_rtgi.llm.speculative import Speculator, parse_speculative
+from edge_rtgi.llm.speculative import DRAFTS, Draft, SpeculativeConfig, Speculator, parse_speculative
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
 from edge_rtgi.llm.tokenizer import ChatTokenizer
 
@@ -136,6 +136,53 @@ def _build_storage(
     return storage_cls(layers_per_block(mcfg), *shape)
 
 
+def build_speculator(
+    spec: SpeculativeConfig, model: Transformer, tokenizer: ChatTokenizer | None, model_name: str
+) -> Speculator | None:
+    """The speculator for ``spec``, with the trained draft (``eagle``) loaded where the setting
+    asks for it (``draft: eagle``) or may use it (``auto``). A draft file that is missing, damaged
+    or made for another model is refused with one warning: under ``auto`` the cheap drafts run on,
+    with ``draft: eagle`` the engine runs without speculation."""
+    drafts: list[Draft] = []
+    if spec.mode == "auto" or spec.draft in DRAFTS:
+        drafts += [cls() for name, cls in DRAFTS.items() if spec.mode == "auto" or name == spec.draft]
+    if spec.mode == "auto" or spec.draft == "eagle":
+        try:
+            drafts.append(load_eagle_draft(spec.draft_model, model, tokenizer, model_name))
+        except EdgeRtgiError as exc:
+            if spec.mode == "fixed":
+                log.warning("speculative decoding is off: the eagle draft was refused: %s", exc)
+                return None
+            if spec.draft_model is not None:  # asked for by name: say why it is not used
+                log.warning("speculative: auto runs without the eagle draft: %s", exc)
+            else:
+                log.info("speculative: auto runs without the eagle draft: %s", exc)
+    return Speculator(spec, drafts)
+
+
+def load_eagle_draft(
+    draft_model: str | None, model: Transformer, tokenizer: ChatTokenizer | None, model_name: str
+) -> Draft:
+    """The ``eagle`` draft for ``model``: ``draft_model`` (a catalogue name or a path), or the
+    catalogue's draft whose ``extra.target`` is ``model_name``. EdgeRtgiError with the reason."""
+    from edge_rtgi.catalog import list_entries, resolve_model
+    from edge_rtgi.llm.eagle import EagleDraft
+    from edge_rtgi.llm.tokenizer import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise ConfigError("the eagle draft needs the model's own tokenizer to check it was trained for it")
+    name = draft_model
+    if name is None:
+        matches = [e.name for e in list_entries("draft") if (e.extra or {}).get("target") == model_name]
+        if not matches:
+            raise ModelNotFoundError(
+                f"the catalogue has no eagle draft for {model_name!r}",
+                hint="train one with scripts/train_draft.py and set speculative.draft_model",
+            )
+        name = matches[0]
+    return EagleDraft.from_file(resolve_model(name, role="draft"), model, tokenizer)
+
+
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache. See docs/engine.md."""
 
@@ -195,7 +242,10 @@ class LLMEngine:
         self._turn_starts, self._sentence_ends = _segment_tokens(tokenizer, eviction)
         self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups, eviction)
         spec = self.config.speculation()
-        self.speculator = Speculator(spec) if spec.enabled else None
+        self.speculator = (
+            build_speculator(spec, model, tokenizer, self.config.model) if spec.enabled else None
+        )
+        self.runner.collect_features = self.speculator is not None and self.speculator.wants_features
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))
         self._streams: dict[str, _Stream] = {}
@@ -577,6 +627,8 @@ class LLMEngine:
         if self.config.kv_budget_tokens is not None:
             self._evict(self.config.kv_budget_tokens)
         if self.speculator is not None:
+            if self.runner.collect_features:
+                self.speculator.add_features(self.runner.features)
             self._observe_drafts(self.speculator, output, result, requests, updates, (t2 - t1) * 1e3)
         for update in updates:
             self._emit(update, result.logprobs.get(update.request_id))

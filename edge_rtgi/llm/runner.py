@@ -32,6 +32,7 @@ from edge_rtgi.llm.request import TokenLogprob
 from edge_rtgi.llm.rope import RotaryEmbedding
 from edge_rtgi.llm.sampling import SamplingParams, sample_token
 from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from edge_rtgi.llm.speculative import FeatureRows
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,11 @@ class ModelRunner:
         self.eviction = eviction
         self._scores: dict[str, EvictionScores] = {}
         self._observation: dict[str, int] = {}  # per request, when not the policy's own
+        # a draft that reads the target's features (llm.eagle) is on: after each step,
+        # ``features`` holds every request's final hidden states of the positions it computed
+        # (a verifying request's up to its last accepted token)
+        self.collect_features = False
+        self.features: dict[str, FeatureRows] = {}
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling and eviction state."""
@@ -298,6 +304,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, params: Mapping[str, SamplingParams]) -> ModelRunnerOutput:
         """Run one step; ``params`` maps each scheduled request id to its sampling params."""
         verify = [s for s in output.scheduled if s.sample and s.num_draft_tokens]
+        self.features = {}
         rows: list[ScheduledRequest] = []
         for s in output.scheduled:
             if s.sample and s.num_draft_tokens:
@@ -324,6 +331,8 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, backend)  # [T, H]
         if self.eviction is not None:
             self._add_scores(decodes, chunks, md[0])
+        if self.collect_features:
+            self.features = self._features(ordered, hidden)
 
         # plain rows first (their logits at the last position), then each verifying request's
         # k+1 rows: the logits after its last token and after each draft token
@@ -349,7 +358,26 @@ class ModelRunner:
         for s in verify:
             self._verify(s, logits[row : row + s.num_draft_tokens + 1], params[s.request_id], out)
             row += s.num_draft_tokens + 1
+            got = self.features.get(s.request_id) if self.collect_features else None
+            if got is not None:  # rejected drafts' features are not the sequence's
+                keep = out.num_accepted.get(s.request_id, -1) + 1
+                self.features[s.request_id] = FeatureRows(got.start_position, got.rows[:keep])
         return out
+
+    def _features(self, ordered: list[ScheduledRequest], hidden: Tensor) -> dict[str, FeatureRows]:
+        """Each request's rows of ``hidden`` (its rows are adjacent in ``ordered``), copied."""
+        spans: dict[str, list[int]] = {}  # request id -> [first row, end row, first position]
+        end = 0
+        for s in ordered:
+            n = len(s.token_ids)
+            span = spans.get(s.request_id)
+            if span is None:
+                spans[s.request_id] = [end, end + n, s.start_position]
+            else:
+                span[1] = end + n
+            end += n
+        copy = hidden.detach().clone()  # one copy for all: the rows outlive this step
+        return {rid: FeatureRows(pos, copy[a:b]) for rid, (a, b, pos) in spans.items()}
 
     def _verify(
         self, s: ScheduledRequest, logits: Tensor, params: SamplingParams, out: ModelRunnerOutput

@@ -16,12 +16,18 @@ Torch-free: proposals are token lists, the policy is arithmetic.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from edge_rtgi.llm.request import Request, RequestClass
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 MAX_DRAFT_TOKENS = 16
 SPECULATIVE_MODES = ("off", "auto")
@@ -42,6 +48,30 @@ class Draft(Protocol):
         ...
 
 
+@runtime_checkable
+class FeatureDraft(Draft, Protocol):
+    """A draft that runs a model of its own over the target's features (``eagle``): it is fed
+    the target's final hidden state of every position the runner computed, and its measured
+    cost per drafted token is charged against what it promises."""
+
+    @property
+    def cost_ms_per_token(self) -> float | None:
+        """Measured run time per drafted token (None before the first proposal)."""
+        ...
+
+    def add_features(self, request_id: str, start_position: int, features: Tensor) -> None:
+        """The target's features [T, H] of positions ``start_position`` on."""
+        ...
+
+
+@dataclass(frozen=True)
+class FeatureRows:
+    """The target's final hidden states of one request's positions computed in a step."""
+
+    start_position: int
+    rows: Tensor  # [T, hidden]
+
+
 # --- settings ----------------------------------------------------------------------------------
 
 
@@ -53,6 +83,8 @@ class SpeculativeConfig:
     mode: str = "off"
     draft: str = "ngram"
     k: int = 4
+    # the trained draft's file (catalogue name or path); None: the catalogue's draft for the model
+    draft_model: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +93,11 @@ class SpeculativeConfig:
     def as_setting(self) -> str:
         """The short string form: "off", "auto" or "<draft>:<k>" (``SamplingParams.speculative``)."""
         return f"{self.draft}:{self.k}" if self.mode == "fixed" else self.mode
+
+
+def runs_model(draft: Draft) -> bool:
+    """Whether ``draft`` runs a model over the target's features (``FeatureDraft``)."""
+    return isinstance(draft, FeatureDraft)
 
 
 def parse_speculative(
@@ -82,16 +119,21 @@ def parse_speculative(
         return SpeculativeConfig(mode=value)
     if not isinstance(value, Mapping):
         raise ValueError(f"{key} must be 'auto', 'off' or a mapping {{draft: ..., k: ...}}, got {value!r}")
-    unknown = sorted(set(value) - {"draft", "k"})
+    unknown = sorted(set(value) - {"draft", "k", "draft_model"})
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(unknown)} in {key}; allowed: draft, k")
+        raise ValueError(f"unknown key(s) {', '.join(unknown)} in {key}; allowed: draft, k, draft_model")
+    draft_model = value.get("draft_model")
+    if draft_model is not None and not isinstance(draft_model, str):
+        raise ValueError(f"{key}.draft_model must be a catalogue name or a path, got {draft_model!r}")
     draft = value.get("draft", "ngram")
-    if draft not in DRAFTS:
-        raise ValueError(f"{key}.draft: unknown draft {draft!r}; choose one of {', '.join(DRAFTS)}")
+    if draft == "auto":  # {draft: auto, draft_model: ...}: the adaptive policy over every draft
+        return SpeculativeConfig(mode="auto", draft_model=draft_model)
+    if draft not in DRAFT_NAMES:
+        raise ValueError(f"{key}.draft: unknown draft {draft!r}; choose one of {', '.join(DRAFT_NAMES)}")
     k = value.get("k", 4)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
         raise ValueError(f"{key}.k must be an integer in 1..{MAX_DRAFT_TOKENS}, got {k!r}")
-    return SpeculativeConfig(mode="fixed", draft=str(draft), k=k)
+    return SpeculativeConfig(mode="fixed", draft=str(draft), k=k, draft_model=draft_model)
 
 
 # --- the n-gram (prompt lookup) draft ------------------------------------------------------------
@@ -166,7 +208,10 @@ class NgramDraft:
         self._index.pop(request_id, None)
 
 
+# Drafts the speculator builds itself (no model run); ``eagle`` is built by the engine, which has
+# the target model it reads (``llm.eagle.EagleDraft``).
 DRAFTS: dict[str, type[NgramDraft]] = {"ngram": NgramDraft}
+DRAFT_NAMES = ("ngram", "eagle")
 
 
 # --- cost and acceptance models -----------------------------------------------------------------
@@ -236,6 +281,8 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations of the class prior a request's estimat
 CLASS_EVIDENCE_WEIGHT = 24.0
 K_CHOICES = (1, 2, 3, 4, 6, 8)
 MIN_GAIN = 1.03  # a draft must promise this speed-up over plain decoding, or the step goes plain
+# A model-running draft's cost per token against a plain step before either has been measured.
+UNMEASURED_DRAFT_COST_RATIO = 0.1
 
 
 @dataclass
@@ -294,6 +341,8 @@ class AdaptivePolicy:
 
     def __init__(self, drafts: Iterable[Draft], costs: StepCostTable, fixed: tuple[str, int] | None = None):
         self.drafts = {d.name: d for d in drafts}
+        # names of the drafts that run a model (a runtime_checkable isinstance costs ~10 us)
+        self.model_drafts = {n for n, d in self.drafts.items() if runs_model(d)}
         self.costs = costs
         self.fixed = fixed
         self._arms: dict[str, dict[str, _RequestArm]] = {}
@@ -341,16 +390,32 @@ class AdaptivePolicy:
             if most <= 0:
                 continue
             alpha = self._arm(request, name).optimistic()
+            per_token = self.draft_cost_ratio(name, base_tokens)
             for k in sorted({min(k, most) for k in K_CHOICES}):
-                gain = expected_tokens(alpha, k) / self.costs.ratio(base_tokens, k)
+                gain = expected_tokens(alpha, k) / (self.costs.ratio(base_tokens, k) + per_token * k)
                 if gain >= MIN_GAIN and (best is None or gain > best[0]):
                     best = (gain, name, k)
         return None if best is None else (best[1], best[2])
 
+    def draft_cost_ratio(self, name: str, base_tokens: int) -> float:
+        """A draft's own cost per proposed token relative to a plain step of ``base_tokens``
+        (0 for drafts that run no model)."""
+        draft = self.drafts[name]
+        if name not in self.model_drafts or not isinstance(draft, FeatureDraft):
+            return 0.0
+        step_ms = self.costs.cost_ms(base_tokens)
+        cost_ms = draft.cost_ms_per_token
+        if step_ms is None or step_ms <= 0 or cost_ms is None:
+            return UNMEASURED_DRAFT_COST_RATIO
+        return cost_ms / step_ms
+
     def shadow(self, request: Request, proposals: Mapping[str, list[int]] | None = None) -> None:
-        """On a plain step, score each draft's guess of the next token (``observe_plain``):
-        the first token of its ``proposals`` entry, or a fresh one-token proposal."""
+        """On a plain step, score each cheap draft's guess of the next token (``observe_plain``):
+        the first token of its ``proposals`` entry, or a fresh one-token proposal. Drafts that run
+        a model are not asked: a guess would cost a draft pass on every plain step."""
         for name, draft in self.drafts.items():
+            if name in self.model_drafts:
+                continue
             guess = proposals[name][:1] if proposals is not None else draft.propose(request, 1)
             self._arm(request, name).pending = guess
 
@@ -361,6 +426,10 @@ class AdaptivePolicy:
                 arm.accepted += hit
                 arm.rejected += not hit
                 arm.pending = []
+
+    def observe_declined(self, request: Request, draft: str) -> None:
+        """A draft chosen for k tokens proposed fewer (it doubted them): one rejection."""
+        self._arm(request, draft).rejected += 1
 
     def observe(self, request: Request, draft: str, proposed: int, accepted: int) -> None:
         """A verification step: ``accepted`` of ``proposed`` drafts held."""
@@ -388,6 +457,8 @@ class Speculator:
         self.config = config
         if drafts is None:
             names = list(DRAFTS) if config.mode == "auto" else [config.draft]
+            if any(name not in DRAFTS for name in names):
+                raise ValueError(f"draft {config.draft!r} runs a model: build it and pass it in drafts")
             drafts = [DRAFTS[name]() for name in names]
         self.costs = StepCostTable()
         fixed = (config.draft, config.k) if config.mode == "fixed" else None
@@ -406,12 +477,16 @@ class Speculator:
     ) -> bool:
         """Requests that may speculate: not those that want per-token logprobs; under ``auto``
         not seeded sampled ones either (the policy reads step times, so their k, and with it
-        which random numbers a sample consumes, would vary from run to run). ``own``: the
-        request's own setting (``SamplingParams.speculative``), None to follow the engine's."""
-        mode = (own or self.config).mode
-        if logprobs or mode == "off":
+        which random numbers a sample consumes, would vary from run to run), nor with a draft
+        that runs a model (its proposals depend on float features and its cache's history).
+        ``own``: the request's own setting (``SamplingParams.speculative``), None to follow the
+        engine's."""
+        setting = own or self.config
+        if logprobs or setting.mode == "off":
             return False
-        return not (mode == "auto" and seeded and not greedy)
+        reproducible = setting.mode == "fixed" and setting.draft not in self.policy.model_drafts
+        reproducible = reproducible and setting.draft in DRAFTS
+        return not (seeded and not greedy and not reproducible)
 
     def propose(self, decodes: list[tuple[Request, SpeculativeConfig | None]]) -> None:
         """Put a draft on each of ``decodes`` (running requests one token short, each with its
@@ -423,19 +498,42 @@ class Speculator:
             if own is not None and own.mode == "fixed":
                 fixed = (own.draft, own.k)
                 if own.draft not in self.policy.drafts:
-                    self.policy.drafts[own.draft] = DRAFTS[own.draft]()
+                    if own.draft not in DRAFTS:
+                        continue  # a model-running draft this engine has not loaded: plain steps
+                    self.policy.drafts[own.draft] = DRAFTS[own.draft]()  # a cheap one
             adaptive = own is not None and own.mode == "auto"
             pinned = self.policy.pinned(fixed, adaptive)
             if pinned is not None:
                 name, k = pinned
-                req.draft_token_ids = self.policy.drafts[name].propose(req, k)
+                req.draft_token_ids = self._ask(self.policy.drafts[name], req, k)
             else:
-                # Each draft (all cheap: no model run) proposes as far as it can once; the policy
-                # then picks which and how much of it to verify, knowing what it would get, or
-                # a plain step, and the proposals are scored in the shadow.
-                proposals = {n: d.propose(req, max(K_CHOICES)) for n, d in self.policy.drafts.items()}
-                available = {n: len(p) for n, p in proposals.items()}
-                choice = self.policy.choose(req, base_tokens, available=available)
+                # Each cheap draft (no model run) proposes as far as it can once; the policy then
+                # picks which and how much of it to verify, knowing what it would get, or a plain
+                # step, and the proposals are scored in the shadow. A draft that runs a model
+                # proposes only when chosen, and only the k it was chosen for; when it then
+                # proposes less (it doubts its next token), that counts against it and the
+                # policy chooses again with what it really has.
+                model_drafts = self.policy.model_drafts
+                proposals = {
+                    n: d.propose(req, max(K_CHOICES))
+                    for n, d in self.policy.drafts.items()
+                    if n not in model_drafts
+                }
+                available = {
+                    n: len(proposals[n]) if n in proposals else MAX_DRAFT_TOKENS for n in self.policy.drafts
+                }
+                asked: set[str] = set()
+                while True:
+                    choice = self.policy.choose(req, base_tokens, available=available)
+                    if choice is None or choice[0] not in model_drafts or choice[0] in asked:
+                        break
+                    name, k = choice
+                    proposals[name] = self._ask(self.policy.drafts[name], req, k)
+                    asked.add(name)
+                    available[name] = len(proposals[name])
+                    if len(proposals[name]) == k:
+                        break
+                    self.policy.observe_declined(req, name)
                 if choice is None:
                     self.policy.shadow(req, proposals)
                     continue
@@ -475,6 +573,37 @@ class Speculator:
                 self.stats.plain_steps += 1
                 if req is not None:
                     self.policy.observe_plain(req, tokens[0])
+
+    def _ask(self, draft: Draft, request: Request, k: int) -> list[int]:
+        """``draft.propose``; a draft that runs a model and fails is logged and proposes nothing
+        for this request (it starts again from the next features), so one draft's failure never
+        fails a step."""
+        if draft.name not in self.policy.model_drafts:
+            return draft.propose(request, k)
+        try:
+            return draft.propose(request, k)
+        except Exception as exc:  # noqa: BLE001 - a draft is an optimisation, never a failure
+            log.warning("draft %s failed for request %s: %s", draft.name, request.request_id, exc)
+            draft.release(request.request_id)
+            return []
+
+    def add_features(self, features: Mapping[str, FeatureRows]) -> None:
+        """Hand the target's features of this step's positions to the drafts that read them."""
+        for name in self.policy.model_drafts:
+            draft = self.policy.drafts[name]
+            if not isinstance(draft, FeatureDraft):
+                continue
+            for rid, rows in features.items():
+                try:
+                    draft.add_features(rid, rows.start_position, rows.rows)
+                except Exception as exc:  # noqa: BLE001 - as in _ask
+                    log.warning("draft %s failed to take features of request %s: %s", name, rid, exc)
+                    draft.release(rid)
+
+    @property
+    def wants_features(self) -> bool:
+        """Whether any draft reads the target's features (the runner then keeps them)."""
+        return bool(self.policy.model_drafts)
 
     def draft_used(self, request_id: str) -> str | None:
         return self._last_draft.get(request_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge_rtgi.llm.engine import LLMEngine
+from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.sampling import SamplingParams
@@ -37,15 +37,19 @@ def engine():
     engine.shutdown()
 
 
-@pytest.mark.parametrize("setting", ["ngram:4", "auto", "scripted"])
+@pytest.mark.parametrize("setting", ["ngram:4", "auto", "scripted", "eagle"])
 def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
     tok = engine.tokenizer
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(max_tokens=32)
     want = [generate((engine.model, tok), tok.encode_chat(c), params) for c in chats]
+    engine.runner.collect_features = setting == "eagle"
     if setting == "scripted":
         script = {tuple(tok.encode_chat(c)): w.token_ids for c, w in zip(chats, want, strict=True)}
         engine.speculator = Speculator(SpeculativeConfig("fixed", "scripted", 4), [ScriptedDraft(script)])
+    elif setting == "eagle":  # the catalogue's trained draft for SmolLM2
+        draft = load_eagle_draft(None, engine.model, tok, "smollm2-135m-instruct")
+        engine.speculator = Speculator(SpeculativeConfig("fixed", "eagle", 4), [draft])
     else:
         config = SpeculativeConfig("auto") if setting == "auto" else SpeculativeConfig("fixed", "ngram", 4)
         engine.speculator = Speculator(config)

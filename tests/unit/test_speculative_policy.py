@@ -13,6 +13,7 @@ from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import ModelRunnerOutput
 from edge_rtgi.llm.speculative import (
     AdaptivePolicy,
+    FeatureRows,
     NgramDraft,
     SpeculativeConfig,
     Speculator,
@@ -30,6 +31,12 @@ def test_settings_parse_and_bad_ones_name_the_key():
     assert parse_speculative({"draft": "ngram", "k": 6}) == SpeculativeConfig("fixed", "ngram", 6)
     assert parse_speculative("ngram:3").as_setting() == "ngram:3"
     assert parse_speculative(False).mode == "off"  # YAML 1.1: a bare `off`
+    assert parse_speculative({"draft": "eagle", "k": 4, "draft_model": "d.safetensors"}) == SpeculativeConfig(
+        "fixed", "eagle", 4, "d.safetensors"
+    )
+    assert parse_speculative({"draft": "auto", "draft_model": "x"}) == SpeculativeConfig(
+        "auto", draft_model="x"
+    )
     for bad, named in (
         ({"draft": "ngram", "k": 0}, "speculative.k"),
         ({"draft": "ngram", "k": 17}, "speculative.k"),
@@ -38,7 +45,8 @@ def test_settings_parse_and_bad_ones_name_the_key():
         ("ngram:0", "speculative.k"),
         ("ngram:17", "speculative.k"),
         ("ngram:-1", "speculative.k"),
-        ({"draft": "eagle", "k": 4}, "speculative.draft"),
+        ({"draft": "medusa", "k": 4}, "speculative.draft"),
+        ({"draft": "eagle", "draft_model": 3}, "speculative.draft_model"),
         ({"draft": "ngram", "n": 4}, "unknown key"),
         ("sometimes", "'auto', 'off'"),
     ):
@@ -198,3 +206,77 @@ def test_a_class_whose_drafts_fail_starts_its_next_request_pessimistic():
     # another class keeps its own prior
     other = Request("other", [1, 2, 3], SamplingParams(), request_class=RequestClass.BULK)
     assert policy.choose(other, 1, available={"ngram": 3}) is not None
+
+
+class CostlyDraft:
+    """A draft that runs a model (``FeatureDraft``): proposes a fixed run, at a set cost."""
+
+    name = "eagle"
+
+    def __init__(self, cost_ms_per_token: float):
+        self.cost_ms_per_token = cost_ms_per_token
+        self.calls: list[int] = []
+        self.features: list[tuple[str, int]] = []
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        self.calls.append(k)
+        return [5] * k
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def add_features(self, request_id: str, start_position: int, features) -> None:
+        self.features.append((request_id, start_position))
+
+
+def test_a_model_running_draft_is_charged_its_cost_and_asked_only_when_chosen():
+    costs = StepCostTable()
+    for n, ms in ((1, 10.0), (2, 13.0), (3, 14.0), (4, 14.5), (5, 15.0), (7, 16.0), (9, 17.0)):
+        costs.observe(n, ms)
+    r = Request("r", [1, 2, 3, 4], SamplingParams(), request_class=RequestClass.BULK)
+    cheap_draft, dear_draft = CostlyDraft(0.5), CostlyDraft(20.0)
+    for draft, chosen in ((cheap_draft, True), (dear_draft, False)):
+        spec = Speculator(SpeculativeConfig("auto"), [draft])
+        spec.costs = spec.policy.costs = costs
+        spec.propose([(r, None)])
+        assert bool(r.draft_token_ids) is chosen
+        # asked once, for the k it was chosen for (never a shadow guess on a plain step)
+        assert draft.calls == ([len(r.draft_token_ids)] if chosen else [])
+        r.draft_token_ids = []
+    assert spec.wants_features
+    spec.add_features({"r": FeatureRows(4, None)})  # type: ignore[arg-type]
+    assert dear_draft.features == [("r", 4)]
+    assert not Speculator(SpeculativeConfig("auto")).wants_features
+    with pytest.raises(ValueError, match="runs a model"):
+        Speculator(SpeculativeConfig("fixed", "eagle", 4))
+
+
+class DoubtingDraft(CostlyDraft):
+    """Chosen, it proposes nothing (its confidence is low), or fails outright."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__(0.1)
+        self.fail = fail
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        self.calls.append(k)
+        if self.fail:
+            raise RuntimeError("out of memory")
+        return []
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_model_draft_that_declines_or_fails_counts_against_it_and_the_cheap_draft_runs_on(fail, caplog):
+    costs = StepCostTable()
+    for n, ms in ((1, 10.0), (2, 11.0), (3, 11.5), (5, 12.0), (9, 13.0)):
+        costs.observe(n, ms)
+    model_draft = DoubtingDraft(fail)
+    spec = Speculator(SpeculativeConfig("auto"), [NgramDraft(), model_draft])
+    spec.costs = spec.policy.costs = costs
+    r = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(), request_class=RequestClass.BULK)
+    spec.policy._arm(r, "eagle").accepted = 50.0  # it has been right so far: the policy prefers it
+    start = spec.policy._arm(r, "eagle").rejected
+    spec.propose([(r, None)])
+    assert model_draft.calls and spec.policy._arm(r, "eagle").rejected == start + 1
+    assert r.draft_token_ids[:2] == [3, 1]  # the n-gram draft's proposal was verified instead
+    assert ("failed" in caplog.text) is fail
