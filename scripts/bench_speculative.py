@@ -7,6 +7,10 @@ to copy, little repetition). Each setting is one ``Speculator`` put on the same 
 off); settings are interleaved within every run, in a shuffled order, and each figure is the
 median over runs of the decode rate (tokens after the first, over the time after the first).
 The adaptive setting keeps its speculator across runs: learning is part of what it does.
+Settings: off; ``auto`` over the n-gram draft and the trained draft (``eagle``, the catalogue's or
+``--draft-model``); ``auto-ngram`` (the n-gram draft alone, what plain ``auto`` runs); each draft
+at fixed k; with ``--llamacpp K`` also llama.cpp on the same GGUF and prompts, plain and with
+llama-cpp-python's prompt-lookup speculation of K tokens (``pip install 'edge-rtgi[llamacpp]'``).
 
 Also reported: acceptance rate and mean accepted length per draft per workload, and the measured
 run time of a decode step by the number of tokens it carries (1 = plain decode, k+1 = verifying
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edge_rtgi.bench.peers import LlamaCppPeer
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
@@ -37,7 +42,7 @@ from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.prepared import load_prepared
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.speculative import Draft, NgramDraft, SpeculativeConfig, Speculator
+from edge_rtgi.llm.speculative import Draft, FeatureDraft, NgramDraft, SpeculativeConfig, Speculator
 
 WORKLOADS = ("code", "translation", "dialogue", "voice")
 # Prompts with nothing to copy: drafts guess from text they have not seen
@@ -102,6 +107,34 @@ def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> tupl
     acc[1] += after.spec_accepted_tokens - before.spec_accepted_tokens
     if setting.speculator is not None:
         acc[2] += setting.speculator.stats.verify_steps - steps_before
+    return tokens / wall_s, tokens / cpu_s
+
+
+class PeerSetting(Setting):
+    """llama.cpp on the same GGUF and prompts, with or without its prompt-lookup speculation."""
+
+    def __init__(self, name: str, peer: LlamaCppPeer):
+        super().__init__(name, None)
+        self.peer = peer
+
+
+def run_peer(setting: PeerSetting, prompts) -> tuple[float, float]:
+    """``run_one`` for llama.cpp: decode rate after each first token, wall and CPU."""
+    llm = setting.peer.llm
+    tokens, wall_s, cpu_s = 0, 0.0, 0.0
+    for ids, _ in prompts:
+        produced = 0
+        gen = llm.generate(list(ids), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True)
+        for token in gen:
+            produced += 1
+            if produced == 1:
+                wall, cpu = time.perf_counter(), time.process_time()
+            if produced >= MAX_TOKENS or token == setting.peer.eos:
+                break
+        gen.close()
+        wall_s += time.perf_counter() - wall
+        cpu_s += time.process_time() - cpu
+        tokens += produced - 1
     return tokens / wall_s, tokens / cpu_s
 
 
@@ -213,6 +246,13 @@ def main() -> None:
     ap.add_argument(
         "--no-eagle", action="store_true", help="only the n-gram draft (the earlier runs' settings)"
     )
+    ap.add_argument(
+        "--llamacpp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also llama.cpp on the same GGUF, plain and with its prompt-lookup draft of K tokens",
+    )
     args = ap.parse_args()
     config = EngineConfig(num_threads=args.threads)
     prepared = load_prepared(
@@ -245,6 +285,11 @@ def main() -> None:
             Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k), eagle()))
             for d, k in EAGLE_FIXED
         ]
+    if args.llamacpp:  # llama-cpp-python: pip install 'edge-rtgi[llamacpp]' (docs/benchmarks.md)
+        gguf = resolve_model(config.model, role="llm")
+        settings.append(PeerSetting("llama.cpp", LlamaCppPeer(gguf, args.threads)))
+        lookup = LlamaCppPeer(gguf, args.threads, prompt_lookup_tokens=args.llamacpp)
+        settings.append(PeerSetting(f"lcpp-pl:{args.llamacpp}", lookup))
     prompts = {w: prompts_for(engine, w, args.prompts) for w in workloads}
     for w in workloads:  # warm-up: first-call kernels, allocator
         run_one(engine, settings[0], w, prompts[w][:1])
@@ -256,7 +301,12 @@ def main() -> None:
             shuffled = list(settings)
             order.shuffle(shuffled)
             for s in shuffled:
-                s.rates.setdefault(w, []).append(run_one(engine, s, w, prompts[w]))
+                run = (
+                    run_peer(s, prompts[w])
+                    if isinstance(s, PeerSetting)
+                    else run_one(engine, s, w, prompts[w])
+                )
+                s.rates.setdefault(w, []).append(run)
     load_after = os.getloadavg()
     costs = {n: c for (_, n), c in step_costs(engine, COST_SIZES, max(args.runs, 5) * 2).items()}
     print(
@@ -304,6 +354,19 @@ def main() -> None:
             f"cpu {cpu_ms:7.2f} ({cpu_ms / costs[1][1]:4.2f}x)"
         )
     report["step_ms_by_tokens"] = {n: {"wall": c[0], "cpu": c[1]} for n, c in costs.items()}
+    draft_ms = {
+        s.name: d.cost_ms_per_token
+        for s in settings
+        if s.speculator is not None
+        for d in s.speculator.policy.drafts.values()
+        if isinstance(d, FeatureDraft) and d.cost_ms_per_token is not None
+    }
+    if draft_ms:
+        print(
+            "trained draft's own time per drafted token (EMA, ms): "
+            + ", ".join(f"{n} {ms:.2f}" for n, ms in draft_ms.items())
+        )
+    report["draft_ms_per_token"] = draft_ms
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -59,6 +59,7 @@ from edge_rtgi.llm.eagle import (  # noqa: E402
 from edge_rtgi.llm.engine import LLMEngine  # noqa: E402
 from edge_rtgi.llm.engine_config import EngineConfig  # noqa: E402
 from edge_rtgi.llm.model import ContiguousKVCache, Transformer  # noqa: E402
+from edge_rtgi.llm.prepared import load_prepared  # noqa: E402
 from edge_rtgi.llm.sampling import SamplingParams  # noqa: E402
 from edge_rtgi.llm.weights import load_model  # noqa: E402
 
@@ -98,9 +99,8 @@ def generate_replies(model_name: str, work: Path, seed: int) -> list[dict]:
     return [cached[_key(p)] for p in prompts]
 
 
-def target_features(target: Transformer, rows: list[dict], work: Path) -> list[torch.Tensor]:
-    """The target's final hidden states over each prompt + reply (cached in ``work`` by sequence)."""
-    path = work / "features.pt"
+def target_features(target: Transformer, rows: list[dict], path: Path) -> list[torch.Tensor]:
+    """The target's final hidden states over each prompt + reply (cached in ``path`` by sequence)."""
     stored: dict[str, torch.Tensor] = torch.load(path) if path.exists() else {}
     if isinstance(stored, list):  # an earlier cache, in the order of its rows
         stored = {}
@@ -322,6 +322,12 @@ def main() -> None:
     ap.add_argument(
         "--device", default=None, help="where to train: cpu or cuda (default: cuda where there is one)"
     )
+    ap.add_argument(
+        "--features",
+        choices=("served", "fp32"),
+        default="served",
+        help="features of the model as the engine serves it (quant auto, bf16 here) or of the fp32 model",
+    )
     ap.add_argument("--init-from-last-layer", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stop-after", choices=("replies", "features"), default=None)
@@ -335,7 +341,14 @@ def main() -> None:
         return
     loaded = load_model(resolve_model(args.model, role="llm"), device="cpu", dtype=torch.float32)
     target = loaded.model.eval()
-    feats = target_features(target, rows, args.work_dir)
+    if args.features == "served":  # what the draft reads at run time: the engine's own numerics
+        served = load_prepared(
+            resolve_model(args.model, role="llm"), "cpu", "auto", "auto"
+        ).loaded.model.eval()
+        feats = target_features(served, rows, args.work_dir / "features-served.pt")
+        del served
+    else:
+        feats = target_features(target, rows, args.work_dir / "features.pt")
     if args.stop_after == "features":
         return
     for p in target.parameters():

@@ -244,7 +244,11 @@ def llamacpp_extra_buffers_work(gguf_path: Path) -> bool:
 class LlamaCppPeer:
     """llama.cpp through llama-cpp-python on the GGUF file itself (Q4_1 for SmolLM2)."""
 
-    def __init__(self, gguf_path: Path, num_threads: int, context_tokens: int = 2048):
+    def __init__(
+        self, gguf_path: Path, num_threads: int, context_tokens: int = 2048, prompt_lookup_tokens: int = 0
+    ):
+        """``prompt_lookup_tokens`` > 0: llama-cpp-python's own speculative decoding with its
+        prompt-lookup draft (``LlamaPromptLookupDecoding``) proposing up to that many tokens."""
         if gguf_path.suffix != ".gguf":
             raise PeerUnavailable(f"llama.cpp needs a GGUF file; the model is {gguf_path}")
         try:
@@ -266,9 +270,15 @@ class LlamaCppPeer:
                 return params
 
             low_level.llama_model_default_params = without_extra_buffers
+        draft = None
+        if prompt_lookup_tokens:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup_tokens)
         try:
             # n_gpu_layers=-1 offloads everything when llama.cpp was built with CUDA; ignored otherwise
             self.llm = llama_cpp.Llama(
+                draft_model=draft,
                 model_path=str(gguf_path),
                 n_ctx=context_tokens,
                 n_threads=num_threads,
@@ -283,6 +293,7 @@ class LlamaCppPeer:
         self.name = (
             f"llama.cpp {_gguf_type(gguf_path)} (llama-cpp-python {llama_cpp.__version__}"
             f"{'' if self.extra_buffers else ', no extra buffer types'})"
+            + (f", prompt lookup {prompt_lookup_tokens}" if prompt_lookup_tokens else "")
         )
 
     def reset(self) -> None:

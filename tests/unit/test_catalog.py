@@ -61,6 +61,7 @@ def test_shipped_catalogue_has_a_default_per_role_and_pins_every_registry_file()
         "piper-en_US-joe-medium",
         "silero-vad",
         "smart-turn-v3.2",
+        "smollm2-135m-instruct-eagle",
     }
     assert "whisper-base" in catalog.setup_models()
     for entry in entries:
