@@ -313,8 +313,9 @@ class LlamaCppPeer:
                 return
 
     def close(self) -> None:
-        self.llm.close() if hasattr(self.llm, "close") else None
-        self.llm = None
+        llm = self.__dict__.pop("llm", None)  # the model's memory goes with the last reference
+        if llm is not None and hasattr(llm, "close"):
+            llm.close()
 
 
 def _gguf_type(path: Path) -> str:
