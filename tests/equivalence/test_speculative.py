@@ -130,11 +130,20 @@ def test_greedy_in_mixed_batches_equals_plain(loaded, setting):
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_prefix_hits_and_preemption_with_speculation(loaded, setting):
+    check_prefix_hits_and_preemption(
+        loaded, lambda prompts, params, **kw: speculating_engine(loaded, setting, prompts, params, **kw)
+    )
+
+
+def check_prefix_hits_and_preemption(loaded, build) -> None:
+    """Staggered requests sharing a system prompt in a pool small enough to preempt: prefix hits
+    happen, and each output is the plain path's. ``build(prompts, params, **engine overrides)``
+    makes the speculating engine."""
     tok = loaded.tokenizer
     system = tok.encode(TEXTS[5] + " " + TEXTS[1])
     prompts = [system + tok.encode(t) for t in TEXTS]
     params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts)
-    engine = speculating_engine(loaded, setting, prompts, params, num_kv_blocks=30, max_num_batched_tokens=32)
+    engine = build(prompts, params, num_kv_blocks=30, max_num_batched_tokens=32)
     results = run_staggered(engine, prompts, params, join_every_steps=1)
     stats = engine.stats()
     assert stats.prefix_hit_tokens > 0

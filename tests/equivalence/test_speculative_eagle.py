@@ -36,6 +36,7 @@ from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, run_staggered
+from tests.equivalence.test_speculative import check_prefix_hits_and_preemption
 from tests.tiny_models import make_tiny_hf_model
 
 
@@ -92,21 +93,12 @@ def test_greedy_batch_one_and_mixed_batches_equal_plain(loaded):
 
 
 def test_prefix_hits_and_preemption_with_the_eagle_draft(loaded):
-    tok = loaded.tokenizer
-    system = tok.encode(TEXTS[5] + " " + TEXTS[1])
-    prompts = [system + tok.encode(t) for t in TEXTS]
-    head = frequent_reply_tokens(loaded, prompts[:3])
-    draft = EagleDraft(make_draft_model(loaded, head), loaded.model, min_confidence=0.0)
-    params = [SamplingParams(max_tokens=12, ignore_eos=True)] * len(prompts)
-    engine = eagle_engine(loaded, draft, num_kv_blocks=30, max_num_batched_tokens=32)
-    results = run_staggered(engine, prompts, params, join_every_steps=1)
-    stats = engine.stats()
-    assert stats.prefix_hit_tokens > 0
-    windowed = any(g.window_tokens is not None for g in loaded.model.config.kv_groups())
-    assert stats.num_preemptions > 0 or windowed
-    for prompt, p, got in zip(prompts, params, results, strict=True):
-        assert got.token_ids == generate(loaded, prompt, p).token_ids
-    assert engine.kv.num_free_blocks == 30
+    def build(prompts, params, **overrides) -> LLMEngine:
+        head = frequent_reply_tokens(loaded, prompts[:3])
+        draft = EagleDraft(make_draft_model(loaded, head), loaded.model, min_confidence=0.0)
+        return eagle_engine(loaded, draft, **overrides)
+
+    check_prefix_hits_and_preemption(loaded, build)
 
 
 def reference_proposal(model: EagleDraftModel, head: torch.Tensor, embed, feats, tokens, k: int) -> list[int]:

@@ -289,6 +289,7 @@ async def test_a_llama_cpp_server_on_the_same_gguf_gives_a_spoken_reply(edge):
     """llama.cpp's OpenAI server (llama-cpp-python[server]) as a real third-party engine."""
     try:
         import llama_cpp.server  # noqa: F401
+        import uvicorn  # noqa: F401 - the [server] extra's own dependencies, not pulled by the base package
     except ImportError as exc:
         pytest.skip(
             f"llama-cpp-python[server] is not installed ({exc}); build it as DESIGN.md says "
@@ -299,7 +300,7 @@ async def test_a_llama_cpp_server_on_the_same_gguf_gives_a_spoken_reply(edge):
 
     from edge_rtgi.catalog import resolve_model
 
-    gguf = next(resolve_model("smollm2-135m-instruct", role="llm").glob("*.gguf"))
+    gguf = resolve_model("smollm2-135m-instruct", role="llm")  # a GGUF LLM resolves to the file itself
     port = closed_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port)],
@@ -316,6 +317,8 @@ async def test_a_llama_cpp_server_on_the_same_gguf_gives_a_spoken_reply(edge):
             except OSError:
                 pass
             await asyncio.sleep(0.2)
+        else:
+            pytest.fail("llama.cpp's server did not answer /v1/models within 120 s")
         body = (
             f"      backend: openai\n      base_url: http://127.0.0.1:{port}/v1\n      model: {gguf.name}\n"
         )
@@ -327,7 +330,8 @@ async def test_a_llama_cpp_server_on_the_same_gguf_gives_a_spoken_reply(edge):
         finally:
             await edge.close_session(session)
         reply = done(events)
-        assert reply.status == "completed" and reply.text and spoken_s(events) > 0.3
+        errors = [e for e in events if isinstance(e, F.ErrorEvent)]
+        assert reply.status == "completed" and reply.text and spoken_s(events) > 0.3, errors
         assert reply.stats.backend.startswith("openai:") and reply.stats.completion_tokens
     finally:
         proc.terminate()
