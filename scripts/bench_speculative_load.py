@@ -1,0 +1,78 @@
+#!/usr/bin/env python
+"""Speculation under concurrent load: plain ``auto`` (the n-gram draft) against ``off`` on one engine.
+
+16 prompts (4 each of dialogue, voice, code, translation), 48 tokens, greedy, submitted in groups
+of 1 and of 8 at once; per setting the median over 3 interleaved rounds of the decode throughput
+(tokens over the group's wall time) and of the p50 / p95 gap between token deliveries.
+
+    flock /tmp/bench.lock .venv/bin/python scripts/bench_speculative_load.py
+"""
+
+import os
+import statistics
+import time
+
+import torch
+
+from edge_rtgi.bench.workloads import get_workload, prepare
+from edge_rtgi.catalog import resolve_model
+from edge_rtgi.llm.engine import LLMEngine
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.llm.prepared import load_prepared
+from edge_rtgi.llm.request import RequestClass
+from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
+
+config = EngineConfig(num_threads=2)
+prepared = load_prepared(resolve_model(config.model, role="llm"), config.device, config.dtype, config.quant)
+engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
+torch.set_num_threads(2)
+tok = engine.tokenizer
+items = []
+for w in ("dialogue", "voice", "code", "translation"):
+    items += [
+        (list(p.prompt_token_ids), RequestClass(p.request_class)) for p in prepare(get_workload(w), tok)[:4]
+    ]
+
+
+def run(spec, batch):
+    engine.speculator = spec
+    res = []
+    for start in range(0, len(items), batch):
+        group = items[start : start + batch]
+        times = {}
+        for i, (ids, cls) in enumerate(group):
+            rid = f"r{time.monotonic_ns()}-{i}"
+            times[rid] = []
+            engine.submit(
+                ids,
+                SamplingParams(max_tokens=48),
+                lambda d, log=times[rid]: log.append((time.perf_counter(), len(d.token_ids), d.finished)),
+                request_id=rid,
+                request_class=cls,
+            )
+        t0 = time.perf_counter()
+        while any(not t or not t[-1][2] for t in times.values()):
+            engine.step()
+        wall = time.perf_counter() - t0
+        toks = sum(n for t in times.values() for _, n, _ in t)
+        gaps = [b[0] - a[0] for t in times.values() for a, b in zip(t, t[1:], strict=False)]
+        res.append((toks / wall, gaps))
+    rate = sum(r[0] for r in res) / len(res)
+    gaps = [g for r in res for g in r[1]]
+    gaps.sort()
+    return rate, gaps[len(gaps) // 2] * 1e3, gaps[int(len(gaps) * 0.95)] * 1e3
+
+
+auto = Speculator(SpeculativeConfig("auto"))
+for batch in (1, 8):
+    run(None, batch)
+    out = {"off": [], "auto": []}
+    for r in range(3):
+        for name, spec in (("off", None), ("auto", auto)) if r % 2 == 0 else (("auto", auto), ("off", None)):
+            out[name].append(run(spec, batch))
+    for name, rows in out.items():
+        rate = statistics.median(r[0] for r in rows)
+        p50, p95 = statistics.median(r[1] for r in rows), statistics.median(r[2] for r in rows)
+        print(f"batch {batch} {name}: tok/s {rate:.1f}  gap p50 {p50:.1f} ms  p95 {p95:.1f} ms  (3 rounds)")
+print("load", os.getloadavg())
