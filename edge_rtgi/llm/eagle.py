@@ -155,19 +155,14 @@ class DraftKVCache:
         if self.length + rows <= self.k.shape[0]:
             return
         keep = min(self.length, self.window)  # rows older than the window are never read again
-        if keep + rows <= self.k.shape[0] // 2:
-            drop = self.length - keep
-            self.k[:keep] = self.k[drop : self.length].clone()
-            self.v[:keep] = self.v[drop : self.length].clone()
-            self.base += drop
-            self.length = keep
-            return
-        size = 2 * (keep + rows) + 16
-        k = self.k.new_zeros((size, *self.k.shape[1:]))
-        v = self.v.new_zeros((size, *self.v.shape[1:]))
         drop = self.length - keep
-        k[:keep], v[:keep] = self.k[drop : self.length], self.v[drop : self.length]
-        self.k, self.v, self.base, self.length = k, v, self.base + drop, keep
+        old_k, old_v = self.k[drop : self.length].clone(), self.v[drop : self.length].clone()
+        if keep + rows > self.k.shape[0] // 2:  # shifting would not leave room for long: grow
+            size = 2 * (keep + rows) + 16
+            self.k = self.k.new_zeros((size, *self.k.shape[1:]))
+            self.v = self.v.new_zeros((size, *self.v.shape[1:]))
+        self.k[:keep], self.v[:keep] = old_k, old_v
+        self.base, self.length = self.base + drop, keep
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         rows = q.shape[0]
@@ -286,8 +281,9 @@ def read_draft(path: Path) -> tuple[EagleDraftModel, dict[str, object]]:
     return model, meta
 
 
-def check_draft_fits(spec: EagleDraftSpec, cfg: ModelConfig, tokenizer_sha256: str, path: Path) -> None:
-    """ModelFileError unless a draft of ``spec`` fits a target of ``cfg`` with that tokenizer."""
+def check_draft_fits(model: EagleDraftModel, cfg: ModelConfig, tokenizer_sha256: str, path: Path) -> None:
+    """ModelFileError unless the draft fits a target of ``cfg`` with that tokenizer."""
+    spec = model.spec
     if spec.tokenizer_sha256 != tokenizer_sha256:
         raise ModelFileError(
             f"draft {path} was trained for another tokenizer (for {spec.target!r})",
@@ -298,8 +294,8 @@ def check_draft_fits(spec: EagleDraftSpec, cfg: ModelConfig, tokenizer_sha256: s
             f"draft {path} reads {spec.hidden_size}-wide features; this model's are {cfg.hidden_size}",
             hint="use a draft trained for this model",
         )
-    if int(spec.head_token_count) > cfg.vocab_size:
-        raise ModelFileError(f"draft {path} scores more tokens than the model has", hint="train it again")
+    if int(model.head_token_ids.max()) >= cfg.vocab_size:
+        raise ModelFileError(f"draft {path} holds token ids this model does not have", hint="train it again")
 
 
 def check_draft_file(model: EagleDraftModel, path: Path) -> None:
@@ -311,8 +307,8 @@ def check_draft_file(model: EagleDraftModel, path: Path) -> None:
             f"draft {path} has an unusable window ({spec.window_tokens}) or head ({len(ids)} ids)",
             hint="train it again",
         )
-    if int(ids.min()) < 0 or int(ids.max()) >= 2**31:
-        raise ModelFileError(f"draft {path} holds token ids out of range", hint="train it again")
+    if int(ids.min()) < 0:
+        raise ModelFileError(f"draft {path} holds negative token ids", hint="train it again")
 
 
 def head_rows(target: Transformer, token_ids: Tensor) -> Tensor:
@@ -413,11 +409,7 @@ class EagleDraft:
     def from_file(cls, path: Path, target: Transformer, tokenizer: Tokenizer) -> EagleDraft:
         """Load and check a draft file for ``target``; ModelFileError with the reason otherwise."""
         model, _ = read_draft(path)
-        check_draft_fits(model.spec, target.config, tokenizer_fingerprint(tokenizer), path)
-        if int(model.head_token_ids.max()) >= target.config.vocab_size:
-            raise ModelFileError(
-                f"draft {path} holds token ids this model does not have", hint="train it again"
-            )
+        check_draft_fits(model, target.config, tokenizer_fingerprint(tokenizer), path)
         return cls(model, target)
 
     @property
