@@ -206,7 +206,12 @@ async def main() -> int:
     ap.add_argument("--speakers", help="many at once (issue 27): speaker counts, e.g. 1,2,4,8")
     ap.add_argument("--rounds", type=int, default=3, help="with --speakers: rounds per count and arrival")
     ap.add_argument("--arrivals", default="together,staggered", help="with --speakers")
-    ap.add_argument("--asr-modes", default="shared,unshared", help="with --speakers: ASR engines to compare")
+    ap.add_argument(
+        "--asr-modes",
+        default="shared,unshared",
+        help="with --speakers: ASR engines to compare: shared, shared:B (batch size B) or unshared, "
+        "each with @W for encoder_window_s W (30: whisper's own window)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="with --speakers: the staggered arrivals' seed")
     ap.add_argument("--tts-concurrency", help="Piper first-chunk latency at these concurrent replies")
     ap.add_argument(
@@ -367,8 +372,24 @@ async def compare(args: argparse.Namespace) -> int:
 MANY_KEYS = ("client_voice_to_voice_ms", "asr_final_ms", "asr_queue_ms", "asr_decode_ms", *PARTS[2:5])
 
 
+def _asr_mode(cfg, mode: str):
+    """``cfg`` as ``mode`` says: ``shared``, ``shared:B`` (batch size B) or ``unshared``, each
+    with an optional ``@W`` (``encoder_window_s`` W; 30 is whisper's own window)."""
+    import dataclasses
+
+    engine, _, window = mode.partition("@")
+    name, _, batch = engine.partition(":")
+    if name not in ("shared", "unshared"):
+        raise SystemExit(f"--asr-modes: unknown mode {mode!r}; use shared, shared:B or unshared, then @W")
+    if window:
+        cfg = dataclasses.replace(cfg, encoder_window_s=float(window))
+    if name == "unshared":
+        return dataclasses.replace(cfg, shared=False)
+    return dataclasses.replace(cfg, shared=True, batch_size=int(batch) if batch else cfg.batch_size)
+
+
 async def start_mode_daemon(mode: str):
-    """An in-process daemon on the voice-assistant pipeline with the shared ASR engine or without."""
+    """An in-process daemon on the voice-assistant pipeline with the ASR of ``mode`` (``_asr_mode``)."""
     import dataclasses
 
     from edge_rtgi.asr.config import AsrConfig
@@ -378,10 +399,7 @@ async def start_mode_daemon(mode: str):
     from edge_rtgi.server.config import DaemonConfig, ServerConfig
 
     base = load_pipelines([builtin_pipelines_dir()])["voice-assistant"]
-    stages = tuple(
-        dataclasses.replace(s, shared=mode == "shared") if isinstance(s, AsrConfig) else s
-        for s in base.stages
-    )
+    stages = tuple(_asr_mode(s, mode) if isinstance(s, AsrConfig) else s for s in base.stages)
     pipeline = dataclasses.replace(base, stages=stages)
     server = ServerConfig(port=0, max_sessions=32)
     daemon = Daemon(DaemonConfig(server=server), {"voice-assistant": pipeline}, Resources())
@@ -470,7 +488,7 @@ async def many_speakers(args: argparse.Namespace) -> int:
                             result["rows"].append(row)
                         v2v = sorted(row["client_voice_to_voice_ms"] for row in rows)
                         print(
-                            f"  {n} {arrival:9s} round {r} {mode:8s} v2v p50 {statistics.median(v2v):6.0f} "
+                            f"  {n} {arrival:9s} round {r} {mode:12s} v2v p50 {statistics.median(v2v):6.0f} "
                             f"max {v2v[-1]:6.0f} ms (load {loads[-1]:.1f})",
                             flush=True,
                         )

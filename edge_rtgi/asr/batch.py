@@ -6,10 +6,10 @@ Every session keeps its own streaming logic (VAD, LocalAgreement, the split of l
 ``AsrClient`` (``SharedWhisper.session()``) with the same ``transcribe`` as ``WhisperAsr``, so
 a ``StreamingTranscriber`` takes either. ``transcribe`` queues a job and waits for it on the
 calling (session worker) thread, never on the event loop. One engine thread takes the jobs in
-deadline order, finals before partials, encodes each one's 30 s window, and runs one
-``generate`` per beam size over the windows of the step, each with its own prompt and forced
-prefix. Two cores then run one decode at a time at full width instead of N decodes that split
-them and all finish late.
+deadline order, finals before partials, encodes each one's window (30 s, or a short one:
+``encoder_window_s``), and runs one ``generate`` per beam size and window length over the
+windows of the step, each with its own prompt and forced prefix. Two cores then run one
+decode at a time at full width instead of N decodes that split them and all finish late.
 
 A step takes every window queued when it starts (up to ``batch_size``). On a CPU a 30 s encode
 is compute-bound, so batching the encoder made steps slower; windows are encoded one by one
@@ -38,16 +38,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_rtgi.asr.whisper import DecodedSegment, DecodeTiming, Hypothesis, WhisperAsr
+from edge_rtgi.asr.whisper import DecodeTiming, Hypothesis, PreparedWindow, WhisperAsr, WindowDecoder
 from edge_rtgi.cpu_priority import FOREGROUND
 from edge_rtgi.errors import AudioError, EdgeRtgiError
-
-if TYPE_CHECKING:
-    from faster_whisper.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -227,14 +223,14 @@ class SharedWhisper:
         return job
 
     def _loop(self) -> None:
-        decoder = WindowDecoder(self.asr)
+        decoder = self.asr.window_decoder
         while True:
             job = self._next_job(block=True)
             if job is None:
                 return
             t0 = time.monotonic()
             step: list[DecodeJob] = []
-            ready: list[PreparedWindow] = []
+            ready: list[PreparedWindow[DecodeJob]] = []
             with ExitStack() as foreground:
                 critical = False
                 while job is not None:
@@ -274,7 +270,7 @@ class SharedWhisper:
                 except Exception:  # a metrics listener must not stop decoding
                     log.exception("ASR step listener failed")
 
-    def _prepare(self, decoder: WindowDecoder, job: DecodeJob) -> PreparedWindow | None:
+    def _prepare(self, decoder: WindowDecoder, job: DecodeJob) -> PreparedWindow[DecodeJob] | None:
         """Encode a batchable job's window; decode any other job alone, now."""
         if job.batchable:
             try:
@@ -285,7 +281,7 @@ class SharedWhisper:
         self._decode_alone(job)
         return None
 
-    def _generate(self, decoder: WindowDecoder, ready: list[PreparedWindow]) -> None:
+    def _generate(self, decoder: WindowDecoder, ready: list[PreparedWindow[DecodeJob]]) -> None:
         if not ready:
             return
         try:
@@ -296,14 +292,15 @@ class SharedWhisper:
                 self._decode_alone(window.job)
             return
         for window, hyp in zip(ready, results, strict=True):
-            if hyp is None:  # transcribe would go on to a second window
-                self._decode_alone(window.job)
+            job = window.job
+            if hyp is None:  # whisper's own transcribe: a second window, or a doubtful short one
+                self._decode_alone(job)
             else:
-                window.job.future.set_result(hyp)
+                job.future.set_result(hyp)
 
     def _decode_alone(self, job: DecodeJob) -> None:
         try:
-            hyp = self.asr.transcribe(
+            hyp = self.asr.transcribe_whole(
                 job.audio,
                 prefix=job.prefix,
                 language=job.language,
@@ -315,139 +312,6 @@ class SharedWhisper:
             job.future.set_exception(exc)
         else:
             job.future.set_result(hyp)
-
-
-@dataclass
-class PreparedWindow:
-    """A job's first 30 s window, encoded, with the prompt ``transcribe`` would give it."""
-
-    job: DecodeJob
-    encoder_output: np.ndarray  # [1, frames, width] float32
-    prompt: list[int]
-    content_frames: int
-    tokenizer: Tokenizer
-    encode_ms: float
-
-
-class WindowDecoder:
-    """``WhisperModel.transcribe``'s first window, split in two so that windows can share the
-    decoder: ``prepare`` (features, prompt, encoder) per job, ``generate`` over many.
-
-    Same options as ``WhisperAsr.transcribe``: temperature 0 without fallback, no previous
-    text, suppress_blank and the default suppressed tokens, the first timestamp within 1 s."""
-
-    def __init__(self, asr: WhisperAsr):
-        self.asr = asr
-        self._model = asr._model  # the faster_whisper.WhisperModel
-        self._tokenizers: dict[str, Tokenizer] = {}
-
-    def _tokenizer(self, language: str) -> Tokenizer:
-        from faster_whisper.tokenizer import Tokenizer
-
-        if language not in self._tokenizers:
-            self._tokenizers[language] = Tokenizer(
-                self._model.hf_tokenizer,
-                self._model.model.is_multilingual,
-                task=self.asr.config.task,
-                language=language,
-            )
-        return self._tokenizers[language]
-
-    def prepare(self, job: DecodeJob) -> PreparedWindow:
-        from faster_whisper.transcribe import pad_or_trim
-
-        t0 = time.perf_counter()
-        wm = self._model
-        fe = wm.feature_extractor
-        tok = self._tokenizer(job.language or "en")
-        features = fe(job.audio)
-        frames = features.shape[-1] - 1
-        window = pad_or_trim(features[:, : min(fe.nb_max_frames, frames)])
-        encoded = np.asarray(wm.encode(window))
-        prompt = wm.get_prompt(tok, [], without_timestamps=not job.timestamps, prefix=job.prefix)
-        return PreparedWindow(job, encoded, prompt, frames, tok, (time.perf_counter() - t0) * 1000.0)
-
-    def generate(self, windows: list[PreparedWindow]) -> list[Hypothesis | None]:
-        """Decode the windows, one ``generate`` call per beam size. An entry is None where
-        ``transcribe`` would go on to a second window (its timestamps end before the audio)."""
-        import ctranslate2
-        from faster_whisper.transcribe import get_suppressed_tokens
-
-        t0 = time.perf_counter()
-        wm = self._model
-        suppress = list(get_suppressed_tokens(windows[0].tokenizer, [-1]))
-        by_beam: dict[int, list[int]] = {}
-        for i, window in enumerate(windows):
-            by_beam.setdefault(window.job.beam_size, []).append(i)
-        results: dict[int, ctranslate2.models.WhisperGenerationResult] = {}
-        for beam, idx in by_beam.items():
-            states = np.ascontiguousarray(np.concatenate([windows[i].encoder_output for i in idx]))
-            out = wm.model.generate(
-                ctranslate2.StorageView.from_array(states),
-                [windows[i].prompt for i in idx],
-                beam_size=beam,
-                patience=1,
-                length_penalty=1,
-                repetition_penalty=1,
-                no_repeat_ngram_size=0,
-                max_length=wm.max_length,
-                return_scores=True,
-                return_no_speech_prob=True,
-                suppress_blank=True,
-                suppress_tokens=suppress,
-                max_initial_timestamp_index=round(1.0 / wm.time_precision),
-            )
-            results.update(zip(idx, out, strict=True))
-        generate_ms = (time.perf_counter() - t0) * 1000.0
-        if log.isEnabledFor(logging.DEBUG):  # the per-step picture, for a slow-turn hunt
-            log.debug(
-                "ASR generate: %d windows, encodes %s ms, generate %.0f ms, tokens %s",
-                len(windows),
-                [round(w.encode_ms) for w in windows],
-                generate_ms,
-                [len(results[i].sequences_ids[0]) for i in range(len(windows))],
-            )
-        return [self._hypothesis(w, results[i], w.encode_ms + generate_ms) for i, w in enumerate(windows)]
-
-    def _hypothesis(self, window: PreparedWindow, result, decode_ms: float) -> Hypothesis | None:
-        """One window's result post-processed as ``WhisperModel.generate_segments`` does."""
-        from faster_whisper.transcribe import get_compression_ratio
-
-        wm, cfg, job, tok = self._model, self.asr.config, window.job, window.tokenizer
-        fe = wm.feature_extractor
-        tokens = result.sequences_ids[0]
-        avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)  # as generate_with_fallback
-        compression_ratio = get_compression_ratio(tok.decode(tokens).strip())
-        if result.no_speech_prob > cfg.no_speech_threshold and not avg_logprob > cfg.log_prob_threshold:
-            return Hypothesis("", (), job.language, decode_ms)  # skipped as silence; no other window
-        segment_size = min(fe.nb_max_frames, window.content_frames)
-        pieces, seek, _ = wm._split_segments_by_timestamps(
-            tokenizer=tok,
-            tokens=tokens,
-            time_offset=0.0,
-            segment_size=segment_size,
-            segment_duration=segment_size * fe.time_per_frame,
-            seek=0,
-        )
-        if seek < window.content_frames:
-            return None
-        decoded = []
-        for piece in pieces:
-            text = tok.decode(piece["tokens"])
-            if piece["start"] == piece["end"] or not text.strip():
-                continue
-            decoded.append(
-                DecodedSegment(
-                    text.strip(),
-                    float(piece["start"]),
-                    float(piece["end"]),
-                    float(avg_logprob),
-                    float(result.no_speech_prob),
-                    float(compression_ratio),
-                )
-            )
-        text = " ".join(s.text for s in decoded if s.text).strip()
-        return Hypothesis(text, tuple(decoded), job.language, decode_ms)
 
 
 class AsrClient:

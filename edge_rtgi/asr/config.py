@@ -87,6 +87,11 @@ class AsrConfig:
     false (the default until the many-speaker benchmark shows it wins; docs/speech.md): each
     session decodes on its own thread. ``cpu_threads`` is whisper's thread budget (CTranslate2
     intra-op threads).
+
+    ``encoder_window_s``: audio is padded to the smallest multiple of this that leaves 1 s of
+    silence after it (at most whisper's 30 s) before the encoder, and a doubtful result is
+    decoded again in the 30 s window. 30 (the default) keeps faster-whisper's own decode; the
+    shipped English pipelines use 10, measured for tiny.en in docs/speech.md.
     """
 
     model: str = "whisper-tiny.en"
@@ -103,6 +108,8 @@ class AsrConfig:
     agreement_n: int = 2
     holdback_words: int = 1
     max_utterance_s: float = 20.0
+    # The encoder's window for short audio (whisper.encoder_window_frames); 30 is whisper's own.
+    encoder_window_s: float = 30.0
     # Real-time sessions (AsrSession) wait for factor x (last partial decode time) of new audio
     # between partials, so a slow CPU is never busy with a stale partial when speech ends.
     partial_interval_factor: float = 2.0
@@ -124,6 +131,11 @@ class AsrConfig:
         if not 2.0 <= self.max_utterance_s <= 28.0:
             raise ValueError(
                 f"max_utterance_s must be in [2, 28] (whisper sees 30 s), got {self.max_utterance_s}"
+            )
+        if not 5.0 <= self.encoder_window_s <= 30.0:
+            raise ValueError(
+                f"encoder_window_s must be in [5, 30] seconds (30 = whisper's own window), "
+                f"got {self.encoder_window_s}"
             )
         if self.min_chunk_ms < 50:
             raise ValueError(f"min_chunk_ms must be >= 50, got {self.min_chunk_ms}")

@@ -14,14 +14,19 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.errors import ConfigError, ModelFileError
+
+if TYPE_CHECKING:
+    from faster_whisper import WhisperModel
+    from faster_whisper.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +186,7 @@ class WhisperAsr:
                 hint="use model whisper-base",
             )
         self._local = threading.local()
+        self.window_decoder = WindowDecoder(self._model, self.config)
         log.info("whisper %s on %s/%s", self.model_path, self.device, self.compute_type)
 
     def last_timing(self) -> DecodeTiming | None:
@@ -205,7 +211,36 @@ class WhisperAsr:
         overrides the configured one (None with a multilingual model: detect).
         ``word_timestamps`` fills ``Hypothesis.words`` (an extra alignment pass; streaming
         uses it only where it must cut speech at a word boundary).
+
+        Audio shorter than 30 s is encoded in a short window (``encoder_window_s``) when one
+        applies; a doubtful short-window result is decoded again by ``transcribe_whole``.
         """
+        cfg = self.config
+        lang = language if language is not None else cfg.language
+        if not self.multilingual:
+            lang = "en"
+        beam = beam_size or cfg.beam_size
+        short = self.window_decoder.window_frames(len(audio)) < _FULL_WINDOW_FRAMES
+        if short and lang is not None and not word_timestamps:
+            started_s = time.monotonic()
+            request = _Request(np.asarray(audio, dtype=np.float32), prefix or None, lang, timestamps, beam)
+            hyp = self.window_decoder.generate([self.window_decoder.prepare(request)])[0]
+            if hyp is not None:
+                self._local.timing = DecodeTiming(0.0, hyp.decode_ms, started_s)
+                return hyp
+        return self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
+
+    def transcribe_whole(
+        self,
+        audio: np.ndarray,
+        prefix: str | None = None,
+        language: str | None = None,
+        timestamps: bool = False,
+        beam_size: int | None = None,
+        word_timestamps: bool = False,
+    ) -> Hypothesis:
+        """``transcribe`` through faster-whisper's own ``WhisperModel.transcribe``: 30 s windows,
+        language detection, word timestamps, audio longer than one window."""
         cfg = self.config
         lang = language if language is not None else cfg.language
         if not self.multilingual:
@@ -247,3 +282,204 @@ class WhisperAsr:
     async def transcribe_async(self, audio: np.ndarray, **kwargs) -> Hypothesis:
         """``transcribe`` in a worker thread, so the event loop keeps running."""
         return await asyncio.to_thread(self.transcribe, audio, **kwargs)
+
+
+# -- one window at a time, and the short encoder window ---------------------------------------
+
+_FULL_WINDOW_FRAMES = 3000  # whisper's fixed 30 s window, in 10 ms feature frames
+_MIN_PAD_FRAMES = 100  # a short window keeps at least 1 s of silence after the audio
+
+
+def encoder_window_frames(content_frames: int, encoder_window_s: float) -> int:
+    """Feature frames the encoder sees for ``content_frames`` of audio: the smallest multiple of
+    ``encoder_window_s`` that leaves 1 s of padding after it, at most whisper's 30 s.
+
+    A 30 s encode of 2 s of speech is mostly padding, and the encoder's cost grows faster than
+    its length; whisper decodes a shorter padded window almost as well (docs/speech.md)."""
+    step = max(1, round(encoder_window_s * 100))
+    needed = content_frames + _MIN_PAD_FRAMES
+    return min(_FULL_WINDOW_FRAMES, -(-needed // step) * step)
+
+
+class WindowRequest(Protocol):
+    """What a window decode needs to know (``edge_rtgi.asr.batch.DecodeJob`` is one)."""
+
+    @property
+    def audio(self) -> np.ndarray: ...
+    @property
+    def prefix(self) -> str | None: ...
+    @property
+    def language(self) -> str | None: ...
+    @property
+    def timestamps(self) -> bool: ...
+    @property
+    def beam_size(self) -> int: ...
+
+
+R = TypeVar("R", bound=WindowRequest)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A ``WindowRequest`` for one decode of ``WhisperAsr.transcribe``."""
+
+    audio: np.ndarray
+    prefix: str | None
+    language: str | None
+    timestamps: bool
+    beam_size: int
+
+
+@dataclass
+class PreparedWindow(Generic[R]):
+    """A request's first window, encoded, with the prompt ``transcribe`` would give it."""
+
+    job: R
+    encoder_output: np.ndarray  # [1, frames, width] float32
+    prompt: list[int]
+    content_frames: int
+    window_frames: int  # what the encoder saw: 3000 (30 s) or a short window
+    tokenizer: Tokenizer
+    encode_ms: float
+
+
+class WindowDecoder:
+    """``WhisperModel.transcribe``'s first window, split in two so that windows can share the
+    decoder: ``prepare`` (features, prompt, encoder) per request, ``generate`` over many.
+
+    Same options as ``WhisperAsr.transcribe``: temperature 0 without fallback, no previous
+    text, suppress_blank and the default suppressed tokens, the first timestamp within 1 s.
+    With ``encoder_window_s`` below 30 the encoder sees a short window
+    (``encoder_window_frames``); a short window's result that looks wrong (no words, a
+    repetition loop above ``compression_ratio_threshold``, timestamps that stop before the
+    audio) comes back as None, for whisper's own 30 s decode."""
+
+    def __init__(self, model: WhisperModel, config: AsrConfig):
+        self._model = model
+        self.config = config
+        self._tokenizers: dict[str, Tokenizer] = {}
+
+    def _tokenizer(self, language: str) -> Tokenizer:
+        from faster_whisper.tokenizer import Tokenizer
+
+        if language not in self._tokenizers:
+            self._tokenizers[language] = Tokenizer(
+                self._model.hf_tokenizer,
+                self._model.model.is_multilingual,
+                task=self.config.task,
+                language=language,
+            )
+        return self._tokenizers[language]
+
+    def window_frames(self, samples: int) -> int:
+        """The encoder window for ``samples`` of 16 kHz audio."""
+        frames = samples // self._model.feature_extractor.hop_length
+        return encoder_window_frames(frames, self.config.encoder_window_s)
+
+    def prepare(self, job: R) -> PreparedWindow[R]:
+        from faster_whisper.transcribe import pad_or_trim
+
+        t0 = time.perf_counter()
+        wm = self._model
+        fe = wm.feature_extractor
+        tok = self._tokenizer(job.language or "en")
+        features = fe(job.audio)
+        frames = features.shape[-1] - 1
+        window_frames = encoder_window_frames(frames, self.config.encoder_window_s)
+        window = pad_or_trim(features[:, : min(fe.nb_max_frames, frames)], window_frames)
+        encoded = np.asarray(wm.encode(window))
+        prompt = wm.get_prompt(tok, [], without_timestamps=not job.timestamps, prefix=job.prefix)
+        elapsed_ms = (time.perf_counter() - t0) * 1000.0
+        return PreparedWindow(job, encoded, prompt, frames, window_frames, tok, elapsed_ms)
+
+    def generate(self, windows: Sequence[PreparedWindow[R]]) -> list[Hypothesis | None]:
+        """Decode the windows, one ``generate`` call per beam size and window length. An entry
+        is None where ``transcribe`` would go on to a second window (its timestamps end before
+        the audio), or where a short window's result looks wrong: decode those with
+        ``WhisperAsr.transcribe_whole``."""
+        import ctranslate2
+        from faster_whisper.transcribe import get_suppressed_tokens
+
+        t0 = time.perf_counter()
+        wm = self._model
+        suppress = list(get_suppressed_tokens(windows[0].tokenizer, [-1]))
+        groups: dict[tuple[int, int], list[int]] = {}  # one generate per (beam, window length)
+        for i, window in enumerate(windows):
+            groups.setdefault((window.job.beam_size, window.window_frames), []).append(i)
+        results: dict[int, ctranslate2.models.WhisperGenerationResult] = {}
+        for (beam, _), idx in groups.items():
+            states = np.ascontiguousarray(np.concatenate([windows[i].encoder_output for i in idx]))
+            out = wm.model.generate(
+                ctranslate2.StorageView.from_array(states),
+                [windows[i].prompt for i in idx],
+                beam_size=beam,
+                patience=1,
+                length_penalty=1,
+                repetition_penalty=1,
+                no_repeat_ngram_size=0,
+                max_length=wm.max_length,
+                return_scores=True,
+                return_no_speech_prob=True,
+                suppress_blank=True,
+                suppress_tokens=suppress,
+                max_initial_timestamp_index=round(1.0 / wm.time_precision),
+            )
+            results.update(zip(idx, out, strict=True))
+        generate_ms = (time.perf_counter() - t0) * 1000.0
+        if log.isEnabledFor(logging.DEBUG):  # the per-step picture, for a slow-turn hunt
+            log.debug(
+                "ASR generate: %d windows (%s frames), encodes %s ms, generate %.0f ms, tokens %s",
+                len(windows),
+                [w.window_frames for w in windows],
+                [round(w.encode_ms) for w in windows],
+                generate_ms,
+                [len(results[i].sequences_ids[0]) for i in range(len(windows))],
+            )
+        return [self._hypothesis(w, results[i], w.encode_ms + generate_ms) for i, w in enumerate(windows)]
+
+    def _hypothesis(self, window: PreparedWindow[R], result, decode_ms: float) -> Hypothesis | None:
+        """One window's result post-processed as ``WhisperModel.generate_segments`` does."""
+        from faster_whisper.transcribe import get_compression_ratio
+
+        wm, cfg, job, tok = self._model, self.config, window.job, window.tokenizer
+        fe = wm.feature_extractor
+        short = window.window_frames < _FULL_WINDOW_FRAMES
+        tokens = result.sequences_ids[0]
+        avg_logprob = result.scores[0] * len(tokens) / (len(tokens) + 1)  # as generate_with_fallback
+        compression_ratio = get_compression_ratio(tok.decode(tokens).strip())
+        if result.no_speech_prob > cfg.no_speech_threshold and not avg_logprob > cfg.log_prob_threshold:
+            if short:  # silence to a short window; whisper's own window decides that
+                return None
+            return Hypothesis("", (), job.language, decode_ms)  # skipped as silence; no other window
+        if short and compression_ratio > cfg.compression_ratio_threshold:
+            return None  # a repetition loop ("Turn it up. Turn it up. ..."): seen on short windows
+        segment_size = min(fe.nb_max_frames, window.content_frames)
+        pieces, seek, _ = wm._split_segments_by_timestamps(
+            tokenizer=tok,
+            tokens=tokens,
+            time_offset=0.0,
+            segment_size=segment_size,
+            segment_duration=segment_size * fe.time_per_frame,
+            seek=0,
+        )
+        if seek < window.content_frames:
+            return None
+        decoded = []
+        for piece in pieces:
+            text = tok.decode(piece["tokens"])
+            if piece["start"] == piece["end"] or not text.strip():
+                continue
+            decoded.append(
+                DecodedSegment(
+                    text.strip(),
+                    float(piece["start"]),
+                    float(piece["end"]),
+                    float(avg_logprob),
+                    float(result.no_speech_prob),
+                    float(compression_ratio),
+                )
+            )
+        text = " ".join(s.text for s in decoded if s.text).strip()
+        if short and not text:
+            return None
+        return Hypothesis(text, tuple(decoded), job.language, decode_ms)

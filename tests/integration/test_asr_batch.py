@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from edge_rtgi.asr import AsrConfig, WhisperAsr
-from edge_rtgi.asr.batch import AsrEngineClosed, DecodeJob, SharedWhisper, StepStats, WindowDecoder
+from edge_rtgi.asr.batch import AsrEngineClosed, DecodeJob, SharedWhisper, StepStats
 from edge_rtgi.asr.whisper import Hypothesis
 from edge_rtgi.audio import resample
 from edge_rtgi.errors import AudioError
@@ -66,17 +66,29 @@ def _jobs(clips: list[np.ndarray]) -> list[dict]:
     return specs
 
 
-def test_batched_step_gives_the_words_of_a_decode_alone(asr, clips):
+@pytest.fixture(scope="module")
+def short_window_asr() -> WhisperAsr:
+    return WhisperAsr(AsrConfig(model="whisper-tiny.en", cpu_threads=2, encoder_window_s=10.0))
+
+
+@pytest.mark.parametrize("window", ["30 s", "10 s"])
+def test_batched_step_gives_the_words_of_a_decode_alone(window, request, clips):
+    """Whisper's own window, and the short one (one ``generate`` per window length)."""
+    asr = request.getfixturevalue("asr" if window == "30 s" else "short_window_asr")
     specs = _jobs(clips)
+    # about 9.4 s of speech: the short window is 20 s for it, 10 s for the others
+    specs.append(dict(audio=np.concatenate(clips[:3]), prefix=None, timestamps=True, beam_size=5))
     alone = [asr.transcribe(**s) for s in specs]
-    decoder = WindowDecoder(asr)
+    decoder = asr.window_decoder
     windows = [
         decoder.prepare(
             DecodeJob(s["audio"], s["prefix"], "en", s["timestamps"], s["beam_size"], False, True, 0.0, 0.0)
         )
         for s in specs
     ]
-    batched = decoder.generate(windows)  # one generate per beam size over all 18 windows
+    lengths = {1000, 2000} if window == "10 s" else {3000}
+    assert {w.window_frames for w in windows} == lengths
+    batched = decoder.generate(windows)  # one generate per beam size and length over 19 windows
     assert all(h is not None for h in batched)
     diffs = [(a.text, b.text) for a, b in zip(alone, batched, strict=True) if b and not _same(a, b)]
     assert not diffs

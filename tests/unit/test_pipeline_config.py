@@ -97,6 +97,8 @@ def test_bad_values_and_top_level_keys():
         parse_pipeline("stages:\n  - asr: {}\n  - assistant: {max_reply_tokens: many}\n", "c.yaml")
     with pytest.raises(ConfigError, match="input_sample_rate_hz"):
         parse_pipeline("input_sample_rate_hz: 3\nstages:\n  - asr: {}\n", "c.yaml")
+    with pytest.raises(ConfigError, match=r"encoder_window_s must be in \[5, 30\]"):
+        parse_pipeline("stages:\n  - asr: {encoder_window_s: 2}\n", "c.yaml")
     with pytest.raises(ConfigError, match="first_break_after_words must be >= 1"):
         parse_pipeline(
             "stages:\n  - asr: {}\n  - assistant: {}\n  - tts: {first_break_after_words: 0}\n", "c.yaml"
