@@ -332,7 +332,11 @@ class AdaptivePolicy:
     started from its class's prior (``CLASS_PRIORS``) plus what earlier requests of the class
     observed (``CLASS_EVIDENCE_WEIGHT`` at most), and each candidate k, up to what the draft
     actually proposed, is scored ``expected_tokens(optimistic acceptance, k) / cost ratio(k)``
-    with the cost ratio from measured step times. With no candidate above ``MIN_GAIN`` the
+    with the cost ratio from measured step times. In a batch the step is shared: its tokens
+    (``step_yield_tokens``, the decodes and the drafts already placed) grow by this request's
+    expected extra tokens, and every request in it waits for the extra rows, so the score is
+    the step's tokens per unit of cost against a step without this draft (at batch 1 the same
+    number). With no candidate above ``MIN_GAIN`` the
     step is plain; the cheap drafts' (no model run) proposals are then scored in the shadow by
     the next token, so a request whose text turns repetitive is noticed without paying for a
     verification.
@@ -361,6 +365,10 @@ class AdaptivePolicy:
             arms[draft] = _RequestArm(a, r, start=(a, r))
         return arms[draft]
 
+    def acceptance(self, request: Request, draft: str) -> float:
+        """The estimated per-token acceptance of ``draft``'s tokens for ``request``."""
+        return self._arm(request, draft).mean
+
     def pinned(self, fixed: tuple[str, int] | None = None, adaptive: bool = False) -> tuple[str, int] | None:
         """The (draft, k) a request's own setting (``fixed``) or the policy's pins, None when
         the policy chooses (``adaptive``: the request asked for ``auto`` over a fixed policy)."""
@@ -375,15 +383,20 @@ class AdaptivePolicy:
         fixed: tuple[str, int] | None = None,
         adaptive: bool = False,
         available: Mapping[str, int] | None = None,
+        step_yield_tokens: float | None = None,
     ) -> tuple[str, int] | None:
         """(draft, k) for this request's next step, or None for a plain step. ``base_tokens``:
         tokens the step carries without this request's drafts; ``fixed`` / ``adaptive``: the
         request's own setting over the policy's; ``available``: how many tokens each draft has
         proposed (None: as many as asked), so that no k is paid for on the promise of tokens the
-        draft does not have. A draft that proposed nothing is not a candidate."""
+        draft does not have. A draft that proposed nothing is not a candidate.
+        ``step_yield_tokens``: the tokens the step is expected to give without this request's
+        drafts (None: one per row of ``base_tokens``)."""
         pinned = self.pinned(fixed, adaptive)
         if pinned is not None:
             return pinned
+        step_yield = float(base_tokens) if step_yield_tokens is None else step_yield_tokens
+        step_yield = max(step_yield, 1.0)
         best: tuple[float, str, int] | None = None
         for name in self.drafts:
             most = MAX_DRAFT_TOKENS if available is None else available.get(name, 0)
@@ -392,7 +405,8 @@ class AdaptivePolicy:
             alpha = self._arm(request, name).optimistic()
             per_token = self.draft_cost_ratio(name, base_tokens)
             for k in sorted({min(k, most) for k in K_CHOICES}):
-                gain = expected_tokens(alpha, k) / (self.costs.ratio(base_tokens, k) + per_token * k)
+                more = (step_yield + expected_tokens(alpha, k) - 1.0) / step_yield
+                gain = more / (self.costs.ratio(base_tokens, k) + per_token * k)
                 if gain >= MIN_GAIN and (best is None or gain > best[0]):
                     best = (gain, name, k)
         return None if best is None else (best[1], best[2])
@@ -493,6 +507,7 @@ class Speculator:
         own setting or None for the engine's) that should get one."""
         self._chosen.clear()
         base_tokens = len(decodes)
+        step_yield = float(base_tokens)  # tokens the step is expected to give, drafts placed so far
         for req, own in decodes:
             fixed = None
             if own is not None and own.mode == "fixed":
@@ -524,7 +539,9 @@ class Speculator:
                 }
                 asked: set[str] = set()
                 while True:
-                    choice = self.policy.choose(req, base_tokens, available=available)
+                    choice = self.policy.choose(
+                        req, base_tokens, available=available, step_yield_tokens=step_yield
+                    )
                     if choice is None or choice[0] not in model_drafts or choice[0] in asked:
                         break
                     name, k = choice
@@ -541,6 +558,10 @@ class Speculator:
                 req.draft_token_ids = proposals[name][:k]
             if req.draft_token_ids:
                 self._chosen[req.request_id] = name
+                # the requests after this one share the step: they pay for these rows too
+                drafted = len(req.draft_token_ids)
+                base_tokens += drafted
+                step_yield += expected_tokens(self.policy.acceptance(req, name), drafted) - 1.0
 
     def observe(
         self,

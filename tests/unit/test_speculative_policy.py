@@ -280,3 +280,27 @@ def test_a_model_draft_that_declines_or_fails_counts_against_it_and_the_cheap_dr
     assert model_draft.calls and spec.policy._arm(r, "eagle").rejected == start + 1
     assert r.draft_token_ids[:2] == [3, 1]  # the n-gram draft's proposal was verified instead
     assert ("failed" in caplog.text) is fail
+
+
+def test_in_a_batch_drafts_are_placed_while_the_shared_step_still_gains():
+    """Eight decodes share one step: every draft row slows all eight. Rows nearly free up to a
+    few, then each costing 1/10 of a step (compute-bound): alone a request drafts, in a batch
+    of eight no one does; with rows free everywhere all eight do."""
+    bound, free = StepCostTable(), StepCostTable()
+    for n in range(1, 80):
+        bound.observe(n, 7.0 + 0.4 * min(n, 8) + 1.0 * max(n - 8, 0))
+        free.observe(n, 7.0 + 0.05 * n)
+    for costs, alone_drafts, batch_drafts in ((bound, True, 0), (free, True, 8)):
+        speculator = Speculator(SpeculativeConfig("auto"))
+        speculator.costs = speculator.policy.costs = costs
+        prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+        reqs = [Request(f"r{i}", prompt, SamplingParams(), request_class=RequestClass.BULK) for i in range(8)]
+        for r in reqs:
+            for _ in range(10):  # half of the draft tokens accepted
+                speculator.policy.observe(r, "ngram", 2, 1)
+        speculator.propose([(reqs[0], None)])
+        assert bool(reqs[0].draft_token_ids) == alone_drafts
+        for r in reqs:
+            r.draft_token_ids = []
+        speculator.propose([(r, None) for r in reqs])
+        assert sum(bool(r.draft_token_ids) for r in reqs) == batch_drafts
