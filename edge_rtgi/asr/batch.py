@@ -155,9 +155,7 @@ class SharedWhisper:
             )
         final = timestamps or word_timestamps
         now = time.monotonic()
-        lang = language if language is not None else cfg.language
-        if not self.multilingual:
-            lang = "en"
+        lang = self.asr.language_for(language)
         job = DecodeJob(
             np.asarray(audio, dtype=np.float32),
             prefix or None,

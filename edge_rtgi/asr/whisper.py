@@ -196,6 +196,13 @@ class WhisperAsr:
     def detach(self) -> None:
         """Nothing to drop: this model queues nothing (each session decodes on its own thread)."""
 
+    def language_for(self, language: str | None) -> str | None:
+        """The language a decode asked for ``language`` runs in: the configured one when None,
+        English on an English-only model, None (detect) otherwise."""
+        if not self.multilingual:
+            return "en"
+        return language if language is not None else self.config.language
+
     def transcribe(
         self,
         audio: np.ndarray,
@@ -216,9 +223,7 @@ class WhisperAsr:
         applies; a doubtful short-window result is decoded again by ``transcribe_whole``.
         """
         cfg = self.config
-        lang = language if language is not None else cfg.language
-        if not self.multilingual:
-            lang = "en"
+        lang = self.language_for(language)
         beam = beam_size or cfg.beam_size
         short = self.window_decoder.window_frames(len(audio)) < _FULL_WINDOW_FRAMES
         if short and lang is not None and not word_timestamps:
@@ -242,9 +247,7 @@ class WhisperAsr:
         """``transcribe`` through faster-whisper's own ``WhisperModel.transcribe``: 30 s windows,
         language detection, word timestamps, audio longer than one window."""
         cfg = self.config
-        lang = language if language is not None else cfg.language
-        if not self.multilingual:
-            lang = "en"
+        lang = self.language_for(language)
         t0, started_s = time.perf_counter(), time.monotonic()
         segments, info = self._model.transcribe(
             audio,

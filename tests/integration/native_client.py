@@ -39,6 +39,19 @@ def steady_voice(voice):
     return voice
 
 
+def steady_clips(texts: list[str], voice_name: str = "piper-en_US-joe-medium") -> list[np.ndarray]:
+    """Each of ``texts`` spoken by ``steady_voice`` (the same audio every run), as float32 16 kHz."""
+    from edge_rtgi.tts import make_tts
+
+    voice = steady_voice(make_tts(voice_name))
+    return [
+        resample(
+            pcm16_to_float32(np.concatenate(list(voice.synthesize_stream(text)))), voice.sample_rate_hz, 16000
+        )
+        for text in texts
+    ]
+
+
 def speak_16k(voice, text: str, lead_s: float = 0.3, tail_s: float = 1.0) -> np.ndarray:
     """``text`` spoken by a real TTS voice, as int16 PCM at 16 kHz with silence around it."""
     pcm = np.concatenate(list(voice.synthesize_stream(text)))

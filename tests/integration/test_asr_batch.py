@@ -18,10 +18,8 @@ import pytest
 from edge_rtgi.asr import AsrConfig, WhisperAsr
 from edge_rtgi.asr.batch import AsrEngineClosed, DecodeJob, SharedWhisper, StepStats
 from edge_rtgi.asr.whisper import Hypothesis
-from edge_rtgi.audio import resample
 from edge_rtgi.errors import AudioError
-from edge_rtgi.tts import make_tts
-from tests.integration.native_client import steady_voice
+from tests.integration.native_client import steady_clips
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +32,7 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def clips() -> list[np.ndarray]:
-    voice = steady_voice(make_tts("piper-en_US-joe-medium"))
-    out = []
-    for text in SENTENCES:
-        pcm = np.concatenate(list(voice.synthesize_stream(text)))
-        out.append(resample(pcm.astype(np.float32) / 32768.0, voice.sample_rate_hz, 16000))
-    return out
+    return steady_clips(SENTENCES)
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,7 @@ import pytest
 from edge_rtgi.asr import AsrConfig, WhisperAsr
 from edge_rtgi.asr.evaluation import word_error_rate
 from edge_rtgi.asr.whisper import PreparedWindow, encoder_window_frames
-from edge_rtgi.audio import resample
-from edge_rtgi.tts import make_tts
-from tests.integration.native_client import steady_voice
+from tests.integration.native_client import steady_clips
 
 SENTENCES = [
     s.strip()
@@ -40,12 +38,7 @@ def test_the_window_leaves_a_second_of_padding_and_never_exceeds_30_s():
 
 @pytest.fixture(scope="module")
 def clips() -> list[np.ndarray]:
-    voice = steady_voice(make_tts("piper-en_US-joe-medium"))
-    out = []
-    for text in SENTENCES:
-        pcm = np.concatenate(list(voice.synthesize_stream(text)))
-        out.append(resample(pcm.astype(np.float32) / 32768.0, voice.sample_rate_hz, 16000))
-    return out
+    return steady_clips(SENTENCES)
 
 
 @pytest.fixture(scope="module")
