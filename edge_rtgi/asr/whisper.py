@@ -15,7 +15,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -226,14 +226,16 @@ class WhisperAsr:
         lang = self.language_for(language)
         beam = beam_size or cfg.beam_size
         short = self.window_decoder.window_frames(len(audio)) < _FULL_WINDOW_FRAMES
-        if short and lang is not None and not word_timestamps:
-            started_s = time.monotonic()
-            request = _Request(np.asarray(audio, dtype=np.float32), prefix or None, lang, timestamps, beam)
-            hyp = self.window_decoder.generate([self.window_decoder.prepare(request)])[0]
-            if hyp is not None:
-                self._local.timing = DecodeTiming(0.0, hyp.decode_ms, started_s)
-                return hyp
-        return self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
+        if not (short and lang is not None and not word_timestamps):
+            return self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
+        t0, started_s = time.perf_counter(), time.monotonic()
+        request = _Request(np.asarray(audio, dtype=np.float32), prefix or None, lang, timestamps, beam)
+        hyp = self.window_decoder.generate([self.window_decoder.prepare(request)])[0]
+        if hyp is None:  # doubtful: whisper's own window decides, and the attempt counts in its time
+            hyp = self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
+            hyp = replace(hyp, decode_ms=(time.perf_counter() - t0) * 1000.0)
+        self._local.timing = DecodeTiming(0.0, hyp.decode_ms, started_s)
+        return hyp
 
     def transcribe_whole(
         self,
