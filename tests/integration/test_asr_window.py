@@ -2,8 +2,10 @@
 
 Lossy, so judged by a stated tolerance: on the project's 20 sentences spoken by Piper (its
 prosody noise off), the WER of beam-5 finals and greedy partials with a 10 s window stays
-within 2 points of the 30 s window's (measured on 296 clips: -0.1 and +0.1 points; 95 %
-intervals about +-1.1, docs/speech.md). A short window's doubtful result (silence, a repetition
+within 3 points (about 6 of the 221 words) of the 30 s window's. Measured on 296 clips the
+difference is -0.08 and +0.28 points, 95 % intervals about +-1.1 (docs/speech.md); on these 20
+it was +0.9 points for both (2 words) on the development machine, and another CPU's decodes
+may differ by a word or two. A short window's doubtful result (silence, a repetition
 loop) goes to whisper's own decode.
 """
 
@@ -55,7 +57,7 @@ def test_a_10_s_window_keeps_the_words_within_the_stated_tolerance(models, clips
             )
             for w, asr in models.items()
         }
-        assert wer[10.0] <= wer[30.0] + 0.02, (beam, wer)
+        assert wer[10.0] <= wer[30.0] + 0.03, (beam, wer)
         assert wer[30.0] < 0.1, wer  # real speech decoded, not an empty comparison
 
 
