@@ -149,8 +149,12 @@ async def one_turn(port: int, pcm: np.ndarray, speech_end: int) -> dict:
         final = c.of("transcript.final")[0]["text"]
         row = {k: done["stats"].get(k) for k in PARTS}
         row.update({k: done["stats"].get(k) for k in ASR_SPLIT})
+        partials = [
+            t for t, (h, _) in zip(c.arrival, c.messages, strict=False) if h["type"] == "transcript.partial"
+        ]
         row.update(
             client_voice_to_voice_ms=(first_audio_t - sent_speech_end) * 1000.0,
+            partials=len(partials),  # live captions the speaker saw before the reply
             transcript=final,
             reply=done["text"],
             status=done["status"],
@@ -210,7 +214,7 @@ async def main() -> int:
         "--asr-modes",
         default="shared,unshared",
         help="with --speakers: ASR engines to compare: shared, shared:B (batch size B) or unshared, "
-        "each with @W for encoder_window_s W (30: whisper's own window)",
+        "each with @W for encoder_window_s W (30: whisper's own window), then /C for min_chunk_ms C",
     )
     ap.add_argument("--seed", type=int, default=0, help="with --speakers: the staggered arrivals' seed")
     ap.add_argument("--tts-concurrency", help="Piper first-chunk latency at these concurrent replies")
@@ -369,14 +373,25 @@ async def compare(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------- many speakers at once (issue 27)
 
-MANY_KEYS = ("client_voice_to_voice_ms", "asr_final_ms", "asr_queue_ms", "asr_decode_ms", *PARTS[2:5])
+MANY_KEYS = (
+    "client_voice_to_voice_ms",
+    "asr_final_ms",
+    "asr_queue_ms",
+    "asr_decode_ms",
+    *PARTS[2:5],
+    "partials",
+)
 
 
 def _asr_mode(cfg, mode: str):
     """``cfg`` as ``mode`` says: ``shared``, ``shared:B`` (batch size B) or ``unshared``, each
-    with an optional ``@W`` (``encoder_window_s`` W; 30 is whisper's own window)."""
+    with an optional ``@W`` (``encoder_window_s`` W; 30 is whisper's own window) and then an
+    optional ``/C`` (``min_chunk_ms`` C, the new speech between partials)."""
     import dataclasses
 
+    mode, _, chunk = mode.partition("/")
+    if chunk:
+        cfg = dataclasses.replace(cfg, min_chunk_ms=int(chunk))
     engine, _, window = mode.partition("@")
     name, _, batch = engine.partition(":")
     if name not in ("shared", "unshared"):
@@ -554,9 +569,9 @@ def print_many(result: dict) -> None:
     print(
         "| speakers | arrival | ASR | n | voice-to-voice | ASR final | of it queue | of it decode "
         "| LLM TTFT | "
-        "first clause | TTS first |"
+        "first clause | TTS first | partials per turn |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in result["summary"]:
         cells = " | ".join(f"{_f(e[k]['p50']).strip()} / {_f(e[k]['p95']).strip()}" for k in MANY_KEYS)
         print(f"| {e['speakers']} | {e['arrival']} | {e['mode']} | {e['n']} | {cells} |")
