@@ -306,6 +306,19 @@ def encoder_window_frames(content_frames: int, encoder_window_s: float) -> int:
     return min(_FULL_WINDOW_FRAMES, -(-needed // step) * step)
 
 
+def _loops(text: str) -> bool:
+    """True when ``text`` repeats itself back to back: a phrase of 2-6 words three times running
+    ("Okay. Yeah. Okay. Yeah. Okay. Yeah."), or one word four times. Too short for the
+    compression ratio to notice, and seen on short windows for a murmured "Okay, yeah."."""
+    words = [w.strip(".,!?;:\"'").lower() for w in text.split()]
+    for n, runs in ((1, 4), *((n, 3) for n in range(2, 7))):
+        for i in range(len(words) - n * runs + 1):
+            phrase = words[i : i + n]
+            if all(words[i + r * n : i + (r + 1) * n] == phrase for r in range(1, runs)):
+                return True
+    return False
+
+
 class WindowRequest(Protocol):
     """What a window decode needs to know (``edge_rtgi.asr.batch.DecodeJob`` is one)."""
 
@@ -456,7 +469,7 @@ class WindowDecoder:
             if short:  # silence to a short window; whisper's own window decides that
                 return None
             return Hypothesis("", (), job.language, decode_ms)  # skipped as silence; no other window
-        if short and compression_ratio > cfg.compression_ratio_threshold:
+        if short and (compression_ratio > cfg.compression_ratio_threshold or _loops(tok.decode(tokens))):
             return None  # a repetition loop ("Turn it up. Turn it up. ..."): seen on short windows
         segment_size = min(fe.nb_max_frames, window.content_frames)
         pieces, seek, _ = wm._split_segments_by_timestamps(

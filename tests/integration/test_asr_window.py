@@ -90,12 +90,20 @@ def test_a_short_window_hands_silence_and_loops_to_the_30_s_decode(clips):
         scores: list[float]
         no_speech_prob: float
 
-    loop = Result([tok.encode(" Turn it up." * 20)], [-0.1], 0.01)
     job = _Job(clips[0])
-    for frames, refused in ((1000, True), (3000, False)):
-        window = PreparedWindow(job, np.zeros(1), [], 300, frames, tok, 0.0)
-        hyp = decoder._hypothesis(window, loop, 1.0)
-        assert (hyp is None) == refused
+    # a long loop (the compression ratio) and one too short for it (a murmured "Okay, yeah.")
+    for text in (" Turn it up." * 20, " Okay. Yeah. Okay. Yeah. Okay. Yeah."):
+        loop = Result([tok.encode(text)], [-0.1], 0.01)
+        for frames, refused in ((1000, True), (3000, False)):
+            window = PreparedWindow(job, np.zeros(1), [], 300, frames, tok, 0.0)
+            hyp = decoder._hypothesis(window, loop, 1.0)
+            assert (hyp is None) == refused, (text, frames)
+    # speech that repeats a word or two is not a loop
+    for text in (" Yes, yes.", " No, no, no, not that one.", " Turn it up, turn it up a bit more."):
+        said = Result([tok.encode(text)], [-0.1], 0.01)
+        window = PreparedWindow(job, np.zeros(1), [], 300, 1000, tok, 0.0)
+        hyp = decoder._hypothesis(window, said, 1.0)
+        assert hyp is not None and hyp.text == text.strip(), text
 
 
 @dataclass(frozen=True)
