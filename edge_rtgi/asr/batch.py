@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -282,6 +282,7 @@ class SharedWhisper:
     def _generate(self, decoder: WindowDecoder, ready: list[PreparedWindow[DecodeJob]]) -> None:
         if not ready:
             return
+        t0 = time.perf_counter()
         try:
             results = decoder.generate(ready)
         except Exception as exc:  # noqa: BLE001 - the step failed: decode each alone to find the bad one
@@ -289,14 +290,18 @@ class SharedWhisper:
             for window in ready:
                 self._decode_alone(window.job)
             return
+        generate_ms = (time.perf_counter() - t0) * 1000.0
+        # the step's finished results go out before any of its jobs is decoded again
         for window, hyp in zip(ready, results, strict=True):
-            job = window.job
+            if hyp is not None:
+                window.job.future.set_result(hyp)
+        for window, hyp in zip(ready, results, strict=True):
             if hyp is None:  # whisper's own transcribe: a second window, or a doubtful short one
-                self._decode_alone(job)
-            else:
-                job.future.set_result(hyp)
+                self._decode_alone(window.job, spent_ms=window.encode_ms + generate_ms)
 
-    def _decode_alone(self, job: DecodeJob) -> None:
+    def _decode_alone(self, job: DecodeJob, spent_ms: float = 0.0) -> None:
+        """``job`` through whisper's own transcribe; ``spent_ms`` (a step's attempt at it) counts
+        in its decode time."""
         try:
             hyp = self.asr.transcribe_whole(
                 job.audio,
@@ -309,7 +314,7 @@ class SharedWhisper:
         except Exception as exc:  # noqa: BLE001 - one bad job fails only its own session
             job.future.set_exception(exc)
         else:
-            job.future.set_result(hyp)
+            job.future.set_result(replace(hyp, decode_ms=hyp.decode_ms + spent_ms) if spent_ms else hyp)
 
 
 class AsrClient:

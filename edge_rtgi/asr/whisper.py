@@ -230,7 +230,11 @@ class WhisperAsr:
             return self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
         t0, started_s = time.perf_counter(), time.monotonic()
         request = _Request(np.asarray(audio, dtype=np.float32), prefix or None, lang, timestamps, beam)
-        hyp = self.window_decoder.generate([self.window_decoder.prepare(request)])[0]
+        try:
+            hyp = self.window_decoder.generate([self.window_decoder.prepare(request)])[0]
+        except Exception as exc:  # noqa: BLE001 - whisper's own decode still serves this audio
+            log.warning("short-window decode failed (%s); decoding in whisper's 30 s window", exc)
+            hyp = None
         if hyp is None:  # doubtful: whisper's own window decides, and the attempt counts in its time
             hyp = self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
             hyp = replace(hyp, decode_ms=(time.perf_counter() - t0) * 1000.0)
@@ -395,7 +399,7 @@ class WindowDecoder:
         return encoder_window_frames(frames, self.config.encoder_window_s)
 
     def prepare(self, job: R) -> PreparedWindow[R]:
-        from faster_whisper.transcribe import pad_or_trim
+        from faster_whisper.transcribe import get_ctranslate2_storage, pad_or_trim
 
         t0 = time.perf_counter()
         wm = self._model
@@ -405,7 +409,9 @@ class WindowDecoder:
         frames = features.shape[-1] - 1
         window_frames = encoder_window_frames(frames, self.config.encoder_window_s)
         window = pad_or_trim(features[:, : min(fe.nb_max_frames, frames)], window_frames)
-        encoded = np.asarray(wm.encode(window))
+        # on the host even on one GPU (WhisperModel.encode leaves it there): windows are joined
+        # in numpy for a batched generate, and a CUDA StorageView is no numpy array
+        encoded = np.asarray(wm.model.encode(get_ctranslate2_storage(window[None]), to_cpu=True))
         prompt = wm.get_prompt(tok, [], without_timestamps=not job.timestamps, prefix=job.prefix)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         return PreparedWindow(job, encoded, prompt, frames, window_frames, tok, elapsed_ms)

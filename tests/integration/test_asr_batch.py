@@ -211,3 +211,34 @@ def test_the_daemon_shares_one_engine_per_model(clips):
         assert isinstance(resources.asr(AsrConfig(model="whisper-tiny.en")), WhisperAsr)
     finally:
         resources.close()
+
+
+def test_a_doubtful_short_window_does_not_hold_back_the_rest_of_its_step(short_window_asr, clips):
+    """Silence in a short window goes to whisper's own 30 s decode; the speech decoded in the
+    same step is delivered first, not after that decode."""
+    engine = SharedWhisper(short_window_asr, max_batch=8)
+    paused, release = _pause_after_first_step(engine)
+    steps: list[StepStats] = []
+    engine.add_step_listener(steps.append)
+    done: list[str] = []
+    silent, speaking, first = engine.session(), engine.session(), engine.session()
+    pool = ThreadPoolExecutor(3)
+    try:
+        pool.submit(first.transcribe, clips[0]).result(120)
+        assert paused.wait(10)
+        quiet = pool.submit(silent.transcribe, np.zeros(3 * 16000, np.float32), timestamps=True, beam_size=1)
+        while engine.queued < 1:
+            threading.Event().wait(0.01)
+        speech = pool.submit(speaking.transcribe, clips[1], timestamps=True, beam_size=5)
+        while engine.queued < 2:
+            threading.Event().wait(0.01)
+        quiet.add_done_callback(lambda _: done.append("silence"))
+        speech.add_done_callback(lambda _: done.append("speech"))
+        release.set()  # both in one step, the silence first in it
+        assert quiet.result(120).text == ""
+        assert speech.result(120).text
+        assert steps[-1].batch_size == 2 and done == ["speech", "silence"]
+    finally:
+        release.set()
+        pool.shutdown()
+        engine.close()

@@ -19,7 +19,7 @@ import pytest
 
 from edge_rtgi.asr import AsrConfig, WhisperAsr
 from edge_rtgi.asr.evaluation import word_error_rate
-from edge_rtgi.asr.whisper import PreparedWindow, encoder_window_frames
+from edge_rtgi.asr.whisper import PreparedWindow, _loops, encoder_window_frames
 from tests.integration.native_client import steady_clips
 
 SENTENCES = [
@@ -91,8 +91,11 @@ def test_a_short_window_hands_silence_and_loops_to_the_30_s_decode(clips):
         no_speech_prob: float
 
     job = _Job(clips[0])
-    # a long loop (the compression ratio) and one too short for it (a murmured "Okay, yeah.")
-    for text in (" Turn it up." * 20, " Okay. Yeah. Okay. Yeah. Okay. Yeah."):
+    # a long loop of a phrase longer than the repeat check reads (the compression ratio finds it),
+    # and one too short for the ratio (a murmured "Okay, yeah.")
+    long_phrase = " The weather station on the hill reports a cold wind from the north."
+    assert not _loops(long_phrase * 6)
+    for text in (long_phrase * 6, " Okay. Yeah. Okay. Yeah. Okay. Yeah."):
         loop = Result([tok.encode(text)], [-0.1], 0.01)
         for frames, refused in ((1000, True), (3000, False)):
             window = PreparedWindow(job, np.zeros(1), [], 300, frames, tok, 0.0)
