@@ -197,8 +197,8 @@ class WhisperAsr:
         """Nothing to drop: this model queues nothing (each session decodes on its own thread)."""
 
     def language_for(self, language: str | None) -> str | None:
-        """The language a decode asked for ``language`` runs in: the configured one when None,
-        English on an English-only model, None (detect) otherwise."""
+        """The language a decode asked for ``language`` runs in: always English on an English-only
+        model; else ``language``, or the configured one when it is None (None again: detect)."""
         if not self.multilingual:
             return "en"
         return language if language is not None else self.config.language
