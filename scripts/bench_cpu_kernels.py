@@ -37,6 +37,14 @@ heads of 64, blocks of 16, bf16) at 64, 384, 2,048 and 8,192 keys, interleaved r
 Medians over rounds of each call's time and of its ratio to "int4 fused" in the same round.
 
     python scripts/bench_cpu_kernels.py --int4-attention --rounds 200
+
+``--chunk-rows``: engine steps that carry a prompt chunk of n tokens beside d running decodes
+(d + n <= ``runner.CHUNK_ROWS_MAX``), the chunk run as fused one-token rows ("rows", shipped)
+against the Python layers ("chunk", ``ModelRunner.chunks_as_rows = False``), two engines over
+one model, alternating round by round. Medians over rounds of the step's forward time and of
+its ratio to "chunk" in the same round.
+
+    python scripts/bench_cpu_kernels.py --chunk-rows --rounds 15
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_engine_quant
 from edge_rtgi.llm.rope import apply_rope
+from edge_rtgi.llm.step_model import StepShape
 from edge_rtgi.llm.weights import load_model
 
 FUSED = {
@@ -147,6 +156,78 @@ def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_C
         print(f"{rows:>4} " + " ".join(cells))
 
 
+def _ignore(delta: object) -> None:
+    """A request sink for steps timed for their cost alone."""
+
+
+CHUNK_ROW_SHAPES = ((0, 4), (0, 8), (0, 16), (2, 12), (4, 12), (8, 8))  # (running decodes, chunk tokens)
+
+
+def _timed_step(engine) -> tuple[StepShape, float]:
+    """Run one engine step; its shape and forward time (ms) as the step-time model saw them."""
+    seen: list[tuple[StepShape, float]] = []
+    observe = engine.step_model.observe
+
+    def record(shape: StepShape, ms: float) -> None:
+        seen.append((shape, ms))
+        observe(shape, ms)
+
+    engine.step_model.observe = record
+    try:
+        engine.step()
+    finally:
+        engine.step_model.observe = observe
+    return seen[0]
+
+
+def chunk_rows(loaded, rounds: int, shapes: tuple[tuple[int, int], ...] = CHUNK_ROW_SHAPES) -> None:
+    """Time steps with a prompt chunk beside running decodes, chunk as rows or not (module docstring)."""
+    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.llm.engine_config import EngineConfig
+    from edge_rtgi.llm.sampling import SamplingParams
+
+    engines = {}
+    for name in ("rows", "chunk"):
+        cfg = EngineConfig(quant=None, enable_prefix_caching=False)
+        engines[name] = engine = LLMEngine.from_loaded(loaded, cfg, start=False)
+        engine.runner.chunks_as_rows = name == "rows"
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+    decoding = SamplingParams(max_tokens=64, ignore_eos=True)
+    times: dict[tuple[str, int, int], list[float]] = {(e, d, n): [] for e in engines for d, n in shapes}
+    for round_index in range(rounds + 1):  # round 0 warms up and is dropped
+        for decodes, chunk in shapes:
+            for name in list(engines)[round_index % 2 :] + list(engines)[: round_index % 2]:
+                engine = engines[name]
+                ids = [f"r{round_index}-{decodes}-{chunk}-{i}" for i in range(decodes + 1)]
+                for rid in ids[:-1]:
+                    prompt = torch.randint(100, vocab, (8,), generator=gen).tolist()
+                    engine.submit(prompt, decoding, _ignore, request_id=rid)
+                requests = engine.scheduler.requests
+                while any(r not in requests or requests[r].num_output_tokens == 0 for r in ids[:-1]):
+                    engine.step()
+                prompt = torch.randint(100, vocab, (chunk,), generator=gen).tolist()
+                engine.submit(prompt, decoding, _ignore, request_id=ids[-1])
+                shape, ms = _timed_step(engine)
+                for rid in ids:
+                    engine.abort(rid)
+                while engine.step():
+                    pass
+                if shape.prefill_tokens != chunk or shape.decode_rows != decodes:
+                    raise RuntimeError(f"the timed step was {shape}, not {decodes} decodes + {chunk} tokens")
+                if round_index:
+                    times[name, decodes, chunk].append(ms)
+    for engine in engines.values():
+        engine.shutdown()
+    print(f"{rounds} rounds, alternating; medians of the forward time; ratio = rows / chunk, same round")
+    print(f"{'decodes':>7} {'chunk':>5} {'rows ms':>8} {'chunk ms':>9} {'ratio':>6}")
+    for decodes, chunk in shapes:
+        rows, plain = times["rows", decodes, chunk], times["chunk", decodes, chunk]
+        ratio = statistics.median(a / b for a, b in zip(rows, plain, strict=True))
+        rows_ms, plain_ms = statistics.median(rows), statistics.median(plain)
+        print(f"{decodes:>7} {chunk:>5} {rows_ms:8.1f} {plain_ms:9.1f} {ratio:5.2f}x")
+
+
 def int4_attention_calls(n: int) -> dict[str, Callable[[], torch.Tensor]]:
     """The four ways to attend one query per head over ``n`` keys (see ``--int4-attention``)."""
     from edge_rtgi.llm.kv.int4 import Int4KIVIPagedKVStorage
@@ -214,6 +295,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--int4-attention", action="store_true", help="the int4 KV decode attention benchmark instead"
     )
+    ap.add_argument(
+        "--chunk-rows", action="store_true", help="steps with a prompt chunk: as fused rows or not"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.int4_attention:
@@ -228,6 +312,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"fused CPU kernels unavailable: {cpu_ops.failure()}")
     model, cfg = loaded.model, loaded.config
     print("weights:", apply_engine_quant(model, args.quant), "activations:", model.dtype, flush=True)
+    if args.chunk_rows:
+        print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
+        chunk_rows(loaded, args.rounds)
+        return 0
     if args.multi_row:
         print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
         with torch.inference_mode():

@@ -604,6 +604,31 @@ def forget_plan(model) -> None:
     model.__dict__.pop("_fused_decode_plan", None)
 
 
+def _current_plan(model, dtype: torch.dtype) -> _LayerPlan | None:
+    """The model's cached layer-loop arguments, rebuilt when stale (None: the C++ loop cannot run it)."""
+    plan = model.__dict__.get("_fused_decode_plan")
+    if plan is None or plan.dtype != dtype or not _plan_valid(plan):
+        forget_plan(model)
+        plan = _build_plan(model)
+        if plan is None or not _plan_valid(plan):  # hooks present: nothing to cache
+            return None
+        model.__dict__["_fused_decode_plan"] = plan
+    return plan
+
+
+def fused_decode_max_rows(model) -> int:
+    """How many one-token rows a step of ``model`` may carry on the fused decode path (0 where
+    the path does not run: kernels off or not built, not a CPU model, a layer the C++ loop does
+    not know, hooks). The attention side has its own conditions (``decode_slots()``)."""
+    probe = torch.empty(0, dtype=model.dtype, device=model.device)
+    if not _use(probe):
+        return 0
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return 0
+    plan = _current_plan(model, model.dtype)
+    return 0 if plan is None else plan.max_rows
+
+
 def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend) -> Tensor | None:
     """``for layer in model.layers: x = layer(x, cos, signed_sin, backend)`` in one C++ call, or
     None where that does not apply (kernels off or gradients on, not a decode step the backend
@@ -624,13 +649,9 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
         or slots.k_stores[0].dtype != x.dtype
     ):
         return None
-    plan = model.__dict__.get("_fused_decode_plan")
-    if plan is None or plan.dtype != x.dtype or not _plan_valid(plan):
-        forget_plan(model)
-        plan = _build_plan(model)
-        if plan is None or not _plan_valid(plan):  # hooks present: nothing to cache
-            return None
-        model.__dict__["_fused_decode_plan"] = plan
+    plan = _current_plan(model, x.dtype)
+    if plan is None:
+        return None
     if x.shape[0] > plan.max_rows or len(slots.k_stores) != len(plan.meta) // 8:
         return None
     cfg = model.config

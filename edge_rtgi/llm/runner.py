@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from edge_rtgi.llm import sampling
+from edge_rtgi.llm import cpu_ops, sampling
 from edge_rtgi.llm.kv.attention import (
     ChunkAttention,
     PagedAttentionBackend,
@@ -37,6 +37,10 @@ from edge_rtgi.llm.speculative import FeatureRows
 log = logging.getLogger(__name__)
 
 DECODE_MODES = ("padded", "per_seq")
+# A step whose prompt chunks and decodes come to at most this many tokens runs the chunks as
+# one-token rows on the fused CPU decode path (the multi-row kernels' width): a chunk otherwise
+# sends the whole step, decodes included, through the slower Python layers.
+CHUNK_ROWS_MAX = 16
 SNAPKV_POOL_TOKENS = 7  # SnapKV pools observation scores over neighbours, so a fact's tokens go together
 
 
@@ -85,6 +89,17 @@ class ModelRunner:
         # (a verifying request's up to its last accepted token)
         self.collect_features = False
         self.features: dict[str, FeatureRows] = {}
+        # small prompt chunks run as fused decode rows (CHUNK_ROWS_MAX); False for A/B runs
+        self.chunks_as_rows = True
+        # what the fused decode path needs of the attention side (PagedAttentionBackend.decode_slots)
+        group = self.groups[0]
+        self._fused_attention = (
+            decode_mode == "padded"
+            and eviction is None
+            and len(self.groups) == 1
+            and (group.window_tokens is None or group.sink_tokens == 0)
+            and all(k.dtype == storage.dtype == model.dtype for k in storage.k)
+        )
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling and eviction state."""
@@ -305,6 +320,7 @@ class ModelRunner:
         """Run one step; ``params`` maps each scheduled request id to its sampling params."""
         verify = [s for s in output.scheduled if s.sample and s.num_draft_tokens]
         self.features = {}
+        chunks_as_rows = self._chunks_as_rows(output)
         rows: list[ScheduledRequest] = []
         for s in output.scheduled:
             if s.sample and s.num_draft_tokens:
@@ -314,6 +330,21 @@ class ModelRunner:
                 rows.extend(
                     ScheduledRequest(
                         s.request_id, [t], s.start_position + i, s.block_ids, True, 0, s.num_evicted_tokens
+                    )
+                    for i, t in enumerate(s.token_ids)
+                )
+            elif chunks_as_rows and len(s.token_ids) > 1:
+                # the same for a prompt chunk; only its last row samples
+                last = len(s.token_ids) - 1
+                rows.extend(
+                    ScheduledRequest(
+                        s.request_id,
+                        [t],
+                        s.start_position + i,
+                        s.block_ids,
+                        s.sample and i == last,
+                        0,
+                        s.num_evicted_tokens,
                     )
                     for i, t in enumerate(s.token_ids)
                 )
@@ -363,6 +394,15 @@ class ModelRunner:
                 keep = out.num_accepted.get(s.request_id, -1) + 1
                 self.features[s.request_id] = FeatureRows(got.start_position, got.rows[:keep])
         return out
+
+    def _chunks_as_rows(self, output: SchedulerOutput) -> bool:
+        """Whether this step's prompt chunks run as one-token rows on the fused CPU decode path:
+        a small step with a chunk (a short prompt, or a turn after a cached prefix)."""
+        if not (self.chunks_as_rows and self._fused_attention) or output.num_batched_tokens > CHUNK_ROWS_MAX:
+            return False
+        if all(len(s.token_ids) == 1 or s.num_draft_tokens for s in output.scheduled):
+            return False  # no chunk
+        return output.num_batched_tokens <= cpu_ops.fused_decode_max_rows(self.model)
 
     def _features(self, ordered: list[ScheduledRequest], hidden: Tensor) -> dict[str, FeatureRows]:
         """Each request's rows of ``hidden`` (its rows are adjacent in ``ordered``), copied."""

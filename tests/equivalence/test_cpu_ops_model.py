@@ -21,6 +21,7 @@ from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_engine_quant
 from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
+from edge_rtgi.llm.runner import CHUNK_ROWS_MAX
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, engine_for, run_staggered
@@ -286,3 +287,37 @@ def test_paged_decode_past_384_keys_takes_the_fused_path_and_keeps_the_tokens(tm
     for got, want in zip(fused, plain, strict=True):
         assert got.error is None and got.token_ids == want.token_ids
     check_counts(fused_mode, request.node.callspec.params["fused_mode"], 10)  # decode-only steps
+
+
+@pytest.mark.parametrize("quant", ["none", "int8", "int4-g32"])
+def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quant):
+    """A step whose prompt chunks and decodes come to at most ``runner.CHUNK_ROWS_MAX`` tokens
+    runs the chunks as one-token rows on the C++ layer loop (each row attends up to its own
+    position, as verification rows do): greedy output equals the plain path without kernels,
+    for short prompts, prompts chunked by a 16-token budget, turns after a cached prefix
+    (mistral: across its sliding window of 8), joined mid-stream by other requests."""
+    loaded = load_model(folder, device="cpu", dtype="fp32")
+    apply_engine_quant(loaded.model, quant)
+    tok = loaded.tokenizer
+    prefix = tok.encode(TEXTS[5])
+    prompts = [tok.encode(t) for t in TEXTS] + [prefix + tok.encode(" " + t) for t in TEXTS[:3]]
+    params = [SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
+    as_rows: list[bool] = []
+    real = engine.runner._chunks_as_rows
+
+    def spy(output):
+        as_rows.append(real(output))
+        return as_rows[-1]
+
+    engine.runner._chunks_as_rows = spy
+    loops_before = cpu_ops.multi_row_calls()
+    results = run_staggered(engine, prompts, params)
+    assert sum(as_rows) >= len(prompts)  # every prompt's chunks ran as rows
+    if quant != "none":
+        assert cpu_ops.multi_row_calls() > loops_before
+    assert engine.stats().prefix_hit_tokens > 0
+    with cpu_ops.disabled():
+        for prompt, p, got in zip(prompts, params, results, strict=True):
+            assert got.error is None
+            assert got.token_ids == generate(loaded, prompt, p).token_ids
