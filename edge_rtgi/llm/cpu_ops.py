@@ -620,8 +620,9 @@ def fused_decode_max_rows(model) -> int:
     """How many one-token rows a step of ``model`` may carry on the fused decode path (0 where
     the path does not run: kernels off or not built, not a CPU model, a layer the C++ loop does
     not know, hooks). The attention side has its own conditions (``decode_slots()``)."""
-    probe = torch.empty(0, dtype=model.dtype, device=model.device)
-    if not _use(probe):
+    with torch.inference_mode():  # as the engine runs it (with gradients on, nothing fuses)
+        usable = _use(torch.empty(0, dtype=model.dtype, device=model.device))
+    if not usable:
         return 0
     if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
         return 0

@@ -395,6 +395,13 @@ class ModelRunner:
                 self.features[s.request_id] = FeatureRows(got.start_position, got.rows[:keep])
         return out
 
+    def fused_step_tokens(self) -> int:
+        """Steps of at most this many tokens run on the fused CPU decode path, prompt chunks
+        included (0: none do); the slo scheduler keeps prefilling steps within it."""
+        if not (self.chunks_as_rows and self._fused_attention):
+            return 0
+        return min(CHUNK_ROWS_MAX, cpu_ops.fused_decode_max_rows(self.model))
+
     def _chunks_as_rows(self, output: SchedulerOutput) -> bool:
         """Whether this step's prompt chunks run as one-token rows on the fused CPU decode path:
         a small step with a chunk (a short prompt, or a turn after a cached prefix)."""
@@ -402,7 +409,7 @@ class ModelRunner:
             return False
         if all(len(s.token_ids) == 1 or s.num_draft_tokens for s in output.scheduled):
             return False  # no chunk
-        return output.num_batched_tokens <= cpu_ops.fused_decode_max_rows(self.model)
+        return output.num_batched_tokens <= self.fused_step_tokens()
 
     def _features(self, ordered: list[ScheduledRequest], hidden: Tensor) -> dict[str, FeatureRows]:
         """Each request's rows of ``hidden`` (its rows are adjacent in ``ordered``), copied."""

@@ -303,6 +303,7 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
     prompts = [tok.encode(t) for t in TEXTS] + [prefix + tok.encode(" " + t) for t in TEXTS[:3]]
     params = [SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
     engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
+    assert engine.scheduler.config.fused_step_tokens == CHUNK_ROWS_MAX  # what the slo policy reads
     as_rows: list[bool] = []
     real = engine.runner._chunks_as_rows
 
