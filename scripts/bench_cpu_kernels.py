@@ -39,7 +39,9 @@ Medians over rounds of each call's time and of its ratio to "int4 fused" in the 
     python scripts/bench_cpu_kernels.py --int4-attention --rounds 200
 
 ``--chunk-rows``: engine steps that carry a prompt chunk of n tokens beside d running decodes
-(d + n <= ``runner.CHUNK_ROWS_MAX``), the chunk run as fused one-token rows ("rows", shipped)
+(d + n <= ``runner.CHUNK_ROWS_MAX``), fresh or after a cached prefix (past
+``runner.CHUNK_ROWS_MAX_KEYS`` keys both run the chunk path), the chunk run as fused one-token
+rows ("rows", shipped)
 against the Python layers ("chunk", ``ModelRunner.chunks_as_rows = False``), two engines over
 one model, alternating round by round. Medians over rounds of the step's forward time and of
 its ratio to "chunk" in the same round.
@@ -160,7 +162,17 @@ def _ignore(delta: object) -> None:
     """A request sink for steps timed for their cost alone."""
 
 
-CHUNK_ROW_SHAPES = ((0, 4), (0, 8), (0, 16), (2, 12), (4, 12), (8, 8))  # (running decodes, chunk tokens)
+# (running decodes, chunk tokens, cached prefix tokens before the chunk)
+CHUNK_ROW_SHAPES = (
+    (0, 4, 0),
+    (0, 8, 0),
+    (0, 16, 0),
+    (2, 12, 0),
+    (4, 12, 0),
+    (8, 8, 0),
+    (0, 12, 256),
+    (0, 12, 1024),
+)
 
 
 def _timed_step(engine) -> tuple[StepShape, float]:
@@ -180,7 +192,7 @@ def _timed_step(engine) -> tuple[StepShape, float]:
     return seen[0]
 
 
-def chunk_rows(loaded, rounds: int, shapes: tuple[tuple[int, int], ...] = CHUNK_ROW_SHAPES) -> None:
+def chunk_rows(loaded, rounds: int, shapes: tuple[tuple[int, int, int], ...] = CHUNK_ROW_SHAPES) -> None:
     """Time steps with a prompt chunk beside running decodes, chunk as rows or not (module docstring)."""
     from edge_rtgi.llm.engine import LLMEngine
     from edge_rtgi.llm.engine_config import EngineConfig
@@ -188,25 +200,32 @@ def chunk_rows(loaded, rounds: int, shapes: tuple[tuple[int, int], ...] = CHUNK_
 
     engines = {}
     for name in ("rows", "chunk"):
-        cfg = EngineConfig(quant=None, enable_prefix_caching=False)
+        cfg = EngineConfig(quant=None, max_model_len=4096)
         engines[name] = engine = LLMEngine.from_loaded(loaded, cfg, start=False)
         engine.runner.chunks_as_rows = name == "rows"
     gen = torch.Generator().manual_seed(0)
     vocab = loaded.config.vocab_size
     decoding = SamplingParams(max_tokens=64, ignore_eos=True)
-    times: dict[tuple[str, int, int], list[float]] = {(e, d, n): [] for e in engines for d, n in shapes}
+    times: dict[tuple[str, int, int, int], list[float]] = {
+        (e, *shape): [] for e in engines for shape in shapes
+    }
     for round_index in range(rounds + 1):  # round 0 warms up and is dropped
-        for decodes, chunk in shapes:
+        for decodes, chunk, prefix_tokens in shapes:
+            prefix = torch.randint(100, vocab, (prefix_tokens,), generator=gen).tolist()
             for name in list(engines)[round_index % 2 :] + list(engines)[: round_index % 2]:
                 engine = engines[name]
-                ids = [f"r{round_index}-{decodes}-{chunk}-{i}" for i in range(decodes + 1)]
-                for rid in ids[:-1]:
+                ids = [f"r{round_index}-{decodes}-{chunk}-{prefix_tokens}-{i}" for i in range(decodes + 2)]
+                if prefix:  # cache the prefix: the timed chunk follows it
+                    engine.submit(prefix, SamplingParams(max_tokens=1), _ignore, request_id=ids[-2])
+                    while engine.step():
+                        pass
+                for rid in ids[:decodes]:
                     prompt = torch.randint(100, vocab, (8,), generator=gen).tolist()
                     engine.submit(prompt, decoding, _ignore, request_id=rid)
                 requests = engine.scheduler.requests
-                while any(r not in requests or requests[r].num_output_tokens == 0 for r in ids[:-1]):
+                while any(r not in requests or requests[r].num_output_tokens == 0 for r in ids[:decodes]):
                     engine.step()
-                prompt = torch.randint(100, vocab, (chunk,), generator=gen).tolist()
+                prompt = prefix + torch.randint(100, vocab, (chunk,), generator=gen).tolist()
                 engine.submit(prompt, decoding, _ignore, request_id=ids[-1])
                 shape, ms = _timed_step(engine)
                 for rid in ids:
@@ -216,16 +235,16 @@ def chunk_rows(loaded, rounds: int, shapes: tuple[tuple[int, int], ...] = CHUNK_
                 if shape.prefill_tokens != chunk or shape.decode_rows != decodes:
                     raise RuntimeError(f"the timed step was {shape}, not {decodes} decodes + {chunk} tokens")
                 if round_index:
-                    times[name, decodes, chunk].append(ms)
+                    times[name, decodes, chunk, prefix_tokens].append(ms)
     for engine in engines.values():
         engine.shutdown()
     print(f"{rounds} rounds, alternating; medians of the forward time; ratio = rows / chunk, same round")
-    print(f"{'decodes':>7} {'chunk':>5} {'rows ms':>8} {'chunk ms':>9} {'ratio':>6}")
-    for decodes, chunk in shapes:
-        rows, plain = times["rows", decodes, chunk], times["chunk", decodes, chunk]
+    print(f"{'decodes':>7} {'chunk':>5} {'prefix':>6} {'rows ms':>8} {'chunk ms':>9} {'ratio':>6}")
+    for shape in shapes:
+        rows, plain = times[("rows", *shape)], times[("chunk", *shape)]
         ratio = statistics.median(a / b for a, b in zip(rows, plain, strict=True))
         rows_ms, plain_ms = statistics.median(rows), statistics.median(plain)
-        print(f"{decodes:>7} {chunk:>5} {rows_ms:8.1f} {plain_ms:9.1f} {ratio:5.2f}x")
+        print(f"{shape[0]:>7} {shape[1]:>5} {shape[2]:>6} {rows_ms:8.1f} {plain_ms:9.1f} {ratio:5.2f}x")
 
 
 def int4_attention_calls(n: int) -> dict[str, Callable[[], torch.Tensor]]:

@@ -214,14 +214,6 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill:  # a whole prompt must fit one step
             budget = max(budget, self.max_model_len)
-        eviction = self.config.kv_eviction
-        if eviction is not None and len(groups) > 1:  # compaction rewrites one block table
-            raise ValueError(
-                f"kv_eviction needs a model with one KV group; {mcfg.arch} has {len(groups)} "
-                "(per-layer windows): leave kv_eviction unset"
-            )
-        self._turn_starts, self._sentence_ends = _segment_tokens(tokenizer, eviction)
-        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups, eviction)
         # fitted on every step under either policy (its error is in the stats); the slo policy reads it
         self.step_model = StepTimeModel()
         self.scheduler = Scheduler(
@@ -236,11 +228,18 @@ class LLMEngine:
                 slo_waiting_order=self.config.slo_waiting_order,
                 kv_budget_tokens=self.config.kv_budget_tokens,
                 kv_eviction=self.config.kv_eviction,
-                fused_step_tokens=self.runner.fused_step_tokens(),
             ),
             self.kv,
             self.step_model,
         )
+        eviction = self.config.kv_eviction
+        if eviction is not None and len(groups) > 1:  # compaction rewrites one block table
+            raise ValueError(
+                f"kv_eviction needs a model with one KV group; {mcfg.arch} has {len(groups)} "
+                "(per-layer windows): leave kv_eviction unset"
+            )
+        self._turn_starts, self._sentence_ends = _segment_tokens(tokenizer, eviction)
+        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups, eviction)
         spec = self.config.speculation()
         self.speculator = (
             build_speculator(spec, model, tokenizer, self.config.model) if spec.enabled else None

@@ -41,6 +41,9 @@ DECODE_MODES = ("padded", "per_seq")
 # one-token rows on the fused CPU decode path (the multi-row kernels' width): a chunk otherwise
 # sends the whole step, decodes included, through the slower Python layers.
 CHUNK_ROWS_MAX = 16
+# ... as long as its rows read at most this many keys in all: each row reads its whole context,
+# where the chunk path reads a cached prefix once for all its queries
+CHUNK_ROWS_MAX_KEYS = 4096
 SNAPKV_POOL_TOKENS = 7  # SnapKV pools observation scores over neighbours, so a fact's tokens go together
 
 
@@ -404,12 +407,15 @@ class ModelRunner:
 
     def _chunks_as_rows(self, output: SchedulerOutput) -> bool:
         """Whether this step's prompt chunks run as one-token rows on the fused CPU decode path:
-        a small step with a chunk (a short prompt, or a turn after a cached prefix)."""
+        a small step with a chunk over a short context (a short prompt, or a turn after a short
+        cached prefix)."""
         if not (self.chunks_as_rows and self._fused_attention) or output.num_batched_tokens > CHUNK_ROWS_MAX:
             return False
-        if all(len(s.token_ids) == 1 or s.num_draft_tokens for s in output.scheduled):
-            return False  # no chunk
-        return output.num_batched_tokens <= self.fused_step_tokens()
+        chunks = [s for s in output.scheduled if len(s.token_ids) > 1 and not s.num_draft_tokens]
+        if not chunks:
+            return False
+        keys = sum(len(s.token_ids) * (2 * s.start_position + len(s.token_ids) + 1) // 2 for s in chunks)
+        return keys <= CHUNK_ROWS_MAX_KEYS and output.num_batched_tokens <= self.fused_step_tokens()
 
     def _features(self, ordered: list[ScheduledRequest], hidden: Tensor) -> dict[str, FeatureRows]:
         """Each request's rows of ``hidden`` (its rows are adjacent in ``ordered``), copied."""

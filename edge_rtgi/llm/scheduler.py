@@ -78,9 +78,6 @@ class SchedulerConfig:
     slo_waiting_order: str = "class"
     kv_budget_tokens: int | None = None
     kv_eviction: KVEviction | None = None
-    # steps of at most this many tokens run on the runner's fused CPU path (0: no such path);
-    # under slo a prefilling step beside running decodes stays within it while no first token is due
-    fused_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if (self.kv_budget_tokens is None) != (self.kv_eviction is None):
@@ -91,8 +88,6 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, max_model_len >= 2")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.fused_step_tokens < 0:
-            raise ValueError(f"fused_step_tokens must be >= 0, got {self.fused_step_tokens}")
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
         if not self.admission_wait_factor >= 0:
@@ -527,11 +522,6 @@ class Scheduler:
             return None
         target_ms = PREFILL_STALL_FACTOR * itl_ms
         room = max(self.config.min_prefill_chunk_tokens, int((target_ms - base_ms) / per_token_ms))
-        rows = sum(1 + len(r.draft_token_ids) for r in self.running if _is_decode(r))
-        if rows < self.config.fused_step_tokens:
-            # a step that stays on the fused path costs about a decode step of as many rows, far
-            # less than the same tokens on the Python layers: prompts go through in such steps
-            room = self.config.fused_step_tokens - rows
         step_ms = base_ms + room * per_token_ms
         for r in (*self.running, *self.waiting[:4]):
             left = r.num_tokens - r.num_computed_tokens

@@ -18,11 +18,13 @@ import torch
 
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.generate import generate
+from edge_rtgi.llm.kv.window import KVWindow
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_engine_quant
 from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
 from edge_rtgi.llm.runner import CHUNK_ROWS_MAX
 from edge_rtgi.llm.sampling import SamplingParams
+from edge_rtgi.llm.scheduler import ScheduledRequest, SchedulerOutput
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, engine_for, run_staggered
 from tests.tiny_models import make_tiny_hf_model
@@ -289,21 +291,27 @@ def test_paged_decode_past_384_keys_takes_the_fused_path_and_keeps_the_tokens(tm
     check_counts(fused_mode, request.node.callspec.params["fused_mode"], 10)  # decode-only steps
 
 
+@pytest.mark.parametrize("fused_mode", ["layer loop"], indirect=True)
 @pytest.mark.parametrize("quant", ["none", "int8", "int4-g32"])
-def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quant):
+def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quant, fused_mode):
     """A step whose prompt chunks and decodes come to at most ``runner.CHUNK_ROWS_MAX`` tokens
     runs the chunks as one-token rows on the C++ layer loop (each row attends up to its own
-    position, as verification rows do): greedy output equals the plain path without kernels,
-    for short prompts, prompts chunked by a 16-token budget, turns after a cached prefix
-    (mistral: across its sliding window of 8), joined mid-stream by other requests."""
+    position, as verification rows do; only the chunk's last row samples): the same greedy
+    tokens and log-probabilities as the chunk path, and the plain path's tokens without kernels,
+    for short prompts, prompts
+    chunked by a 16-token budget, turns after a cached prefix (mistral: across its sliding
+    window of 8), joined mid-stream by other requests."""
     loaded = load_model(folder, device="cpu", dtype="fp32")
     apply_engine_quant(loaded.model, quant)
     tok = loaded.tokenizer
     prefix = tok.encode(TEXTS[5])
     prompts = [tok.encode(t) for t in TEXTS] + [prefix + tok.encode(" " + t) for t in TEXTS[:3]]
-    params = [SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True, logprobs=i % 2 == 1)
+        for i in range(len(prompts))
+    ]
     engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
-    assert engine.scheduler.config.fused_step_tokens == CHUNK_ROWS_MAX  # what the slo policy reads
+    assert engine.runner.fused_step_tokens() == CHUNK_ROWS_MAX
     as_rows: list[bool] = []
     real = engine.runner._chunks_as_rows
 
@@ -314,11 +322,45 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
     engine.runner._chunks_as_rows = spy
     loops_before = cpu_ops.multi_row_calls()
     results = run_staggered(engine, prompts, params)
-    assert sum(as_rows) >= len(prompts)  # every prompt's chunks ran as rows
+    assert sum(as_rows) >= len(prompts)  # steps with chunks as rows, at least one per prompt's worth
+    assert fused_mode["layer loops"] == len(as_rows)  # every step ran the layer loop
     if quant != "none":
         assert cpu_ops.multi_row_calls() > loops_before
     assert engine.stats().prefix_hit_tokens > 0
+    chunk_engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
+    chunk_engine.runner.chunks_as_rows = False
+    as_chunks = run_staggered(chunk_engine, prompts, params)
+    for p, got, want in zip(params, results, as_chunks, strict=True):
+        assert got.error is None and got.token_ids == want.token_ids
+        assert len(got.logprobs) == len(want.logprobs) == (len(want.token_ids) if p.logprobs else 0)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     with cpu_ops.disabled():
         for prompt, p, got in zip(prompts, params, results, strict=True):
-            assert got.error is None
             assert got.token_ids == generate(loaded, prompt, p).token_ids
+
+
+def test_chunks_stay_chunks_where_rows_would_cost_more_or_the_fused_path_does_not_run(folder):
+    """Rows only where the fused path runs them and they read few keys: not after a long
+    prefix (each row would read it again), not with int8 KV, the per-sequence decode mode or
+    attention sinks."""
+    loaded = load_model(folder, device="cpu", dtype="fp32")
+    runner = engine_for(loaded).runner
+
+    def step_of(start_position: int, num_tokens: int) -> SchedulerOutput:
+        chunk = ScheduledRequest("r", list(range(3, 3 + num_tokens)), start_position, [[0]], True)
+        return SchedulerOutput([chunk], num_tokens)
+
+    assert runner._chunks_as_rows(step_of(0, 12))
+    assert runner._chunks_as_rows(step_of(200, 12))  # 12 rows reading about 2,500 keys
+    assert not runner._chunks_as_rows(step_of(400, 12))  # about 4,900: past CHUNK_ROWS_MAX_KEYS
+    assert not runner._chunks_as_rows(step_of(0, CHUNK_ROWS_MAX + 1))
+    for overrides in (
+        {"kv_dtype": "int8"},
+        {"decode_mode": "per_seq"},
+        {"kv_window": KVWindow(sink_tokens=4, window_tokens=64)},
+    ):
+        other = engine_for(loaded, **overrides).runner
+        if "kv_window" in overrides and not other.groups[0].sink_tokens:
+            continue  # mistral keeps its own window of 8, without sinks: rows apply there
+        assert not other._chunks_as_rows(step_of(0, 12)), overrides

@@ -35,26 +35,10 @@ def trained_model(fixed=5.0, per_row=10.0, per_token=0.5, per_ktoken=0.0, n=64, 
 
 
 def make(
-    policy="slo",
-    model=None,
-    clock=None,
-    num_blocks=64,
-    block_size=4,
-    budget=64,
-    max_seqs=8,
-    order="edf",
-    fused_step_tokens=0,
+    policy="slo", model=None, clock=None, num_blocks=64, block_size=4, budget=64, max_seqs=8, order="edf"
 ):
     kv = KVCacheManager(num_blocks, block_size)
-    cfg = SchedulerConfig(
-        budget,
-        max_seqs,
-        512,
-        True,
-        policy=policy,
-        slo_waiting_order=order,
-        fused_step_tokens=fused_step_tokens,
-    )
+    cfg = SchedulerConfig(budget, max_seqs, 512, True, policy=policy, slo_waiting_order=order)
     return Scheduler(cfg, kv, model, clock or Clock())
 
 
@@ -138,37 +122,6 @@ def test_prefill_is_sized_so_running_decodes_keep_their_itl_unless_a_first_token
     f.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
     out, _ = step(f)
     assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 255
-
-
-def test_prefill_beside_decodes_stays_within_the_fused_step_unless_a_first_token_is_due():
-    clock = Clock()
-    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5)
-    s = make(model=model, clock=clock, budget=256, num_blocks=512, fused_step_tokens=16)
-    for i in range(3):
-        s.add_request(req(f"voice{i}", 4, RequestClass.VOICE, max_tokens=50, base=1 + 10 * i))
-    step(s)  # three streams decoding
-    s.add_request(req("turn", 40, RequestClass.DIALOGUE, base=100, max_tokens=2))
-    out, _ = step(s)
-    # 3 decode rows + 13 prompt tokens: a 16-token step (without the fused path: the 2 x ITL cap)
-    assert {r.request_id: len(r.token_ids) for r in out.scheduled} == {
-        "voice0": 1,
-        "voice1": 1,
-        "voice2": 1,
-        "turn": 13,
-    }
-    out, _ = step(s)
-    assert sum(len(r.token_ids) for r in out.scheduled) == 16
-    # a first token that would be late at that pace lifts the cap, as before
-    s.add_request(req("urgent", 200, RequestClass.VOICE, base=300, max_tokens=2, slo=RequestSLO(100, 50)))
-    out, _ = step(s)
-    assert sum(len(r.token_ids) for r in out.scheduled) > 16
-    # fcfs ignores it
-    f = make(policy="fcfs", model=model, clock=clock, budget=256, num_blocks=512, fused_step_tokens=16)
-    f.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=50))
-    step(f)
-    f.add_request(req("turn", 40, RequestClass.DIALOGUE, base=100, max_tokens=2))
-    out, _ = step(f)
-    assert {r.request_id: len(r.token_ids) for r in out.scheduled}["turn"] == 40
 
 
 def test_admission_stops_where_one_more_row_would_break_the_tightest_itl():
