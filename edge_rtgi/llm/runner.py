@@ -400,7 +400,7 @@ class ModelRunner:
 
     def fused_step_tokens(self) -> int:
         """Steps of at most this many tokens run on the fused CPU decode path, prompt chunks
-        included (0: none do); the slo scheduler keeps prefilling steps within it."""
+        included (0: none do): ``CHUNK_ROWS_MAX`` or the multi-row kernels' width if narrower."""
         if not (self.chunks_as_rows and self._fused_attention):
             return 0
         return min(CHUNK_ROWS_MAX, cpu_ops.fused_decode_max_rows(self.model))

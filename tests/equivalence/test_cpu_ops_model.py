@@ -298,9 +298,8 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
     runs the chunks as one-token rows on the C++ layer loop (each row attends up to its own
     position, as verification rows do; only the chunk's last row samples): the same greedy
     tokens and log-probabilities as the chunk path, and the plain path's tokens without kernels,
-    for short prompts, prompts
-    chunked by a 16-token budget, turns after a cached prefix (mistral: across its sliding
-    window of 8), joined mid-stream by other requests."""
+    for short prompts, prompts chunked by a 16-token budget, turns after a cached prefix
+    (mistral: across its sliding window of 8), joined mid-stream by other requests."""
     loaded = load_model(folder, device="cpu", dtype="fp32")
     apply_engine_quant(loaded.model, quant)
     tok = loaded.tokenizer
