@@ -12,7 +12,7 @@ hundred elements. ``csrc/cpu_ops.cpp`` does each group in one pass:
   summed in a different order.
 - ``decode_attention_int4``: the same attention over an int4 KIVI cache (``kv/int4.py``),
   reading its codes in place instead of dequantising the cache into a copy first.
-- ``int4_mm`` / ``int8_mm``: weight-only int4 / int8 matmuls for 2..16 rows (verification of
+- ``int4_mm`` / ``int8_mm``: weight-only int4 / int8 matmuls for 2..32 rows (verification of
   draft tokens, decode batches) that read each weight block once for all rows; one row keeps
   ATen's kernels. Same weight layouts as ATen's; sums in another order.
 - ``run_decode_layers``: the whole layer stack of a decode step in one call: the C++ loop runs
@@ -77,6 +77,7 @@ def target_arch() -> str:
 
 _lock = threading.Lock()
 _ops: _OpNamespace | None = None  # torch.ops.edge_rtgi once loaded
+_multi_row_max = 0  # _ops.multi_row_max(), read once at load: multi_row_usable runs per matmul
 _failure: str | None = None
 _disabled_depth = 0  # disabled() blocks currently open, in any thread
 # Kernels that disabled(name) can switch off alone, and how many such blocks are open for each.
@@ -126,7 +127,7 @@ def load() -> bool:
     Never raises: a build failure is logged once, with what to install, and the PyTorch ops
     are used from then on.
     """
-    global _ops, _failure
+    global _ops, _failure, _multi_row_max
     if _ops is not None:
         return True
     if _failure is not None:
@@ -139,7 +140,9 @@ def load() -> bool:
             log.info("fused CPU kernels %s", _failure)
             return False
         try:
-            _ops = _build()
+            ops = _build()
+            _multi_row_max = int(ops.multi_row_max())
+            _ops = ops
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch ops
             _failure = (
                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -400,8 +403,8 @@ def decode_attention_int4(
 
 # --- weight-only matmuls for a few rows -----------------------------------------------------------
 
-# Row counts the multi-row kernels take (csrc kMultiRowMax); one row stays on ATen's kernels.
-MULTI_ROW_MIN, MULTI_ROW_MAX = 2, 16
+# One row stays on ATen's kernels; the most rows the kernels take is the build's (multi_row_max).
+MULTI_ROW_MIN = 2
 
 
 # Matmuls of up to this many rows run unpadded: decode batches and draft verification see few
@@ -443,10 +446,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y if x2 is x else y.view(*x.shape[:-1], y.shape[-1])
 
 
+def multi_row_max() -> int:
+    """The most rows ``int4_mm`` / ``int8_mm`` take in the layers and the layer loop (csrc
+    kMultiRowMax): 32 where the library has the AVX-512 BF16 loops (AMX or not), 16 with the
+    plain loops, whose wider inputs were never measured against ATen's; 0 when not loaded."""
+    return _multi_row_max
+
+
 def multi_row_usable(x: Tensor) -> bool:
     """Whether ``int4_mm`` / ``int8_mm`` should run for the 2-D input ``x``: kernels loaded, CPU,
-    float32 or bfloat16, no gradients, and 2..16 rows."""
-    return _use(x) and MULTI_ROW_MIN <= x.shape[0] <= MULTI_ROW_MAX
+    float32 or bfloat16, no gradients, and 2..``multi_row_max()`` rows."""
+    return _use(x) and MULTI_ROW_MIN <= x.shape[0] <= _multi_row_max
 
 
 def multi_row_calls() -> int:

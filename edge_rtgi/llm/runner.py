@@ -40,7 +40,7 @@ DECODE_MODES = ("padded", "per_seq")
 # A step whose prompt chunks and decodes come to at most this many tokens runs the chunks as
 # one-token rows on the fused CPU decode path (the multi-row kernels' width): a chunk otherwise
 # sends the whole step, decodes included, through the slower Python layers.
-CHUNK_ROWS_MAX = 16
+CHUNK_ROWS_MAX = 32
 # ... as long as its rows read at most this many keys in all: each row reads its whole context,
 # where the chunk path reads a cached prefix once for all its queries
 CHUNK_ROWS_MAX_KEYS = 4096

@@ -196,17 +196,18 @@ def test_bf16_logits_stay_close(folder, fused_mode):
 
 
 @pytest.mark.parametrize(
-    ("quant", "step_tokens"), [("int4-g32", 5), ("int8", 5), ("auto", 5), ("auto", 12), ("auto", 16)]
+    ("quant", "step_tokens"),
+    [("int4-g32", 5), ("int8", 5), ("auto", 5), ("auto", 12), ("auto", 16), ("auto", 24), ("auto", 30)],
 )
 def test_bf16_verification_shaped_steps_stay_close(folder, quant, step_tokens):
     """Steps of 5 tokens of one sequence (the shape of verifying 4 draft tokens) run every linear on
     the multi-row kernels (AVX-512 BF16 or AMX where built); teacher-forced bf16 logits stay within
     the bounds of the bf16 test above against ATen's kernels one row at a time. Under ``auto``,
-    steps of 12 and 16 tokens take the kernels up to ``auto_quant_kernel_max_rows()`` rows (16
-    with AMX) and the dense bf16 copies above it."""
+    steps of 12 to 30 tokens take the kernels up to ``auto_quant_kernel_max_rows()`` rows (32
+    with AMX, 8 without) and the dense bf16 copies above it."""
     loaded = load_model(folder, device="cpu", dtype="bf16")
     apply_engine_quant(loaded.model, quant)
-    kernel_rows = auto_quant_kernel_max_rows() if quant == "auto" else cpu_ops.MULTI_ROW_MAX
+    kernel_rows = auto_quant_kernel_max_rows() if quant == "auto" else cpu_ops.multi_row_max()
     model, cfg = loaded.model, loaded.config
     ids = torch.tensor(loaded.tokenizer.encode(TEXTS[5] + " " + TEXTS[1]))
 
@@ -363,3 +364,43 @@ def test_chunks_stay_chunks_where_rows_would_cost_more_or_the_fused_path_does_no
         if "kv_window" in overrides and not other.groups[0].sink_tokens:
             continue  # mistral keeps its own window of 8, without sinks: rows apply there
         assert not other._chunks_as_rows(step_of(0, 12)), overrides
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4-g32"])
+def test_bf16_wide_decode_batches_run_the_layer_loop_on_the_multi_row_kernels(folder, quant, monkeypatch):
+    """24 sequences decoding together in bf16: their steps of 17..24 rows run the layer loop on
+    the multi-row kernels (AMX's two 16-row tiles per pass where built; 16 rows per pass with
+    the other loops), and every token the engine picks is the argmax of the plain path's
+    teacher-forced logits (no kernels) for at least 90 % of them (bf16 sums round differently,
+    as in the bf16 tests above)."""
+    loaded = load_model(folder, device="cpu", dtype="bf16")
+    apply_engine_quant(loaded.model, quant)
+    model, tok = loaded.model, loaded.tokenizer
+    widths: list[int] = []
+    real_loop = cpu_ops.run_decode_layers
+
+    def loop(_model, x, *args):
+        out = real_loop(_model, x, *args)
+        if out is not None:
+            widths.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(cpu_ops, "run_decode_layers", loop)
+    prompts = [tok.encode(f"{text} {i}") for i in range(3) for text in TEXTS]
+    params = [SamplingParams(max_tokens=6 + i % 5, ignore_eos=True) for i in range(len(prompts))]
+    engine = engine_for(loaded, max_num_batched_tokens=512, max_num_seqs=32)
+    before = cpu_ops.multi_row_calls()
+    results = run_staggered(engine, prompts, params, join_every_steps=0)
+    assert max(widths) == len(prompts) and sum(w > 16 for w in widths) >= 3, widths
+    assert cpu_ops.multi_row_calls() - before >= 3 * 4 * loaded.config.num_layers
+    agree = total = 0
+    with cpu_ops.disabled(), torch.inference_mode():
+        for prompt, got in zip(prompts, results, strict=True):
+            ids = torch.tensor(prompt + got.token_ids)
+            cache = ContiguousKVCache(loaded.config, len(ids), model.dtype, model.device)
+            cache.begin(len(ids))
+            logits = model.compute_logits(model(ids, torch.arange(len(ids)), cache))
+            picks = logits[len(prompt) - 1 : -1].argmax(-1)
+            agree += int((picks == torch.tensor(got.token_ids)).sum())
+            total += len(got.token_ids)
+    assert agree >= 0.9 * total, f"{agree} of {total}"

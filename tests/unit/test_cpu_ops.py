@@ -555,14 +555,15 @@ SHAPES = {
     "scheme,shape", [(scheme, shape) for scheme, shapes in SHAPES.items() for shape in shapes]
 )
 def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, loops):
-    """Every row count 1..17 (17: two passes over the weights) against the weights dequantised to
+    """Every row count 1..33 (AMX holds 32 rows per pass over the weights, the other loops 16; 33
+    takes two or three passes) against the weights dequantised to
     fp32 and multiplied in fp64. Bound per output: fp32 sums, 1e-5 of sum |x| |w|; bf16 outputs
     add their own rounding, 2^-8 of |y|. ATen's kernels, the plain path, meet the same bound
     (but for int8 with K not a multiple of 16, where ATen's bf16 kernel reads out of bounds)."""
     packed, layer = quant_layer(scheme, *shape, dtype)
     aten_ok = scheme != "int8" or shape[1] % 16 == 0
     w = dequantised(packed, layer).double()
-    for rows in range(1, 18):
+    for rows in range(1, 34):
         x = torch.randn(rows, shape[1]).to(dtype)
         want = x.double() @ w.T
         bound = 1e-5 * (x.double().abs() @ w.abs().T) + (2**-8 * want.abs() if dtype == torch.bfloat16 else 0)
@@ -575,18 +576,21 @@ def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, lo
             assert excess <= 0, f"{name}, {rows} rows: {excess}"
 
 
-def test_quant_layers_use_the_multi_row_kernels_for_2_to_16_rows(monkeypatch):
+def test_quant_layers_use_the_multi_row_kernels_for_2_rows_to_their_widest(monkeypatch):
     calls = []
     real4, real8 = cpu_ops.int4_mm, cpu_ops.int8_mm
     monkeypatch.setattr(cpu_ops, "int4_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real4(*a, **k))
     monkeypatch.setattr(cpu_ops, "int8_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real8(*a, **k))
     for scheme in ("int4-g32", "int8"):
         _, layer = quant_layer(scheme, 64, 64, torch.bfloat16)
-        for rows in (1, 2, 16, 17):
+        for rows in (1, 2, 16, 17, 32, 33):
             layer(torch.randn(rows, 64, dtype=torch.bfloat16))
         with cpu_ops.disabled():
             layer(torch.randn(4, 64, dtype=torch.bfloat16))
-    assert calls == [2, 16, 2, 16]
+    # 32 rows with the AVX-512 BF16 loops (AMX or not), 16 with the plain loops
+    widest = cpu_ops.multi_row_max()
+    assert widest == (32 if cpu_ops.build_info().startswith("avx512-bf16") else 16)
+    assert calls == [r for r in (2, 16, 17, 32) if r <= widest] * 2
 
 
 def test_multi_row_ops_refuse_malformed_weights():

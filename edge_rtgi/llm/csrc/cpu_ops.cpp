@@ -767,11 +767,18 @@ Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Te
 
 constexpr int64_t kInt4BlockRows = 64;
 constexpr int64_t kMaxRowChunk = 16;  // rows held per pass over the weights (more: another pass)
+// With AMX, two 16-row activation tiles share one pass: the codes are decoded once for both.
+constexpr int64_t kAmxRowChunk = 32;
 constexpr int64_t kRowTile = 4;       // rows whose accumulators live in registers together
 constexpr int64_t kMaxBf16Group = 128;  // the largest int4 group the AVX-512 BF16 loop buffers
 // Inputs of 2..kMultiRowMax rows take these kernels in the layer loop and in Int4/Int8Linear;
-// one row stays on ATen's kernels, which are as fast there (docs/cpu_kernels.md).
+// one row stays on ATen's kernels, which are as fast there (docs/cpu_kernels.md). 17..32 rows
+// were measured against ATen with the AVX-512 BF16 loops and AMX only; plain loops stop at 16.
+#if defined(EDGE_RTGI_AVX512) && defined(__AVX512BF16__)
+constexpr int64_t kMultiRowMax = 32;
+#else
 constexpr int64_t kMultiRowMax = 16;
+#endif
 // Calls of int4_mm / int8_mm, so that tests can check the layer loop really used them.
 std::atomic<int64_t> g_multi_row_calls{0};
 
@@ -1006,13 +1013,15 @@ struct alignas(64) TileConfig {
   }
 };
 
-// int4, a block of 64 output rows for m (2..16) bf16 activation rows. Tiles: 0 = activations
-// [m, 32 inputs], 1 and 6 = decoded codes [16 input pairs, 16 outputs x 2], 2..5 = sums [m, 16].
+// int4, a block of 64 output rows for m (2..32) bf16 activation rows. Tiles: 0 = activations
+// [16 rows at most, 32 inputs], 1 and 6 = decoded codes [16 input pairs, 16 outputs x 2], 2..5 =
+// sums [rows, 16]. Above 16 rows the codes decoded for a group serve both 16-row tiles of `x`,
+// which then must hold 32 rows (the caller pads it with zeros), as the tiles are set for 16.
 // The codes buffer is laid out as the tile unit wants its B operand: [input pair][output][2].
 void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
                     int64_t n0, bf16_bits* out) {
   const int64_t groups = w.k / w.group, pairs = w.group / 2;
-  alignas(64) float total[kMaxRowChunk * kInt4BlockRows] = {};
+  alignas(64) float total[kAmxRowChunk * kInt4BlockRows] = {};
   alignas(64) float sums[4][kMaxRowChunk * 16];
   alignas(64) __m512i codes[4 * kMaxBf16Group / 2];
   alignas(64) bf16_bits lut_values[32];
@@ -1033,36 +1042,40 @@ void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* 
         codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
       }
     }
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t s = 0; s < pairs / 16; ++s) {
-      const int64_t k0 = g * w.group + 32 * s;
-      const char* b = reinterpret_cast<const char*>(codes + 4 * 16 * s);  // rows of 256 bytes
-      _tile_loadd(0, x + k0, x_stride);
-      _tile_loadd(1, b, 256);
-      _tile_dpbf16ps(2, 0, 1);
-      _tile_loadd(6, b + 64, 256);
-      _tile_dpbf16ps(3, 0, 6);
-      _tile_loadd(1, b + 128, 256);
-      _tile_dpbf16ps(4, 0, 1);
-      _tile_loadd(6, b + 192, 256);
-      _tile_dpbf16ps(5, 0, 6);
-    }
-    _tile_stored(2, sums[0], 64);
-    _tile_stored(3, sums[1], 64);
-    _tile_stored(4, sums[2], 64);
-    _tile_stored(5, sums[3], 64);
     const bf16_bits* sz_row = sz + (g * w.n + n0) * 2;
-    for (int v = 0; v < 4; ++v) {
-      const __m512i sp = _mm512_loadu_si512(sz_row + 32 * v);
-      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
-      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-      for (int64_t r = 0; r < m; ++r) {
-        float* t = total + r * kInt4BlockRows + 16 * v;
-        __m512 tv = _mm512_fmadd_ps(_mm512_load_ps(sums[v] + 16 * r), scale, _mm512_load_ps(t));
-        _mm512_store_ps(t, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[r * groups + g]), tv));
+    for (int64_t r0 = 0; r0 < m; r0 += kMaxRowChunk) {
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t s = 0; s < pairs / 16; ++s) {
+        const int64_t k0 = g * w.group + 32 * s;
+        const char* b = reinterpret_cast<const char*>(codes + 4 * 16 * s);  // rows of 256 bytes
+        _tile_loadd(0, x + r0 * w.k + k0, x_stride);
+        _tile_loadd(1, b, 256);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(6, b + 64, 256);
+        _tile_dpbf16ps(3, 0, 6);
+        _tile_loadd(1, b + 128, 256);
+        _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(6, b + 192, 256);
+        _tile_dpbf16ps(5, 0, 6);
+      }
+      _tile_stored(2, sums[0], 64);
+      _tile_stored(3, sums[1], 64);
+      _tile_stored(4, sums[2], 64);
+      _tile_stored(5, sums[3], 64);
+      const int64_t r1 = std::min(m, r0 + kMaxRowChunk);
+      for (int v = 0; v < 4; ++v) {
+        const __m512i sp = _mm512_loadu_si512(sz_row + 32 * v);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
+        const __m512 zero =
+            _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        for (int64_t r = r0; r < r1; ++r) {
+          float* t = total + r * kInt4BlockRows + 16 * v;
+          __m512 tv = _mm512_fmadd_ps(_mm512_load_ps(sums[v] + 16 * (r - r0)), scale, _mm512_load_ps(t));
+          _mm512_store_ps(t, _mm512_fmadd_ps(zero, _mm512_set1_ps(xsum[r * groups + g]), tv));
+        }
       }
     }
   }
@@ -1075,7 +1088,9 @@ void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* 
   }
 }
 
+// Tiles of min(m, 16) rows: above 16 rows the kernel runs 16-row tiles over padded activations.
 TileConfig int4_tile_config(int64_t m) {
+  m = std::min(m, kMaxRowChunk);
   TileConfig cfg;
   cfg.set(0, static_cast<int>(m), 64);
   cfg.set(1, 16, 64);
@@ -1084,15 +1099,18 @@ TileConfig int4_tile_config(int64_t m) {
   return cfg;
 }
 
-// int8, output rows [n0, n1) (a multiple of 32 apart, but for the last run) for m (2..16) bf16
+// int8, output rows [n0, n1) (a multiple of 32 apart, but for the last run) for m (2..32) bf16
 // activation rows. Here the weights are the tile unit's A operand ([16 outputs, 32 inputs], rows
-// as stored, widened to bf16) and the activations its B operand (`xpairs`: [K/2][m] pairs of
-// inputs), so the int8 rows need no transposing; the sums come out as [outputs, rows].
+// as stored, widened to bf16) and the activations its B operand (`xpairs`: for each chunk of up to
+// 16 rows, [K/2][rows] pairs of inputs), so the int8 rows need no transposing; the sums come out
+// as [outputs, rows]. Tiles: 0 and 3 = weights, 1 and 4 = the two row chunks, 2, 5, 6, 7 = sums.
 void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpairs, int64_t m, int64_t n, int64_t k,
                    int64_t n0, int64_t n1, bf16_bits* out) {
   std::vector<bf16_bits> wb(32 * k);
-  alignas(64) float sums[2][16 * 16];
-  const int64_t w_stride = k * static_cast<int64_t>(sizeof(bf16_bits)), x_stride = m * 4;
+  alignas(64) float sums[4][16 * 16];
+  const int64_t m0 = std::min(m, kMaxRowChunk), m1 = m - m0;
+  const uint32_t* xpairs1 = xpairs + k / 2 * m0;
+  const int64_t w_stride = k * static_cast<int64_t>(sizeof(bf16_bits)), x_stride0 = m0 * 4, x_stride1 = m1 * 4;
   for (int64_t t = n0; t < n1; t += 32) {
     for (int64_t j = 0; j < 32; ++j) {
       const int8_t* row = q + std::min(t + j, n - 1) * k;  // rows past N repeat the last, unstored
@@ -1105,30 +1123,51 @@ void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpa
     }
     _tile_zero(2);
     _tile_zero(5);
+    if (m1 > 0) {
+      _tile_zero(6);
+      _tile_zero(7);
+    }
     for (int64_t i = 0; i < k; i += 32) {
-      _tile_loadd(1, xpairs + (i / 2) * m, x_stride);
+      _tile_loadd(1, xpairs + (i / 2) * m0, x_stride0);
       _tile_loadd(0, wb.data() + i, w_stride);
       _tile_dpbf16ps(2, 0, 1);
       _tile_loadd(3, wb.data() + 16 * k + i, w_stride);
       _tile_dpbf16ps(5, 3, 1);
+      if (m1 > 0) {
+        _tile_loadd(4, xpairs1 + (i / 2) * m1, x_stride1);
+        _tile_dpbf16ps(6, 0, 4);
+        _tile_dpbf16ps(7, 3, 4);
+      }
     }
     _tile_stored(2, sums[0], 64);
     _tile_stored(5, sums[1], 64);
+    if (m1 > 0) {
+      _tile_stored(6, sums[2], 64);
+      _tile_stored(7, sums[3], 64);
+    }
     for (int64_t j = 0; j < std::min<int64_t>(32, n - t); ++j) {
-      const float* s = sums[j / 16] + (j % 16) * 16;
       const float sc = to_f(scales[t + j]);
-      for (int64_t r = 0; r < m; ++r) out[r * n + t + j] = from_f<bf16_bits>(s[r] * sc);
+      const float* s0 = sums[j / 16] + (j % 16) * 16;
+      for (int64_t r = 0; r < m0; ++r) out[r * n + t + j] = from_f<bf16_bits>(s0[r] * sc);
+      const float* s1 = sums[2 + j / 16] + (j % 16) * 16;
+      for (int64_t r = 0; r < m1; ++r) out[(m0 + r) * n + t + j] = from_f<bf16_bits>(s1[r] * sc);
     }
   }
 }
 
 TileConfig int8_tile_config(int64_t m) {
+  const int64_t m0 = std::min(m, kMaxRowChunk), m1 = m - m0;
   TileConfig cfg;
   cfg.set(0, 16, 64);
   cfg.set(3, 16, 64);
-  cfg.set(1, 16, static_cast<int>(m * 4));
-  cfg.set(2, 16, static_cast<int>(m * 4));
-  cfg.set(5, 16, static_cast<int>(m * 4));
+  cfg.set(1, 16, static_cast<int>(m0 * 4));
+  cfg.set(2, 16, static_cast<int>(m0 * 4));
+  cfg.set(5, 16, static_cast<int>(m0 * 4));
+  if (m1 > 0) {
+    cfg.set(4, 16, static_cast<int>(m1 * 4));
+    cfg.set(6, 16, static_cast<int>(m1 * 4));
+    cfg.set(7, 16, static_cast<int>(m1 * 4));
+  }
   return cfg;
 }
 #endif
@@ -1183,11 +1222,19 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
   const T* szp = in_ptr<T>(sz);
   T* op_all = out_ptr<T>(out);
   const int64_t blocks = (n + kInt4BlockRows - 1) / kInt4BlockRows;
-  for (int64_t r0 = 0; r0 < m_all; r0 += kMaxRowChunk) {
-    const int64_t m = std::min(kMaxRowChunk, m_all - r0);
+  const int64_t row_chunk = loops == Loops::kAmx ? kAmxRowChunk : kMaxRowChunk;
+  std::vector<T> x_padded;  // AMX above 16 rows: the chunk's rows and zeros up to 32
+  for (int64_t r0 = 0; r0 < m_all; r0 += row_chunk) {
+    const int64_t m = std::min(row_chunk, m_all - r0);
     const float* xf = xf_all + r0 * k;
     const float* xsum = xsum_all.data() + r0 * groups;
+    const T* xp = xp_all + r0 * k;
     T* op = op_all + r0 * n;
+    if (loops == Loops::kAmx && m > kMaxRowChunk) {
+      x_padded.assign(kAmxRowChunk * k, T{});
+      std::copy(xp, xp + m * k, x_padded.begin());
+      xp = x_padded.data();
+    }
     at::parallel_for(0, blocks, grain_rows(kInt4BlockRows * k), [&](int64_t begin, int64_t end) {
 #ifdef EDGE_RTGI_AMX
       const bool amx = loops == Loops::kAmx && m >= 2;
@@ -1203,16 +1250,20 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
           if (loops != Loops::kPortable && rows == kInt4BlockRows) {
 #ifdef EDGE_RTGI_AMX
             if (amx) {
-              int4_block_amx(w, szp, xp_all + r0 * k, xsum, m, n0, op);
+              int4_block_amx(w, szp, xp, xsum, m, n0, op);
               continue;
             }
 #endif
-            int4_block_bf16(w, szp, xp_all + r0 * k, xsum, m, n0, op);
+            int4_block_bf16(w, szp, xp, xsum, m, n0, op);  // m <= 16: AMX alone takes 32-row chunks
             continue;
           }
         }
 #endif
-        int4_block_portable<T>(w, szp, xf, xsum, m, n0, rows, op);
+        // A last block of fewer than 64 outputs (or fp32): plain loops, 16 rows at a time.
+        for (int64_t s0 = 0; s0 < m; s0 += kMaxRowChunk) {
+          int4_block_portable<T>(w, szp, xf + s0 * k, xsum + s0 * groups, std::min(kMaxRowChunk, m - s0), n0, rows,
+                                 op + s0 * n);
+        }
       }
 #ifdef EDGE_RTGI_AMX
       if (amx) _tile_release();
@@ -1235,11 +1286,16 @@ void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, 
   if constexpr (std::is_same_v<T, bf16_bits>) {
     const bf16_bits* xp = in_ptr<bf16_bits>(x);
 #ifdef EDGE_RTGI_AMX
-    if (loops == Loops::kAmx && m >= 2 && m <= kMaxRowChunk) {
-      // The activations as the tile unit's B operand: [K/2][m] pairs of consecutive inputs.
+    if (loops == Loops::kAmx && m >= 2 && m <= kAmxRowChunk) {
+      // The activations as the tile unit's B operand: per chunk of up to 16 rows, [K/2][rows]
+      // pairs of consecutive inputs.
       std::vector<uint32_t> xpairs(k / 2 * m);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t i = 0; i < k / 2; ++i) std::memcpy(&xpairs[i * m + r], xp + r * k + 2 * i, 4);
+      for (int64_t c0 = 0; c0 < m; c0 += kMaxRowChunk) {
+        const int64_t rows = std::min(kMaxRowChunk, m - c0);
+        uint32_t* chunk = xpairs.data() + k / 2 * c0;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < k / 2; ++i) std::memcpy(&chunk[i * rows + r], xp + (c0 + r) * k + 2 * i, 4);
+      }
       at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
         const TileConfig cfg = int8_tile_config(m);
         _tile_loadconfig(&cfg);
@@ -1388,6 +1444,8 @@ Tensor decode_layers(const Tensor& x_in, const Tensor& cos, const Tensor& signed
 
 int64_t multi_row_calls() { return g_multi_row_calls.load(std::memory_order_relaxed); }
 
+int64_t multi_row_max() { return kMultiRowMax; }
+
 std::string build_info() {
 #if defined(EDGE_RTGI_AMX)
   return amx_ready() ? "avx512-bf16-amx" : "avx512-bf16";
@@ -1418,12 +1476,14 @@ TORCH_LIBRARY(edge_rtgi, m) {
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, str loops=\"best\") -> Tensor");
   m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\") -> Tensor");
   m.def("multi_row_calls() -> int");
+  m.def("multi_row_max() -> int");
 }
 
 // build_info takes no tensor, so it is registered for every dispatch key.
 TORCH_LIBRARY_FRAGMENT(edge_rtgi, m) {
   m.impl("build_info", TORCH_FN(build_info));
   m.impl("multi_row_calls", TORCH_FN(multi_row_calls));
+  m.impl("multi_row_max", TORCH_FN(multi_row_max));
 }
 
 TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {

@@ -1,7 +1,8 @@
 """Quantised linear layers on PyTorch's own weight-only kernels.
 
 - ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 weights, per-output-channel scales).
-- On CPU, inputs of 2..16 rows take ``cpu_ops.int8_mm`` / ``int4_mm`` instead: the same layouts,
+- On CPU, inputs of 2..``cpu_ops.multi_row_max()`` rows (32; 16 with plain loops) take
+  ``cpu_ops.int8_mm`` / ``int4_mm`` instead: the same layouts,
   each weight block read once for all rows (ATen's kernels pay the weights again per row).
 - ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on
   CUDA (bf16 activations only there), with weights repacked into each kernel's tiled layout at
@@ -306,6 +307,16 @@ class TiedQuantEmbedding(nn.Module):
         else:
             raise TypeError(f"no tied embedding for a {type(head).__name__} head")
         return head.gather_rows(flat, dtype).view(*ids.shape, self.embedding_dim)
+
+
+def set_max_kernel_rows(model: nn.Module, max_kernel_rows: int) -> None:
+    """Send inputs of more than ``max_kernel_rows`` rows to the dense copies already kept
+    (``keep_dense_copies``) rather than ``auto``'s own limit: benchmarks A/B the limit in one
+    process with it. The layer loop's cached plan holds the old limit, so it is dropped."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module.dense_weight is not None:
+            module.max_kernel_rows = max_kernel_rows
+    cpu_ops.forget_plan(model)
 
 
 def keep_dense_copies(model: nn.Module, max_kernel_rows: int) -> int:

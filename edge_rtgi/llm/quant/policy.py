@@ -6,7 +6,7 @@
   on CUDA the int4 path is opt-in, so everything else stays in full precision.
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
-  chunks, wide decode batches; 16 where the multi-row kernels run on AMX tiles, else 8); see
+  chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles, else 8); see
   ``keep_dense_copy`` in ``kernels.py``.
 - Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
   (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
@@ -25,8 +25,9 @@ from edge_rtgi import device as devices
 # multi-row kernels' AVX-512 loops lose to bf16 F.linear somewhere between 8 and 16 rows on the
 # shapes measured (docs/engine.md, docs/cpu_kernels.md).
 AUTO_QUANT_KERNEL_MAX_ROWS = 8
-# With AMX tiles the multi-row kernels beat the dense copy up to their widest input (16 rows).
-AUTO_QUANT_KERNEL_MAX_ROWS_AMX = 16
+# With AMX tiles the multi-row kernels beat the dense copy up to their widest input (32 rows:
+# two 16-row tiles per pass over the weights; docs/cpu_kernels.md).
+AUTO_QUANT_KERNEL_MAX_ROWS_AMX = 32
 
 
 def auto_quant_kernel_max_rows() -> int:
