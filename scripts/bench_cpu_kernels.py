@@ -17,9 +17,10 @@ The per-op rows are compared with "per-op" (what each kernel is worth), the othe
 
 ``--multi-row``: the weight-only matmuls of one decode step (every quantised linear of the model,
 in forward order, the LM head included) on inputs of 1, 2, 4, 5, 8, 9, 12 and 16 rows (the shape of
-verifying k draft tokens, or of a decode batch), interleaved round by round:
+verifying k draft tokens, or of a decode batch; ``--row-counts`` for others), interleaved round by
+round:
 - "shipped": what ``Int4Linear`` / ``Int8Linear`` run (ATen's kernel at 1 row, ``cpu_ops.int4_mm`` /
-  ``int8_mm`` at 2..16 rows);
+  ``int8_mm`` at 2..32 rows);
 - "avx512": the same kernels with their AVX-512 BF16 loops instead of AMX tiles;
 - "aten": ATen's weight-only kernels at every row count (the old path, which pays the weights per row);
 - "dense": ``F.linear`` on the dequantised bf16 copy that ``quant: auto`` keeps for wide inputs.
@@ -170,6 +171,11 @@ CHUNK_ROW_SHAPES = (
     (2, 12, 0),
     (4, 12, 0),
     (8, 8, 0),
+    (0, 24, 0),
+    (0, 32, 0),
+    (8, 16, 0),
+    (16, 16, 0),
+    (4, 20, 64),
     (0, 12, 256),
     (0, 12, 1024),
 )
@@ -312,6 +318,11 @@ def main(argv=None) -> int:
         "--rounds", type=int, default=15, help="--multi-row, --int4-attention: interleaved rounds"
     )
     ap.add_argument(
+        "--row-counts",
+        default=",".join(map(str, MULTI_ROW_COUNTS)),
+        help="--multi-row: the input row counts, comma-separated",
+    )
+    ap.add_argument(
         "--int4-attention", action="store_true", help="the int4 KV decode attention benchmark instead"
     )
     ap.add_argument(
@@ -338,7 +349,7 @@ def main(argv=None) -> int:
     if args.multi_row:
         print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
         with torch.inference_mode():
-            multi_row_step(model, args.rounds)
+            multi_row_step(model, args.rounds, tuple(int(r) for r in args.row_counts.split(",")))
         return 0
     names = ["layer loop", "per-op"] + [f"per-op without {op}" for op in FUSED] + ["none"]
     caches, tokens, times = {}, {}, {name: [] for name in names}

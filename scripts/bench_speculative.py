@@ -40,6 +40,7 @@ from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.prepared import load_prepared
+from edge_rtgi.llm.quant.kernels import set_max_kernel_rows
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import Draft, FeatureDraft, NgramDraft, SpeculativeConfig, Speculator
@@ -138,19 +139,6 @@ def run_peer(setting: PeerSetting, prompts) -> tuple[float, float]:
     return tokens / wall_s, tokens / cpu_s
 
 
-def set_kernel_max_rows(engine: LLMEngine, max_rows: int) -> None:
-    """Send inputs of more than ``max_rows`` rows to the dense bf16 copies (``quant: auto``'s
-    threshold, ``AUTO_QUANT_KERNEL_MAX_ROWS``), for an A/B of the threshold in one process."""
-    from edge_rtgi.llm import cpu_ops
-    from edge_rtgi.llm.quant.kernels import QuantLinear
-
-    model = engine.runner.model
-    for module in model.modules():
-        if isinstance(module, QuantLinear) and module.dense_weight is not None:
-            module.max_kernel_rows = max_rows
-    cpu_ops.forget_plan(model)  # the layer loop's plan holds the row limit it was built with
-
-
 def step_costs(
     engine: LLMEngine, sizes: tuple[int, ...], repeats: int, max_rows: tuple[int, ...] = ()
 ) -> dict[tuple[int, int], tuple[float, float]]:
@@ -158,7 +146,7 @@ def step_costs(
     64-token context: median wall ms and CPU ms over ``repeats`` interleaved rounds, keyed by
     (kernel row limit, n) (limit 0: as loaded). The same step is re-run without being applied,
     so every round sees the same context; each row limit in ``max_rows`` is set in turn within
-    every round (``set_kernel_max_rows``)."""
+    every round (``quant.kernels.set_max_kernel_rows``)."""
     tok = engine.tokenizer
     assert tok is not None
     ids = tok.encode("The history of the printing press begins in the fifteenth century. " * 6)[:64]
@@ -176,7 +164,7 @@ def step_costs(
     for _ in range(repeats):
         for m in limits:
             if m:
-                set_kernel_max_rows(engine, m)
+                set_max_kernel_rows(engine.runner.model, m)
             for n in sizes:
                 req.draft_token_ids = list(ids[1:n])
                 output = engine.scheduler.schedule()
@@ -190,12 +178,19 @@ def step_costs(
     return {key: (statistics.median(wall[key]), statistics.median(cpu[key])) for key in wall}
 
 
-def report_step_costs(engine: LLMEngine, rounds: int, limits: tuple[int, ...], json_path: str | None) -> None:
+def report_step_costs(
+    engine: LLMEngine,
+    rounds: int,
+    limits: tuple[int, ...],
+    json_path: str | None,
+    sizes: tuple[int, ...] = STEP_COST_SIZES,
+) -> None:
     """``--step-costs``: only the step-cost table, at each kernel row limit, paired round by round."""
+    sizes = tuple(sorted({1, *sizes}))
     for _ in range(2):  # warm-up: first-call kernels, each path once
-        step_costs(engine, STEP_COST_SIZES, 1, limits)
+        step_costs(engine, sizes, 1, limits)
     load_before, started = os.getloadavg(), time.time()
-    costs = step_costs(engine, STEP_COST_SIZES, rounds, limits)
+    costs = step_costs(engine, sizes, rounds, limits)
     load_after = os.getloadavg()
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {rounds} rounds interleaved, "
@@ -204,7 +199,7 @@ def report_step_costs(engine: LLMEngine, rounds: int, limits: tuple[int, ...], j
     print("batch-1 step carrying n tokens (n-1 drafts) after a 64-token context, median ms (ratio to n=1")
     print("at the same row limit; 'limit' = AUTO_QUANT_KERNEL_MAX_ROWS, more rows take the dense bf16 copy)")
     for m in limits:
-        for n in STEP_COST_SIZES:
+        for n in sizes:
             wall_ms, cpu_ms = costs[m, n]
             print(
                 f"  limit {m:2d} n={n:2d}: wall {wall_ms:7.2f} ({wall_ms / costs[m, 1][0]:4.2f}x)  "
@@ -235,9 +230,14 @@ def main() -> None:
         "--step-costs",
         default=None,
         metavar="LIMITS",
-        help="only time one step at 1..16 tokens, at each of these kernel row limits (e.g. 8,16)",
+        help="only time one step of n tokens (--step-sizes) at each of these kernel row limits (16,32)",
     )
     ap.add_argument("--rounds", type=int, default=15, help="--step-costs: interleaved rounds")
+    ap.add_argument(
+        "--step-sizes",
+        default=",".join(map(str, STEP_COST_SIZES)),
+        help="--step-costs: the tokens per step, comma-separated (1 is always included)",
+    )
     ap.add_argument(
         "--draft-model",
         default=None,
@@ -263,7 +263,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.step_costs:
         limits = tuple(int(m) for m in args.step_costs.split(","))
-        report_step_costs(engine, args.rounds, limits, args.json)
+        sizes = tuple(int(n) for n in args.step_sizes.split(","))
+        report_step_costs(engine, args.rounds, limits, args.json, sizes)
         return
     workloads = args.workloads.split(",")
 
