@@ -503,7 +503,9 @@ def _step_model_line(policy: str, m: dict) -> str:
     c = m["coefficients_ms"]
     return (
         f"{policy}: {_f(c[0], 1)} ms + {_f(c[1], 2)} ms/decode row + {_f(c[2], 3)} ms/prefill token + "
-        f"{_f(c[3], 2)} ms/1k context tokens, error {_f(m['error_ms'], 1)} ms ({_f(m['error_pct'], 0)} %) "
+        f"{_f(c[3], 2)} ms/1k context tokens"
+        + (f" + {_f(c[4], 1)} ms on the Python layers" if len(c) > 4 else "")
+        + f", error {_f(m['error_ms'], 1)} ms ({_f(m['error_pct'], 0)} %) "
         f"over {m['num_observations']} steps"
     )
 

@@ -47,7 +47,7 @@ from edge_rtgi.llm.request import (
     TokenLogprob,
     Usage,
 )
-from edge_rtgi.llm.runner import ModelRunner
+from edge_rtgi.llm.runner import CHUNK_ROWS_MAX_KEYS, ModelRunner
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import (
     ModelRunnerOutput,
@@ -214,8 +214,15 @@ class LLMEngine:
         budget = self.config.max_num_batched_tokens
         if not self.config.enable_chunked_prefill:  # a whole prompt must fit one step
             budget = max(budget, self.max_model_len)
+        eviction = self.config.kv_eviction
+        if eviction is not None and len(groups) > 1:  # compaction rewrites one block table
+            raise ValueError(
+                f"kv_eviction needs a model with one KV group; {mcfg.arch} has {len(groups)} "
+                "(per-layer windows): leave kv_eviction unset"
+            )
         # fitted on every step under either policy (its error is in the stats); the slo policy reads it
         self.step_model = StepTimeModel()
+        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups, eviction)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 budget,
@@ -228,18 +235,15 @@ class LLMEngine:
                 slo_waiting_order=self.config.slo_waiting_order,
                 kv_budget_tokens=self.config.kv_budget_tokens,
                 kv_eviction=self.config.kv_eviction,
+                # as the runner stands now (benchmarks that switch chunks_as_rows later leave it)
+                fused_decode_rows=self.runner.fused_decode_rows(),
+                fused_step_tokens=self.runner.fused_step_tokens(),
+                fused_chunk_max_keys=CHUNK_ROWS_MAX_KEYS,
             ),
             self.kv,
             self.step_model,
         )
-        eviction = self.config.kv_eviction
-        if eviction is not None and len(groups) > 1:  # compaction rewrites one block table
-            raise ValueError(
-                f"kv_eviction needs a model with one KV group; {mcfg.arch} has {len(groups)} "
-                "(per-layer windows): leave kv_eviction unset"
-            )
         self._turn_starts, self._sentence_ends = _segment_tokens(tokenizer, eviction)
-        self.runner = ModelRunner(model, self.storage, self.config.decode_mode, groups, eviction)
         spec = self.config.speculation()
         self.speculator = (
             build_speculator(spec, model, tokenizer, self.config.model) if spec.enabled else None
@@ -620,7 +624,7 @@ class LLMEngine:
                 {}, {s.request_id: f"engine step failed: {exc}" for s in output.scheduled}
             )
         t2 = time.perf_counter()
-        self.step_model.observe(step_shape(output), (t2 - t1) * 1e3)
+        self.step_model.observe(step_shape(output, self.runner.last_step_python_layers), (t2 - t1) * 1e3)
         requests = {s.request_id: self.scheduler.requests.get(s.request_id) for s in output.scheduled}
         updates = self.scheduler.update_from_output(output, result)
         if self.config.kv_budget_tokens is not None:
@@ -856,8 +860,9 @@ def _segment_tokens(
     return starts, frozenset(ends)
 
 
-def step_shape(output: SchedulerOutput) -> StepShape:
-    """What a scheduled step computes, in the step-time model's terms."""
+def step_shape(output: SchedulerOutput, python_layers: bool) -> StepShape:
+    """What a scheduled step computes, in the step-time model's terms (``python_layers``: the
+    runner ran it on the Python layer stack, ``ModelRunner.last_step_python_layers``)."""
     # a request verifying k drafts runs as k+1 decode rows (ModelRunner.execute)
     decode_rows = sum(
         len(s.token_ids) for s in output.scheduled if s.sample and len(s.token_ids) - s.num_draft_tokens == 1
@@ -866,6 +871,7 @@ def step_shape(output: SchedulerOutput) -> StepShape:
         decode_rows=decode_rows,
         prefill_tokens=output.num_batched_tokens - decode_rows,
         context_tokens=sum(s.start_position + len(s.token_ids) for s in output.scheduled),
+        python_layers=python_layers,
     )
 
 

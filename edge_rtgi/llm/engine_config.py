@@ -261,6 +261,7 @@ class EngineStats:
     step_model_per_decode_row_ms: float = 0.0
     step_model_per_prefill_token_ms: float = 0.0
     step_model_per_context_ktoken_ms: float = 0.0
+    step_model_python_layers_ms: float = 0.0
     step_model_error_ms: float = 0.0
     step_model_error_pct: float = 0.0
     step_model_observations: int = 0
@@ -308,13 +309,14 @@ class EngineStats:
         )
         if step_model is None:
             return snap
-        fixed, per_row, per_token, per_ktoken = step_model.coefficients_ms
+        fixed, per_row, per_token, per_ktoken, python_layers = step_model.coefficients_ms
         return replace(
             snap,
             step_model_fixed_ms=fixed,
             step_model_per_decode_row_ms=per_row,
             step_model_per_prefill_token_ms=per_token,
             step_model_per_context_ktoken_ms=per_ktoken,
+            step_model_python_layers_ms=python_layers,
             step_model_error_ms=step_model.error_ms,
             step_model_error_pct=step_model.error_pct,
             step_model_observations=step_model.num_observations,

@@ -94,6 +94,9 @@ class ModelRunner:
         self.features: dict[str, FeatureRows] = {}
         # small prompt chunks run as fused decode rows (CHUNK_ROWS_MAX); False for A/B runs
         self.chunks_as_rows = True
+        # whether the last step ran the Python layer stack rather than the fused decode loop
+        # (the step-time model's regime; as planned here, the loop may still decline a step)
+        self.last_step_python_layers = False
         # what the fused decode path needs of the attention side (PagedAttentionBackend.decode_slots)
         group = self.groups[0]
         self._fused_attention = (
@@ -355,6 +358,9 @@ class ModelRunner:
                 rows.append(s)
         decodes = [s for s in rows if len(s.token_ids) == 1]
         chunks = [s for s in rows if len(s.token_ids) > 1]
+        # (False where there is no fused path at all: no step pays more than another then)
+        fused_rows = self.fused_decode_rows()
+        self.last_step_python_layers = fused_rows > 0 and (bool(chunks) or len(rows) > fused_rows)
         ordered = decodes + chunks
         token_ids = [t for s in ordered for t in s.token_ids]
         positions = [p for s in ordered for p in range(s.start_position, s.start_position + len(s.token_ids))]
@@ -398,12 +404,19 @@ class ModelRunner:
                 self.features[s.request_id] = FeatureRows(got.start_position, got.rows[:keep])
         return out
 
+    def fused_decode_rows(self) -> int:
+        """Decode steps (one-token rows) of at most this many rows run on the fused CPU decode
+        loop (0: none do): the layer loop's own limit (``cpu_ops.fused_decode_max_rows``: the
+        ``auto`` dense copies' threshold, else no limit) where the attention side allows."""
+        return cpu_ops.fused_decode_max_rows(self.model) if self._fused_attention else 0
+
     def fused_step_tokens(self) -> int:
         """Steps of at most this many tokens run on the fused CPU decode path, prompt chunks
-        included (0: none do): ``CHUNK_ROWS_MAX`` or the multi-row kernels' width if narrower."""
-        if not (self.chunks_as_rows and self._fused_attention):
+        included (0: none do), as long as those chunks read at most ``CHUNK_ROWS_MAX_KEYS`` keys:
+        ``CHUNK_ROWS_MAX`` or the decode loop's limit if narrower."""
+        if not self.chunks_as_rows:
             return 0
-        return min(CHUNK_ROWS_MAX, cpu_ops.fused_decode_max_rows(self.model))
+        return min(CHUNK_ROWS_MAX, self.fused_decode_rows())
 
     def _chunks_as_rows(self, output: SchedulerOutput) -> bool:
         """Whether this step's prompt chunks run as one-token rows on the fused CPU decode path:

@@ -25,8 +25,10 @@ Two policies (``SchedulerConfig.policy``):
   on time go by class, then deadline (``slo_waiting_order: class``, the default) or by deadline
   alone across classes (``edf``). Running decodes by ITL slack. With a ready
   ``StepTimeModel`` it also (a) sizes each step's prefill tokens so that the running decodes'
-  predicted step stays within twice their tightest ITL objective (at least
-  ``min_prefill_chunk_tokens``, so prompts always advance), and (b) admits a new request only
+  predicted step stays within their tightest ITL objective (at least
+  ``min_prefill_chunk_tokens``, so prompts always advance; in steps that stay on the fused CPU
+  path where one on the Python layers cannot keep it; with no limit where neither can, as
+  several small steps on the Python layers would each miss it), and (b) admits a new request only
   while the predicted decode step with one more row stays within the tightest ITL SLO, so
   those running keep their SLO instead of all missing it together. A waiting request may
   preempt a running one of a strictly lower class (for blocks or for a row); that can only move
@@ -53,9 +55,10 @@ POLICIES = ("fcfs", "slo")
 # class, then deadline, late ones behind; "edf": by first-token deadline across classes while on
 # time, late ones behind by class (not yet shown better: scripts/bench_slo_order.py compares them).
 WAITING_ORDERS = ("edf", "class")
-# A request's ITL objective is judged on its 95th percentile, so a step that carries prefill may
-# take a little longer than one ITL: up to this many ITL objectives.
-PREFILL_STALL_FACTOR = 2.0
+# A step that carries prefill beside running decodes may take this many of their tightest ITL
+# objectives. One: a short reply's ITL p95 is about its longest gap, so a longer step is a miss
+# for every stream in it (2 was measured worse than no sizing at all: docs/benchmarks.md).
+PREFILL_STALL_FACTOR = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,13 @@ class SchedulerConfig:
     slo_waiting_order: str = "class"
     kv_budget_tokens: int | None = None
     kv_eviction: KVEviction | None = None
+    # The runner's fused CPU decode path (0: none), which the slo policy's step sizing predicts
+    # apart from the Python layers: decode steps of up to fused_decode_rows rows, and steps with
+    # prompt chunks of up to fused_step_tokens tokens whose chunks read at most
+    # fused_chunk_max_keys keys (each chunk token runs as a row over its whole context).
+    fused_decode_rows: int = 0
+    fused_step_tokens: int = 0
+    fused_chunk_max_keys: int = 0
 
     def __post_init__(self) -> None:
         if (self.kv_budget_tokens is None) != (self.kv_eviction is None):
@@ -90,6 +100,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(f"min_prefill_chunk_tokens must be >= 1, got {self.min_prefill_chunk_tokens}")
+        if min(self.fused_decode_rows, self.fused_step_tokens, self.fused_chunk_max_keys) < 0:
+            raise ValueError("fused_decode_rows, fused_step_tokens and fused_chunk_max_keys must be >= 0")
         if not self.admission_wait_factor >= 0:
             raise ValueError(f"admission_wait_factor must be >= 0, got {self.admission_wait_factor}")
         if self.slo_waiting_order not in WAITING_ORDERS:
@@ -502,11 +514,40 @@ class Scheduler:
 
     # --- the slo policy's step sizing --------------------------------------------------------
 
+    def _python_layers(self, rows: int, prefill: int) -> bool:
+        """Whether a step of ``rows`` one-token rows and ``prefill`` chunk tokens would run on
+        the Python layers (the chunk keys aside: ``_fused_chunk_tokens``)."""
+        if prefill == 0:
+            return rows > self.config.fused_decode_rows
+        return rows + prefill > self.config.fused_step_tokens
+
+    def _fused_chunk_tokens(self, room: int) -> int:
+        """How many of ``room`` prompt tokens the next prompt in line can take in a step that
+        stays on the fused path: its chunk's rows each read the context up to themselves, so
+        past a short context fewer do (``fused_chunk_max_keys``)."""
+        running = [r for r in self.running if not _is_decode(r) and r.status is RequestStatus.RUNNING]
+        if running:
+            start = min(running, key=lambda r: r.num_computed_tokens).num_computed_tokens
+        elif self.waiting:
+            start = self.kv.get_computed_blocks(self.waiting[0]).num_tokens
+        else:
+            return room
+        limit = self.config.fused_chunk_max_keys
+        while room > 0 and room * (2 * start + room + 1) // 2 > limit:
+            room -= 1
+        return room
+
     def _prefill_allowance(self, now: float) -> int | None:
         """Prefill tokens this step may carry so that the running decodes' step stays within
         ``PREFILL_STALL_FACTOR`` times their tightest ITL objective (None: no limit, under
         ``fcfs``, with no decode running, a model still learning, or a prompt whose first token
-        is due before it could be prefilled at that pace: TTFT comes first then)."""
+        is due before it could be prefilled at that pace: TTFT comes first then).
+
+        A step on the Python layers pays their fixed cost whatever it carries, so: as many tokens
+        as keep such a step within the target, where at least ``min_prefill_chunk_tokens`` do;
+        else as many as keep a step on the fused path, where at least that many do and that step
+        keeps the target; else no limit: one step that misses the target beats several that
+        each miss it."""
         model = self.step_model
         if not self.slo or model is None or not model.ready:
             return None
@@ -515,14 +556,27 @@ class Scheduler:
         if not decodes or per_token_ms <= 0.0:
             return None
         itl_ms = min(r.objective.itl_ms for r in decodes)
-        base_ms = model.predict_ms(StepShape(len(decodes), 0, sum(r.num_tokens for r in decodes))) or 0.0
-        if base_ms > itl_ms:
+        # a decode verifying drafts runs as one row per token
+        rows = sum(1 + len(r.draft_token_ids) for r in decodes)
+        context = sum(r.num_tokens for r in decodes)
+
+        def predict(prefill: int, python: bool) -> float:
+            return model.predict_ms(StepShape(rows, prefill, context, python)) or 0.0
+
+        if predict(0, self._python_layers(rows, 0)) > itl_ms:
             # the decodes miss their ITL with no prefill at all (a machine slowed by other work):
             # holding prompts back cannot save them and would only starve every first token
             return None
         target_ms = PREFILL_STALL_FACTOR * itl_ms
-        room = max(self.config.min_prefill_chunk_tokens, int((target_ms - base_ms) / per_token_ms))
-        step_ms = base_ms + room * per_token_ms
+        floor = self.config.min_prefill_chunk_tokens
+        room = int((target_ms - predict(0, True)) / per_token_ms)
+        if room >= floor:
+            step_ms = predict(room, True)
+        else:
+            room = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
+            step_ms = predict(room, False)
+            if room < floor or step_ms > target_ms:
+                return None
         for r in (*self.running, *self.waiting[:4]):
             left = r.num_tokens - r.num_computed_tokens
             # only a first token that can still be on time lifts the cap: under overload a
@@ -542,11 +596,13 @@ class Scheduler:
         if model is None or not model.ready or not rows:
             return True
         tightest_ms = min(r.objective.itl_ms for r in (*rows, req))
-        context = sum(r.num_tokens for r in rows)
-        if (model.predict_ms(StepShape(len(rows), 0, context)) or 0.0) > tightest_ms:
+        context, fused_tokens = sum(r.num_tokens for r in rows), self.config.fused_step_tokens
+        if (
+            model.predict_ms(StepShape(len(rows), 0, context, len(rows) > fused_tokens)) or 0.0
+        ) > tightest_ms:
             return True
-        predicted = model.predict_ms(StepShape(len(rows) + 1, 0, context + req.num_tokens)) or 0.0
-        return predicted <= tightest_ms
+        wider = StepShape(len(rows) + 1, 0, context + req.num_tokens, len(rows) + 1 > fused_tokens)
+        return (model.predict_ms(wider) or 0.0) <= tightest_ms
 
     def _preempt_lower_class(self, req: Request, num_new: dict[str, int], preempted: list[Request]) -> bool:
         """Preempt the least urgent running request of a strictly lower class than ``req``."""

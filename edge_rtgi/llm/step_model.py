@@ -3,9 +3,12 @@
 A step's run time is modelled as linear in what it computes:
 
     step_ms ~ fixed + per_decode_row * decode_rows + per_prefill_token * prefill_tokens
-              + per_context_ktoken * context_tokens / 1000
+              + per_context_ktoken * context_tokens / 1000 + python_layers * [Python layers ran]
 
-(``context_tokens``: positions attended to by the step's rows, the attention part.) The
+(``context_tokens``: positions attended to by the step's rows, the attention part.) On the CPU a
+step of one-token rows (decodes, verification, small prompt chunks) runs the layer stack as one
+C++ call, any other step the Python layers, which cost a fixed 15-40 ms more per step on a
+2-core machine (docs/benchmarks.md): a cost of its own, not one a per-token slope can carry. The
 coefficients are a ridge least-squares fit over the last ``window`` steps, refitted every
 ``refit_every`` steps, so the model follows the machine as its load changes. Steps stalled by
 something outside the engine (another process, a page-fault storm) would drag a least-squares
@@ -23,21 +26,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FEATURES = ("fixed", "per_decode_row", "per_prefill_token", "per_context_ktoken")
+FEATURES = ("fixed", "per_decode_row", "per_prefill_token", "per_context_ktoken", "python_layers")
 OUTLIER_FACTOR = 4.0
 _RIDGE = 1e-3  # keeps the solve defined when a feature never varies (no prefill in the window)
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step computes: rows that sample after one token, other tokens, attended positions."""
+    """What a step computes: rows that sample after one token, other tokens, attended positions,
+    and whether it runs the Python layer stack rather than the fused decode loop (where a runner
+    has no fused path, every step does: the feature then goes with ``fixed``)."""
 
     decode_rows: int
     prefill_tokens: int
     context_tokens: int
+    python_layers: bool = False
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.decode_rows), float(self.prefill_tokens), self.context_tokens / 1e3)
+    def features(self) -> tuple[float, float, float, float, float]:
+        return (
+            1.0,
+            float(self.decode_rows),
+            float(self.prefill_tokens),
+            self.context_tokens / 1e3,
+            float(self.python_layers),
+        )
 
 
 @dataclass(frozen=True)

@@ -390,6 +390,7 @@ class EngineCollector(Collector):
                 ("per_decode_row", s.step_model_per_decode_row_ms),
                 ("per_prefill_token", s.step_model_per_prefill_token_ms),
                 ("per_context_ktoken", s.step_model_per_context_ktoken_ms),
+                ("python_layers", s.step_model_python_layers_ms),
             ):
                 fams["step_model"].add_metric([name, term], ms)
         yield from fams.values()

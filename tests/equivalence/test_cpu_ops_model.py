@@ -25,6 +25,7 @@ from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
 from edge_rtgi.llm.runner import CHUNK_ROWS_MAX
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import ScheduledRequest, SchedulerOutput
+from edge_rtgi.llm.step_model import StepShape
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, engine_for, run_staggered
 from tests.tiny_models import make_tiny_hf_model
@@ -299,8 +300,9 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
     runs the chunks as one-token rows on the C++ layer loop (each row attends up to its own
     position, as verification rows do; only the chunk's last row samples): the same greedy
     tokens and log-probabilities as the chunk path, and the plain path's tokens without kernels,
-    for short prompts, prompts chunked by a 16-token budget, turns after a cached prefix
-    (mistral: across its sliding window of 8), joined mid-stream by other requests."""
+    for short prompts, prompts chunked by a ``CHUNK_ROWS_MAX`` budget, turns after a cached prefix
+    (mistral: across its sliding window of 8), joined mid-stream by other requests. The engine
+    tells its scheduler the fused step's size and its step-time model which steps ran fused."""
     loaded = load_model(folder, device="cpu", dtype="fp32")
     apply_engine_quant(loaded.model, quant)
     tok = loaded.tokenizer
@@ -311,7 +313,14 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
         for i in range(len(prompts))
     ]
     engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
-    assert engine.runner.fused_step_tokens() == CHUNK_ROWS_MAX
+    assert engine.runner.fused_step_tokens() == engine.scheduler.config.fused_step_tokens == CHUNK_ROWS_MAX
+    shapes: dict[str, list[StepShape]] = {"rows": [], "chunks": []}
+
+    def watch(engine, name):
+        observe = engine.step_model.observe
+        engine.step_model.observe = lambda shape, ms: (shapes[name].append(shape), observe(shape, ms))
+
+    watch(engine, "rows")
     as_rows: list[bool] = []
     real = engine.runner._chunks_as_rows
 
@@ -329,7 +338,11 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
     assert engine.stats().prefix_hit_tokens > 0
     chunk_engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
     chunk_engine.runner.chunks_as_rows = False
+    watch(chunk_engine, "chunks")
     as_chunks = run_staggered(chunk_engine, prompts, params)
+    assert not any(s.python_layers for s in shapes["rows"])
+    chunk_steps = [s.python_layers for s in shapes["chunks"] if s.prefill_tokens]
+    assert chunk_steps and all(chunk_steps)
     for p, got, want in zip(params, results, as_chunks, strict=True):
         assert got.error is None and got.token_ids == want.token_ids
         assert len(got.logprobs) == len(want.logprobs) == (len(want.token_ids) if p.logprobs else 0)
