@@ -80,6 +80,8 @@ _ops: _OpNamespace | None = None  # torch.ops.edge_rtgi once loaded
 _multi_row_max = 0  # _ops.multi_row_max(), read once at load: multi_row_usable runs per matmul
 _failure: str | None = None
 _disabled_depth = 0  # disabled() blocks currently open, in any thread
+# steps run_decode_layers has run, per thread: engines step on threads of their own
+_layer_loop_steps = threading.local()
 # Kernels that disabled(name) can switch off alone, and how many such blocks are open for each.
 SWITCHABLE = ("decode_attention_int4",)
 _disabled_kernels = dict.fromkeys(SWITCHABLE, 0)
@@ -626,6 +628,12 @@ def _current_plan(model, dtype: torch.dtype) -> _LayerPlan | None:
     return plan
 
 
+def layer_loop_steps() -> int:
+    """How many steps ``run_decode_layers`` has run on the C++ layer loop in the calling thread
+    (the runner compares it across a step to learn which path the step took)."""
+    return getattr(_layer_loop_steps, "n", 0)
+
+
 def fused_decode_max_rows(model) -> int:
     """How many one-token rows a step of ``model`` may carry on the fused decode path (0 where
     the path does not run: kernels off or not built, not a CPU model, a layer the C++ loop does
@@ -669,7 +677,7 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
     ops = _ops
     if ops is None:  # _use(x) said the kernels are loaded
         raise RuntimeError("fused CPU kernels unloaded during a decode step")
-    return ops.decode_layers.default(
+    out = ops.decode_layers.default(
         x,
         cos,
         signed_sin,
@@ -685,3 +693,5 @@ def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend
         cfg.rms_norm_eps,
         cfg.head_dim**-0.5,
     )
+    _layer_loop_steps.n = getattr(_layer_loop_steps, "n", 0) + 1
+    return out

@@ -94,8 +94,8 @@ class ModelRunner:
         self.features: dict[str, FeatureRows] = {}
         # small prompt chunks run as fused decode rows (CHUNK_ROWS_MAX); False for A/B runs
         self.chunks_as_rows = True
-        # whether the last step ran the Python layer stack rather than the fused decode loop
-        # (the step-time model's regime; as planned here, the loop may still decline a step)
+        # whether the last step ran the Python layer stack where a fused decode loop exists (the
+        # step-time model's regime; False where there is none: no step pays more than another)
         self.last_step_python_layers = False
         # what the fused decode path needs of the attention side (PagedAttentionBackend.decode_slots)
         group = self.groups[0]
@@ -106,6 +106,9 @@ class ModelRunner:
             and (group.window_tokens is None or group.sink_tokens == 0)
             and all(k.dtype == storage.dtype == model.dtype for k in storage.k)
         )
+        # whether decode steps can run on the fused CPU layer loop at all (the kernels load with
+        # the model, before the engine builds its runner)
+        self._fused_path = self.fused_decode_rows() > 0
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling and eviction state."""
@@ -358,9 +361,6 @@ class ModelRunner:
                 rows.append(s)
         decodes = [s for s in rows if len(s.token_ids) == 1]
         chunks = [s for s in rows if len(s.token_ids) > 1]
-        # (False where there is no fused path at all: no step pays more than another then)
-        fused_rows = self.fused_decode_rows()
-        self.last_step_python_layers = fused_rows > 0 and (bool(chunks) or len(rows) > fused_rows)
         ordered = decodes + chunks
         token_ids = [t for s in ordered for t in s.token_ids]
         positions = [p for s in ordered for p in range(s.start_position, s.start_position + len(s.token_ids))]
@@ -368,7 +368,9 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         backend = PagedAttentionBackend(self.storage, md, self.layer_map)
+        loops_before = cpu_ops.layer_loop_steps()
         hidden = self.model(input_ids, pos, backend)  # [T, H]
+        self.last_step_python_layers = self._fused_path and cpu_ops.layer_loop_steps() == loops_before
         if self.eviction is not None:
             self._add_scores(decodes, chunks, md[0])
         if self.collect_features:

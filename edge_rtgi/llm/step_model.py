@@ -34,8 +34,8 @@ _RIDGE = 1e-3  # keeps the solve defined when a feature never varies (no prefill
 @dataclass(frozen=True)
 class StepShape:
     """What a step computes: rows that sample after one token, other tokens, attended positions,
-    and whether it runs the Python layer stack rather than the fused decode loop (where a runner
-    has no fused path, every step does: the feature then goes with ``fixed``)."""
+    and whether it ran the Python layer stack where a fused decode loop exists (where a runner
+    has none, no step is marked: none pays more than another)."""
 
     decode_rows: int
     prefill_tokens: int
