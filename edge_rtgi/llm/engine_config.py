@@ -253,6 +253,7 @@ class EngineStats:
     num_waiting: int = 0
     num_row_deferrals: int = 0  # admissions the slo policy held back for running decodes' ITL
     num_refused_busy: int = 0  # requests the slo admission refused as busy
+    num_prefix_waits: int = 0  # admissions put off a step to reuse a prefix another was computing
     # speculative decoding: draft tokens verified, and accepted (edge_rtgi.llm.speculative)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -296,6 +297,7 @@ class EngineStats:
         snap = replace(
             self,
             num_row_deferrals=scheduler.num_row_deferrals,
+            num_prefix_waits=scheduler.num_prefix_waits,
             num_refused_busy=scheduler.num_refused_busy,
             spec_draft_tokens=scheduler.num_draft_tokens,
             spec_accepted_tokens=scheduler.num_accepted_draft_tokens,

@@ -276,6 +276,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
+        self.num_prefix_waits = 0  # admissions put off a step to reuse a prefix another is computing
         self.num_refused_busy = 0
         self.num_draft_tokens = 0  # speculation: draft tokens verified, and accepted
         self.num_accepted_draft_tokens = 0
@@ -462,10 +463,11 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, num_new: dict[str, int], preempted: list[Request], prefill: _PrefillAllowance
     ) -> None:
+        waits_for_prefix: list[Request] = []
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             # a request preempted for another in this step sits it out (it could sort ahead of
             # the one it made room for, which would preempt it again)
-            req = next((r for r in self.waiting if r not in preempted), None)
+            req = next((r for r in self.waiting if r not in preempted and r not in waits_for_prefix), None)
             if req is None:
                 break
             if self.slo and not self._row_fits(req, num_new):
@@ -476,6 +478,11 @@ class Scheduler:
                 break
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = hits.num_tokens
+            if self.kv.prefix_in_flight(req, num_hit_tokens, self.running):
+                # another request is computing this one's next prefix block: reuse it next step
+                waits_for_prefix.append(req)
+                self.num_prefix_waits += 1
+                continue
             n = req.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break

@@ -246,6 +246,41 @@ def test_local_and_global_groups_share_one_pool_and_only_local_blocks_are_releas
     assert kv.max_blocks_for(60, 16) == 15 + 2 * 7
 
 
+def test_a_prompt_waits_a_step_for_the_prefix_another_is_computing_then_reuses_it():
+    """A burst under one uncached system prompt: the first request computes the shared blocks,
+    the others wait (one step, or as many as its chunks take) and then hit them, instead of
+    computing the same prefix beside it. Those without the prefix go ahead."""
+    s = make(budget=64, max_seqs=8)
+    system = list(range(100, 124))  # 24 tokens: 6 blocks of 4
+    turns = [
+        Request(f"t{i}", system + [200 + i, 300 + i], Params(2), eos_token_ids=frozenset({EOS}))
+        for i in range(3)
+    ]
+    for r in turns:
+        s.add_request(r)
+    s.add_request(req("other", 10, max_tokens=2, base=500))
+    out, _ = step(s)
+    assert {x.request_id: len(x.token_ids) for x in out.scheduled} == {"t0": 26, "other": 10}
+    assert s.num_prefix_waits == 2
+    out, _ = step(s)
+    firsts = {
+        x.request_id: (x.start_position, len(x.token_ids)) for x in out.scheduled if x.request_id != "t0"
+    }
+    assert firsts["t1"] == firsts["t2"] == (24, 2)  # the 6 shared blocks hit, 2 tokens computed
+    assert s.kv.prefix_hits_tokens == 48
+    # a budget that chunks the first prompt: the others wait until its blocks are all cached
+    c = make(budget=8, max_seqs=8)
+    for i in range(2):
+        c.add_request(
+            Request(f"u{i}", system + [200 + i, 300 + i], Params(2), eos_token_ids=frozenset({EOS}))
+        )
+    scheduled = []
+    while c.has_unfinished():
+        out, _ = step(c)
+        scheduled.append([(x.request_id, x.start_position, len(x.token_ids)) for x in out.scheduled])
+    assert scheduled[:4] == [[("u0", 0, 8)], [("u0", 8, 8)], [("u0", 16, 8)], [("u0", 24, 2), ("u1", 24, 2)]]
+
+
 def test_prefix_hits_need_every_group_and_do_not_cross_groups():
     groups = [KVGroupSpec((1,)), KVGroupSpec((0,), 8)]
     kv = KVCacheManager(32, 4, groups=groups)

@@ -16,7 +16,7 @@ slot indices; this class never touches torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from edge_rtgi.llm.kv.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
@@ -189,6 +189,22 @@ class KVCacheManager:
         computed = num_blocks * self.block_size
         first = max(0, computed - spec.window_tokens + 1) // self.block_size  # as release_outside_window
         return [(0, sinks), (max(first, sinks), num_blocks)]
+
+    def prefix_in_flight(self, request: Request, num_hit_tokens: int, others: Iterable[Request]) -> bool:
+        """Whether one of ``others`` (requests holding blocks) shares the full block of
+        ``request`` just past its cache hit of ``num_hit_tokens`` without having cached it yet:
+        it is computing that prefix now, and ``request`` would reuse it a step later instead of
+        computing the same tokens again beside it (a burst of turns under one uncached system
+        prompt)."""
+        bs = self.block_size
+        index = num_hit_tokens // bs
+        if not self.enable_prefix_caching or (index + 1) * bs > request.num_tokens - 1:
+            return False  # no full block left to share (the last token is always computed)
+        mine = self._block_hash(request, index)
+        return any(
+            o is not request and o.num_tokens > (index + 1) * bs and self._block_hash(o, index) == mine
+            for o in others
+        )
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries_tokens += num_tokens
