@@ -107,7 +107,7 @@ class ModelRunner:
             and all(k.dtype == storage.dtype == model.dtype for k in storage.k)
         )
         # whether decode steps can run on the fused CPU layer loop at all (the kernels load with
-        # the model, before the engine builds its runner)
+        # the model, before the engine builds its runner; read once, like the scheduler's limits)
         self._fused_path = self.fused_decode_rows() > 0
 
     def release(self, request_id: str) -> None:
@@ -369,6 +369,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         backend = PagedAttentionBackend(self.storage, md, self.layer_map)
         loops_before = cpu_ops.layer_loop_steps()
+        self.last_step_python_layers = self._fused_path  # until the layer loop is seen (a failed step)
         hidden = self.model(input_ids, pos, backend)  # [T, H]
         self.last_step_python_layers = self._fused_path and cpu_ops.layer_loop_steps() == loops_before
         if self.eviction is not None:

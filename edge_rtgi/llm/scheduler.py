@@ -463,26 +463,31 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, num_new: dict[str, int], preempted: list[Request], prefill: _PrefillAllowance
     ) -> None:
+        # requests passed over this step because another one computes their next prefix block
+        # (under eviction blocks stop being cached, so there is nothing to wait for)
         waits_for_prefix: list[Request] = []
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        share_prefixes = self.config.kv_eviction is None
+        while budget > 0 and len(self.running) + len(waits_for_prefix) < self.config.max_num_seqs:
             # a request preempted for another in this step sits it out (it could sort ahead of
             # the one it made room for, which would preempt it again)
             req = next((r for r in self.waiting if r not in preempted and r not in waits_for_prefix), None)
             if req is None:
                 break
+            hits = self.kv.get_computed_blocks(req)
+            num_hit_tokens = hits.num_tokens
+            if share_prefixes and self.kv.prefix_in_flight(
+                req, num_hit_tokens, (r for r in self.running if r.request_id in num_new)
+            ):
+                # checked before the slo row test, which may preempt a lower class for it
+                waits_for_prefix.append(req)
+                self.num_prefix_waits += 1
+                continue
             if self.slo and not self._row_fits(req, num_new):
                 if self._preempt_lower_class(req, num_new, preempted):
                     budget = self._budget_left(num_new)
                     continue
                 self.num_row_deferrals += 1
                 break
-            hits = self.kv.get_computed_blocks(req)
-            num_hit_tokens = hits.num_tokens
-            if self.kv.prefix_in_flight(req, num_hit_tokens, self.running):
-                # another request is computing this one's next prefix block: reuse it next step
-                waits_for_prefix.append(req)
-                self.num_prefix_waits += 1
-                continue
             n = req.num_tokens - num_hit_tokens
             if n > budget and not self.config.enable_chunked_prefill:
                 break

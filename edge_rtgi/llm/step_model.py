@@ -7,7 +7,7 @@ A step's run time is modelled as linear in what it computes:
 
 (``context_tokens``: positions attended to by the step's rows, the attention part.) On the CPU a
 step of one-token rows (decodes, verification, small prompt chunks) runs the layer stack as one
-C++ call, any other step the Python layers, which cost a fixed 15-40 ms more per step on a
+C++ call, any other step the Python layers, which cost a fixed 9-40 ms more per step on a
 2-core machine (docs/benchmarks.md): a cost of its own, not one a per-token slope can carry. The
 coefficients are a ridge least-squares fit over the last ``window`` steps, refitted every
 ``refit_every`` steps, so the model follows the machine as its load changes. Steps stalled by

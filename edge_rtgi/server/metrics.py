@@ -337,6 +337,11 @@ class EngineCollector(Collector):
                 "Admissions held back so that running decodes keep their ITL SLO (scheduling: slo)",
                 labels=["model"],
             ),
+            "prefix_waits": CounterMetricFamily(
+                "edge_rtgi_engine_prefix_waits",
+                "Admissions put off a step to reuse a prompt prefix another request was computing",
+                labels=["model"],
+            ),
             "refused_busy": CounterMetricFamily(
                 "edge_rtgi_engine_refused_busy",
                 "Requests refused as busy by the slo admission (their queue wait would pass their SLO)",
@@ -379,6 +384,7 @@ class EngineCollector(Collector):
                 ("kv_cached", s.kv_blocks_cached),
                 ("kv_total", s.kv_blocks_total),
                 ("row_deferrals", s.num_row_deferrals),
+                ("prefix_waits", s.num_prefix_waits),
                 ("refused_busy", s.num_refused_busy),
                 ("spec_draft", s.spec_draft_tokens),
                 ("spec_accepted", s.spec_accepted_tokens),

@@ -281,6 +281,25 @@ def test_a_prompt_waits_a_step_for_the_prefix_another_is_computing_then_reuses_i
     assert scheduled[:4] == [[("u0", 0, 8)], [("u0", 8, 8)], [("u0", 16, 8)], [("u0", 24, 2), ("u1", 24, 2)]]
 
 
+def test_only_a_request_still_computing_the_block_makes_another_wait_for_it():
+    """A holder past the shared block (its copy cached elsewhere or not at all: a duplicate, a
+    windowed hole) or one whose tokens were evicted never caches it again: nobody waits on it."""
+    kv = KVCacheManager(64, 4)
+    system = list(range(100, 124))
+    waiter = Request("w", system + [1, 2], Params(2), eos_token_ids=frozenset({EOS}))
+    holder = Request("h", system + [3, 4], Params(2), eos_token_ids=frozenset({EOS}))
+    stranger = Request("s", list(range(500, 526)), Params(2), eos_token_ids=frozenset({EOS}))
+    assert kv.prefix_in_flight(waiter, 0, [holder]) and not kv.prefix_in_flight(waiter, 0, [stranger])
+    holder.num_computed_tokens = 8
+    assert kv.prefix_in_flight(waiter, 8, [holder])  # still to compute block 2
+    assert not kv.prefix_in_flight(waiter, 0, [holder])  # block 0 is behind it
+    holder.num_evicted_tokens = 4
+    assert not kv.prefix_in_flight(waiter, 8, [holder])
+    assert not kv.prefix_in_flight(waiter, 24, [holder])  # no full block left past the hit
+    off = KVCacheManager(64, 4, enable_prefix_caching=False)
+    assert not off.prefix_in_flight(waiter, 0, [Request("h2", system + [5], Params(2))])
+
+
 def test_prefix_hits_need_every_group_and_do_not_cross_groups():
     groups = [KVGroupSpec((1,)), KVGroupSpec((0,), 8)]
     kv = KVCacheManager(32, 4, groups=groups)

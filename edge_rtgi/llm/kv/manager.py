@@ -190,20 +190,26 @@ class KVCacheManager:
         first = max(0, computed - spec.window_tokens + 1) // self.block_size  # as release_outside_window
         return [(0, sinks), (max(first, sinks), num_blocks)]
 
-    def prefix_in_flight(self, request: Request, num_hit_tokens: int, others: Iterable[Request]) -> bool:
-        """Whether one of ``others`` (requests holding blocks) shares the full block of
-        ``request`` just past its cache hit of ``num_hit_tokens`` without having cached it yet:
-        it is computing that prefix now, and ``request`` would reuse it a step later instead of
-        computing the same tokens again beside it (a burst of turns under one uncached system
-        prompt)."""
+    def prefix_in_flight(self, request: Request, num_hit_tokens: int, computing: Iterable[Request]) -> bool:
+        """Whether one of ``computing`` (requests that compute tokens in this step) shares the
+        full block of ``request`` just past its cache hit of ``num_hit_tokens`` and has not
+        computed it yet: it caches that block within a step or a few, and ``request`` would
+        reuse it then instead of computing the same tokens beside it (a burst of turns under one
+        uncached system prompt). A holder already past the block (its copy may never be found:
+        a duplicate, or a windowed group's hole) or one whose tokens were evicted (its blocks
+        are no longer cached) does not count, so no request waits on a block that never comes."""
         bs = self.block_size
         index = num_hit_tokens // bs
-        if not self.enable_prefix_caching or (index + 1) * bs > request.num_tokens - 1:
+        end = (index + 1) * bs
+        if not self.enable_prefix_caching or end > request.num_tokens - 1:
             return False  # no full block left to share (the last token is always computed)
         mine = self._block_hash(request, index)
         return any(
-            o is not request and o.num_tokens > (index + 1) * bs and self._block_hash(o, index) == mine
-            for o in others
+            o is not request
+            and o.num_computed_tokens < end <= o.num_tokens
+            and not o.num_evicted_tokens
+            and self._block_hash(o, index) == mine
+            for o in computing
         )
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
