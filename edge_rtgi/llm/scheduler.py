@@ -608,12 +608,10 @@ class Scheduler:
         if model is None or not model.ready or not rows:
             return True
         tightest_ms = min(r.objective.itl_ms for r in (*rows, req))
-        context, fused_tokens = sum(r.num_tokens for r in rows), self.config.fused_step_tokens
-        if (
-            model.predict_ms(StepShape(len(rows), 0, context, len(rows) > fused_tokens)) or 0.0
-        ) > tightest_ms:
+        context, n = sum(r.num_tokens for r in rows), len(rows)
+        if (model.predict_ms(StepShape(n, 0, context, self._python_layers(n, 0))) or 0.0) > tightest_ms:
             return True
-        wider = StepShape(len(rows) + 1, 0, context + req.num_tokens, len(rows) + 1 > fused_tokens)
+        wider = StepShape(n + 1, 0, context + req.num_tokens, self._python_layers(n + 1, 0))
         return (model.predict_ms(wider) or 0.0) <= tightest_ms
 
     def _preempt_lower_class(self, req: Request, num_new: dict[str, int], preempted: list[Request]) -> bool:

@@ -50,6 +50,7 @@ def make(
     max_seqs=8,
     order="edf",
     fused_tokens=0,
+    fused_decode_rows=None,
 ):
     kv = KVCacheManager(num_blocks, block_size)
     cfg = SchedulerConfig(
@@ -59,7 +60,7 @@ def make(
         True,
         policy=policy,
         slo_waiting_order=order,
-        fused_decode_rows=fused_tokens,
+        fused_decode_rows=fused_tokens if fused_decode_rows is None else fused_decode_rows,
         fused_step_tokens=fused_tokens,
         fused_chunk_max_keys=4096 if fused_tokens else 0,
     )
@@ -181,6 +182,19 @@ def test_prefill_goes_through_fused_steps_where_a_step_on_the_python_layers_woul
     wide.add_request(req("long", 400, RequestClass.BULK, base=1000, max_tokens=2))
     out, _ = step(wide)
     assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 256 - 20
+
+
+def test_decode_only_steps_are_judged_by_the_fused_decode_limit_not_the_chunk_limit():
+    """Decode steps stay on the fused path up to its own row limit (here 64), wider than the
+    32 tokens a step with prompt chunks may carry: 40 rows at 1 ms each fit a 50 ms ITL without
+    the Python layers' 40 ms, so admission does not stop at 32."""
+    model = trained_model(fixed=5.0, per_row=1.0, per_token=0.5, python_layers=40.0, fused_tokens=32)
+    s = make(model=model, budget=64, max_seqs=48, num_blocks=512, fused_tokens=32, fused_decode_rows=64)
+    for i in range(40):
+        s.add_request(req(f"d{i}", 1, base=i + 1, max_tokens=20))
+    step(s)
+    step(s)
+    assert len(s.running) == 40 and s.num_row_deferrals == 0
 
 
 def test_admission_stops_where_one_more_row_would_break_the_tightest_itl():
