@@ -18,13 +18,9 @@ import argparse
 import statistics
 import time
 
-import torch
-
+from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
-from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import LLMEngine
-from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.prepared import load_prepared
 from edge_rtgi.llm.request import RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
 
@@ -54,12 +50,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    config = EngineConfig(num_threads=args.threads)
-    prepared = load_prepared(
-        resolve_model(config.model, role="llm"), config.device, config.dtype, config.quant
-    )
-    engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
-    torch.set_num_threads(args.threads)
+    engine = stepped_engine(args.threads)
     prompts = [list(p.prompt_token_ids) for p in prepare(get_workload("voice"), engine.tokenizer)][
         : args.turns
     ]

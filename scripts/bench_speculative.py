@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 import torch
 
 from edge_rtgi.bench.peers import LlamaCppPeer
+from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
-from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.prepared import load_prepared
 from edge_rtgi.llm.quant.kernels import set_max_kernel_rows
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
@@ -254,13 +253,8 @@ def main() -> None:
         help="also llama.cpp on the same GGUF, plain and with its prompt-lookup draft of K tokens",
     )
     args = ap.parse_args()
-    config = EngineConfig(num_threads=args.threads)
-    prepared = load_prepared(
-        resolve_model(config.model, role="llm"), config.device, config.dtype, config.quant
-    )
-    # no engine thread: this thread calls step() itself, so timings have no hand-off in them
-    engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
-    torch.set_num_threads(args.threads)
+    engine = stepped_engine(args.threads)
+    config = engine.config
     if args.step_costs:
         limits = tuple(int(m) for m in args.step_costs.split(","))
         sizes = tuple(int(n) for n in args.step_sizes.split(","))

@@ -12,21 +12,13 @@ import os
 import statistics
 import time
 
-import torch
-
+from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
-from edge_rtgi.catalog import resolve_model
-from edge_rtgi.llm.engine import LLMEngine
-from edge_rtgi.llm.engine_config import EngineConfig
-from edge_rtgi.llm.prepared import load_prepared
 from edge_rtgi.llm.request import RequestClass
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
 
-config = EngineConfig(num_threads=2)
-prepared = load_prepared(resolve_model(config.model, role="llm"), config.device, config.dtype, config.quant)
-engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
-torch.set_num_threads(2)
+engine = stepped_engine(2)
 tok = engine.tokenizer
 items = []
 for w in ("dialogue", "voice", "code", "translation"):

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import LoadSpec, run_load, run_ramp
@@ -42,6 +42,9 @@ from edge_rtgi.errors import ConfigError
 from edge_rtgi.llm.kv.eviction import EVICTION_MODES, KVEviction
 from edge_rtgi.llm.kv.window import KVWindow
 from edge_rtgi.llm.speculative import parse_speculative
+
+if TYPE_CHECKING:
+    from edge_rtgi.llm.engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +279,24 @@ def model_for(models: Models, opt: Optimisations, base: Optimisations) -> Any | 
     if opt.quant is None and opt.dtype in ("fp32", "float32"):
         return models.full
     return None
+
+
+def stepped_engine(num_threads: int = 2) -> LLMEngine:
+    """The daemon's default model and engine settings with ``num_threads`` threads, and no engine
+    thread: the caller calls ``step()`` itself, so a benchmark's timings carry no hand-off."""
+    import torch
+
+    from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.llm.engine_config import EngineConfig
+    from edge_rtgi.llm.prepared import load_prepared
+
+    config = EngineConfig(num_threads=num_threads)
+    source = resolve_model(config.model, role="llm")
+    prepared = load_prepared(source, config.device, config.dtype, config.quant)
+    engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)
+    torch.set_num_threads(num_threads)
+    return engine
 
 
 def warm_up(engine: Any, tokenizer: Any) -> None:
