@@ -31,7 +31,7 @@ from edge_rtgi.llm.model import Transformer, causal_window_mask
 from edge_rtgi.llm.request import TokenLogprob
 from edge_rtgi.llm.rope import RotaryEmbedding
 from edge_rtgi.llm.sampling import SamplingParams, sample_token
-from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from edge_rtgi.llm.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, chunk_row_keys
 from edge_rtgi.llm.speculative import FeatureRows
 
 log = logging.getLogger(__name__)
@@ -430,7 +430,7 @@ class ModelRunner:
         chunks = [s for s in output.scheduled if len(s.token_ids) > 1 and not s.num_draft_tokens]
         if not chunks:
             return False
-        keys = sum(len(s.token_ids) * (2 * s.start_position + len(s.token_ids) + 1) // 2 for s in chunks)
+        keys = sum(chunk_row_keys(len(s.token_ids), s.start_position) for s in chunks)
         return keys <= CHUNK_ROWS_MAX_KEYS and output.num_batched_tokens <= self.fused_step_tokens()
 
     def _features(self, ordered: list[ScheduledRequest], hidden: Tensor) -> dict[str, FeatureRows]:

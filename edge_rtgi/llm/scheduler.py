@@ -61,6 +61,12 @@ WAITING_ORDERS = ("edf", "class")
 PREFILL_STALL_FACTOR = 1.0
 
 
+def chunk_row_keys(num_tokens: int, start_position: int) -> int:
+    """Keys a prompt chunk reads when each of its tokens runs as a row of its own (row i attends
+    to positions 0..start + i): what bounds chunks run as fused rows (``runner.CHUNK_ROWS_MAX_KEYS``)."""
+    return num_tokens * (2 * start_position + num_tokens + 1) // 2
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching limits. ``max_model_len`` is the context window in tokens.
@@ -545,7 +551,7 @@ class Scheduler:
         else:
             return room
         limit = self.config.fused_chunk_max_keys
-        while room > 0 and room * (2 * start + room + 1) // 2 > limit:
+        while room > 0 and chunk_row_keys(room, start) > limit:
             room -= 1
         return room
 
