@@ -239,7 +239,7 @@ async def main() -> int:
         type=lambda s: tuple(s.split(",")),
         default=TURN_MODES,
         help="with --turn-taking: which of semantic,model-only,silence (and on the audio clock "
-        "no-fragment-hold, no-continuation-hold) to run; backchannels run semantic and silence",
+        "no-fragment-hold, no-continuation-hold, recheck-<ms>) to run; backchannels run semantic and silence",
     )
     ap.add_argument(
         "--turn-model-cost",
@@ -1003,8 +1003,17 @@ def merge_turn_results(paths: list[str], out: str | None) -> int:
 # against, so a missed target can be traced to items.
 
 AUDIO_CHUNK = 320  # 20 ms, as the benchmark client sends
-# the daemon's three arms, and semantic without the fragment hold (the rule before it)
-AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold", "no-continuation-hold")
+# the daemon's three arms, semantic without the holds (the rules before them), and
+# "recheck-<ms>": semantic asking again every <ms> after an "unfinished" verdict ("recheck-0": never)
+AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold", "no-continuation-hold", "recheck-<ms>")
+
+
+def _audio_clock_mode_known(mode: str) -> bool:
+    if mode.startswith("recheck-"):
+        return mode.removeprefix("recheck-").isdigit()
+    return mode in AUDIO_CLOCK_MODES
+
+
 PROBE_SILENCE_MS = (100, 200, 300, 500, 700, 1000)
 
 
@@ -1038,6 +1047,8 @@ def offline_transcribe(
         turn = dataclasses.replace(turn, fragment_hold_ms=0, continuation_hold_ms=0)
     elif mode == "no-continuation-hold":  # the rule before the continuation hold
         turn = dataclasses.replace(turn, continuation_hold_ms=0)
+    elif mode.startswith("recheck-"):
+        turn = dataclasses.replace(turn, recheck_ms=int(mode.removeprefix("recheck-")))
     elif mode == "silence":
         turn = turn.with_overrides(mode="silence")
     decisions: list[dict] = []
@@ -1046,8 +1057,8 @@ def offline_transcribe(
     class Recording(SemanticEndpointer):
         """The stage's endpointer, logging what it decided and on what."""
 
-        def decide(self, audio_window, silence_start_index):
-            d = super().decide(audio_window, silence_start_index)
+        def decide(self, audio_window, silence_start_index, silence_samples=0):
+            d = super().decide(audio_window, silence_start_index, silence_samples)
             self.decided_at = time.perf_counter()
             decisions.append(
                 {
@@ -1056,6 +1067,10 @@ def offline_transcribe(
                     "probability": d.probability,
                     "model_complete": d.complete,
                     "model_ms": d.model_ms,
+                    # "unfinished" with rechecks on: asked again at this much silence
+                    "recheck_at_ms": (
+                        None if d.retry_silence_samples is None else d.retry_silence_samples / 16.0
+                    ),
                 }
             )
             return d
@@ -1154,7 +1169,7 @@ def run_turn_taking_offline(args: argparse.Namespace) -> int:
     load_start = os.getloadavg()[0]
     t_start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     part = args.turn_taking
-    if not set(args.turn_modes) <= set(AUDIO_CLOCK_MODES):
+    if not all(_audio_clock_mode_known(m) for m in args.turn_modes):
         known, got = ",".join(AUDIO_CLOCK_MODES), ",".join(args.turn_modes)
         raise SystemExit(f"--turn-modes takes some of {known}, got {got}")
     if part == "backchannel":
@@ -1260,10 +1275,8 @@ def summarize_offline(results: list[dict]) -> dict:
     for res in results:
         rows_by_part.setdefault(res["part"], []).extend(res["rows"])
     for part, rows in rows_by_part.items():
-        for mode in AUDIO_CLOCK_MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             rs = [r for r in rows if r["mode"] == mode]
-            if not rs:
-                continue
             s: dict = {
                 "n": len(rs),
                 "model_ms": _p50_p95([d["model_ms"] for r in rs for d in r["decisions"]]),

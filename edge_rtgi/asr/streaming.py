@@ -275,14 +275,14 @@ class StreamingTranscriber:
             self._collect_pending(utt, wait=True)  # at most one decode in flight
             self._speculate_async(utt, silence_start)
         earlier = utt.decision if utt.decision and utt.decision.silence_start_index == silence_start else None
-        if earlier is not None:  # decided at this pause: asked again only after a fragment's hold
+        if earlier is not None:  # decided at this pause: asked again only after a hold or recheck time
             retry = earlier.retry_silence_samples
             if retry is None or now - silence_start < retry:
                 return
         elif now - silence_start < endpointer.check_samples:
             return
         audio = self._ring.read(max(self._ring.oldest_index, utt.start_index, now - WINDOW_SAMPLES), now)
-        utt.decision = endpointer.decide(audio, silence_start)
+        utt.decision = endpointer.decide(audio, silence_start, now - silence_start)
         if utt.decision.complete and endpointer.text_check:
             # Hold the verdict against this pause's speculative final: the final needs that
             # decode anyway, so waiting for it here delays the declared end, not the reply.

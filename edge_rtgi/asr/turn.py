@@ -294,7 +294,9 @@ class TurnDetectionConfig:
     to read as cut off (``transcript_unfinished``), and when the final is a fragment of at most
     two words ("Add milk.", "Tell me."), ``fragment_hold_ms`` of silence (0: no hold), at which
     the model is asked again; any other final that is not a question waits
-    ``continuation_hold_ms`` (0: no hold) the same way. ``barge_in_min_speech_ms``: in semantic
+    ``continuation_hold_ms`` (0: no hold) the same way. ``recheck_ms``: after the model calls a
+    pause unfinished, it is asked again each time this much more silence has passed (0: never;
+    the turn waits for the cap). ``barge_in_min_speech_ms``: in semantic
     mode, speech over a reply cuts it once it has lasted this long unless its words so far are a
     backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
     backchannel (``talkover_cuts``).
@@ -310,6 +312,7 @@ class TurnDetectionConfig:
     text_check: bool = True
     fragment_hold_ms: int = DEFAULT_FRAGMENT_HOLD_MS
     continuation_hold_ms: int = DEFAULT_CONTINUATION_HOLD_MS
+    recheck_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -320,7 +323,7 @@ class TurnDetectionConfig:
             ms = getattr(self, name)
             if ms is not None and not 32 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [32, 10000] ms, got {ms}")
-        for name in ("fragment_hold_ms", "continuation_hold_ms"):
+        for name in ("fragment_hold_ms", "continuation_hold_ms", "recheck_ms"):
             ms = getattr(self, name)
             if not 0 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [0, 10000] ms, got {ms}")
@@ -500,6 +503,7 @@ class TurnStatus:
     text_check: bool | None = None
     fragment_hold_ms: int | None = None
     continuation_hold_ms: int | None = None
+    recheck_ms: int | None = None
     fallback: str | None = None
 
     def to_wire(self) -> dict[str, object]:
@@ -525,8 +529,9 @@ class TurnDecision:
     model_ms: float
     decided_t_s: float  # time.monotonic() when the decision was made
     unfinished_text: bool = False
-    # the words' hold (a fragment, or words that are not a question) is longer than the pause
-    # so far: ask again once the silence reaches this many samples
+    # ask again once the silence reaches this many samples: the words' hold (a fragment, or
+    # words that are not a question) is longer than the pause so far, or the model said
+    # unfinished and rechecks are on
     retry_silence_samples: int | None = None
 
 
@@ -545,6 +550,7 @@ class SemanticEndpointer:
         text_check: bool = True,
         fragment_hold_ms: int = 0,
         continuation_hold_ms: int = 0,
+        recheck_ms: int = 0,
     ):
         self.scorer = scorer
         self.threshold = threshold
@@ -552,6 +558,7 @@ class SemanticEndpointer:
         self.check_samples = check_ms * SAMPLE_RATE_HZ // 1000
         self.fragment_hold_samples = fragment_hold_ms * SAMPLE_RATE_HZ // 1000
         self.continuation_hold_samples = continuation_hold_ms * SAMPLE_RATE_HZ // 1000
+        self.recheck_samples = recheck_ms * SAMPLE_RATE_HZ // 1000
         self._warned = False
 
     @classmethod
@@ -564,6 +571,7 @@ class SemanticEndpointer:
             turn.text_check,
             turn.fragment_hold_ms,
             turn.continuation_hold_ms,
+            turn.recheck_ms,
         )
 
     def hold_samples(self, text: str) -> int:
@@ -576,7 +584,11 @@ class SemanticEndpointer:
             hold = max(hold, self.continuation_hold_samples)
         return hold
 
-    def decide(self, audio: np.ndarray, silence_start_index: int) -> TurnDecision:
+    def decide(self, audio: np.ndarray, silence_start_index: int, silence_samples: int = 0) -> TurnDecision:
+        """The model's verdict on ``audio``, which ends ``silence_samples`` into the pause that
+        began at ``silence_start_index``. An "unfinished" verdict is asked about again after
+        ``recheck_ms`` more silence (when set): the model often calls a finished request
+        unfinished at 100 ms of silence and finished a few hundred ms later."""
         t0 = time.perf_counter()
         try:
             p: float | None = self.scorer.probability(audio)
@@ -587,7 +599,14 @@ class SemanticEndpointer:
             p = None
         model_ms = (time.perf_counter() - t0) * 1000.0
         complete = p is not None and p >= self.threshold
-        return TurnDecision(silence_start_index, p, complete, model_ms, time.monotonic())
+        retry = (
+            silence_samples + self.recheck_samples
+            if p is not None and not complete and self.recheck_samples
+            else None
+        )
+        return TurnDecision(
+            silence_start_index, p, complete, model_ms, time.monotonic(), retry_silence_samples=retry
+        )
 
     def check_words(self, decision: TurnDecision, text: str, silence_samples: int = 0) -> TurnDecision:
         """A "finished" verdict held against the pause's speculative final (``text_check``):

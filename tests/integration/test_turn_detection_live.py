@@ -10,7 +10,8 @@ The decision rule is also checked on the audio clock (the transcriber fed 20 ms 
 decode awaited), where the outcome does not depend on the machine's load: a two-word fragment
 held through a pause by the fragment hold (and cut without it), a complete request ended at the
 model's first check, a two-word one after the hold, a list held through its comma pauses by
-the continuation hold; and speech over a reply measured as the ASR stage measures it, where a
+the continuation hold, a request the model first calls unfinished ended at a recheck instead
+of the cap; and speech over a reply measured as the ASR stage measures it, where a
 two-part backchannel runs past the barge-in length but its words keep it from cutting the reply.
 """
 
@@ -263,6 +264,19 @@ def test_a_list_is_held_through_its_comma_pauses_and_a_command_ends_after_the_ho
     silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
     assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
     assert 400 <= silence_ms < CAP_MS, silence_ms
+
+
+def test_a_request_the_model_first_calls_unfinished_ends_at_a_recheck_not_the_cap(voice, resources):
+    """Piper's "What is the tallest mountain in the world?" scores about 0.05 at 100 ms of silence
+    and above 0.9 from 500 ms on: without rechecks the turn waits for the cap; with them it ends
+    when the model is asked again (at 100 + 500 ms)."""
+    audio = _say(voice, "What is the tallest mountain in the world?")
+    finals, ended = _audio_clock(SEMANTIC, resources, audio)
+    assert len(finals) == 1 and ended[0].reason == "silence", (finals, ended)
+    finals, ended = _audio_clock(dataclasses.replace(SEMANTIC, recheck_ms=500), resources, audio)
+    silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
+    assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
+    assert 600 <= silence_ms < 800, silence_ms
 
 
 def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:

@@ -301,6 +301,29 @@ def test_words_that_are_not_a_question_wait_for_the_continuation_hold():
     assert off.check_words(off.decide(audio, 0), "Remind me about the dentist.", 1600).complete
 
 
+def test_an_unfinished_verdict_is_asked_again_after_the_recheck_time():
+    # "Why is the sky blue?" on Piper: 0.09 at 100 ms of silence, 0.68 at 500, 0.94 at 700
+    audio = np.zeros(16000, np.float32)
+    ep = SemanticEndpointer(_Scorer(0.1), 0.5, 100, continuation_hold_ms=400, recheck_ms=300)
+    first = ep.decide(audio, 0, silence_samples=1600)
+    assert (first.complete, first.retry_silence_samples) == (False, 1600 + 4800)
+    assert ep.decide(audio, 0, silence_samples=6400).retry_silence_samples == 6400 + 4800
+    # off (the default): an "unfinished" verdict waits for the cap
+    assert SemanticEndpointer(_Scorer(0.1), 0.5, 100).decide(audio, 0, 1600).retry_silence_samples is None
+    # a model that fails is not asked again; a "finished" verdict goes to the words check
+    broken = SemanticEndpointer(_Scorer(RuntimeError("onnx")), 0.5, 100, recheck_ms=300)
+    assert broken.decide(audio, 0, 1600).retry_silence_samples is None
+    finished = SemanticEndpointer(_Scorer(0.9), 0.5, 100, continuation_hold_ms=400, recheck_ms=300)
+    decided = finished.decide(audio, 0, 6400)
+    assert (decided.complete, decided.retry_silence_samples) == (True, None)
+    # a recheck past the continuation hold ends a statement at once; a fragment still waits
+    assert finished.check_words(decided, "Remind me about the dentist.", 6400).complete
+    p = parse_pipeline(_asr_pipeline("{mode: semantic, recheck_ms: 250}"), "t.yaml")
+    assert SemanticEndpointer.from_config(_Scorer(0.1), p.stages[0].turn_detection).recheck_samples == 4000
+    with pytest.raises(ConfigError, match="recheck_ms"):
+        parse_pipeline(_asr_pipeline("{mode: semantic, recheck_ms: -1}"), "t.yaml")
+
+
 @pytest.mark.parametrize(
     ("text", "question"),
     [("How far away is the moon?", True), ("Can you? ", True), ("Play some music.", False), ("", False)],

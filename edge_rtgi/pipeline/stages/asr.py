@@ -176,6 +176,7 @@ class AsrStage(Stage[AsrInput]):
             text_check=turn.text_check,
             fragment_hold_ms=turn.fragment_hold_ms if turn.text_check else None,
             continuation_hold_ms=turn.continuation_hold_ms if turn.text_check else None,
+            recheck_ms=turn.recheck_ms,
         )
         return status, endpointer
 
