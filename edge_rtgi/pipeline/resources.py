@@ -57,6 +57,25 @@ def _run_llm_once(engine: LLMEngine, prompt: Prompt) -> None:
     engine.generate([prompt], SamplingParams(max_tokens=2))
 
 
+def _warm_prompt(stage: AssistantStageConfig | TranslateStageConfig) -> Prompt:
+    """A first request shaped as the stage's own: its fixed part (the system prompt, the
+    translation instruction or the few-shot examples) is what every turn starts with, so
+    warming with it leaves that part in the engine's prefix cache for the first user."""
+    if isinstance(stage, AssistantStageConfig):
+        return [{"role": "system", "content": stage.system_prompt}, {"role": "user", "content": "Hi"}]
+    from edge_rtgi.pipeline.translate import translation_few_shot_prompt, translation_messages
+
+    if stage.prompt == "few-shot":
+        return translation_few_shot_prompt("Hello", stage.source_language, stage.target_language)
+    return translation_messages("Hello", stage.source_language, stage.target_language)
+
+
+def _prompt_key(prompt: Prompt) -> object:
+    if isinstance(prompt, str):
+        return prompt
+    return tuple(tuple(sorted(m.items())) if isinstance(m, dict) else m for m in prompt)
+
+
 def _run_voice_once(voice: TtsEngine) -> None:
     for _ in voice.synthesize_stream("Hello there."):
         pass
@@ -106,7 +125,7 @@ class Resources:
         self._voices: dict[str, TtsEngine] = {}
         self._turn_models: dict[str, TurnModelLoad] = {}
         self._lock = threading.Lock()
-        self._warmed: set[tuple[str, object]] = set()
+        self._warmed: set[tuple[object, ...]] = set()
         self._request_listeners: list[RequestListener] = []
         self._backends: dict[LlmBackendConfig, LlmBackend] = {}
         self.backend_observers = ObserverList()
@@ -239,18 +258,14 @@ class Resources:
                 if stage.turn_detection.mode == "semantic":  # loading runs the model once
                     await asyncio.to_thread(self.turn_model, stage.turn_detection.model)
             elif isinstance(stage, (AssistantStageConfig, TranslateStageConfig)):
-                # warming with the system prompt also puts it in the prefix cache
-                prompt: Prompt = "Hello"
-                if isinstance(stage, AssistantStageConfig):
-                    prompt = [
-                        {"role": "system", "content": stage.system_prompt},
-                        {"role": "user", "content": "Hi"},
-                    ]
+                # once per model and prompt: each stage's fixed prompt part goes into the prefix
+                # cache, not only the first pipeline's
+                prompt = _warm_prompt(stage)
                 for spec in stage.backends:
                     if spec.backend == "local":
                         await asyncio.to_thread(
                             self._warm,
-                            ("llm", spec.model),
+                            ("llm", spec.model, _prompt_key(prompt)),
                             functools.partial(self.llm, spec.model),
                             functools.partial(_run_llm_once, prompt=prompt),
                         )
@@ -282,7 +297,7 @@ class Resources:
             log.info("%s answers at %s", spec.name, spec.base_url)
 
     def _warm(
-        self, key: tuple[str, object], load: Callable[[], _Model], run_once: Callable[[_Model], None]
+        self, key: tuple[object, ...], load: Callable[[], _Model], run_once: Callable[[_Model], None]
     ) -> None:
         """Load, then run one tiny input through the model (once per ``key``): first runs of
         onnxruntime, CTranslate2 and torch pay one-off costs (allocation, kernel selection) that
