@@ -561,11 +561,13 @@ class Scheduler:
         ``fcfs``, with no decode running, a model still learning, or a prompt whose first token
         is due before it could be prefilled at that pace: TTFT comes first then).
 
-        A step on the Python layers pays their fixed cost whatever it carries, so: as many tokens
-        as keep such a step within the target, where at least ``min_prefill_chunk_tokens`` do;
-        else as many as keep a step on the fused path, where at least that many do and that step
-        keeps the target; else no limit: one step that misses the target beats several that
-        each miss it."""
+        First as many tokens as keep the step on the fused path, where at least
+        ``min_prefill_chunk_tokens`` do and that step keeps the target: at these sizes it costs
+        less per prompt token than the Python layers, and it stays well inside the target where a
+        Python-layer step is sized to end right at it (so a prediction a few ms short is a miss).
+        Else, since a step on the Python layers pays their fixed cost whatever it carries, as
+        many tokens as keep such a step within the target, where at least that many do; else no
+        limit: one step that misses the target beats several that each miss it."""
         model = self.step_model
         if not self.slo or model is None or not model.ready:
             return None
@@ -587,14 +589,13 @@ class Scheduler:
             return None
         target_ms = PREFILL_STALL_FACTOR * itl_ms
         floor = self.config.min_prefill_chunk_tokens
-        room = int((target_ms - predict(0, True)) / per_token_ms)
-        if room >= floor:
-            step_ms = predict(room, True)
-        else:
-            room = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
-            step_ms = predict(room, False)
-            if room < floor or step_ms > target_ms:
+        room = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
+        step_ms = predict(room, False)
+        if room < floor or step_ms > target_ms:
+            room = int((target_ms - predict(0, True)) / per_token_ms)
+            if room < floor:
                 return None
+            step_ms = predict(room, True)
         for r in (*self.running, *self.waiting[:4]):
             left = r.num_tokens - r.num_computed_tokens
             # only a first token that can still be on time lifts the cap: under overload a

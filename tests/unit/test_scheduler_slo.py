@@ -184,6 +184,26 @@ def test_prefill_goes_through_fused_steps_where_a_step_on_the_python_layers_woul
     assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 256 - 20
 
 
+def test_prefill_prefers_fused_steps_to_a_python_layer_step_sized_to_the_itl():
+    """Beside one decode (50 ms ITL), a Python-layer step could carry (50 - 27) / 0.5 = 46 prompt
+    tokens and be predicted to end right at the objective; a fused step carries 31 at a
+    predicted 23 ms. The prompt goes through fused steps while their chunk rows fit the keys."""
+    model = trained_model(fixed=5.0, per_row=2.0, per_token=0.5, python_layers=20.0, fused_tokens=32)
+    s = make(model=model, budget=256, num_blocks=1024, max_seqs=32, fused_tokens=32)
+    s.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=500))
+    step(s)
+    s.add_request(req("turn", 60, RequestClass.VOICE, base=100, max_tokens=2))
+    out, _ = step(s)
+    assert {r.request_id: len(r.token_ids) for r in out.scheduled} == {"voice": 1, "turn": 31}
+    # without a fused path the Python-layer step takes what fits the objective
+    plain = make(model=trained_model(fixed=5.0, per_row=2.0, per_token=0.5), budget=256, num_blocks=1024)
+    plain.add_request(req("voice", 4, RequestClass.VOICE, max_tokens=500))
+    step(plain)
+    plain.add_request(req("turn", 60, RequestClass.VOICE, base=100, max_tokens=2))
+    out, _ = step(plain)
+    assert {r.request_id: len(r.token_ids) for r in out.scheduled} == {"voice": 1, "turn": 60}
+
+
 def test_decode_only_steps_are_judged_by_the_fused_decode_limit_not_the_chunk_limit():
     """Decode steps stay on the fused path up to its own row limit (here 64), wider than the
     32 tokens a step with prompt chunks may carry: 40 rows at 1 ms each fit a 50 ms ITL without
