@@ -48,6 +48,10 @@ one model, alternating round by round. Medians over rounds of the step's forward
 its ratio to "chunk" in the same round.
 
     python scripts/bench_cpu_kernels.py --chunk-rows --rounds 15
+
+``--chunk-row-shapes 3:28:176,...`` times other shapes (decodes:chunk:prefix), and
+``--chunk-rows-max-keys N`` lifts the key bound for the "rows" engine, to find where rows stop
+paying.
 """
 
 from __future__ import annotations
@@ -240,6 +244,8 @@ def chunk_rows(loaded, rounds: int, shapes: tuple[tuple[int, int, int], ...] = C
                     pass
                 if shape.prefill_tokens != chunk or shape.decode_rows != decodes:
                     raise RuntimeError(f"the timed step was {shape}, not {decodes} decodes + {chunk} tokens")
+                if name == "rows" and shape.python_layers:
+                    print(f"  note: {decodes}:{chunk}:{prefix_tokens} ran the Python layers as rows")
                 if round_index:
                     times[name, decodes, chunk, prefix_tokens].append(ms)
     for engine in engines.values():
@@ -328,6 +334,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--chunk-rows", action="store_true", help="steps with a prompt chunk: as fused rows or not"
     )
+    ap.add_argument(
+        "--chunk-row-shapes",
+        help="--chunk-rows: decodes:chunk:prefix triples, comma-separated (default: CHUNK_ROW_SHAPES)",
+    )
+    ap.add_argument(
+        "--chunk-rows-max-keys",
+        type=int,
+        help="--chunk-rows: the key bound of the rows engine in this run (default: the runner's)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.int4_attention:
@@ -344,7 +359,15 @@ def main(argv=None) -> int:
     print("weights:", apply_engine_quant(model, args.quant), "activations:", model.dtype, flush=True)
     if args.chunk_rows:
         print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
-        chunk_rows(loaded, args.rounds)
+        if args.chunk_rows_max_keys is not None:
+            import edge_rtgi.llm.runner as runner_module
+
+            runner_module.CHUNK_ROWS_MAX_KEYS = args.chunk_rows_max_keys
+        shapes = CHUNK_ROW_SHAPES
+        if args.chunk_row_shapes:
+            triples = (t.split(":") for t in args.chunk_row_shapes.split(","))
+            shapes = tuple((int(d), int(n), int(p)) for d, n, p in triples)
+        chunk_rows(loaded, args.rounds, shapes)
         return 0
     if args.multi_row:
         print("kernels:", cpu_ops.build_info(), "threads:", torch.get_num_threads(), flush=True)
