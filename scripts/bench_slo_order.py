@@ -57,6 +57,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         mixed_rate_scales=tuple(float(s) for s in args.scales.split(",")),
         mixed_duration_s=args.duration,
         mixed_rounds=args.rounds,
+        warm_start=not args.cold_start,
     )
     models = load_models(cfg)
     policies = args.policies.split(",")
@@ -90,7 +91,9 @@ async def main_async(args: argparse.Namespace) -> dict:
                 for policy in names[turn % len(names) :] + names[: turn % len(names)]:
                     workloads = mixed_workloads(cfg, scale, seed=cfg.seed + rnd)
                     load0 = os.getloadavg()
-                    results = await run_mixed_once(engines[policy], models, workloads)
+                    results = await run_mixed_once(
+                        engines[policy], models, workloads, warm_start=cfg.warm_start
+                    )
                     run = summarise_run(policy, scale, rnd, workloads, results)
                     runs.append(run)
                     loads.append(
@@ -136,6 +139,9 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated: " + ", ".join(POLICIES))
     ap.add_argument(
         "--kernel-rows", default="", help="multi-row kernel limits to compare (16,32); default: as loaded"
+    )
+    ap.add_argument(
+        "--cold-start", action="store_true", help="each run from an empty prefix cache (before 2026-12-06)"
     )
     args = ap.parse_args()
     started, load0 = time.monotonic(), os.getloadavg()

@@ -19,7 +19,7 @@ from typing import Any
 
 from edge_rtgi.bench.budgets import BudgetPolicy
 from edge_rtgi.bench.loadgen import LoadResult, run_load
-from edge_rtgi.bench.suite import BenchConfig, Models, make_engine, warm_up
+from edge_rtgi.bench.suite import BenchConfig, Models, make_engine, warm_prompt_prefix, warm_up
 from edge_rtgi.bench.targets import EngineTarget
 from edge_rtgi.bench.workloads import Workload, get_workload, prepare
 
@@ -80,19 +80,22 @@ def mixed_workloads(cfg: BenchConfig, rate_scale: float, seed: int) -> list[Work
 
 
 async def run_mixed_once(
-    engine: Any, models: Models, workloads: list[Workload], budgets: BudgetPolicy | None = None
+    engine: Any,
+    models: Models,
+    workloads: list[Workload],
+    budgets: BudgetPolicy | None = None,
+    warm_start: bool = True,
 ) -> list[LoadResult]:
-    """Every workload driven at once against ``engine``; one result each."""
+    """Every workload driven at once against ``engine``; one result each. With ``warm_start``
+    each workload's shared prompt prefix is computed first (``suite.warm_prompt_prefix``)."""
+    requests = [prepare(w, models.optimised.tokenizer) for w in workloads]
     engine.reset_prefix_cache()
+    for reqs in requests:
+        if warm_start:
+            warm_prompt_prefix(engine, reqs)
     target = EngineTarget(engine, budgets=budgets)
-    return list(
-        await asyncio.gather(
-            *(
-                run_load(target, prepare(w, models.optimised.tokenizer), w.load, workload=w.name)
-                for w in workloads
-            )
-        )
-    )
+    runs = (run_load(target, r, w.load, workload=w.name) for w, r in zip(workloads, requests, strict=True))
+    return list(await asyncio.gather(*runs))
 
 
 def summarise_run(
@@ -142,7 +145,7 @@ async def run_mixed_section(models: Models, cfg: BenchConfig) -> dict:
                     workloads = mixed_workloads(cfg, scale, seed=cfg.seed + rnd)
                     log.info("bench: mixed load x%.3g, %s, round %d", scale, policy, rnd + 1)
                     results = await run_mixed_once(
-                        engines[policy], models, workloads, cfg.optimisations.budgets
+                        engines[policy], models, workloads, cfg.optimisations.budgets, cfg.warm_start
                     )
                     runs.append(summarise_run(policy, scale, rnd, workloads, results))
         step_models = {p: asdict(e.step_model.snapshot()) for p, e in engines.items()}

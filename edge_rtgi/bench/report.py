@@ -236,6 +236,13 @@ def _conditions(results: dict) -> list[str]:
         "- Decoding: greedy everywhere. Each load run is one seeded run; latency percentiles are over its "
         "requests (tokens for ITL). Batch-1 figures are medians of "
         f"{cfg['decode_runs']} runs after a warm-up.",
+        # results saved before the field existed started cold
+        "- Each load run starts "
+        + (
+            "with its requests' shared prompt prefix in the prefix cache, as a serving daemon has it."
+            if cfg.get("warm_start", False)
+            else "from an empty prefix cache."
+        ),
         "",
     ]
     return lines

@@ -87,6 +87,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-rounds", type=int, help="mixed load: runs per policy and scale")
     p.add_argument("--threads", type=int, help="threads for every engine (default 2)")
     p.add_argument("--seed", type=int, help="load-generator seed offset")
+    p.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="start each load run from an empty prefix cache (default: the requests' shared prompt "
+        "prefix computed first, as a serving daemon has it)",
+    )
     p.add_argument("--ramp-requests", type=int, help="requests per ramp stage")
     p.add_argument(
         "--ramp-rates",
@@ -204,6 +210,8 @@ def build_config(args: argparse.Namespace) -> BenchConfig:
     }
     if args.no_prefix_caching:
         opt_changes["prefix_caching"] = False
+    if args.cold_start:
+        changes["warm_start"] = False
     try:
         cfg = replace(cfg, **changes, optimisations=replace(opt, **opt_changes))
         for name in cfg.workloads:

@@ -155,3 +155,31 @@ async def test_engine_and_plain_targets_give_the_same_greedy_text(tiny):
     assert all(t.ok for t in batched.traces + plain.traces)
     assert {t.prompt_key: t.token_ids for t in batched.traces} == by_key
     assert batched.kv_blocks_total == 64 and batched.kv_blocks_peak is not None
+
+
+async def test_a_warm_start_has_the_shared_prompt_prefix_cached_before_the_first_request(tiny):
+    """``start_load_run`` with ``warm``: the run's first request already finds the prefix its
+    prompts share in the prefix cache, as on a daemon after start-up; cold, it finds nothing."""
+    from edge_rtgi.bench.suite import shared_prompt_prefix, start_load_run
+    from edge_rtgi.llm.engine import LLMEngine
+    from edge_rtgi.llm.engine_config import EngineConfig
+
+    system = tiny.tokenizer.encode("You are a helpful voice assistant. Answer in one short sentence.")
+    reqs = [
+        PreparedRequest(
+            key=f"k{i}", workload="w", max_tokens=4, prompt_token_ids=tuple(system + tiny.tokenizer.encode(q))
+        )
+        for i, q in enumerate([" what time is it", " how far is the moon"])
+    ]
+    assert shared_prompt_prefix(reqs) == tuple(system)
+    spec = LoadSpec(pattern="poisson", rate_rps=1.0, num_requests=1, max_duration_s=30.0)
+    engine = LLMEngine.from_loaded(tiny, EngineConfig(dtype="fp32", num_kv_blocks=64, block_size=4))
+    try:
+        cached = {}
+        for warm in (True, False):
+            assert start_load_run(engine, reqs, warm) == (len(system) if warm else 0)
+            result = await run_load(EngineTarget(engine), reqs, spec)
+            cached[warm] = result.traces[0].cached_tokens
+    finally:
+        engine.shutdown()
+    assert cached == {True: len(system) // 4 * 4, False: 0}
