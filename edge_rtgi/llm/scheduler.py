@@ -27,8 +27,8 @@ Two policies (``SchedulerConfig.policy``):
   ``StepTimeModel`` it also (a) sizes each step's prefill tokens so that the running decodes'
   predicted step stays within their tightest ITL objective (at least
   ``min_prefill_chunk_tokens``, so prompts always advance; in steps that stay on the fused CPU
-  path where one on the Python layers cannot keep it; with no limit where neither can, as
-  several small steps on the Python layers would each miss it), and (b) admits a new request only
+  path where one can, else on the Python layers; with no limit where neither can, as several
+  small steps on the Python layers would each miss it), and (b) admits a new request only
   while the predicted decode step with one more row stays within the tightest ITL SLO, so
   those running keep their SLO instead of all missing it together. A waiting request may
   preempt a running one of a strictly lower class (for blocks or for a row); that can only move
@@ -589,22 +589,27 @@ class Scheduler:
             return None
         target_ms = PREFILL_STALL_FACTOR * itl_ms
         floor = self.config.min_prefill_chunk_tokens
-        room = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
-        step_ms = predict(room, False)
-        if room < floor or step_ms > target_ms:
-            room = int((target_ms - predict(0, True)) / per_token_ms)
-            if room < floor:
-                return None
-            step_ms = predict(room, True)
-        for r in (*self.running, *self.waiting[:4]):
-            left = r.num_tokens - r.num_computed_tokens
-            # only a first token that can still be on time lifts the cap: under overload a
-            # late one would only take the running streams down with it
-            if r.last_token_time_s is None and left > 1 and r.ttft_deadline_s > now:
-                steps = -(-left // room)  # ceil: steps this prompt needs at the capped pace
-                if (r.ttft_deadline_s - now) * 1e3 < steps * step_ms:
-                    return None
-        return room
+        fused = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
+        python = int((target_ms - predict(0, True)) / per_token_ms)
+        # (tokens, predicted ms) of each step size that carries enough and keeps the target
+        sizes = [(fused, predict(fused, False)), (python, predict(python, True))]
+        sizes = [(n, ms) for n, ms in sizes if n >= floor and ms <= target_ms]
+        # a first token that would be late at one size may be on time at the other (a Python-layer
+        # step under a loose objective carries more per ms); only when it is late at every size
+        # is the cap lifted. Only a first token that can still be on time lifts it: under
+        # overload a late one would only take the running streams down with it.
+        first_tokens = [
+            (r.num_tokens - r.num_computed_tokens, (r.ttft_deadline_s - now) * 1e3)
+            for r in (*self.running, *self.waiting[:4])
+            if r.last_token_time_s is None
+            and r.num_tokens - r.num_computed_tokens > 1
+            and r.ttft_deadline_s > now
+        ]
+        for room, step_ms in sizes:
+            # ceil(left / room): steps the prompt needs at this pace
+            if all(slack_ms >= -(-left // room) * step_ms for left, slack_ms in first_tokens):
+                return room
+        return None
 
     def _row_fits(self, req: Request, num_new: dict[str, int]) -> bool:
         """Whether one more decoding request keeps the predicted decode step within the tightest

@@ -51,12 +51,13 @@ def make(
     order="edf",
     fused_tokens=0,
     fused_decode_rows=None,
+    max_model_len=512,
 ):
     kv = KVCacheManager(num_blocks, block_size)
     cfg = SchedulerConfig(
         budget,
         max_seqs,
-        512,
+        max_model_len,
         True,
         policy=policy,
         slo_waiting_order=order,
@@ -202,6 +203,20 @@ def test_prefill_prefers_fused_steps_to_a_python_layer_step_sized_to_the_itl():
     plain.add_request(req("turn", 60, RequestClass.VOICE, base=100, max_tokens=2))
     out, _ = step(plain)
     assert {r.request_id: len(r.token_ids) for r in out.scheduled} == {"voice": 1, "turn": 60}
+
+
+def test_a_first_token_late_at_the_fused_pace_takes_the_python_layer_size_before_no_cap():
+    """Beside a decode with a loose 200 ms ITL, a 600-token prompt due in 440 ms: 31-token fused
+    steps (22.5 ms each) would take 20 steps, 450 ms; Python-layer steps of 346 tokens (200 ms)
+    take two, 400 ms. The cap is the Python-layer size, not lifted for one 600-token step."""
+    model = trained_model(fixed=5.0, per_row=2.0, per_token=0.5, python_layers=20.0, fused_tokens=32)
+    s = make(model=model, budget=1024, num_blocks=1024, max_seqs=32, fused_tokens=32, max_model_len=2048)
+    s.add_request(req("bulk", 4, RequestClass.BULK, max_tokens=500, slo=RequestSLO(2000, 200)))
+    step(s)
+    s.add_request(req("due", 600, RequestClass.BULK, base=100, max_tokens=2, slo=RequestSLO(440, 200)))
+    out, _ = step(s)
+    sizes = {r.request_id: len(r.token_ids) for r in out.scheduled}
+    assert sizes["bulk"] == 1 and 340 <= sizes["due"] <= 350, sizes  # the fit is not exact to a token
 
 
 def test_decode_only_steps_are_judged_by_the_fused_decode_limit_not_the_chunk_limit():
