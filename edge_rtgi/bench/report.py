@@ -240,7 +240,7 @@ def _conditions(results: dict) -> list[str]:
         "- Each load run starts "
         + (
             "with its requests' shared prompt prefix in the prefix cache, as a serving daemon has it."
-            if cfg.get("warm_start", False)
+            if cfg.get("warm_start", False) and opt["prefix_caching"]
             else "from an empty prefix cache."
         ),
         "",

@@ -314,11 +314,13 @@ def warm_up(engine: Any, tokenizer: Any) -> None:
 
 
 def shared_prompt_prefix(requests: Sequence[PreparedRequest]) -> tuple[int, ...]:
-    """The longest run of prompt tokens every one of ``requests`` starts with."""
+    """The longest run of prompt tokens every one of ``requests`` starts with, short of a whole
+    prompt (a warm start must leave each request its own tokens to compute); empty for fewer
+    than two requests."""
     prompts = [r.prompt_token_ids for r in requests]
-    if not prompts:
+    if len(prompts) < 2:
         return ()
-    n = min(len(p) for p in prompts)
+    n = min(len(p) for p in prompts) - 1
     for i, token in enumerate(prompts[0][:n]):
         if any(p[i] != token for p in prompts):
             return prompts[0][:i]
@@ -328,8 +330,8 @@ def shared_prompt_prefix(requests: Sequence[PreparedRequest]) -> tuple[int, ...]
 def warm_prompt_prefix(engine: Any, requests: Sequence[PreparedRequest]) -> int:
     """Compute the prompt prefix all ``requests`` share once, into the prefix cache, as the
     daemon's ``Resources.prepare`` does for each pipeline's fixed prompt part at start-up.
-    Returns its length in tokens (0: they share none)."""
-    prefix = shared_prompt_prefix(requests)
+    Returns its length in tokens (0: they share none, or the engine caches no prefixes)."""
+    prefix = shared_prompt_prefix(requests) if engine.config.enable_prefix_caching else ()
     if prefix:
         from edge_rtgi.llm.sampling import SamplingParams
 
