@@ -323,10 +323,13 @@ class TurnDetectionConfig:
             ms = getattr(self, name)
             if ms is not None and not 32 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [32, 10000] ms, got {ms}")
-        for name in ("fragment_hold_ms", "continuation_hold_ms", "recheck_ms"):
+        for name in ("fragment_hold_ms", "continuation_hold_ms"):
             ms = getattr(self, name)
             if not 0 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [0, 10000] ms, got {ms}")
+        # at most one model run per 32 ms of audio, as for the check time
+        if self.recheck_ms != 0 and not 32 <= self.recheck_ms <= 10_000:
+            raise ValueError(f"recheck_ms must be 0 (off) or in [32, 10000] ms, got {self.recheck_ms}")
         if not 0 <= self.barge_in_min_speech_ms <= 10_000:
             raise ValueError(
                 f"barge_in_min_speech_ms must be in [0, 10000] ms, got {self.barge_in_min_speech_ms}"

@@ -313,15 +313,19 @@ def test_an_unfinished_verdict_is_asked_again_after_the_recheck_time():
     # a model that fails is not asked again; a "finished" verdict goes to the words check
     broken = SemanticEndpointer(_Scorer(RuntimeError("onnx")), 0.5, 100, recheck_ms=300)
     assert broken.decide(audio, 0, 1600).retry_silence_samples is None
-    finished = SemanticEndpointer(_Scorer(0.9), 0.5, 100, continuation_hold_ms=400, recheck_ms=300)
+    finished = SemanticEndpointer(
+        _Scorer(0.9), 0.5, 100, fragment_hold_ms=600, continuation_hold_ms=400, recheck_ms=300
+    )
     decided = finished.decide(audio, 0, 6400)
     assert (decided.complete, decided.retry_silence_samples) == (True, None)
     # a recheck past the continuation hold ends a statement at once; a fragment still waits
     assert finished.check_words(decided, "Remind me about the dentist.", 6400).complete
+    assert finished.check_words(decided, "Add milk.", 6400).retry_silence_samples == 9600
     p = parse_pipeline(_asr_pipeline("{mode: semantic, recheck_ms: 250}"), "t.yaml")
     assert SemanticEndpointer.from_config(_Scorer(0.1), p.stages[0].turn_detection).recheck_samples == 4000
-    with pytest.raises(ConfigError, match="recheck_ms"):
-        parse_pipeline(_asr_pipeline("{mode: semantic, recheck_ms: -1}"), "t.yaml")
+    for bad in (-1, 10):
+        with pytest.raises(ConfigError, match="recheck_ms"):
+            parse_pipeline(_asr_pipeline(f"{{mode: semantic, recheck_ms: {bad}}}"), "t.yaml")
 
 
 @pytest.mark.parametrize(
