@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("fcfs", "slo")
 SUSTAINED_ATTAINMENT = 0.9
+RATIO_RESAMPLES = 2000  # paired bootstrap of the slo / fcfs attainment ratio over rounds
 
 
 @dataclass(frozen=True)
@@ -193,11 +195,43 @@ def summarise_policies(runs: list[MixedRun]) -> dict:
     for key, row in table.get("slo", {}).get("scales", {}).items():
         base = table["fcfs"]["scales"].get(key)
         if base:
+            low, high = attainment_ratio_interval([r for r in runs if r.rate_scale == row["rate_scale"]]) or (
+                None,
+                None,
+            )
             ratios[key] = {
                 "attainment": row["attainment"] / base["attainment"] if base["attainment"] else None,
+                "attainment_low": low,
+                "attainment_high": high,
                 "goodput": row["goodput_rps"] / base["goodput_rps"] if base["goodput_rps"] else None,
             }
     return {"policies": table, "slo_over_fcfs": ratios}
+
+
+def attainment_ratio_interval(
+    runs: list[MixedRun], resamples: int = RATIO_RESAMPLES, seed: int = 0
+) -> tuple[float, float | None] | None:
+    """95 % interval of the pooled attainment ratio slo / fcfs at one scale, by a paired bootstrap
+    over rounds: round i of both policies had the same arrivals, so they are drawn together. A
+    single run moves by tens of points on a shared machine, and the interval says how far the
+    rounds' ratio can be trusted. None with fewer than two paired rounds; the upper end is None
+    (unbounded) when fcfs met nothing in more than 2.5 % of the resamples."""
+    by_round: dict[int, dict[str, MixedRun]] = {}
+    for r in runs:
+        by_round.setdefault(r.round, {})[r.policy] = r
+    pairs = [(p["slo"], p["fcfs"]) for p in by_round.values() if "slo" in p and "fcfs" in p]
+    if len(pairs) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        pick = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        slo = sum(a.met_slo for a, _ in pick) / max(1, sum(a.sent for a, _ in pick))
+        fcfs = sum(b.met_slo for _, b in pick) / max(1, sum(b.sent for _, b in pick))
+        ratios.append(slo / fcfs if fcfs else (math.inf if slo else 1.0))
+    ratios.sort()
+    low, high = ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+    return low, (None if math.isinf(high) else high)
 
 
 def _median(values: list[float | None]) -> float | None:

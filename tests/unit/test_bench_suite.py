@@ -87,3 +87,32 @@ async def test_mixed_load_runs_both_policies_and_reports(tiny_folder, tmp_path, 
     assert set(table["slo"]["scales"]) == {"1"} and mixed["step_model"]["slo"]["num_observations"] > 0
     report = write_report(json.loads(json.dumps(results, default=str)), tmp_path / "out")
     assert "## Mixed load: every workload at once" in report.read_text()
+
+
+def _mixed_run(policy: str, rnd: int, met: int, sent: int = 100):
+    from edge_rtgi.bench.mixed import ClassResult, MixedRun
+
+    voice = ClassResult("voice", "voice", sent, met, 100.0, 30.0, met / 20.0, 20.0)
+    return MixedRun(policy, 1.0, rnd, 8.0, sent, met, met / 20.0, (voice,))
+
+
+def test_the_slo_over_fcfs_ratio_comes_with_a_paired_bootstrap_interval_over_rounds():
+    from edge_rtgi.bench.mixed import attainment_ratio_interval, summarise_policies
+
+    # the same 1.5x in every round: the interval is that point
+    steady = [_mixed_run("slo", i, 60) for i in range(4)] + [_mixed_run("fcfs", i, 40) for i in range(4)]
+    assert attainment_ratio_interval(steady) == pytest.approx((1.5, 1.5))
+    # rounds that disagree (the machine, not the policy): a wide interval around the pooled 1.5x
+    noisy = [_mixed_run("slo", i, m) for i, m in enumerate((70, 50, 65, 55))]
+    noisy += [_mixed_run("fcfs", i, m) for i, m in enumerate((20, 60, 30, 50))]
+    low, high = attainment_ratio_interval(noisy)
+    assert low < 1.0 < 1.5 < high
+    ratio = summarise_policies(noisy)["slo_over_fcfs"]["1"]
+    assert ratio["attainment"] == pytest.approx(240 / 160)
+    assert (ratio["attainment_low"], ratio["attainment_high"]) == (low, high)
+    # fcfs meeting nothing in some resamples leaves the upper end unbounded; one round, no interval
+    zero = [_mixed_run("slo", i, 30) for i in range(3)] + [
+        _mixed_run("fcfs", i, m) for i, m in enumerate((0, 0, 10))
+    ]
+    assert attainment_ratio_interval(zero)[1] is None
+    assert attainment_ratio_interval([_mixed_run("slo", 0, 5), _mixed_run("fcfs", 0, 5)]) is None
