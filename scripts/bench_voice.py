@@ -663,13 +663,16 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         update["turn_detection"] = {"mode": "silence"}
     elif mode == "model-only":
         update["turn_detection"] = {"text_check": False}
+    elif _recheck_ms(mode) is not None:
+        update["turn_detection"] = {"recheck_ms": _recheck_ms(mode)}
     if update:
         await c.send(type="session.update", session=update)
         updated = (await c.wait_type("session.updated", timeout=30))["session"]
         # the effective settings; the turn_detection_status beside them can still be the old one
         # (the ASR stage rebuilds its transcriber after the reply)
         want = {"silence": ("silence", None), "model-only": (None, False)}.get(mode, (None, None))
-        if (updated.get("turn_mode"), updated.get("turn_text_check")) != want:
+        got = (updated.get("turn_mode"), updated.get("turn_text_check"))
+        if got != want or updated.get("turn_recheck_ms") != _recheck_ms(mode):
             raise RuntimeError(f"asked for {mode} turn detection, the session has {updated}")
     return c
 
@@ -822,10 +825,18 @@ def _slice(items: list, spec: str | None) -> list[tuple[int, object]]:
     return pairs[int(a or 0) : int(b) if b else None]
 
 
+def _recheck_ms(mode: str) -> int | None:
+    """``recheck-<ms>``: semantic with ``session.update`` turn_detection recheck_ms <ms>."""
+    ms = mode.removeprefix("recheck-")
+    return int(ms) if mode.startswith("recheck-") and ms.isdigit() else None
+
+
 async def run_turn_taking(args: argparse.Namespace) -> int:
     """``--turn-taking PART``: each selected item in every mode, rotating which goes first."""
-    if not set(args.turn_modes) <= set(TURN_MODES):
-        raise SystemExit(f"through the daemon --turn-modes takes some of {','.join(TURN_MODES)}")
+    if not all(m in TURN_MODES or _recheck_ms(m) is not None for m in args.turn_modes):
+        raise SystemExit(
+            f"through the daemon --turn-modes takes some of {','.join(TURN_MODES)} and recheck-<ms>"
+        )
     data = load_turn_set()
     voices = turn_voices()
     load_start = os.getloadavg()[0]
@@ -926,10 +937,8 @@ def summarize_turns(results: list[dict]) -> dict:
         out["parts"].setdefault(res["part"], []).extend(res["rows"])
     summary: dict = {"runs": out["runs"]}
     for part, rows in out["parts"].items():
-        for mode in TURN_MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             rs = [r for r in rows if r["mode"] == mode]
-            if not rs:
-                continue
             if part.endswith("complete"):
                 s = {"n": len(rs)}
                 for key in (

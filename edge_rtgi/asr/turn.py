@@ -360,6 +360,7 @@ class TurnDetectionConfig:
         max_silence_ms: int | None = None,
         threshold: float | None = None,
         text_check: bool | None = None,
+        recheck_ms: int | None = None,
     ) -> TurnDetectionConfig:
         """This config with a session's settings on top (None keeps the pipeline's); ValueError
         names the key when the result is inconsistent. A switch to the other mode drops the
@@ -375,6 +376,7 @@ class TurnDetectionConfig:
             max_silence_ms=base_max if max_silence_ms is None else max_silence_ms,
             threshold=self.threshold if threshold is None else threshold,
             text_check=self.text_check if text_check is None else text_check,
+            recheck_ms=self.recheck_ms if recheck_ms is None else recheck_ms,
         )
 
     def silence_ms(self, vad_min_silence_ms: int) -> int:
@@ -394,6 +396,7 @@ class TurnDetectionUpdate:
     max_silence_ms: int | None = None
     threshold: float | None = None
     text_check: bool | None = None
+    recheck_ms: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -404,6 +407,7 @@ class TurnDetectionUpdate:
             min_silence_ms=self.min_silence_ms,
             max_silence_ms=self.max_silence_ms,
             threshold=0.5 if self.threshold is None else self.threshold,
+            recheck_ms=self.recheck_ms or 0,
         )
         if self.max_silence_ms is not None and self.min_silence_ms is not None:
             if self.max_silence_ms < self.min_silence_ms:

@@ -89,6 +89,13 @@ def test_session_update_takes_the_object_and_names_bad_keys():
     assert s.turn_config(TurnDetectionConfig(mode="semantic")).text_check is True  # the default
     with pytest.raises(ConfigError, match=r"session\.turn_detection.*text_check"):
         SessionSettings().merged({"turn_detection": {"text_check": "no"}})
+    # rechecks per session: on over a pipeline that has them off, and a bad value named
+    rechecked = SessionSettings().merged({"turn_detection": {"recheck_ms": 500}})
+    assert rechecked.turn_recheck_ms == 500
+    assert rechecked.turn_config(TurnDetectionConfig(mode="semantic")).recheck_ms == 500
+    assert s.turn_config(TurnDetectionConfig(mode="semantic", recheck_ms=300)).recheck_ms == 300
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*recheck_ms"):
+        SessionSettings().merged({"turn_detection": {"recheck_ms": 5}})
 
 
 def test_realtime_semantic_vad_maps_eagerness():
