@@ -826,7 +826,8 @@ def _slice(items: list, spec: str | None) -> list[tuple[int, object]]:
 
 
 def _recheck_ms(mode: str) -> int | None:
-    """``recheck-<ms>``: semantic with ``session.update`` turn_detection recheck_ms <ms>."""
+    """The <ms> of a ``recheck-<ms>`` mode (semantic with turn_detection recheck_ms <ms>: a
+    ``session.update`` through the daemon, the config on the audio clock), else None."""
     ms = mode.removeprefix("recheck-")
     return int(ms) if mode.startswith("recheck-") and ms.isdigit() else None
 
@@ -1018,9 +1019,7 @@ AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold", "no-continuation-hold", "r
 
 
 def _audio_clock_mode_known(mode: str) -> bool:
-    if mode.startswith("recheck-"):
-        return mode.removeprefix("recheck-").isdigit()
-    return mode in AUDIO_CLOCK_MODES
+    return mode in AUDIO_CLOCK_MODES or _recheck_ms(mode) is not None
 
 
 PROBE_SILENCE_MS = (100, 200, 300, 500, 700, 1000)
@@ -1056,8 +1055,8 @@ def offline_transcribe(
         turn = dataclasses.replace(turn, fragment_hold_ms=0, continuation_hold_ms=0)
     elif mode == "no-continuation-hold":  # the rule before the continuation hold
         turn = dataclasses.replace(turn, continuation_hold_ms=0)
-    elif mode.startswith("recheck-"):
-        turn = dataclasses.replace(turn, recheck_ms=int(mode.removeprefix("recheck-")))
+    elif (recheck_ms := _recheck_ms(mode)) is not None:
+        turn = dataclasses.replace(turn, recheck_ms=recheck_ms)
     elif mode == "silence":
         turn = turn.with_overrides(mode="silence")
     decisions: list[dict] = []

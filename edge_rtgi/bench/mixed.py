@@ -92,8 +92,8 @@ async def run_mixed_once(
     each workload's shared prompt prefix is computed first (``suite.warm_prompt_prefix``)."""
     requests = [prepare(w, models.optimised.tokenizer) for w in workloads]
     engine.reset_prefix_cache()
-    for reqs in requests:
-        if warm_start:
+    if warm_start:
+        for reqs in requests:
             warm_prompt_prefix(engine, reqs)
     target = EngineTarget(engine, budgets=budgets)
     runs = (run_load(target, r, w.load, workload=w.name) for w, r in zip(workloads, requests, strict=True))
@@ -195,10 +195,8 @@ def summarise_policies(runs: list[MixedRun]) -> dict:
     for key, row in table.get("slo", {}).get("scales", {}).items():
         base = table["fcfs"]["scales"].get(key)
         if base:
-            low, high = attainment_ratio_interval([r for r in runs if r.rate_scale == row["rate_scale"]]) or (
-                None,
-                None,
-            )
+            scale_runs = [r for r in runs if r.rate_scale == row["rate_scale"]]
+            low, high = attainment_ratio_interval(scale_runs) or (None, None)
             ratios[key] = {
                 "attainment": row["attainment"] / base["attainment"] if base["attainment"] else None,
                 "attainment_low": low,

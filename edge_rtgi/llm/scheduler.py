@@ -598,13 +598,11 @@ class Scheduler:
         # step under a loose objective carries more per ms); only when it is late at every size
         # is the cap lifted. Only a first token that can still be on time lifts it: under
         # overload a late one would only take the running streams down with it.
-        first_tokens = [
-            (r.num_tokens - r.num_computed_tokens, (r.ttft_deadline_s - now) * 1e3)
-            for r in (*self.running, *self.waiting[:4])
-            if r.last_token_time_s is None
-            and r.num_tokens - r.num_computed_tokens > 1
-            and r.ttft_deadline_s > now
-        ]
+        first_tokens = []  # (prompt tokens left, ms until the first token is due)
+        for r in (*self.running, *self.waiting[:4]):
+            left = r.num_tokens - r.num_computed_tokens
+            if r.last_token_time_s is None and left > 1 and r.ttft_deadline_s > now:
+                first_tokens.append((left, (r.ttft_deadline_s - now) * 1e3))
         for room, step_ms in sizes:
             # ceil(left / room): steps the prompt needs at this pace
             if all(slack_ms >= -(-left // room) * step_ms for left, slack_ms in first_tokens):
