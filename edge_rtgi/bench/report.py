@@ -519,7 +519,8 @@ def _step_model_line(policy: str, m: dict) -> str:
         f"{_f(c[3], 2)} ms/1k context tokens"
         + (f" + {_f(c[4], 1)} ms on the Python layers" if len(c) > 4 else "")
         + f", error {_f(m['error_ms'], 1)} ms ({_f(m['error_pct'], 0)} %) "
-        f"over {m['num_observations']} steps"
+        + (f"(p97 overshoot {_f(m['overshoot_ms'], 1)} ms) " if "overshoot_ms" in m else "")
+        + f"over {m['num_observations']} steps"
     )
 
 

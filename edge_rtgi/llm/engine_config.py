@@ -253,6 +253,7 @@ class EngineStats:
     num_waiting: int = 0
     num_row_deferrals: int = 0  # admissions the slo policy held back for running decodes' ITL
     num_refused_busy: int = 0  # requests the slo admission refused as busy
+    num_lifts_held: int = 0  # steps whose prefill cap the slo policy kept for streams' ITL
     num_prefix_waits: int = 0  # admissions put off a step to reuse a prefix another was computing
     # speculative decoding: draft tokens verified, and accepted (edge_rtgi.llm.speculative)
     spec_draft_tokens: int = 0
@@ -265,6 +266,7 @@ class EngineStats:
     step_model_python_layers_ms: float = 0.0
     step_model_error_ms: float = 0.0
     step_model_error_pct: float = 0.0
+    step_model_overshoot_ms: float = 0.0  # the margin the slo policy plans steps with
     step_model_observations: int = 0
 
     @property
@@ -299,6 +301,7 @@ class EngineStats:
             num_row_deferrals=scheduler.num_row_deferrals,
             num_prefix_waits=scheduler.num_prefix_waits,
             num_refused_busy=scheduler.num_refused_busy,
+            num_lifts_held=scheduler.num_lifts_held,
             spec_draft_tokens=scheduler.num_draft_tokens,
             spec_accepted_tokens=scheduler.num_accepted_draft_tokens,
             num_preemptions=scheduler.num_preemptions,
@@ -321,6 +324,7 @@ class EngineStats:
             step_model_python_layers_ms=python_layers,
             step_model_error_ms=step_model.error_ms,
             step_model_error_pct=step_model.error_pct,
+            step_model_overshoot_ms=step_model.overshoot_ms,
             step_model_observations=step_model.num_observations,
         )
 

@@ -12,6 +12,7 @@ gap ``num_tokens - num_computed_tokens``; a step that closes it entirely samples
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -75,6 +76,11 @@ class RequestSLO:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of milliseconds > 0, got {value!r}")
+
+
+# The share of a request's inter-token gaps that must keep ``RequestSLO.itl_ms``, in percent: the
+# objective is judged at this percentile of the gaps (as the benchmark judges it), not on every gap.
+ITL_PERCENTILE = 95.0
 
 
 # Defaults per class: the interactive ones from the workload table in docs/benchmarks.md; bulk
@@ -146,6 +152,9 @@ class Request:
     num_preemptions: int = 0
     # When the last token was sampled (the ITL clock; None before the first token).
     last_token_time_s: float | None = None
+    # When the first token was sampled, and the gaps between tokens longer than the ITL objective.
+    first_token_time_s: float | None = None
+    num_late_gaps: int = 0
     error: str | None = None
     # Chained hashes of this request's full blocks, filled lazily by the KV manager and kept
     # across preemption so that recomputation finds its own blocks again.
@@ -176,6 +185,27 @@ class Request:
         if self.last_token_time_s is None:
             return self.ttft_deadline_s - now_s
         return self.last_token_time_s + self.objective.itl_ms / 1e3 - now_s
+
+    @property
+    def late_gaps_allowed(self) -> int:
+        """How many gaps past the ITL objective leave the ``ITL_PERCENTILE``-th percentile gap
+        (linear interpolation) of a reply of ``max_tokens`` tokens within it: the gaps above the
+        percentile's rank may be late, no others (none in a 16-token reply, one in 32, two in 48)."""
+        gaps = self.max_tokens - 1
+        if gaps < 1:
+            return 0
+        return gaps - 1 - math.ceil(ITL_PERCENTILE / 100.0 * (gaps - 1))
+
+    def can_take_late_gap(self) -> bool:
+        """Whether one more late gap would still leave the ITL objective kept."""
+        return self.num_late_gaps < self.late_gaps_allowed
+
+    @property
+    def missed_objective(self) -> bool:
+        """Whether the SLO is already lost: the first token came late, or more gaps were late than
+        the ITL percentile allows."""
+        late_first = self.first_token_time_s is not None and self.first_token_time_s > self.ttft_deadline_s
+        return late_first or self.num_late_gaps > self.late_gaps_allowed
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -24,17 +24,19 @@ Two policies (``SchedulerConfig.policy``):
   behind the others, by class (voice, translation, dialogue, bulk), then deadline. Those still
   on time go by class, then deadline (``slo_waiting_order: class``, the default) or by deadline
   alone across classes (``edf``). Running decodes by ITL slack. With a ready
-  ``StepTimeModel`` it also (a) sizes each step's prefill tokens so that the running decodes'
-  predicted step stays within their tightest ITL objective (at least
-  ``min_prefill_chunk_tokens``, so prompts always advance; in steps that stay on the fused CPU
-  path where one can, else on the Python layers; with no limit where neither can, as several
-  small steps on the Python layers would each miss it), and (b) admits a new request only
-  while the predicted decode step with one more row stays within the tightest ITL SLO, so
-  those running keep their SLO instead of all missing it together. A waiting request may
-  preempt a running one of a strictly lower class (for blocks or for a row); that can only move
-  work to lower classes, and a request preempted so sits out the rest of that step, so it
-  cannot cycle. Late requests going behind is what sheds an overload instead of making
-  everyone late; EDF among the others is what meets the most deadlines while they can be met.
+  ``StepTimeModel`` it plans steps to their tightest ITL objective less the model's overshoot,
+  and (a) sizes each step's prefill tokens so that the running decodes' predicted step keeps
+  that target (at least ``min_prefill_chunk_tokens`` where it can, so prompts advance; in steps
+  that stay on the fused CPU path where one can, else on the Python layers; with no limit for a
+  first token that would be late, but only while every running stream has a late gap to spare
+  at its ITL percentile), and (b) admits a new request only while the predicted step with one
+  more row and a prompt chunk keeps the target, so those running keep their SLO instead of all
+  missing it together. A waiting request may preempt a running one of a strictly lower class
+  (for blocks; for a row only bulk work or a request that has not streamed yet or already lost
+  its SLO); that can only move work to lower classes, and a request preempted so sits out the
+  rest of that step, so it cannot cycle. Late requests going behind is what sheds an overload
+  instead of making everyone late; EDF among the others is what meets the most deadlines while
+  they can be met.
 """
 
 from __future__ import annotations
@@ -281,6 +283,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by self._key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_lifts_held = 0  # prefill caps kept for running streams with no late gap to spare
         self.num_row_deferrals = 0  # admissions held back to keep running decodes in their ITL SLO
         self.num_prefix_waits = 0  # admissions put off a step to reuse a prefix another is computing
         self.num_refused_busy = 0
@@ -488,8 +491,8 @@ class Scheduler:
                 waits_for_prefix.append(req)
                 self.num_prefix_waits += 1
                 continue
-            if self.slo and not self._row_fits(req, num_new):
-                if self._preempt_lower_class(req, num_new, preempted):
+            if self.slo and not self._row_fits(req):
+                if self._preempt_lower_class(req, num_new, preempted, for_row=True):
                     budget = self._budget_left(num_new)
                     continue
                 self.num_row_deferrals += 1
@@ -556,10 +559,10 @@ class Scheduler:
         return room
 
     def _prefill_allowance(self, now: float) -> int | None:
-        """Prefill tokens this step may carry so that the running decodes' step stays within
-        ``PREFILL_STALL_FACTOR`` times their tightest ITL objective (None: no limit, under
-        ``fcfs``, with no decode running, a model still learning, or a prompt whose first token
-        is due before it could be prefilled at that pace: TTFT comes first then).
+        """Prefill tokens this step may carry so that the running decodes' step keeps the target
+        of ``_step_target_ms`` (None: no limit, under ``fcfs``, with no decode running, a model
+        still learning, or a prompt whose first token is due before it could be prefilled at that
+        pace while every running stream has a late gap to spare: TTFT comes first then).
 
         First as many tokens as keep the step on the fused path, where at least
         ``min_prefill_chunk_tokens`` do and that step keeps the target: at these sizes it costs
@@ -567,7 +570,9 @@ class Scheduler:
         Python-layer step is sized to end right at it (so a prediction a few ms short is a miss).
         Else, since a step on the Python layers pays their fixed cost whatever it carries, as
         many tokens as keep such a step within the target, where at least that many do; else no
-        limit: one step that misses the target beats several that each miss it."""
+        limit if the streams can take a late gap (one step that misses the target beats several
+        that each miss it), or the fused size that keeps it, however small (0: the prompts wait
+        for a decode to end)."""
         model = self.step_model
         if not self.slo or model is None or not model.ready:
             return None
@@ -587,9 +592,11 @@ class Scheduler:
             # the decodes miss their ITL with no prefill at all (a machine slowed by other work):
             # holding prompts back cannot save them and would only starve every first token
             return None
-        target_ms = PREFILL_STALL_FACTOR * itl_ms
+        target_ms = self._step_target_ms(itl_ms, model)
         floor = self.config.min_prefill_chunk_tokens
+        # the fused path's room, cut to what keeps the target there
         fused = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
+        fused = min(fused, max(0, int((target_ms - predict(0, False)) / per_token_ms)))
         python = int((target_ms - predict(0, True)) / per_token_ms)
         # (tokens, predicted ms) of each step size that carries enough and keeps the target
         sizes = [(fused, predict(fused, False)), (python, predict(python, True))]
@@ -599,7 +606,9 @@ class Scheduler:
         # is the cap lifted. Only a first token that can still be on time lifts it: under
         # overload a late one would only take the running streams down with it.
         first_tokens = []  # (prompt tokens left, ms until the first token is due)
-        for r in (*self.running, *self.waiting[:4]):
+        # a waiting prompt that no row would be given this step cannot use a lifted cap
+        admissible = [r for r in self.waiting[:4] if self._row_fits(r)]
+        for r in (*self.running, *admissible):
             left = r.num_tokens - r.num_computed_tokens
             if r.last_token_time_s is None and left > 1 and r.ttft_deadline_s > now:
                 first_tokens.append((left, (r.ttft_deadline_s - now) * 1e3))
@@ -607,29 +616,61 @@ class Scheduler:
             # ceil(left / room): steps the prompt needs at this pace
             if all(slack_ms >= -(-left // room) * step_ms for left, slack_ms in first_tokens):
                 return room
-        return None
+        # Lifting the cap makes every running stream's next gap late. While a stream's ITL
+        # percentile has no late gap to spare, the lift would trade its objective for one first
+        # token (under overload, a lift for every arrival makes every stream miss): the prompts
+        # go on at the pace that keeps the target, at worst waiting for a decode to end.
+        if all(r.can_take_late_gap() for r in decodes):
+            return None
+        self.num_lifts_held += 1
+        return max((n for n, _ in sizes), default=fused)
 
-    def _row_fits(self, req: Request, num_new: dict[str, int]) -> bool:
-        """Whether one more decoding request keeps the predicted decode step within the tightest
-        ITL SLO of those running and of ``req`` (always true with nothing running, and when the
-        rows running already miss it: deferring the newcomer would not bring them back)."""
+    def _row_fits(self, req: Request) -> bool:
+        """Whether one more decoding request keeps the predicted step within the tightest ITL SLO
+        of those running and of ``req`` (planned to ``_step_target_ms``), with room left in that
+        step for a prompt chunk of ``min_prefill_chunk_tokens`` (so later prompts still advance
+        without a stall). Holds also when the rows running already miss it: a newcomer would only
+        deepen their miss, and the rows drain. Always true with nothing running, and where a
+        single row and a chunk miss the target (a machine slowed by other work, or a model whose
+        margin has grown past the objective): holding rows back could not bring anyone within it."""
         model = self.step_model
         rows = [r for r in self.running if r.status is RequestStatus.RUNNING]
         if model is None or not model.ready or not rows:
             return True
-        tightest_ms = min(r.objective.itl_ms for r in (*rows, req))
-        context, n = sum(r.num_tokens for r in rows), len(rows)
-        if (model.predict_ms(StepShape(n, 0, context, self._python_layers(n, 0))) or 0.0) > tightest_ms:
-            return True
-        wider = StepShape(n + 1, 0, context + req.num_tokens, self._python_layers(n + 1, 0))
-        return (model.predict_ms(wider) or 0.0) <= tightest_ms
+        target_ms = self._step_target_ms(min(r.objective.itl_ms for r in (*rows, req)), model)
+        context, n = sum(r.num_tokens for r in rows) + req.num_tokens, len(rows) + 1
+        chunk = self.config.min_prefill_chunk_tokens
+        one = StepShape(1, chunk, context // n, self._python_layers(1, chunk))
+        if (model.predict_ms(one) or 0.0) > target_ms:
+            return True  # not even one row keeps the target: holding rows back would save no one
+        wider = StepShape(n, chunk, context, self._python_layers(n, chunk))
+        return (model.predict_ms(wider) or 0.0) <= target_ms
 
-    def _preempt_lower_class(self, req: Request, num_new: dict[str, int], preempted: list[Request]) -> bool:
-        """Preempt the least urgent running request of a strictly lower class than ``req``."""
+    @staticmethod
+    def _step_target_ms(itl_ms: float, model: StepTimeModel) -> float:
+        """The run time a step is planned to: ``PREFILL_STALL_FACTOR`` times the ITL objective,
+        less the model's overshoot (how far steps run past their prediction, 97 times in 100),
+        so that a step planned to it keeps the objective; never below half the objective."""
+        return max(PREFILL_STALL_FACTOR * itl_ms - model.overshoot_ms(), 0.5 * itl_ms)
+
+    def _preempt_lower_class(
+        self, req: Request, num_new: dict[str, int], preempted: list[Request], for_row: bool = False
+    ) -> bool:
+        """Preempt the least urgent running request of a strictly lower class than ``req``. For a
+        row (not for blocks) an interactive one only if it has not streamed yet or has already
+        lost its SLO: a stream paused for a recompute misses its ITL objective, so preempting an
+        on-time one would trade one request's objective for another's. Bulk work always yields."""
         lower = [
             r
             for r in self.running
-            if r.status is RequestStatus.RUNNING and r.request_class.rank < req.request_class.rank
+            if r.status is RequestStatus.RUNNING
+            and r.request_class.rank < req.request_class.rank
+            and (
+                not for_row
+                or r.request_class is RequestClass.BULK
+                or r.first_token_time_s is None
+                or r.missed_objective
+            )
         ]
         if not lower:
             return False
@@ -690,7 +731,13 @@ class Scheduler:
                 if status is not None:
                     self._finish(req, status)
                     break
-            req.last_token_time_s = self.clock()
+            now = self.clock()
+            last = req.last_token_time_s
+            if last is None:
+                req.first_token_time_s = now
+            elif (now - last) * 1e3 > req.objective.itl_ms:
+                req.num_late_gaps += 1
+            req.last_token_time_s = now
             updates.append(RequestUpdate(sr.request_id, new_tokens, req.status.finish_reason))
         return updates
 

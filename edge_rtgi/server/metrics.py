@@ -367,6 +367,16 @@ class EngineCollector(Collector):
                 "Mean absolute error of the step-time model's predictions, measured before each step",
                 labels=["model"],
             ),
+            "step_model_overshoot": GaugeMetricFamily(
+                "edge_rtgi_engine_step_model_overshoot_ms",
+                "97th percentile of how far steps ran past their prediction (the slo policy's margin)",
+                labels=["model"],
+            ),
+            "lifts_held": CounterMetricFamily(
+                "edge_rtgi_engine_prefill_lifts_held",
+                "Steps whose prefill cap the slo policy kept for streams with no late gap to spare",
+                labels=["model"],
+            ),
         }
         for name, engine in self._engines().items():
             s = engine.stats()
@@ -389,6 +399,8 @@ class EngineCollector(Collector):
                 ("spec_draft", s.spec_draft_tokens),
                 ("spec_accepted", s.spec_accepted_tokens),
                 ("step_model_error", s.step_model_error_ms),
+                ("step_model_overshoot", s.step_model_overshoot_ms),
+                ("lifts_held", s.num_lifts_held),
             ):
                 fams[key].add_metric([name], float(value))
             for term, ms in (
