@@ -237,13 +237,18 @@ def test_rows_leave_room_for_a_fused_prompt_chunk():
     assert len(s.running) == 16 and s.num_row_deferrals == 2
 
 
-def test_rows_leave_room_for_a_chunk_on_the_python_layers_too():
-    # k rows and a 16-token chunk: 5 + 10 k + 8 ms; 3 rows keep 50 ms (43), a 4th would not (53)
-    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5)
-    s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
+def six_offered(model: StepTimeModel | None, policy: str = "slo") -> Scheduler:
+    """A scheduler offered six two-token prompts (20-token replies), after its first step."""
+    s = make(policy=policy, model=model, budget=64, max_seqs=8, num_blocks=128)
     for i in range(6):
         s.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
     step(s)
+    return s
+
+
+def test_rows_leave_room_for_a_chunk_on_the_python_layers_too():
+    # k rows and a 16-token chunk: 5 + 10 k + 8 ms; 3 rows keep 50 ms (43), a 4th would not (53)
+    s = six_offered(trained_model(fixed=5.0, per_row=10.0, per_token=0.5))
     assert len(s.running) == 3 and s.num_row_deferrals == 1
 
 
@@ -264,17 +269,10 @@ def test_rows_stay_held_while_those_running_already_miss_their_itl():
 
 def test_admission_stops_where_one_more_row_would_break_the_tightest_itl():
     model = trained_model(fixed=5.0, per_row=10.0, per_token=0.0)  # k rows: 5 + 10 k ms
-    s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
-    for i in range(6):
-        s.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
-    step(s)
+    s = six_offered(model)
     # 4 rows: 45 ms <= 50 ms; a 5th would be 55 ms
     assert len(s.running) == 4 and len(s.waiting) == 2 and s.num_row_deferrals == 1
-    f = make(policy="fcfs", model=model, budget=64, max_seqs=8, num_blocks=128)
-    for i in range(6):
-        f.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
-    step(f)
-    assert len(f.running) == 6
+    assert len(six_offered(model, policy="fcfs").running) == 6
 
 
 def test_a_first_token_does_not_lift_the_cap_over_streams_with_no_late_gap_to_spare():
@@ -333,10 +331,7 @@ def test_no_cap_or_row_deferral_when_the_itl_objective_is_out_of_reach():
     s.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
     out, _ = step(s)
     assert {r.request_id: len(r.token_ids) for r in out.scheduled}["long"] == 255
-    rows = make(model=slow, budget=64, max_seqs=8, num_blocks=128)
-    for i in range(6):
-        rows.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20))
-    step(rows)
+    rows = six_offered(slow)
     assert len(rows.running) == 6 and rows.num_row_deferrals == 0
 
 
