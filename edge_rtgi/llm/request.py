@@ -186,26 +186,29 @@ class Request:
             return self.ttft_deadline_s - now_s
         return self.last_token_time_s + self.objective.itl_ms / 1e3 - now_s
 
-    @property
-    def late_gaps_allowed(self) -> int:
+    def late_gaps_allowed(self, context_window: int | None = None) -> int:
         """How many gaps past the ITL objective leave the ``ITL_PERCENTILE``-th percentile gap
-        (linear interpolation) of a reply of ``max_tokens`` tokens within it: the gaps above the
-        percentile's rank may be late, no others (none in a 16-token reply, one in 32, two in 48)."""
-        gaps = self.max_tokens - 1
+        (linear interpolation) of the longest reply this request may give (``max_tokens``, or
+        what ``context_window`` leaves after the prompt if less) within it: the gaps above the
+        percentile's rank may be late, no others (none in a 16-token reply, one in 32, two in
+        48). A reply that ends sooner has fewer to spare: this is an upper bound."""
+        tokens = self.max_tokens
+        if context_window is not None:
+            tokens = min(tokens, context_window - self.num_prompt_tokens)
+        gaps = tokens - 1
         if gaps < 1:
             return 0
         return gaps - 1 - math.ceil(ITL_PERCENTILE / 100.0 * (gaps - 1))
 
-    def can_take_late_gap(self) -> bool:
+    def can_take_late_gap(self, context_window: int | None = None) -> bool:
         """Whether one more late gap would still leave the ITL objective kept."""
-        return self.num_late_gaps < self.late_gaps_allowed
+        return self.num_late_gaps < self.late_gaps_allowed(context_window)
 
-    @property
-    def missed_objective(self) -> bool:
+    def missed_objective(self, context_window: int | None = None) -> bool:
         """Whether the SLO is already lost: the first token came late, or more gaps were late than
         the ITL percentile allows."""
         late_first = self.first_token_time_s is not None and self.first_token_time_s > self.ttft_deadline_s
-        return late_first or self.num_late_gaps > self.late_gaps_allowed
+        return late_first or self.num_late_gaps > self.late_gaps_allowed(context_window)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -596,7 +596,7 @@ class Scheduler:
         floor = self.config.min_prefill_chunk_tokens
         # the fused path's room, cut to what keeps the target there
         fused = self._fused_chunk_tokens(self.config.fused_step_tokens - rows)
-        fused = min(fused, max(0, int((target_ms - predict(0, False)) / per_token_ms)))
+        fused = max(0, min(fused, int((target_ms - predict(0, False)) / per_token_ms)))
         python = int((target_ms - predict(0, True)) / per_token_ms)
         # (tokens, predicted ms) of each step size that carries enough and keeps the target
         sizes = [(fused, predict(fused, False)), (python, predict(python, True))]
@@ -606,8 +606,13 @@ class Scheduler:
         # is the cap lifted. Only a first token that can still be on time lifts it: under
         # overload a late one would only take the running streams down with it.
         first_tokens = []  # (prompt tokens left, ms until the first token is due)
-        # a waiting prompt that no row would be given this step cannot use a lifted cap
-        admissible = [r for r in self.waiting[:4] if self._row_fits(r)]
+        # a waiting prompt that no row would be given this step cannot use a lifted cap: they are
+        # admitted in order until one does not fit
+        admissible: list[Request] = []
+        for r in self.waiting[: min(4, self.config.max_num_seqs - len(self.running))]:
+            if not self._row_fits(r):
+                break
+            admissible.append(r)
         for r in (*self.running, *admissible):
             left = r.num_tokens - r.num_computed_tokens
             if r.last_token_time_s is None and left > 1 and r.ttft_deadline_s > now:
@@ -617,12 +622,15 @@ class Scheduler:
             if all(slack_ms >= -(-left // room) * step_ms for left, slack_ms in first_tokens):
                 return room
         # Lifting the cap makes every running stream's next gap late. While a stream's ITL
-        # percentile has no late gap to spare, the lift would trade its objective for one first
-        # token (under overload, a lift for every arrival makes every stream miss): the prompts
-        # go on at the pace that keeps the target, at worst waiting for a decode to end.
-        if all(r.can_take_late_gap() for r in decodes):
+        # percentile has no late gap to spare (and its objective is not lost already), the lift
+        # would trade its objective for one first token (under overload, a lift for every arrival
+        # makes every stream miss): the prompts go on at the pace that keeps the target, at worst
+        # waiting for a decode to end.
+        window = self.config.max_model_len
+        if all(r.can_take_late_gap(window) or r.missed_objective(window) for r in decodes):
             return None
-        self.num_lifts_held += 1
+        if first_tokens:
+            self.num_lifts_held += 1
         return max((n for n, _ in sizes), default=fused)
 
     def _row_fits(self, req: Request) -> bool:
@@ -669,7 +677,7 @@ class Scheduler:
                 not for_row
                 or r.request_class is RequestClass.BULK
                 or r.first_token_time_s is None
-                or r.missed_objective
+                or r.missed_objective(self.config.max_model_len)
             )
         ]
         if not lower:

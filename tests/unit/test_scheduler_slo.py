@@ -291,19 +291,41 @@ def test_a_first_token_does_not_lift_the_cap_over_streams_with_no_late_gap_to_sp
         assert s.num_lifts_held == (0 if lifted else 1)
 
 
+def test_a_held_cap_with_no_room_leaves_the_prompt_waiting_never_a_negative_chunk():
+    """No fused path, four 16-token streams at 45 ms of a 50 ms objective: a prompt step that
+    keeps the target would carry 10 tokens, under the floor of 16, and the streams have no late gap
+    to spare. The prompt waits this step (0 tokens, not a negative count), and the held lift is
+    counted only while a first token wants one."""
+    model = trained_model(fixed=5.0, per_row=10.0, per_token=0.5)
+    for with_prompt in (True, False):
+        s = make(model=None, budget=64, num_blocks=512)
+        for i in range(4):
+            s.add_request(req(f"d{i}", 2, RequestClass.VOICE, base=10 * i + 1, max_tokens=16))
+        if with_prompt:
+            s.add_request(req("long", 400, RequestClass.BULK, base=100, max_tokens=2))
+        step(s)  # admitted while the model was still learning
+        s.step_model = model
+        out, _ = step(s)
+        assert {r.request_id: len(r.token_ids) for r in out.scheduled} == {f"d{i}": 1 for i in range(4)}
+        assert out.num_batched_tokens == 4 and s.num_lifts_held == (1 if with_prompt else 0)
+
+
 def test_late_gaps_allowed_keep_the_itl_percentile_the_benchmark_judges():
     """``Request.late_gaps_allowed`` late gaps, however late, leave a reply's 95th-percentile gap
     within the objective (50 ms); one more, late enough (1 s), does not; replies of every length."""
     for max_tokens in (2, 3, 8, 16, 21, 22, 32, 48, 64, 100):
         r = req("r", 2, max_tokens=max_tokens)
-        allowed = r.late_gaps_allowed
+        allowed = r.late_gaps_allowed()
         for late in range(max_tokens):
             gaps = [1000.0] * late + [10.0] * (max_tokens - 1 - late)
             assert (percentile(gaps, 95) <= 50.0) == (late <= allowed), (max_tokens, late, allowed)
         r.num_late_gaps = allowed
-        assert not r.can_take_late_gap() and not r.missed_objective
+        assert not r.can_take_late_gap() and not r.missed_objective()
         r.num_late_gaps += 1
-        assert r.missed_objective
+        assert r.missed_objective()
+    # a context window that leaves less room than max_tokens bounds the reply
+    r = req("r", 100, max_tokens=400)
+    assert r.late_gaps_allowed() == 19 and r.late_gaps_allowed(context_window=132) == 1
 
 
 def test_a_row_is_taken_from_bulk_or_a_stream_already_lost_never_from_an_on_time_one():
