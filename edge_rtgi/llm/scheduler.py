@@ -651,6 +651,7 @@ class Scheduler:
         one = StepShape(1, chunk, context // n, self._python_layers(1, chunk))
         if (model.predict_ms(one) or 0.0) > target_ms:
             return True  # not even one row keeps the target: holding rows back would save no one
+        n += sum(len(r.draft_token_ids) for r in rows)  # a decode verifying drafts: a row per token
         wider = StepShape(n, chunk, context, self._python_layers(n, chunk))
         return (model.predict_ms(wider) or 0.0) <= target_ms
 

@@ -252,6 +252,22 @@ def test_rows_leave_room_for_a_chunk_on_the_python_layers_too():
     assert len(s.running) == 3 and s.num_row_deferrals == 1
 
 
+def test_draft_tokens_being_verified_count_as_rows_for_admission():
+    """Three decodes verifying two drafts each run as nine rows, as the prefill sizing counts
+    them: with 1 ms a row, 5 ms fixed and a 16-token chunk at 0.5 ms (8 ms), a fourth request would
+    make 5 + 10 + 8 = 23 ms, within 20 ms only without the drafts (17)."""
+    model = trained_model(fixed=5.0, per_row=1.0, per_token=0.5)
+    s = make(model=model, budget=64, max_seqs=8, num_blocks=128)
+    for i in range(3):
+        s.add_request(req(f"d{i}", 2, base=10 * i + 1, max_tokens=20, slo=RequestSLO(500, 20)))
+    step(s)
+    newcomer = req("new", 2, base=90, max_tokens=20, slo=RequestSLO(500, 20))
+    assert s._row_fits(newcomer)
+    for r in s.running:
+        r.draft_token_ids[:] = [7, 7]
+    assert not s._row_fits(newcomer)
+
+
 def test_rows_stay_held_while_those_running_already_miss_their_itl():
     """When the machine slows (the model refits), the rows running may already miss the objective
     where fewer would keep it: a newcomer waits for them to drain instead of deepening the miss."""
