@@ -57,9 +57,10 @@ POLICIES = ("fcfs", "slo")
 # class, then deadline, late ones behind; "edf": by first-token deadline across classes while on
 # time, late ones behind by class (not yet shown better: scripts/bench_slo_order.py compares them).
 WAITING_ORDERS = ("edf", "class")
-# A step that carries prefill beside running decodes may take this many of their tightest ITL
-# objectives. One: a short reply's ITL p95 is about its longest gap, so a longer step is a miss
-# for every stream in it (2 was measured worse than no sizing at all: docs/benchmarks.md).
+# Steps (prefill beside running decodes, and the rows admitted) are planned to this many of the
+# tightest ITL objective, less the step model's overshoot (``_step_target_ms``). One: a short
+# reply's ITL p95 is about its longest gap, so a longer step is a miss for every stream in it
+# (2 was measured worse than no sizing at all: docs/benchmarks.md).
 PREFILL_STALL_FACTOR = 1.0
 
 
