@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from edge_rtgi.bench.mixed import (  # noqa: E402
     MixedRun,
+    highest_sustained_scale,
     mixed_workloads,
     run_mixed_once,
     summarise_policies,
@@ -120,11 +121,16 @@ async def main_async(args: argparse.Namespace) -> dict:
         for scale in cfg.mixed_rate_scales:
             mine = [r for r in runs if r.policy == name and r.rate_scale == scale]
             pooled[f"{name} x{scale:g}"] = sum(r.met_slo for r in mine) / max(1, sum(r.sent for r in mine))
+    sustained = {}
+    for name in names:
+        rows = [{"rate_scale": s, "attainment": pooled[f"{name} x{s:g}"]} for s in cfg.mixed_rate_scales]
+        sustained[name] = highest_sustained_scale(rows)
     return {
         "runs": [{**dataclasses.asdict(r), "attainment": r.attainment} for r in runs],
         "run_load_average": loads,
         "summary": summaries,
         "pooled_attainment": pooled,
+        "highest_sustained_scale": sustained,
         "step_model": step_models,
     }
 
@@ -156,6 +162,8 @@ def main() -> int:
         print(variant, json.dumps(summary["slo_over_fcfs"]))
     for name, attainment in result["pooled_attainment"].items():
         print(f"{name}: pooled attainment {attainment:.0%}")
+    for name, scale in result["highest_sustained_scale"].items():
+        print(f"{name}: highest scale sustained at 90 %: {'none' if scale is None else f'x{scale:g}'}")
     return 0
 
 
