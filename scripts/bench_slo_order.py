@@ -121,10 +121,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         for scale in cfg.mixed_rate_scales:
             mine = [r for r in runs if r.policy == name and r.rate_scale == scale]
             pooled[f"{name} x{scale:g}"] = sum(r.met_slo for r in mine) / max(1, sum(r.sent for r in mine))
-    sustained = {}
-    for name in names:
-        rows = [{"rate_scale": s, "attainment": pooled[f"{name} x{s:g}"]} for s in cfg.mixed_rate_scales]
-        sustained[name] = highest_sustained_scale(rows)
+    sustained = {
+        name: highest_sustained_scale({s: pooled[f"{name} x{s:g}"] for s in cfg.mixed_rate_scales})
+        for name in names
+    }
     return {
         "runs": [{**dataclasses.asdict(r), "attainment": r.attainment} for r in runs],
         "run_load_average": loads,

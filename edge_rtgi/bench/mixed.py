@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -164,15 +164,15 @@ async def run_mixed_section(models: Models, cfg: BenchConfig) -> dict:
     }
 
 
-def highest_sustained_scale(rows: Iterable[Mapping[str, Any]]) -> float | None:
+def highest_sustained_scale(attainment_by_scale: Mapping[float, float]) -> float | None:
     """The highest measured scale up to which every measured scale meets
     ``SUSTAINED_ATTAINMENT`` (None if the lowest does not). A scale that meets it above one
     that misses is noise between runs, not a rate the policy sustains."""
     highest = None
-    for row in sorted(rows, key=lambda r: r["rate_scale"]):
-        if row["attainment"] < SUSTAINED_ATTAINMENT:
+    for scale in sorted(attainment_by_scale):
+        if attainment_by_scale[scale] < SUSTAINED_ATTAINMENT:
             break
-        highest = row["rate_scale"]
+        highest = scale
     return highest
 
 
@@ -203,7 +203,8 @@ def summarise_policies(runs: list[MixedRun]) -> dict:
                 "goodput_rps": statistics.median(r.goodput_rps for r in mine),
                 "classes": per_class,
             }
-        table[policy] = {"scales": rows, "highest_sustained_scale": highest_sustained_scale(rows.values())}
+        attainment = {row["rate_scale"]: row["attainment"] for row in rows.values()}
+        table[policy] = {"scales": rows, "highest_sustained_scale": highest_sustained_scale(attainment)}
     ratios = {}
     for key, row in table.get("slo", {}).get("scales", {}).items():
         base = table["fcfs"]["scales"].get(key)

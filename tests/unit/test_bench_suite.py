@@ -121,11 +121,8 @@ def test_the_slo_over_fcfs_ratio_comes_with_a_paired_bootstrap_interval_over_rou
 def test_the_highest_sustained_scale_is_the_last_of_an_unbroken_run_from_the_lowest():
     from edge_rtgi.bench.mixed import highest_sustained_scale
 
-    def rows(*pairs):
-        return [{"rate_scale": s, "attainment": a} for s, a in pairs]
-
-    assert highest_sustained_scale(rows((0.5, 0.95), (0.25, 1.0), (1.0, 0.7))) == 0.5
+    assert highest_sustained_scale({0.5: 0.95, 0.25: 1.0, 1.0: 0.7}) == 0.5
     # 94 % above a scale that missed is the rounds' noise, not a rate sustained
-    assert highest_sustained_scale(rows((0.5, 0.90), (0.625, 0.86), (0.75, 0.94))) == 0.5
-    assert highest_sustained_scale(rows((0.5, 0.85), (0.75, 0.95))) is None
-    assert highest_sustained_scale([]) is None
+    assert highest_sustained_scale({0.5: 0.90, 0.625: 0.86, 0.75: 0.94}) == 0.5
+    assert highest_sustained_scale({0.5: 0.85, 0.75: 0.95}) is None
+    assert highest_sustained_scale({}) is None
