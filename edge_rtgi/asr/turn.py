@@ -97,6 +97,9 @@ BACKCHANNEL_WORDS = frozenset(
     }
 )
 _BACKCHANNEL_MAX_WORDS = 3
+# A murmur of any length: whisper writes the same hum as "Mmmm", "Hmmmm" or "Uhhh", and no list
+# of spellings is complete ("mm-hm" read as "Mmmm" cut a reply in the benchmark's set).
+_MURMUR = re.compile(r"h*m+(?:h+m+)*h*|u+h+(?:u+h+)*|u+m+|a+h+|o+h+")
 
 # Words after which an English sentence is not over: conjunctions, fillers, articles,
 # possessives and the determiners "which"/"whose" ("which | planet is closest", cut at the
@@ -214,7 +217,9 @@ def is_backchannel(text: str) -> bool:
     """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see")."""
     words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
     words = [w for w in words if w]
-    return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(w in BACKCHANNEL_WORDS for w in words)
+    return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(
+        w in BACKCHANNEL_WORDS or _MURMUR.fullmatch(w) for w in words
+    )
 
 
 def talkover_speech_samples(talkover_start: int, now: int, silence_start: int | None) -> int:
