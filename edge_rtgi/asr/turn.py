@@ -59,22 +59,10 @@ DEFAULT_SEMANTIC_MIN_SILENCE_MS = 150
 DEFAULT_SEMANTIC_MAX_SILENCE_MS = 1200
 
 # Words a listener says to show they are following, not to take the turn. Compared after
-# lower-casing and removing punctuation and hyphens ("Mm-hmm." -> "mmhmm").
+# lower-casing and removing punctuation and hyphens ("Mm-hmm." -> "mmhmm"); murmurs ("mmhmm",
+# "uh", "oh") are matched by ``_MURMUR`` below, in any length.
 BACKCHANNEL_WORDS = frozenset(
     {
-        "mm",
-        "mmm",
-        "mhm",
-        "mmhm",
-        "mmhmm",
-        "hm",
-        "hmm",
-        "uh",
-        "uhhuh",
-        "uhuh",
-        "um",
-        "ah",
-        "oh",
         "yeah",
         "yes",
         "yep",
