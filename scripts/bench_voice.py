@@ -220,7 +220,15 @@ async def main() -> int:
     ap.add_argument("--tts-concurrency", help="Piper first-chunk latency at these concurrent replies")
     ap.add_argument(
         "--turn-taking",
-        choices=("complete", "paused", "backchannel", "heldout_complete", "heldout_paused"),
+        choices=(
+            "complete",
+            "paused",
+            "backchannel",
+            "heldout_backchannel",
+            "interruption",
+            "heldout_complete",
+            "heldout_paused",
+        ),
         help="semantic end of turn against the silence timer on one part of the turn-taking set (see below)",
     )
     ap.add_argument("--turn-items", metavar="A:B", help="with --turn-taking: a slice of the part's items")
@@ -239,7 +247,8 @@ async def main() -> int:
         type=lambda s: tuple(s.split(",")),
         default=TURN_MODES,
         help="with --turn-taking: which of semantic,model-only,silence (and on the audio clock "
-        "no-fragment-hold, no-continuation-hold, recheck-<ms>) to run; backchannels run semantic and silence",
+        "no-fragment-hold, no-continuation-hold, recheck-<ms>; through the daemon no-talkover-prompt) "
+        "to run; speech over a reply runs all but model-only",
     )
     ap.add_argument(
         "--turn-model-cost",
@@ -590,18 +599,28 @@ def print_many(result: dict) -> None:
 #                (replies capped at REPLY_TOKENS: only their first audio is timed)
 #   paused       a pause of 300-700 ms of silence inside the request: premature cut-offs
 #   backchannel  a question, then a backchannel ("mm-hm") 400 ms into the spoken reply: interruptions
+#   heldout_backchannel  a second set of backchannels, not used to choose the talkover prompt
+#   interruption a question, then a short request that takes the turn ("Stop.", "Wait, what?") 400 ms
+#                into the reply: it must cut the reply; how soon after its start it did
 #   heldout_complete / heldout_paused  a second set of the same kinds, written before the
 #                rule was revised and not used to choose it (checks that the rule carries over)
 # ``--turn-items A:B`` takes a slice of the part's items (to keep each locked run short);
 # ``--turn-modes semantic,silence`` runs only those arms; ``--turn-merge FILE...`` sums the JSON
 # of several runs into one summary. ``--turn-clock audio`` plays the items into the ASR stage's
 # transcriber instead of the daemon, each decision made where it is due in the audio (below);
-# ``--turn-model-cost N`` times the model alone on N decisions.
+# ``--turn-model-cost N`` times the model alone on N decisions. The mode ``no-talkover-prompt``
+# is semantic with speech over a reply decoded without whisper's prompt.
 
 # semantic: the pipeline's (model + words check); model-only: the model's verdict alone
 TURN_MODES = ("semantic", "model-only", "silence")
 TURN_PAUSES_MS = (300, 400, 500, 600, 700)
 BACKCHANNEL_OFFSET_S = 0.4  # from the first reply audio received to the backchannel's start
+# the parts spoken over a reply, and their items in the turn-taking set
+OVER_REPLY_PARTS = {
+    "backchannel": "backchannels",
+    "heldout_backchannel": "heldout_backchannels",
+    "interruption": "interruptions",
+}
 TURN_TAIL_S = 2.0  # silence after an item's speech: more than the semantic cap (1200 ms)
 PAUSED_TAIL_S = 1.0  # the paused set commits after this (a turn still open ends then, as one)
 REPLY_TOKENS = 20  # complete set: short replies (the first audio is what is timed)
@@ -665,6 +684,8 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         update["turn_detection"] = {"text_check": False}
     elif _recheck_ms(mode) is not None:
         update["turn_detection"] = {"recheck_ms": _recheck_ms(mode)}
+    elif mode == "no-talkover-prompt":
+        update["turn_detection"] = {"talkover_prompt": ""}
     if update:
         await c.send(type="session.update", session=update)
         updated = (await c.wait_type("session.updated", timeout=30))["session"]
@@ -672,7 +693,12 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         # (the ASR stage rebuilds its transcriber after the reply)
         want = {"silence": ("silence", None), "model-only": (None, False)}.get(mode, (None, None))
         got = (updated.get("turn_mode"), updated.get("turn_text_check"))
-        if got != want or updated.get("turn_recheck_ms") != _recheck_ms(mode):
+        unprompted = updated.get("turn_talkover_prompt") == ""
+        if (
+            got != want
+            or updated.get("turn_recheck_ms") != _recheck_ms(mode)
+            or (unprompted != (mode == "no-talkover-prompt"))
+        ):
             raise RuntimeError(f"asked for {mode} turn detection, the session has {updated}")
     return c
 
@@ -762,10 +788,11 @@ async def turn_paused_item(port: int, mode: str, audio: np.ndarray) -> dict:
 
 
 async def turn_backchannel_item(port: int, mode: str, prompt: np.ndarray, backchannel: np.ndarray) -> dict:
-    """A question, then ``backchannel`` spoken ``BACKCHANNEL_OFFSET_S`` after the first reply audio
-    arrives (the client's microphone stays live, silence in between); interrupted when the
-    daemon cut the reply. ``over_reply``: the reply's audio lasted past the backchannel's end
-    (on the real-time playback estimate), so a cut was possible."""
+    """A question, then ``backchannel`` (or an interruption) spoken ``BACKCHANNEL_OFFSET_S`` after
+    the first reply audio arrives (the client's microphone stays live, silence in between);
+    interrupted when the daemon cut the reply, ``cut_after_start_ms`` after the speech began.
+    ``over_reply``: the reply's audio lasted past the speech's end (on the real-time playback
+    estimate), so a cut was possible."""
     c = await _turn_session(port, mode)
     loop, step = asyncio.get_running_loop(), 320
     lead = np.zeros(4800, np.float32)
@@ -774,6 +801,7 @@ async def turn_backchannel_item(port: int, mode: str, prompt: np.ndarray, backch
     silence = np.zeros(step, np.int16)
     try:
         start, i, pos, first_t, bc_at, bc_end_t = loop.time(), 0, 0, None, None, None
+        bc_start_t: float | None = None
         deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             now = time.monotonic()
@@ -784,7 +812,7 @@ async def turn_backchannel_item(port: int, mode: str, prompt: np.ndarray, backch
                 chunk, pos = queue[pos : pos + step], pos + step
             elif bc_at is not None and now >= bc_at and bc_end_t is None:
                 queue, pos = bc, 0
-                bc_end_t = now + len(bc) / 16000
+                bc_start_t, bc_end_t = now, now + len(bc) / 16000
                 continue
             else:
                 chunk = silence
@@ -798,7 +826,12 @@ async def turn_backchannel_item(port: int, mode: str, prompt: np.ndarray, backch
         created = c.of("response.created")
         rid = created[0]["response_id"] if created else None
         done = await c.wait_type("response.done", timeout=60, response_id=rid) if rid else {}
-        interrupted = any(h.get("response_id") == rid for h in c.of("response.interrupted"))
+        cut_t = [
+            t
+            for (h, _), t in zip(c.messages, c.arrival, strict=True)
+            if h["type"] == "response.interrupted" and h.get("response_id") == rid
+        ]
+        interrupted = bool(cut_t)
         audio, rate = c.audio(rid) if rid else (np.zeros(0, np.int16), 0)
         reply_s = len(audio) / rate if rate else 0.0
         bc_end_after_first_s = (bc_end_t - first_t) if bc_end_t and first_t else None
@@ -809,6 +842,7 @@ async def turn_backchannel_item(port: int, mode: str, prompt: np.ndarray, backch
             "over_reply": bc_end_after_first_s is not None
             and (interrupted or reply_s > bc_end_after_first_s),
             "reply_audio_s": reply_s,
+            "cut_after_start_ms": round((cut_t[0] - bc_start_t) * 1000) if cut_t and bc_start_t else None,
             "backchannel_finals": [
                 (f["text"], bool(f.get("backchannel"))) for f in c.of("transcript.final")[1:]
             ],
@@ -834,9 +868,12 @@ def _recheck_ms(mode: str) -> int | None:
 
 async def run_turn_taking(args: argparse.Namespace) -> int:
     """``--turn-taking PART``: each selected item in every mode, rotating which goes first."""
-    if not all(m in TURN_MODES or _recheck_ms(m) is not None for m in args.turn_modes):
+    if not all(
+        m in TURN_MODES or m == "no-talkover-prompt" or _recheck_ms(m) is not None for m in args.turn_modes
+    ):
         raise SystemExit(
-            f"through the daemon --turn-modes takes some of {','.join(TURN_MODES)} and recheck-<ms>"
+            f"through the daemon --turn-modes takes some of {','.join(TURN_MODES)}, no-talkover-prompt "
+            "and recheck-<ms>"
         )
     data = load_turn_set()
     voices = turn_voices()
@@ -861,13 +898,13 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
         prompts = data["backchannel_prompts"]
         items = [
             (i, (say_16k(voices[0], prompts[i % len(prompts)]), say_16k(voices[i % 2], t)), t)
-            for i, t in _slice(data["backchannels"], args.turn_items)
+            for i, t in _slice(data[OVER_REPLY_PARTS[part]], args.turn_items)
         ]
     daemon, _pipeline = await start_daemon(args.engine_threads)
     rows = []
     try:
         for n, (i, audio, text) in enumerate(items):
-            modes = tuple(m for m in args.turn_modes if part != "backchannel" or m != "model-only")
+            modes = tuple(m for m in args.turn_modes if part not in OVER_REPLY_PARTS or m != "model-only")
             for mode in modes[n % len(modes) :] + modes[: n % len(modes)]:
                 if part.endswith("complete"):
                     row = await turn_complete_item(daemon.port, mode, audio)
@@ -924,6 +961,9 @@ def _turn_row_line(part: str, row: dict) -> str:
         )
     if part.endswith("paused"):
         return f"{'CUT' if row['premature'] else 'ok '} {row['finals']}"
+    if part == "interruption":
+        cut = f"cut after {row['cut_after_start_ms']} ms" if row["interrupted"] else "NOT CUT"
+        return f"{cut} (over reply: {row['over_reply']}) {row['backchannel_finals']}"
     return (
         f"{'INTERRUPTED' if row['interrupted'] else 'kept'} (over reply: {row['over_reply']}, "
         f"reply {row['reply_audio_s']:.1f} s) {row['backchannel_finals']}"
@@ -967,6 +1007,13 @@ def summarize_turns(results: list[dict]) -> dict:
                     "over_reply": len(over),
                     "interrupted": sum(r["interrupted"] for r in over),
                 }
+                cut_ms = [r["cut_after_start_ms"] for r in over if r.get("cut_after_start_ms") is not None]
+                if cut_ms:
+                    s["cut_after_start_ms"] = {
+                        "p50": pct(cut_ms, 0.5),
+                        "p95": pct(cut_ms, 0.95),
+                        "n": len(cut_ms),
+                    }
             summary.setdefault(part, {})[mode] = s
     return summary
 
@@ -986,11 +1033,14 @@ def print_turn_summary(summary: dict) -> None:
     for part in [p for p in summary if p.endswith("paused")]:
         for mode, s in summary[part].items():
             print(f"  {part}, {mode}: premature cut-offs {s['premature']} of {s['n']}")
-    for mode, s in summary.get("backchannel", {}).items():
-        print(
-            f"  backchannel, {mode}: interrupted {s['interrupted']} of {s['over_reply']} "
-            f"played over a reply ({s['n']} items)"
-        )
+    for part in [p for p in summary if p in OVER_REPLY_PARTS]:
+        for mode, s in summary[part].items():
+            cut = s.get("cut_after_start_ms")
+            when = f"; cut after p50 {_f(cut['p50'])} p95 {_f(cut['p95'])} ms" if cut else ""
+            print(
+                f"  {part}, {mode}: interrupted {s['interrupted']} of {s['over_reply']} "
+                f"played over a reply ({s['n']} items){when}"
+            )
 
 
 def merge_turn_results(paths: list[str], out: str | None) -> int:
@@ -1015,7 +1065,14 @@ def merge_turn_results(paths: list[str], out: str | None) -> int:
 AUDIO_CHUNK = 320  # 20 ms, as the benchmark client sends
 # the daemon's three arms, semantic without the holds (the rules before them), and
 # "recheck-<ms>": semantic asking again every <ms> after an "unfinished" verdict ("recheck-0": never)
-AUDIO_CLOCK_MODES = (*TURN_MODES, "no-fragment-hold", "no-continuation-hold", "recheck-<ms>")
+# "no-talkover-prompt": speech over a reply decoded without whisper's prompt (over-reply parts)
+AUDIO_CLOCK_MODES = (
+    *TURN_MODES,
+    "no-fragment-hold",
+    "no-continuation-hold",
+    "recheck-<ms>",
+    "no-talkover-prompt",
+)
 
 
 def _audio_clock_mode_known(mode: str) -> bool:
@@ -1039,10 +1096,12 @@ def _offline_setup():
 
 
 def offline_transcribe(
-    cfg, whisper, model, mode: str, audio: np.ndarray, lead_s: float, tail_s: float
+    cfg, whisper, model, mode: str, audio: np.ndarray, lead_s: float, tail_s: float, over_reply: bool = False
 ) -> dict:
     """One item through a fresh ``StreamingTranscriber`` in ``mode`` on the audio clock: where
-    each turn ended (in audio), why, and every model decision (probability, silence, words)."""
+    each turn ended (in audio), why, and every model decision (probability, silence, words).
+    ``over_reply``: the speech is decoded as speech over a reply is (with the talkover prompt,
+    but in mode ``no-talkover-prompt``)."""
     from edge_rtgi.asr.events import FinalTranscript, SpeechEnded
     from edge_rtgi.asr.streaming import StreamingTranscriber
     from edge_rtgi.asr.turn import SemanticEndpointer
@@ -1059,6 +1118,7 @@ def offline_transcribe(
         turn = dataclasses.replace(turn, recheck_ms=recheck_ms)
     elif mode == "silence":
         turn = turn.with_overrides(mode="silence")
+    prompt = turn.talkover_prompt if over_reply and mode != "no-talkover-prompt" else ""
     decisions: list[dict] = []
     fed = [0]
 
@@ -1110,6 +1170,8 @@ def offline_transcribe(
     try:
         for i in range(0, len(x), AUDIO_CHUNK):
             tr.insert_audio(x[i : i + AUDIO_CHUNK])
+            if prompt and tr.active_utterance_id is not None:  # as the ASR stage gives it
+                tr.prompt_utterance(tr.active_utterance_id, prompt)
             fed[0] = min(i + AUDIO_CHUNK, len(x))
             events.extend(tr.process_iter())
         events.extend(tr.finish())
@@ -1171,7 +1233,11 @@ def probe_probabilities(model, audio: np.ndarray, cut_index: int) -> dict[str, f
 
 
 def run_turn_taking_offline(args: argparse.Namespace) -> int:
-    """``--turn-taking PART --turn-clock audio``: each item in every mode on the audio clock."""
+    """``--turn-taking PART --turn-clock audio``: each item in every mode on the audio clock.
+    Speech over a reply (backchannels, interruptions) is the speech alone, decoded as the stage
+    decodes speech over a reply; whether its final would cut one is the outcome."""
+    from edge_rtgi.asr.turn import is_backchannel
+
     data = load_turn_set()
     voices = turn_voices()
     load_start = os.getloadavg()[0]
@@ -1180,17 +1246,15 @@ def run_turn_taking_offline(args: argparse.Namespace) -> int:
     if not all(_audio_clock_mode_known(m) for m in args.turn_modes):
         known, got = ",".join(AUDIO_CLOCK_MODES), ",".join(args.turn_modes)
         raise SystemExit(f"--turn-modes takes some of {known}, got {got}")
-    if part == "backchannel":
-        raise SystemExit(
-            "--turn-clock audio covers complete and paused (backchannels need a reply: wall clock)"
-        )
     cfg, whisper, model = _offline_setup()
     lead_s = 0.3
     rows = []
-    pairs = _slice(data[part], args.turn_items)
+    pairs = _slice(data[OVER_REPLY_PARTS.get(part, part)], args.turn_items)
     for n, (i, item) in enumerate(pairs):
         voice = voices[i % 2]
-        if part.endswith("complete"):
+        if part in OVER_REPLY_PARTS:  # the speech alone: what its final says decides
+            audio, cut, text = say_16k(voice, item), None, item
+        elif part.endswith("complete"):
             audio, cut, text = say_16k(voice, item), None, item
         else:
             pause_ms = TURN_PAUSES_MS[i % len(TURN_PAUSES_MS)]
@@ -1199,7 +1263,8 @@ def run_turn_taking_offline(args: argparse.Namespace) -> int:
         probe = probe_probabilities(model, audio, cut if cut is not None else len(audio))
         modes = args.turn_modes
         for mode in modes[n % len(modes) :] + modes[: n % len(modes)]:
-            row = offline_transcribe(cfg, whisper, model, mode, audio, lead_s, TURN_TAIL_S)
+            over = part in OVER_REPLY_PARTS
+            row = offline_transcribe(cfg, whisper, model, mode, audio, lead_s, TURN_TAIL_S, over)
             speech_end_s = lead_s + len(audio) / 16000
             row.update(
                 item=i,
@@ -1209,7 +1274,9 @@ def run_turn_taking_offline(args: argparse.Namespace) -> int:
                 probe=probe,
                 load_average_1m=os.getloadavg()[0],
             )
-            if part.endswith("paused"):
+            if over:  # its final would cut a reply (the speech's length aside: these are short)
+                row.update(interrupted=not is_backchannel(" ".join(row["finals"])), over_reply=True)
+            elif part.endswith("paused"):
                 row.update(
                     kind=item["kind"],
                     pause_start_s=lead_s + cut / 16000,
@@ -1266,6 +1333,8 @@ def _offline_line(part: str, row: dict) -> str:
     reasons = ",".join(t["reason"] for t in row["turns"])
     if part.endswith("paused"):
         return f"{'CUT' if row['premature'] else 'ok '} p=[{ps}] {reasons} {row['finals']}"
+    if part in OVER_REPLY_PARTS:
+        return f"{'would cut' if row['interrupted'] else 'backchannel'} {row['finals']}"
     return (
         f"endpointing {_f(row['endpointing_audio_ms']).strip()} ms (audio) p=[{ps}] {reasons} {row['finals']}"
     )
@@ -1296,6 +1365,9 @@ def summarize_offline(results: list[dict]) -> dict:
             if part.endswith("paused"):
                 s["premature"] = sum(r["premature"] for r in rs)
                 s["cut_items"] = [r["item"] for r in rs if r["premature"]]
+            elif part in OVER_REPLY_PARTS:
+                s["interrupted"] = sum(r["interrupted"] for r in rs)
+                s["cut_items"] = [r["item"] for r in rs if r["interrupted"]]
             else:
                 for key in ("endpointing_audio_ms", "endpointing_from_acoustic_end_audio_ms"):
                     s[key] = _p50_p95([r[key] for r in rs if r.get(key) is not None])
@@ -1319,6 +1391,8 @@ def print_offline_summary(summary: dict) -> None:
             line = f"  {part}, {mode} (n={s['n']}):"
             if part.endswith("paused"):
                 line += f" premature cut-offs {s['premature']} of {s['n']} {s['cut_items']}"
+            elif part in OVER_REPLY_PARTS:
+                line += f" finals that would cut a reply {s['interrupted']} of {s['n']} {s['cut_items']}"
             else:
                 ep, ac = s["endpointing_audio_ms"], s["endpointing_from_acoustic_end_audio_ms"]
                 line += (

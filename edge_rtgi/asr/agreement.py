@@ -31,6 +31,16 @@ def split_words(text: str) -> list[str]:
     return text.split()
 
 
+def without_repeats(words: list[str]) -> list[str]:
+    """``words`` that are one phrase said several times back to back, as that phrase said once
+    ("okay yeah okay yeah" -> "okay yeah"); other word lists unchanged. Compares words as given:
+    normalise them first."""
+    for n in range(1, len(words) // 2 + 1):
+        if len(words) % n == 0 and words == words[:n] * (len(words) // n):
+            return words[:n]
+    return words
+
+
 def common_prefix_len(a: list[str], b: list[str]) -> int:
     """Number of leading words equal after normalisation."""
     n = 0

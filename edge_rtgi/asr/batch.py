@@ -7,8 +7,8 @@ Every session keeps its own streaming logic (VAD, LocalAgreement, the split of l
 a ``StreamingTranscriber`` takes either. ``transcribe`` queues a job and waits for it on the
 calling (session worker) thread, never on the event loop. One engine thread takes the jobs in
 deadline order, finals before partials, encodes each one's window (30 s, or a short one:
-``encoder_window_s``), and runs one ``generate`` per beam size and window length over the
-windows of the step, each with its own prompt and forced prefix. Two cores then run one
+``encoder_window_s``), and runs one ``generate`` per beam size, window length and prompt length
+over the windows of the step, each with its own prompt and forced prefix. Two cores then run one
 decode at a time at full width instead of N decodes that split them and all finish late.
 
 A step takes every window queued when it starts (up to ``batch_size``). On a CPU a 30 s encode
@@ -84,6 +84,7 @@ class DecodeJob:
     final: bool
     deadline_s: float  # time.monotonic() by which the turn wants it; earlier first
     submitted_s: float
+    prompt: str | None = None
     future: Future[Hypothesis] = field(default_factory=Future)
     queue_wait_ms: float = 0.0
 
@@ -139,6 +140,7 @@ class SharedWhisper:
         beam_size: int | None = None,
         word_timestamps: bool = False,
         deadline_s: float | None = None,
+        prompt: str | None = None,
     ) -> DecodeJob:
         """Queue a decode and return its job at once (``job.future`` resolves to the hypothesis).
 
@@ -166,6 +168,7 @@ class SharedWhisper:
             final,
             deadline_s if deadline_s is not None else now + (FINAL_BUDGET_S if final else PARTIAL_BUDGET_S),
             now,
+            prompt or None,
         )
         with self._cond:
             if self._closed:
@@ -310,6 +313,7 @@ class SharedWhisper:
                 timestamps=job.timestamps,
                 beam_size=job.beam_size,
                 word_timestamps=job.word_timestamps,
+                prompt=job.prompt,
             )
         except Exception as exc:  # noqa: BLE001 - one bad job fails only its own session
             job.future.set_exception(exc)
@@ -340,12 +344,15 @@ class AsrClient:
         timestamps: bool = False,
         beam_size: int | None = None,
         word_timestamps: bool = False,
+        prompt: str | None = None,
     ) -> Hypothesis:
         """``WhisperAsr.transcribe`` through the shared engine. Blocking: call from a worker thread."""
         with self._lock:
             if self._detached:
                 raise AsrEngineClosed("the session closed; no more decodes")
-            job = self.engine.submit(audio, prefix, language, timestamps, beam_size, word_timestamps)
+            job = self.engine.submit(
+                audio, prefix, language, timestamps, beam_size, word_timestamps, prompt=prompt
+            )
             self._jobs.add(job)
         try:
             hyp = job.future.result()

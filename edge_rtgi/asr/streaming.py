@@ -41,7 +41,7 @@ from edge_rtgi.asr.events import (
 from edge_rtgi.asr.split import choose_split
 from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision
 from edge_rtgi.asr.vad import SileroVad, VadEvent
-from edge_rtgi.asr.whisper import DecodeTiming, Hypothesis, Transcriber
+from edge_rtgi.asr.whisper import DecodeTiming, Hypothesis, Transcriber, text_loops
 from edge_rtgi.audio.pcm import Resampler
 from edge_rtgi.audio.ring import RingBuffer
 from edge_rtgi.errors import AudioError
@@ -142,6 +142,9 @@ class StreamingTranscriber:
         self._active: _Utterance | None = None
         self._ended: list[_Utterance] = []
         self._next_id = 0
+        # utterance id -> whisper prompt for its decodes; set from the event loop's thread
+        # (``prompt_utterance``), read here: single dict operations, atomic under the GIL
+        self._prompts: dict[int, str] = {}
 
     def close(self) -> None:
         """Stop the decode thread of semantic mode (a decode in flight finishes on its own)."""
@@ -166,6 +169,17 @@ class StreamingTranscriber:
         of a pause inside it); "" before its first decode and between utterances."""
         utt = self._active
         return " ".join(t for t in utt.partial_key if t) if utt is not None else ""
+
+    @property
+    def active_utterance_id(self) -> int | None:
+        """The id of the utterance in progress (None between utterances)."""
+        utt = self._active
+        return utt.id if utt is not None else None
+
+    def prompt_utterance(self, utterance_id: int, prompt: str) -> None:
+        """Decode utterance ``utterance_id`` from now on with ``prompt`` as whisper's prompt ("":
+        none). Safe to call from another thread than the one that decodes."""
+        self._prompts[utterance_id] = prompt
 
     @property
     def decode_pending(self) -> bool:
@@ -303,6 +317,7 @@ class StreamingTranscriber:
         prefix, language = utt.agreement.committed_text or None, utt.language
         future = self._decode_pool.submit(
             self._timed_transcribe,
+            utt.id,
             audio,
             prefix=prefix,
             language=language,
@@ -311,9 +326,25 @@ class StreamingTranscriber:
         )
         utt.pending = _PendingSpeculation(silence_start, end, len(utt.agreement.committed), future)
 
-    def _timed_transcribe(self, audio: np.ndarray, **kwargs) -> tuple[Hypothesis, DecodeTiming | None]:
-        hyp = self.asr.transcribe(audio, **kwargs)
+    def _timed_transcribe(
+        self, utterance_id: int, audio: np.ndarray, **kwargs
+    ) -> tuple[Hypothesis, DecodeTiming | None]:
+        hyp = self._transcribe(utterance_id, audio, **kwargs)
         return hyp, self.asr.last_timing()
+
+    def _transcribe(self, utterance_id: int, audio: np.ndarray, **kwargs) -> Hypothesis:
+        """``asr.transcribe`` with the utterance's prompt (``prompt_utterance``). A prompted decode
+        that repeats itself ("Okay. Okay. Okay. ...": a prompt makes whisper loop more readily)
+        is decoded again without the prompt."""
+        prompt = self._prompts.get(utterance_id) or None
+        hyp = self.asr.transcribe(audio, prompt=prompt, **kwargs)
+        if prompt is not None and (
+            text_loops(hyp.text)
+            or any(s.compression_ratio > self.config.compression_ratio_threshold for s in hyp.segments)
+        ):
+            log.info("a prompted decode repeated itself; decoding it again without the prompt")
+            hyp = self.asr.transcribe(audio, **kwargs)
+        return hyp
 
     def _collect_pending(self, utt: _Utterance, wait: bool) -> None:
         """Take a finished (or, with ``wait``, the) speculative decode into the utterance."""
@@ -401,7 +432,8 @@ class StreamingTranscriber:
         word_timestamps: bool = False,
     ) -> Hypothesis:
         audio = self._ring.read(utt.start_index, end)
-        hyp = self.asr.transcribe(
+        hyp = self._transcribe(
+            utt.id,
             audio,
             prefix=utt.agreement.committed_text or None,
             language=utt.language,
@@ -443,6 +475,12 @@ class StreamingTranscriber:
         if utt.end_index is None or utt.endpoint_index is None:  # _end_active sets both
             raise RuntimeError(f"utterance {utt.id} is finalised before it ended")
         end_index, endpoint_index = utt.end_index, utt.endpoint_index
+        try:
+            return self._finalize_words(utt, end_index, endpoint_index)
+        finally:
+            self._prompts.pop(utt.id, None)
+
+    def _finalize_words(self, utt: _Utterance, end_index: int, endpoint_index: int) -> list[AsrEvent]:
         queue_ms = 0.0  # of the time after the endpoint, waiting for a shared engine's step
         if utt.split is not None:
             # Cut off long speech: the words were chosen with the cut; no pad after it, that
@@ -530,7 +568,8 @@ class StreamingTranscriber:
         unexplained_s = (end - utt.start_index) / SAMPLE_RATE_HZ - heard_s
         if not agreement.committed or not ((tail_len == 0 and agreement.tentative) or unexplained_s > 1.0):
             return words, hyp
-        free = self.asr.transcribe(
+        free = self._transcribe(
+            utt.id,
             self._ring.read(utt.start_index, end),
             language=utt.language,
             timestamps=True,

@@ -41,6 +41,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edge_rtgi.asr.agreement import without_repeats
 from edge_rtgi.errors import ModelFileError
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,11 @@ DEFAULT_FRAGMENT_HOLD_MS = 600
 # A statement or command can go on after a short pause ("Remind me about the dentist, | the
 # bank, ..."); see ``TurnDetectionConfig.continuation_hold_ms``.
 DEFAULT_CONTINUATION_HOLD_MS = 400
+# Whisper's prompt for speech over a reply: the commonest backchannels, so that whisper writes a
+# murmur or a short "yeah" as one instead of as other words ("Hmm." as "them."); see
+# ``TurnDetectionConfig.talkover_prompt`` and docs/speech.md, "Backchannels".
+DEFAULT_TALKOVER_PROMPT = "Mm-hmm. Uh-huh. Yeah. Okay. Right. Hmm."
+_TALKOVER_PROMPT_MAX_CHARS = 400  # whisper keeps at most 223 prompt tokens anyway
 
 
 def _words(text: str) -> list[str]:
@@ -202,9 +208,11 @@ def is_fragment(text: str) -> bool:
 
 
 def is_backchannel(text: str) -> bool:
-    """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see")."""
+    """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see"), also said more
+    than once ("Okay, yeah. Okay, yeah.": people repeat them, and whisper writes a short one
+    twice now and then)."""
     words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
-    words = [w for w in words if w]
+    words = without_repeats([w for w in words if w])
     return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(
         w in BACKCHANNEL_WORDS or _MURMUR.fullmatch(w) for w in words
     )
@@ -292,7 +300,9 @@ class TurnDetectionConfig:
     the turn waits for the cap). ``barge_in_min_speech_ms``: in semantic
     mode, speech over a reply cuts it once it has lasted this long unless its words so far are a
     backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
-    backchannel (``talkover_cuts``).
+    backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech that begins
+    over a reply is decoded with this as whisper's prompt, in English only ("": none), so that
+    a backchannel is written as one.
     """
 
     mode: str = "silence"
@@ -306,6 +316,7 @@ class TurnDetectionConfig:
     fragment_hold_ms: int = DEFAULT_FRAGMENT_HOLD_MS
     continuation_hold_ms: int = DEFAULT_CONTINUATION_HOLD_MS
     recheck_ms: int = 0
+    talkover_prompt: str = DEFAULT_TALKOVER_PROMPT
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -332,6 +343,11 @@ class TurnDetectionConfig:
                 f"barge_in_max_speech_ms must be in [barge_in_min_speech_ms "
                 f"({self.barge_in_min_speech_ms}), 10000] ms, got {self.barge_in_max_speech_ms}"
             )
+        if len(self.talkover_prompt) > _TALKOVER_PROMPT_MAX_CHARS:
+            raise ValueError(
+                f"talkover_prompt must be at most {_TALKOVER_PROMPT_MAX_CHARS} characters, "
+                f"got {len(self.talkover_prompt)}"
+            )
         if self.mode == "semantic" and self.semantic_max_ms < self.semantic_min_ms:
             raise ValueError(
                 f"max_silence_ms ({self.semantic_max_ms}) must not be below "
@@ -354,6 +370,7 @@ class TurnDetectionConfig:
         threshold: float | None = None,
         text_check: bool | None = None,
         recheck_ms: int | None = None,
+        talkover_prompt: str | None = None,
     ) -> TurnDetectionConfig:
         """This config with a session's settings on top (None keeps the pipeline's); ValueError
         names the key when the result is inconsistent. A switch to the other mode drops the
@@ -370,6 +387,7 @@ class TurnDetectionConfig:
             threshold=self.threshold if threshold is None else threshold,
             text_check=self.text_check if text_check is None else text_check,
             recheck_ms=self.recheck_ms if recheck_ms is None else recheck_ms,
+            talkover_prompt=self.talkover_prompt if talkover_prompt is None else talkover_prompt,
         )
 
     def silence_ms(self, vad_min_silence_ms: int) -> int:
@@ -390,6 +408,7 @@ class TurnDetectionUpdate:
     threshold: float | None = None
     text_check: bool | None = None
     recheck_ms: int | None = None
+    talkover_prompt: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -401,6 +420,7 @@ class TurnDetectionUpdate:
             max_silence_ms=self.max_silence_ms,
             threshold=0.5 if self.threshold is None else self.threshold,
             recheck_ms=self.recheck_ms or 0,
+            talkover_prompt=self.talkover_prompt or "",
         )
         if self.max_silence_ms is not None and self.min_silence_ms is not None:
             if self.max_silence_ms < self.min_silence_ms:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import numpy as np
 
+from edge_rtgi.asr.agreement import normalize_word, split_words, without_repeats
 from edge_rtgi.asr.config import AsrConfig
 from edge_rtgi.errors import ConfigError, ModelFileError
 
@@ -92,6 +93,7 @@ class Transcriber(Protocol):
         timestamps: bool = False,
         beam_size: int | None = None,
         word_timestamps: bool = False,
+        prompt: str | None = None,
     ) -> Hypothesis: ...
 
     def last_timing(self) -> DecodeTiming | None:
@@ -211,11 +213,14 @@ class WhisperAsr:
         timestamps: bool = False,
         beam_size: int | None = None,
         word_timestamps: bool = False,
+        prompt: str | None = None,
     ) -> Hypothesis:
         """Decode mono float32 16 kHz ``audio`` (at most 30 s). Blocking: call from a worker thread.
 
         ``prefix`` forces the start of the transcript (the committed words); ``language``
-        overrides the configured one (None with a multilingual model: detect).
+        overrides the configured one (None with a multilingual model: detect). ``prompt``:
+        text whisper reads as what was said before (its initial prompt), which leans the decode
+        towards its words and spellings.
         ``word_timestamps`` fills ``Hypothesis.words`` (an extra alignment pass; streaming
         uses it only where it must cut speech at a word boundary).
 
@@ -227,16 +232,18 @@ class WhisperAsr:
         beam = beam_size or cfg.beam_size
         short = self.window_decoder.window_frames(len(audio)) < _FULL_WINDOW_FRAMES
         if not (short and lang is not None and not word_timestamps):
-            return self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
+            return self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps, prompt)
         t0, started_s = time.perf_counter(), time.monotonic()
-        request = _Request(np.asarray(audio, dtype=np.float32), prefix or None, lang, timestamps, beam)
+        request = _Request(
+            np.asarray(audio, dtype=np.float32), prefix or None, lang, timestamps, beam, prompt or None
+        )
         try:
             hyp = self.window_decoder.generate([self.window_decoder.prepare(request)])[0]
         except Exception as exc:  # noqa: BLE001 - whisper's own decode still serves this audio
             log.warning("short-window decode failed (%s); decoding in whisper's 30 s window", exc)
             hyp = None
         if hyp is None:  # doubtful: whisper's own window decides, and the attempt counts in its time
-            hyp = self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps)
+            hyp = self.transcribe_whole(audio, prefix, lang, timestamps, beam, word_timestamps, prompt)
             hyp = replace(hyp, decode_ms=(time.perf_counter() - t0) * 1000.0)
         self._local.timing = DecodeTiming(0.0, hyp.decode_ms, started_s)
         return hyp
@@ -249,6 +256,7 @@ class WhisperAsr:
         timestamps: bool = False,
         beam_size: int | None = None,
         word_timestamps: bool = False,
+        prompt: str | None = None,
     ) -> Hypothesis:
         """``transcribe`` through faster-whisper's own ``WhisperModel.transcribe``: 30 s windows,
         language detection, word timestamps, audio longer than one window."""
@@ -265,6 +273,7 @@ class WhisperAsr:
             log_prob_threshold=cfg.log_prob_threshold,
             no_speech_threshold=cfg.no_speech_threshold,
             condition_on_previous_text=False,
+            initial_prompt=prompt or None,
             prefix=prefix or None,
             without_timestamps=not (timestamps or word_timestamps),
             word_timestamps=word_timestamps,  # an alignment pass: off for partials, which are many
@@ -310,7 +319,7 @@ def encoder_window_frames(content_frames: int, encoder_window_s: float) -> int:
     return min(_FULL_WINDOW_FRAMES, -(-needed // step) * step)
 
 
-def _loops(text: str) -> bool:
+def text_loops(text: str) -> bool:
     """True when ``text`` repeats itself back to back: a phrase of 2-6 words three times running
     ("Okay. Yeah. Okay. Yeah. Okay. Yeah."), or one word four times. Too short for the
     compression ratio to notice, and seen on short windows for a murmured "Okay, yeah."."""
@@ -321,6 +330,12 @@ def _loops(text: str) -> bool:
             if all(words[i + r * n : i + (r + 1) * n] == phrase for r in range(1, runs)):
                 return True
     return False
+
+
+def _said_again(text: str) -> bool:
+    """True when ``text`` is one phrase said twice or more, back to back."""
+    words = [w for w in (normalize_word(w) for w in split_words(text)) if w]
+    return len(without_repeats(words)) < len(words)
 
 
 class WindowRequest(Protocol):
@@ -336,6 +351,8 @@ class WindowRequest(Protocol):
     def timestamps(self) -> bool: ...
     @property
     def beam_size(self) -> int: ...
+    @property
+    def prompt(self) -> str | None: ...
 
 
 R = TypeVar("R", bound=WindowRequest)
@@ -350,6 +367,7 @@ class _Request:
     language: str | None
     timestamps: bool
     beam_size: int
+    prompt: str | None
 
 
 @dataclass
@@ -370,8 +388,8 @@ class WindowDecoder:
     decoder: ``prepare`` (features, prompt, encoder) per request, ``generate`` over many.
 
     Same options as ``WhisperAsr.transcribe``: temperature 0 without fallback, no previous
-    text, suppress_blank and the default suppressed tokens, the first timestamp within 1 s.
-    With ``encoder_window_s`` below 30 the encoder sees a short window
+    text but the request's own prompt, suppress_blank and the default suppressed tokens, the
+    first timestamp within 1 s. With ``encoder_window_s`` below 30 the encoder sees a short window
     (``encoder_window_frames``); a short window's result that looks wrong (no words, a
     repetition loop above ``compression_ratio_threshold``, timestamps that stop before the
     audio) comes back as None, for whisper's own 30 s decode."""
@@ -412,12 +430,15 @@ class WindowDecoder:
         # on the host even on one GPU (WhisperModel.encode leaves it there): windows are joined
         # in numpy for a batched generate, and a CUDA StorageView is no numpy array
         encoded = np.asarray(wm.model.encode(get_ctranslate2_storage(window[None]), to_cpu=True))
-        prompt = wm.get_prompt(tok, [], without_timestamps=not job.timestamps, prefix=job.prefix)
+        # as WhisperModel.transcribe tokenises its initial_prompt
+        previous = tok.encode(" " + job.prompt.strip()) if job.prompt else []
+        prompt = wm.get_prompt(tok, previous, without_timestamps=not job.timestamps, prefix=job.prefix)
         elapsed_ms = (time.perf_counter() - t0) * 1000.0
         return PreparedWindow(job, encoded, prompt, frames, window_frames, tok, elapsed_ms)
 
     def generate(self, windows: Sequence[PreparedWindow[R]]) -> list[Hypothesis | None]:
-        """Decode the windows, one ``generate`` call per beam size and window length. An entry
+        """Decode the windows, one ``generate`` call per beam size, window length and prompt
+        length (whisper's "previous text"). An entry
         is None where ``transcribe`` would go on to a second window (its timestamps end before
         the audio), or where a short window's result looks wrong: decode those with
         ``WhisperAsr.transcribe_whole``."""
@@ -427,11 +448,14 @@ class WindowDecoder:
         t0 = time.perf_counter()
         wm = self._model
         suppress = list(get_suppressed_tokens(windows[0].tokenizer, [-1]))
-        groups: dict[tuple[int, int], list[int]] = {}  # one generate per (beam, window length)
+        # one generate per (beam, window length, start-of-transcript position): CTranslate2 needs
+        # the last alike across a batch, and a prompt ("previous text") moves it
+        groups: dict[tuple[int, int, int], list[int]] = {}
         for i, window in enumerate(windows):
-            groups.setdefault((window.job.beam_size, window.window_frames), []).append(i)
+            sot_at = window.prompt.index(window.tokenizer.sot)
+            groups.setdefault((window.job.beam_size, window.window_frames, sot_at), []).append(i)
         results: dict[int, ctranslate2.models.WhisperGenerationResult] = {}
-        for (beam, _), idx in groups.items():
+        for (beam, _, _), idx in groups.items():
             states = np.ascontiguousarray(np.concatenate([windows[i].encoder_output for i in idx]))
             out = wm.model.generate(
                 ctranslate2.StorageView.from_array(states),
@@ -475,8 +499,11 @@ class WindowDecoder:
             if short:  # silence to a short window; whisper's own window decides that
                 return None
             return Hypothesis("", (), job.language, decode_ms)  # skipped as silence; no other window
-        if short and (compression_ratio > cfg.compression_ratio_threshold or _loops(tok.decode(tokens))):
+        decoded_text = tok.decode(tokens)
+        if short and (compression_ratio > cfg.compression_ratio_threshold or text_loops(decoded_text)):
             return None  # a repetition loop ("Turn it up. Turn it up. ..."): seen on short windows
+        if short and job.prompt and _said_again(decoded_text):
+            return None  # "I see. I see." for "I see.": a prompt on a short window, not on 30 s
         segment_size = min(fe.nb_max_frames, window.content_frames)
         pieces, seek, _ = wm._split_segments_by_timestamps(
             tokenizer=tok,

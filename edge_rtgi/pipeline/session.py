@@ -65,13 +65,15 @@ class SessionSettings:
     vad_min_silence_ms: int | None = None
     vad_prefix_padding_ms: int | None = None
     # How a pause ends the turn (edge_rtgi.asr.turn); on the native wire also as one object,
-    # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold, text_check, recheck_ms}``.
+    # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold, text_check, recheck_ms,
+    # talkover_prompt}``.
     turn_mode: str | None = None
     turn_min_silence_ms: int | None = None
     turn_max_silence_ms: int | None = None
     turn_threshold: float | None = None
     turn_text_check: bool | None = None
     turn_recheck_ms: int | None = None
+    turn_talkover_prompt: str | None = None
     # each microphone chunk comes with the audio being played (stereo on the native protocol)
     echo_reference: bool = False
 
@@ -97,6 +99,7 @@ class SessionSettings:
             self.turn_max_silence_ms,
             self.turn_threshold,
             recheck_ms=self.turn_recheck_ms,
+            talkover_prompt=self.turn_talkover_prompt,
         )
 
     def turn_config(self, pipeline: TurnDetectionConfig) -> TurnDetectionConfig:
@@ -108,6 +111,7 @@ class SessionSettings:
             self.turn_threshold,
             self.turn_text_check,
             self.turn_recheck_ms,
+            self.turn_talkover_prompt,
         )
 
     def merged(self, changes: dict) -> SessionSettings:
@@ -118,7 +122,15 @@ class SessionSettings:
             # the object form: VAD turn detection stays on, with these settings
             update = from_dict(TurnDetectionUpdate, changes["turn_detection"], "session.turn_detection")
             changes["turn_detection"] = True
-            for key in ("mode", "min_silence_ms", "max_silence_ms", "threshold", "text_check", "recheck_ms"):
+            for key in (
+                "mode",
+                "min_silence_ms",
+                "max_silence_ms",
+                "threshold",
+                "text_check",
+                "recheck_ms",
+                "talkover_prompt",
+            ):
                 if getattr(update, key) is not None:
                     changes[f"turn_{key}"] = getattr(update, key)
         checked = from_dict(SessionSettings, changes, "session")  # validates keys and types

@@ -17,6 +17,7 @@ import pytest
 
 from edge_rtgi.asr import AsrConfig, WhisperAsr
 from edge_rtgi.asr.batch import AsrEngineClosed, DecodeJob, SharedWhisper, StepStats
+from edge_rtgi.asr.turn import DEFAULT_TALKOVER_PROMPT
 from edge_rtgi.asr.whisper import Hypothesis
 from edge_rtgi.errors import AudioError
 from tests.integration.native_client import steady_clips
@@ -49,13 +50,21 @@ def _same(a: Hypothesis, b: Hypothesis) -> bool:
 
 def _jobs(clips: list[np.ndarray]) -> list[dict]:
     """Per clip the three kinds of streaming decode: a partial of the first 60 %, a final, and a
-    final with the first words forced as the prefix (what LocalAgreement commits)."""
+    final with the first words forced as the prefix (what LocalAgreement commits). One of the
+    two finals carries the talkover prompt (speech over a reply): the plain final on odd clips,
+    the one with a prefix on even clips."""
     specs = []
-    for text, audio in zip(SENTENCES, clips, strict=True):
-        specs.append(dict(audio=audio[: int(len(audio) * 0.6)], prefix=None, timestamps=False, beam_size=1))
-        specs.append(dict(audio=audio, prefix=None, timestamps=True, beam_size=5))
+    for i, (text, audio) in enumerate(zip(SENTENCES, clips, strict=True)):
+        specs.append(
+            dict(
+                audio=audio[: int(len(audio) * 0.6)], prefix=None, timestamps=False, beam_size=1, prompt=None
+            )
+        )
+        prompt = DEFAULT_TALKOVER_PROMPT if i % 2 else None
+        specs.append(dict(audio=audio, prefix=None, timestamps=True, beam_size=5, prompt=prompt))
         prefix = " ".join(text.split()[:2])
-        specs.append(dict(audio=audio, prefix=prefix, timestamps=True, beam_size=5))
+        prompt = None if i % 2 else DEFAULT_TALKOVER_PROMPT
+        specs.append(dict(audio=audio, prefix=prefix, timestamps=True, beam_size=5, prompt=prompt))
     return specs
 
 
@@ -70,15 +79,30 @@ def test_batched_step_gives_the_words_of_a_decode_alone(window, request, clips):
     asr = request.getfixturevalue("asr" if window == "30 s" else "short_window_asr")
     specs = _jobs(clips)
     # about 9.4 s of speech: the short window is 20 s for it, 10 s for the others
-    specs.append(dict(audio=np.concatenate(clips[:3]), prefix=None, timestamps=True, beam_size=5))
+    specs.append(
+        dict(audio=np.concatenate(clips[:3]), prefix=None, timestamps=True, beam_size=5, prompt=None)
+    )
     alone = [asr.transcribe(**s) for s in specs]
     decoder = asr.window_decoder
     windows = [
         decoder.prepare(
-            DecodeJob(s["audio"], s["prefix"], "en", s["timestamps"], s["beam_size"], False, True, 0.0, 0.0)
+            DecodeJob(
+                s["audio"],
+                s["prefix"],
+                "en",
+                s["timestamps"],
+                s["beam_size"],
+                False,
+                True,
+                0.0,
+                0.0,
+                s["prompt"],
+            )
         )
         for s in specs
     ]
+    # a prompt goes in as whisper's "previous text", as WhisperModel.transcribe puts initial_prompt
+    assert all((w.prompt[0] == w.tokenizer.sot_prev) == bool(w.job.prompt) for w in windows)
     lengths = {1000, 2000} if window == "10 s" else {3000}
     assert {w.window_frames for w in windows} == lengths
     batched = decoder.generate(windows)  # one generate per beam size and length over 19 windows

@@ -19,7 +19,7 @@ import pytest
 
 from edge_rtgi.asr import AsrConfig, WhisperAsr
 from edge_rtgi.asr.evaluation import word_error_rate
-from edge_rtgi.asr.whisper import PreparedWindow, _loops, encoder_window_frames
+from edge_rtgi.asr.whisper import PreparedWindow, encoder_window_frames, text_loops
 from tests.integration.native_client import steady_clips
 
 SENTENCES = [
@@ -94,7 +94,7 @@ def test_a_short_window_hands_silence_and_loops_to_the_30_s_decode(clips):
     # a long loop of a phrase longer than the repeat check reads (the compression ratio finds it),
     # and one too short for the ratio (a murmured "Okay, yeah.")
     long_phrase = " The weather station on the hill reports a cold wind from the north."
-    assert not _loops(long_phrase * 6)
+    assert not text_loops(long_phrase * 6)
     for text in (long_phrase * 6, " Okay. Yeah. Okay. Yeah. Okay. Yeah."):
         loop = Result([tok.encode(text)], [-0.1], 0.01)
         for frames, refused in ((1000, True), (3000, False)):
@@ -107,6 +107,18 @@ def test_a_short_window_hands_silence_and_loops_to_the_30_s_decode(clips):
         window = PreparedWindow(job, np.zeros(1), [], 300, 1000, tok, 0.0)
         hyp = decoder._hypothesis(window, said, 1.0)
         assert hyp is not None and hyp.text == text.strip(), text
+    # with a prompt (the talkover prompt), a short window writes a short phrase twice ("I see. I
+    # see."); such a result goes to the 30 s decode, which does not
+    prompted = _Job(clips[0], prompt="Mm-hmm. Uh-huh. Yeah.")
+    for text, job_, frames, refused in (
+        (" I see. I see.", prompted, 1000, True),
+        (" I see. I see.", prompted, 3000, False),
+        (" I see. I see.", job, 1000, False),  # no prompt: what was said
+        (" Yes, right.", prompted, 1000, False),
+    ):
+        said = Result([tok.encode(text)], [-0.1], 0.01)
+        window = PreparedWindow(job_, np.zeros(1), [], 300, frames, tok, 0.0)
+        assert (decoder._hypothesis(window, said, 1.0) is None) == refused, (text, job_.prompt, frames)
 
 
 @dataclass(frozen=True)
@@ -116,3 +128,4 @@ class _Job:
     language: str | None = "en"
     timestamps: bool = False
     beam_size: int = 1
+    prompt: str | None = None

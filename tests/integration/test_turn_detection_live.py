@@ -31,6 +31,7 @@ from edge_rtgi.asr.turn import (
     SemanticEndpointer,
     TalkoverMeter,
     TurnDetectionConfig,
+    is_backchannel,
     talkover_cuts,
     transcript_unfinished,
 )
@@ -199,10 +200,11 @@ async def test_a_pause_after_a_fronted_clause_does_not_end_the_turn(voice, resou
 
 
 def _audio_clock(
-    turn: TurnDetectionConfig, resources, audio: np.ndarray
+    turn: TurnDetectionConfig, resources, audio: np.ndarray, prompt: str | None = None
 ) -> tuple[list[str], list[SpeechEnded]]:
     """``audio`` (with 0.3 s of silence before and 2 s after) through a fresh transcriber; the
-    finals and the ``SpeechEnded`` events."""
+    finals and the ``SpeechEnded`` events. ``prompt``: each utterance is decoded with it, given
+    when the utterance starts (as the ASR stage gives the talkover prompt over a reply)."""
     asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
     vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
     model = resources.turn_model("smart-turn-v3.2").model
@@ -216,6 +218,8 @@ def _audio_clock(
     try:
         for i in range(0, len(x), 320):
             tr.insert_audio(x[i : i + 320])
+            if prompt and tr.active_utterance_id is not None:
+                tr.prompt_utterance(tr.active_utterance_id, prompt)
             events.extend(tr.process_iter())
         events.extend(tr.finish())
     finally:
@@ -331,3 +335,15 @@ def test_a_two_part_backchannel_over_a_reply_is_kept_by_its_words(voice, resourc
     assert cut_ms is None and longest < SEMANTIC.barge_in_min_speech_ms, (cut_ms, longest)
     cut_ms, _ = _talkover_cut_ms(resources, _say(voice, "No, I meant the one on Friday morning, not today."))
     assert cut_ms is not None and cut_ms < SEMANTIC.barge_in_max_speech_ms, cut_ms
+
+
+def test_over_a_reply_the_talkover_prompt_writes_a_murmur_as_a_backchannel(voice, resources):
+    """Speech over a reply is decoded with the talkover prompt: Piper's "Hmm." (which whisper
+    tiny.en drops without it, on this machine) and "Mm-hmm." come out as backchannels; its
+    "Uh-huh." loops under the prompt ("Okay. Okay. ..."), so it is decoded again without it
+    ("Oh."); short real interruptions still read as such."""
+    prompt = SEMANTIC.talkover_prompt
+    cases = (("Hmm.", True), ("Mm-hmm.", True), ("Uh-huh.", True), ("Stop.", False), ("Wait, what?", False))
+    for text, backchannel in cases:
+        finals, _ = _audio_clock(SEMANTIC, resources, _say(voice, text), prompt=prompt)
+        assert len(finals) == 1 and is_backchannel(finals[0]) == backchannel, (text, finals)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from edge_rtgi.asr.agreement import LocalAgreement, common_prefix_len, normalize_word, strip_prefix_words
+from edge_rtgi.asr.agreement import (
+    LocalAgreement,
+    common_prefix_len,
+    normalize_word,
+    strip_prefix_words,
+    without_repeats,
+)
 
 
 def _w(text: str) -> list[str]:
@@ -80,3 +86,11 @@ def test_tail_after_locates_committed_words_in_a_free_hypothesis():
     # Worded differently at the start, but the last committed words are found.
     assert tail_after(_w("Please turn off the lights"), _w("Please switch off the lights now")) == ["now"]
     assert tail_after(_w("a b c"), _w("x y z")) is None
+
+
+def test_without_repeats_keeps_a_phrase_said_again_once():
+    assert without_repeats("okay yeah okay yeah".split()) == ["okay", "yeah"]
+    assert without_repeats("yeah yeah yeah".split()) == ["yeah"]
+    assert without_repeats("okay yeah okay".split()) == ["okay", "yeah", "okay"]  # not whole repeats
+    assert without_repeats("stop talking".split()) == ["stop", "talking"]
+    assert without_repeats([]) == []

@@ -45,3 +45,32 @@ def test_markdown_report_states_conditions_and_every_part(bench):
     assert len(table) == 1 + len(bench.PARTS) + 1  # header, the client total, the server parts
     assert "| 1000 | 1090 | 2 |" in md
     assert "non-streaming" not in md  # no baseline row without a baseline
+
+
+def _run(part: str, rows: list[dict]) -> dict:
+    meta = {"items": "all", "started": "t", "commit": "c", "load_average_1m": {"start": 0.5, "max": 0.6}}
+    return {"part": part, **meta, "rows": rows}
+
+
+def test_speech_over_a_reply_is_summarised_per_mode_with_when_it_cut(bench):
+    """Through the daemon: interruptions among the items played over a reply, and how soon after
+    the speech began the reply was cut; a reply that ended before the speech did is not counted."""
+    rows = [
+        {"mode": "semantic", "over_reply": True, "interrupted": True, "cut_after_start_ms": 900},
+        {"mode": "semantic", "over_reply": True, "interrupted": True, "cut_after_start_ms": 1100},
+        {"mode": "semantic", "over_reply": False, "interrupted": False, "cut_after_start_ms": None},
+        {"mode": "no-talkover-prompt", "over_reply": True, "interrupted": False, "cut_after_start_ms": None},
+    ]
+    s = bench.summarize_turns([_run("interruption", rows)])["interruption"]
+    assert (s["semantic"]["n"], s["semantic"]["over_reply"], s["semantic"]["interrupted"]) == (3, 2, 2)
+    assert s["semantic"]["cut_after_start_ms"]["p50"] == 1000
+    assert s["no-talkover-prompt"]["interrupted"] == 0 and "cut_after_start_ms" not in s["no-talkover-prompt"]
+
+
+def test_speech_over_a_reply_on_the_audio_clock_counts_finals_that_would_cut(bench):
+    rows = [
+        {"mode": "semantic", "item": 0, "interrupted": False, "decisions": [], "final_decode_ms": [90.0]},
+        {"mode": "semantic", "item": 1, "interrupted": True, "decisions": [], "final_decode_ms": [110.0]},
+    ]
+    s = bench.summarize_offline([_run("heldout_backchannel", rows)])["heldout_backchannel"]["semantic"]
+    assert (s["n"], s["interrupted"], s["cut_items"]) == (2, 1, [1])

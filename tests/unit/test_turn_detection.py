@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edge_rtgi.asr.turn import (
+    DEFAULT_TALKOVER_PROMPT,
     SemanticEndpointer,
     TalkoverMeter,
     TurnDetectionConfig,
@@ -96,6 +97,12 @@ def test_session_update_takes_the_object_and_names_bad_keys():
     assert s.turn_config(TurnDetectionConfig(mode="semantic", recheck_ms=300)).recheck_ms == 300
     with pytest.raises(ConfigError, match=r"session\.turn_detection.*recheck_ms"):
         SessionSettings().merged({"turn_detection": {"recheck_ms": 5}})
+    # the talkover prompt per session: "" turns it off, an oversized one is named
+    assert s.turn_config(TurnDetectionConfig(mode="semantic")).talkover_prompt == DEFAULT_TALKOVER_PROMPT
+    unprompted = SessionSettings().merged({"turn_detection": {"talkover_prompt": ""}})
+    assert unprompted.turn_config(TurnDetectionConfig(mode="semantic")).talkover_prompt == ""
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*talkover_prompt"):
+        SessionSettings().merged({"turn_detection": {"talkover_prompt": "Mm-hmm. " * 100}})
 
 
 def test_realtime_semantic_vad_maps_eagerness():
@@ -193,6 +200,11 @@ def test_missing_or_corrupt_model_falls_back_with_one_warning(tmp_path, caplog, 
         ("Hmmmm.", True),
         ("Mmm-hmmm.", True),
         ("Uhhh, yeah.", True),
+        ("Okay. Yeah. Okay. Yeah.", True),
+        ("Yeah, yeah, yeah, yeah.", True),
+        ("I see. I see.", True),
+        ("Stop. Stop.", False),
+        ("Yeah, okay, yeah, right.", False),  # four words, not one phrase repeated
         ("Stop.", False),
         ("Them.", False),
         ("Hum.", False),

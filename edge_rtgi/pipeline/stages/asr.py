@@ -16,7 +16,8 @@ on the silence timer alone and says so in ``turn_status`` (sent in ``session.cre
 Barge-in in semantic mode: speech that starts over a reply does not cut it at once. It cuts it
 once it has lasted ``barge_in_min_speech_ms`` (unless the words heard so far are a backchannel's:
 then at ``barge_in_max_speech_ms``), or when its final turns out to be more than a backchannel
-("mm-hm", "yes"); a backchannel's final is shown to the client but is not a turn.
+("mm-hm", "yes"); a backchannel's final is shown to the client but is not a turn. Such speech
+is decoded with the talkover prompt (``TurnDetectionConfig.talkover_prompt``).
 
 Latency marks: the stage remembers when each input chunk arrived, so the positions in the
 audio stream that the transcriber reports (speech end, endpoint) map back to wall-clock
@@ -243,13 +244,20 @@ class AsrStage(Stage[AsrInput]):
             samples = self._resampler.process(samples)
         return samples
 
-    def _rising_edge(self, audio_ms: int, t_s: float) -> None:
+    def _rising_edge(
+        self, audio_ms: int, t_s: float, transcriber: StreamingTranscriber, utterance_id: int | None
+    ) -> None:
         """On the loop: user speech started. Control path, ahead of any queued data.
 
-        Over a reply, in semantic mode, the barge-in waits: a backchannel must not cut it."""
+        Over a reply, in semantic mode, the barge-in waits: a backchannel must not cut it, and
+        the speech is decoded with the talkover prompt, so that whisper writes a backchannel as one."""
         self._early_turn = self.ctx.new_turn_id()
         defer = self._endpointer is not None and self.ctx.reply_active(t_s)
         self._talkover_turn = self._early_turn if defer else None
+        prompt = self._turn_cfg.talkover_prompt
+        english = not transcriber.asr.multilingual or transcriber.config.language == "en"
+        if defer and prompt and english and utterance_id is not None:
+            transcriber.prompt_utterance(utterance_id, prompt)
         self.ctx.on_speech_started(F.SpeechStarted(self._early_turn, audio_ms, t_s=t_s), barge_in=not defer)
 
     def _talkover_long(self, t_s: float) -> None:
@@ -362,7 +370,7 @@ class AsrStage(Stage[AsrInput]):
             self.clock.add(total, arrival_t_s)
             if tr.vad.in_speech and not self._in_speech:
                 audio_ms = int(tr.audio_s * 1000)
-                loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s())
+                loop.call_soon_threadsafe(self._rising_edge, audio_ms, F.now_s(), tr, tr.active_utterance_id)
                 self._talkover = TalkoverMeter(total)
             elif not tr.vad.in_speech:
                 self._talkover = None
