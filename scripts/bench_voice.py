@@ -609,12 +609,16 @@ def print_many(result: dict) -> None:
 # of several runs into one summary. ``--turn-clock audio`` plays the items into the ASR stage's
 # transcriber instead of the daemon, each decision made where it is due in the audio (below);
 # ``--turn-model-cost N`` times the model alone on N decisions. The mode ``no-talkover-prompt``
-# is semantic with speech over a reply decoded without whisper's prompt.
+# is semantic with speech over a reply decoded without whisper's prompt; ``no-preemptive-reply``
+# (through the daemon) semantic with the reply started at the final, not on a likely final.
 
 # semantic: the pipeline's (model + words check); model-only: the model's verdict alone
 TURN_MODES = ("semantic", "model-only", "silence")
 TURN_PAUSES_MS = (300, 400, 500, 600, 700)
 BACKCHANNEL_OFFSET_S = 0.4  # from the first reply audio received to the backchannel's start
+# through the daemon also: semantic with speech over a reply decoded without whisper's prompt,
+# and semantic with the reply started only at the final (not on a likely final)
+DAEMON_MODES = (*TURN_MODES, "no-talkover-prompt", "no-preemptive-reply")
 # the parts spoken over a reply, and their items in the turn-taking set
 OVER_REPLY_PARTS = {
     "backchannel": "backchannels",
@@ -686,6 +690,8 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         update["turn_detection"] = {"recheck_ms": _recheck_ms(mode)}
     elif mode == "no-talkover-prompt":
         update["turn_detection"] = {"talkover_prompt": ""}
+    elif mode == "no-preemptive-reply":
+        update["turn_detection"] = {"preemptive_reply": False}
     if update:
         await c.send(type="session.update", session=update)
         updated = (await c.wait_type("session.updated", timeout=30))["session"]
@@ -694,10 +700,12 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         want = {"silence": ("silence", None), "model-only": (None, False)}.get(mode, (None, None))
         got = (updated.get("turn_mode"), updated.get("turn_text_check"))
         unprompted = updated.get("turn_talkover_prompt") == ""
+        unpreempted = updated.get("turn_preemptive_reply") is False
         if (
             got != want
             or updated.get("turn_recheck_ms") != _recheck_ms(mode)
-            or (unprompted != (mode == "no-talkover-prompt"))
+            or unprompted != (mode == "no-talkover-prompt")
+            or unpreempted != (mode == "no-preemptive-reply")
         ):
             raise RuntimeError(f"asked for {mode} turn detection, the session has {updated}")
     return c
@@ -868,12 +876,9 @@ def _recheck_ms(mode: str) -> int | None:
 
 async def run_turn_taking(args: argparse.Namespace) -> int:
     """``--turn-taking PART``: each selected item in every mode, rotating which goes first."""
-    if not all(
-        m in TURN_MODES or m == "no-talkover-prompt" or _recheck_ms(m) is not None for m in args.turn_modes
-    ):
+    if not all(m in DAEMON_MODES or _recheck_ms(m) is not None for m in args.turn_modes):
         raise SystemExit(
-            f"through the daemon --turn-modes takes some of {','.join(TURN_MODES)}, no-talkover-prompt "
-            "and recheck-<ms>"
+            f"through the daemon --turn-modes takes some of {','.join(DAEMON_MODES)} and recheck-<ms>"
         )
     data = load_turn_set()
     voices = turn_voices()

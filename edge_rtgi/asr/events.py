@@ -8,7 +8,9 @@ Per utterance the order is: ``SpeechStarted`` (the one speech-start event of the
 project, from ``edge_rtgi.frames``: its ``turn_id`` is the utterance id here, and the session's
 turn id once the ASR stage has mapped it), zero or more ``PartialTranscript``,
 ``SpeechEnded``, then ``FinalTranscript`` (absent when nothing was recognised, e.g. a
-cough or a suppressed hallucination).
+cough or a suppressed hallucination). In semantic mode a ``TurnLikelyEnded`` may come before
+``SpeechEnded`` (a pause the model called finished, waiting out a hold), withdrawn by a
+``TurnResumed`` if the speech goes on.
 """
 
 from __future__ import annotations
@@ -89,4 +91,23 @@ class FinalTranscript:
     t_s: float = field(default_factory=_now)
 
 
-AsrEvent = SpeechStarted | PartialTranscript | SpeechEnded | FinalTranscript
+@dataclass(frozen=True)
+class TurnLikelyEnded:
+    """Semantic mode: the model called the pause a finished turn, and its words (``text``, the
+    pause's speculative final) wait out a hold before the turn ends. Most such turns end with
+    these words; a reply can be started now and held until the final confirms them."""
+
+    utterance_id: int
+    text: str
+    t_s: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class TurnResumed:
+    """Speech went on after a ``TurnLikelyEnded``: its words were not the end of the turn."""
+
+    utterance_id: int
+    t_s: float = field(default_factory=_now)
+
+
+AsrEvent = SpeechStarted | PartialTranscript | SpeechEnded | FinalTranscript | TurnLikelyEnded | TurnResumed

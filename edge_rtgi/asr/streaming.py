@@ -37,6 +37,8 @@ from edge_rtgi.asr.events import (
     SpeechEnded,
     SpeechStarted,
     TranscriptSegment,
+    TurnLikelyEnded,
+    TurnResumed,
 )
 from edge_rtgi.asr.split import choose_split
 from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision
@@ -105,6 +107,7 @@ class _Utterance:
     decision: TurnDecision | None = None  # semantic mode: the model's verdict on the latest pause
     split: _SplitFinal | None = None  # set when long speech was cut
     partial_key: tuple[str, str] = field(default=("", ""))
+    likely_end_at: int | None = None  # the pause a TurnLikelyEnded was sent for (its silence start)
 
 
 class StreamingTranscriber:
@@ -169,6 +172,17 @@ class StreamingTranscriber:
         of a pause inside it); "" before its first decode and between utterances."""
         utt = self._active
         return " ".join(t for t in utt.partial_key if t) if utt is not None else ""
+
+    @property
+    def pause_words(self) -> str | None:
+        """Semantic mode: the words of the utterance in progress as decoded up to the pause in
+        progress (its speculative final); None when there is no pause, or that decode is not in."""
+        utt, silence_start = self._active, self.vad.silence_start_index
+        if utt is None or silence_start is None or utt.speculative is None:
+            return None
+        if utt.speculative.silence_start_index != max(silence_start, utt.start_index):
+            return None
+        return " ".join(utt.agreement.final_words(split_words(utt.speculative.hypothesis.text)))
 
     @property
     def active_utterance_id(self) -> int | None:
@@ -260,6 +274,9 @@ class StreamingTranscriber:
                     if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
                         self._speculate(utt, silence_start)
             else:
+                if utt.likely_end_at is not None:  # the words of that pause were not the end
+                    utt.likely_end_at = None
+                    self._events.append(TurnResumed(utt.id))
                 self._collect_pending(utt, wait=True)  # speech resumed: that decode is stale
                 if now - utt.last_decode_end >= max(self._min_chunk, self.partial_interval_samples):
                     self._partial(utt, now)
@@ -305,6 +322,9 @@ class StreamingTranscriber:
             if spec is not None and spec.silence_start_index == silence_start:
                 words = utt.agreement.final_words(split_words(spec.hypothesis.text))
                 utt.decision = endpointer.check_words(utt.decision, " ".join(words), now - silence_start)
+                if utt.decision.held and utt.likely_end_at != silence_start and words:
+                    utt.likely_end_at = silence_start
+                    self._events.append(TurnLikelyEnded(utt.id, " ".join(words)))
         if utt.decision.complete:
             self.vad.force_end()
             self._end_active(silence_start, "semantic")

@@ -248,12 +248,26 @@ class TalkoverMeter:
         return max(0, talkover_speech_samples(self.start_index, now, silence_start) - self.paused_samples)
 
 
-def talkover_cuts(heard_ms: int, text: str, words_pending: bool, min_ms: int, max_ms: int) -> bool:
+def talkover_cuts(
+    heard_ms: int,
+    text: str,
+    words_pending: bool,
+    min_ms: int,
+    max_ms: int,
+    pause_words: str | None = None,
+) -> bool:
     """Whether speech over a reply, ``heard_ms`` long so far (``TalkoverMeter``), cuts
     the reply now, before its final: once it is ``min_ms`` long, unless the words heard so far
     (``text``) are a backchannel's or are still being decoded (``words_pending``: a decode of a
     pause inside it, "Yes, | yes."); at ``max_ms``, whatever the words. Two-part backchannels
-    ("Okay, yeah.", "Right, right.") run past ``min_ms`` from first word to last."""
+    ("Okay, yeah.", "Right, right.") run past ``min_ms`` from first word to last.
+
+    ``pause_words``: the words decoded up to the pause in progress (None: no pause, or their
+    decode is not in yet). When they are words and not a backchannel's, the speech cuts now,
+    however short: a short request ("Stop.", "Wait, what?") never reaches ``min_ms``, and its
+    final would wait for the end of its turn."""
+    if pause_words is not None and pause_words.strip() and not is_backchannel(pause_words):
+        return True
     if heard_ms < min_ms:
         return False
     if heard_ms >= max_ms:
@@ -302,7 +316,9 @@ class TurnDetectionConfig:
     backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
     backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech that begins
     over a reply is decoded with this as whisper's prompt, in English only ("": none), so that
-    a backchannel is written as one.
+    a backchannel is written as one. ``preemptive_reply``: in semantic mode, when the model calls
+    a pause finished and the words wait out a hold, the reply starts at once, held from the
+    client until the final confirms the words (dropped unseen if speech goes on or they differ).
     """
 
     mode: str = "silence"
@@ -317,6 +333,7 @@ class TurnDetectionConfig:
     continuation_hold_ms: int = DEFAULT_CONTINUATION_HOLD_MS
     recheck_ms: int = 0
     talkover_prompt: str = DEFAULT_TALKOVER_PROMPT
+    preemptive_reply: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -371,6 +388,7 @@ class TurnDetectionConfig:
         text_check: bool | None = None,
         recheck_ms: int | None = None,
         talkover_prompt: str | None = None,
+        preemptive_reply: bool | None = None,
     ) -> TurnDetectionConfig:
         """This config with a session's settings on top (None keeps the pipeline's); ValueError
         names the key when the result is inconsistent. A switch to the other mode drops the
@@ -388,6 +406,7 @@ class TurnDetectionConfig:
             text_check=self.text_check if text_check is None else text_check,
             recheck_ms=self.recheck_ms if recheck_ms is None else recheck_ms,
             talkover_prompt=self.talkover_prompt if talkover_prompt is None else talkover_prompt,
+            preemptive_reply=self.preemptive_reply if preemptive_reply is None else preemptive_reply,
         )
 
     def silence_ms(self, vad_min_silence_ms: int) -> int:
@@ -409,6 +428,7 @@ class TurnDetectionUpdate:
     text_check: bool | None = None
     recheck_ms: int | None = None
     talkover_prompt: str | None = None
+    preemptive_reply: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -553,6 +573,7 @@ class TurnDecision:
     # words that are not a question) is longer than the pause so far, or the model said
     # unfinished and rechecks are on
     retry_silence_samples: int | None = None
+    held: bool = False  # the model said finished; the words wait out their hold (retry above)
 
 
 class SemanticEndpointer:
@@ -643,5 +664,6 @@ class SemanticEndpointer:
             complete=decision.complete and not unfinished and retry is None,
             unfinished_text=unfinished,
             retry_silence_samples=retry,
+            held=retry is not None,
             decided_t_s=time.monotonic(),
         )

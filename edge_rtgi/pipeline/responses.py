@@ -36,6 +36,9 @@ class ResponseState:
     audio_sent_s: float = 0.0
     first_audio_sent_t_s: float | None = None
     playback_cut_t_s: float | None = None
+    # started on a likely final (Session.on_likely_final): its events for the client, each with
+    # whether it completes the response, until the final confirms it; None once it is the client's
+    held: list[tuple[F.SessionEvent, bool]] | None = None
 
     def observe(self, frame: object) -> None:
         """Update from a frame on its way to the client."""

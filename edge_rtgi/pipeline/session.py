@@ -66,7 +66,7 @@ class SessionSettings:
     vad_prefix_padding_ms: int | None = None
     # How a pause ends the turn (edge_rtgi.asr.turn); on the native wire also as one object,
     # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold, text_check, recheck_ms,
-    # talkover_prompt}``.
+    # talkover_prompt, preemptive_reply}``.
     turn_mode: str | None = None
     turn_min_silence_ms: int | None = None
     turn_max_silence_ms: int | None = None
@@ -74,6 +74,7 @@ class SessionSettings:
     turn_text_check: bool | None = None
     turn_recheck_ms: int | None = None
     turn_talkover_prompt: str | None = None
+    turn_preemptive_reply: bool | None = None
     # each microphone chunk comes with the audio being played (stereo on the native protocol)
     echo_reference: bool = False
 
@@ -112,6 +113,7 @@ class SessionSettings:
             self.turn_text_check,
             self.turn_recheck_ms,
             self.turn_talkover_prompt,
+            self.turn_preemptive_reply,
         )
 
     def merged(self, changes: dict) -> SessionSettings:
@@ -130,6 +132,7 @@ class SessionSettings:
                 "text_check",
                 "recheck_ms",
                 "talkover_prompt",
+                "preemptive_reply",
             ):
                 if getattr(update, key) is not None:
                     changes[f"turn_{key}"] = getattr(update, key)
@@ -183,6 +186,8 @@ class Session:
         self._entry_ids = itertools.count(1)
         self.responses: dict[str, ResponseState] = {}
         self._cancelled: set[str] = set()
+        # turn id -> the response started on that turn's likely final, held from the client
+        self._guesses: dict[int, str] = {}
         self._turn_ids = itertools.count(1)
         self._stages: list[Stage[Any]] = []
         self._echo = EchoFront()
@@ -407,9 +412,17 @@ class Session:
         return TextTurn(turn_id, entry_id, response_id)
 
     async def create_response(
-        self, turn_id: int | None = None, source_text: str | None = None, timing: F.Transcript | None = None
+        self,
+        turn_id: int | None = None,
+        source_text: str | None = None,
+        timing: F.Transcript | None = None,
+        held: bool = False,
     ) -> str:
-        """Start a response to the conversation so far (or to ``source_text`` for translation)."""
+        """Start a response to the conversation so far (or to ``source_text`` for translation).
+
+        ``held``: a response to ``source_text`` as the user's next turn, not yet in the history
+        (``on_likely_final``); it runs, but nothing of it reaches the client until
+        ``on_final_transcript`` confirms the words (or drops it unseen)."""
         text_stage = self.pipeline.text_stage
         if text_stage is None:
             raise RequestError(
@@ -426,14 +439,21 @@ class Session:
         st = ResponseState(rid, turn_id or 0, kind, source_text, timing=timing)
         self.responses[rid] = st
         self._forget_old_responses()
-        await self.outbox.put(F.ResponseStarted(rid, st.turn_id, kind, source_text))
+        history = tuple(self._history)
+        if held:
+            st.held = [(F.ResponseStarted(rid, st.turn_id, kind, source_text), False)]
+            if kind == "reply":  # the history as remembering the turn would make it
+                user = F.ChatTurn(-1, "user", source_text, st.turn_id, None)
+                history = (history + (user,))[-self.limits.history_turns :]
+        else:
+            await self.outbox.put(F.ResponseStarted(rid, st.turn_id, kind, source_text))
         s = self.settings
         await self._stage_named("assistant", "translate").inbox.put(
             F.ResponseRequest(
                 response_id=rid,
                 turn_id=st.turn_id,
                 source_text=source_text,
-                messages=tuple(self._history),
+                messages=history,
                 system_prompt=s.system_prompt,
                 max_tokens=s.max_reply_tokens,
                 temperature=s.temperature,
@@ -483,6 +503,9 @@ class Session:
         """Cancel one response in every stage now (pipecat-style control: no queue to wait in)."""
         st = self.responses.get(response_id)
         if st is None or response_id in self._cancelled or not st.active():
+            return False
+        if st.held is not None:  # never the client's: nothing to tell it
+            self._drop_held(response_id)
             return False
         self._cancelled.add(response_id)
         for stage in self._stages:
@@ -550,22 +573,34 @@ class Session:
         index = self._stages.index(stage)
         nxt = self._stages[index + 1] if index + 1 < len(self._stages) else None
         if isinstance(frame, (F.TextDelta, F.TextDone)):
-            await self.outbox.put(frame)
-            if isinstance(frame, F.TextDone) and st is not None:
-                st.usage = frame.usage
-                if st.kind == "reply":
-                    self.remember("assistant", frame.text, response_id=frame.response_id)
-            if nxt is not None and self.settings.audio_output:
+            to_next = nxt is not None and self.settings.audio_output
+            await self._to_client(st, frame, finish=isinstance(frame, F.TextDone) and not to_next)
+            if to_next and nxt is not None:
                 await nxt.inbox.put(frame)
-            elif isinstance(frame, F.TextDone):
-                await self._finish(frame.response_id)
         elif isinstance(frame, F.AudioOut):
-            await self.outbox.put(frame)
+            await self._to_client(st, frame, finish=False)
         elif isinstance(frame, F.AudioDone):
-            await self.outbox.put(frame)
-            await self._finish(frame.response_id)
+            await self._to_client(st, frame, finish=True)
         elif isinstance(frame, (F.AudioIn, F.CommitAudio, F.ClearAudio)) and nxt is not None:
             await nxt.inbox.put(frame)  # through the wake gate
+
+    async def _to_client(self, st: ResponseState | None, event: F.SessionEvent, finish: bool) -> None:
+        """``event`` of a response on to the client, with the session's book-keeping (the reply
+        into the history; ``finish``: the response is complete), or held while the response is
+        one started on a likely final (``create_response(held=True)``)."""
+        if st is not None and st.held is not None:
+            st.held.append((event, finish))
+        else:
+            await self._deliver(st, event, finish)
+
+    async def _deliver(self, st: ResponseState | None, event: F.SessionEvent, finish: bool) -> None:
+        await self.outbox.put(event)
+        if isinstance(event, F.TextDone) and st is not None:
+            st.usage = event.usage
+            if st.kind == "reply":
+                self.remember("assistant", event.text, response_id=event.response_id)
+        if finish and isinstance(event, (F.TextDone, F.AudioDone)):
+            await self._finish(event.response_id)
 
     async def _finish(self, response_id: str) -> None:
         st = self.responses.get(response_id)
@@ -581,6 +616,12 @@ class Session:
 
     def stage_failed(self, stage: Stage[Any], frame: object, exc: BaseException) -> None:
         rid = getattr(frame, "response_id", None)
+        held = self.responses.get(rid) if rid is not None else None
+        if rid is not None and held is not None and held.held is not None:
+            # a response the client has not seen: dropped; the final starts its own
+            log.info("a response held on a likely final failed in %s; dropped", stage.name)
+            self._drop_held(rid)
+            return
         if isinstance(exc, EdgeRtgiError):
             code = exc.code if isinstance(exc, BackendError) else "stage_failed"
             err = F.ErrorEvent(code, f"{stage.name}: {exc.message}", exc.hint, response_id=rid)
@@ -616,8 +657,9 @@ class Session:
         self._barge_in(t_s)
 
     def reply_active(self, t_s: float | None = None) -> bool:
-        """A reply is being generated or (by the estimate) still playing, and barge-in is on."""
-        return self.barge_in and any(st.active(t_s) for st in self.responses.values())
+        """A reply is being generated or (by the estimate) still playing, and barge-in is on
+        (a held one, not yet the client's, does not count)."""
+        return self.barge_in and any(st.active(t_s) and st.held is None for st in self.responses.values())
 
     def on_speech_stopped(self, event: F.SpeechStopped) -> None:
         self.outbox.put_control(event)
@@ -632,21 +674,66 @@ class Session:
     def _barge_in(self, t_s: float) -> None:
         if self.barge_in:
             for rid, st in list(self.responses.items()):
-                if st.active(t_s):
+                if st.active(t_s) and st.held is None:
                     self.interrupt(rid, "barge_in")
 
     def new_turn_id(self) -> int:
         return next(self._turn_ids)
 
     async def on_final_transcript(self, event: F.Transcript) -> None:
-        """A finished user utterance: report it, remember it, and respond if asked to."""
+        """A finished user utterance: report it, remember it, and respond if asked to (with the
+        response started on its likely final when that had the same words)."""
         await self.outbox.put(event)
-        if not event.text.strip() or event.backchannel:
+        words = bool(event.text.strip()) and not event.backchannel
+        respond = words and self.settings.auto_response and self.pipeline.text_stage is not None
+        guess = self._guesses.pop(event.turn_id, None)
+        st = self.responses.get(guess) if guess is not None else None
+        confirmed = respond and st is not None and st.held is not None and st.source_text == event.text
+        if guess is not None and not confirmed:
+            self._drop_held(guess)
+        if not words:
             return
         if isinstance(self.pipeline.text_stage, AssistantStageConfig):
             self.remember("user", event.text, turn_id=event.turn_id)
-        if self.settings.auto_response and self.pipeline.text_stage is not None:
+        if not respond:
+            return
+        if st is not None and confirmed:
+            await self._release_held(st, event)
+        else:
             await self.create_response(turn_id=event.turn_id, source_text=event.text, timing=event)
+
+    async def on_likely_final(self, turn_id: int, text: str) -> None:
+        """The turn will likely end with ``text`` (semantic mode: the model called it finished;
+        a hold waits to be sure): start its response now, held from the client until
+        ``on_final_transcript`` confirms the words; dropped unseen otherwise."""
+        self.drop_likely_final(turn_id)  # an earlier pause's guess
+        if text.strip() and self.settings.auto_response and self.pipeline.text_stage is not None:
+            self._guesses[turn_id] = await self.create_response(turn_id, text, held=True)
+
+    def drop_likely_final(self, turn_id: int) -> None:
+        """Speech went on after a likely final: its held response is cancelled, unseen."""
+        guess = self._guesses.pop(turn_id, None)
+        if guess is not None:
+            self._drop_held(guess)
+
+    def _drop_held(self, response_id: str) -> None:
+        st = self.responses.get(response_id)
+        if st is None or st.held is None:
+            return
+        st.held = None
+        self._cancelled.add(response_id)
+        for stage in self._stages:
+            stage.cancel(response_id)
+        st.done, st.playback_cut_t_s = True, F.now_s()
+
+    async def _release_held(self, st: ResponseState, timing: F.Transcript) -> None:
+        """The final confirmed a held response's words: it becomes the turn's response, and
+        what it produced so far goes to the client in order."""
+        st.timing = timing
+        while st.held:  # frames that arrive meanwhile join the queue, so the order holds
+            event, finish = st.held.pop(0)
+            await self._deliver(st, event, finish)
+        st.held = None
 
     @property
     def _input(self) -> Stage[Any]:

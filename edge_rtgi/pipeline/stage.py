@@ -65,6 +65,10 @@ class AsrContext(StageContext, Protocol):
 
     async def on_final_transcript(self, event: F.Transcript) -> None: ...
 
+    async def on_likely_final(self, turn_id: int, text: str) -> None: ...
+
+    def drop_likely_final(self, turn_id: int) -> None: ...
+
 
 FrameT = TypeVar("FrameT")
 

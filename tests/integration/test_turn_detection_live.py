@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from edge_rtgi import frames as F
-from edge_rtgi.asr.events import FinalTranscript, SpeechEnded
+from edge_rtgi.asr.events import FinalTranscript, SpeechEnded, TurnLikelyEnded, TurnResumed
 from edge_rtgi.asr.streaming import StreamingTranscriber
 from edge_rtgi.asr.turn import (
     SemanticEndpointer,
@@ -199,12 +199,10 @@ async def test_a_pause_after_a_fronted_clause_does_not_end_the_turn(voice, resou
 # the load: a decision that comes late can land after the speech has resumed).
 
 
-def _audio_clock(
-    turn: TurnDetectionConfig, resources, audio: np.ndarray, prompt: str | None = None
-) -> tuple[list[str], list[SpeechEnded]]:
-    """``audio`` (with 0.3 s of silence before and 2 s after) through a fresh transcriber; the
-    finals and the ``SpeechEnded`` events. ``prompt``: each utterance is decoded with it, given
-    when the utterance starts (as the ASR stage gives the talkover prompt over a reply)."""
+def _clock_events(turn: TurnDetectionConfig, resources, audio: np.ndarray, prompt: str | None = None) -> list:
+    """``audio`` (with 0.3 s of silence before and 2 s after) through a fresh transcriber: every
+    event. ``prompt``: each utterance is decoded with it, given when the utterance starts (as the
+    ASR stage gives the talkover prompt over a reply)."""
     asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
     vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
     model = resources.turn_model("smart-turn-v3.2").model
@@ -224,6 +222,14 @@ def _audio_clock(
         events.extend(tr.finish())
     finally:
         tr.close()
+    return events
+
+
+def _audio_clock(
+    turn: TurnDetectionConfig, resources, audio: np.ndarray, prompt: str | None = None
+) -> tuple[list[str], list[SpeechEnded]]:
+    """``_clock_events``' finals (their text) and ``SpeechEnded`` events."""
+    events = _clock_events(turn, resources, audio, prompt)
     finals = [e.text for e in events if isinstance(e, FinalTranscript) and e.text.strip()]
     return finals, [e for e in events if isinstance(e, SpeechEnded)]
 
@@ -285,8 +291,9 @@ def test_a_request_the_model_first_calls_unfinished_ends_at_a_recheck_not_the_ca
 
 def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:
     """``audio`` as speech over a reply, measured as the ASR stage measures it on every chunk (the
-    speech so far, the words heard so far, a decode on its way): the speech length at which it
-    would cut the reply before its final (None: never), and the longest length it reached."""
+    speech so far, the words heard so far, a decode on its way, the words of a pause) and decoded
+    as it decodes such speech (the talkover prompt): the speech length at which it would cut the
+    reply before its final (None: never), and the longest length it reached."""
     turn = SEMANTIC
     asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
     vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
@@ -301,6 +308,8 @@ def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:
     try:
         for i in range(0, len(x), 320):
             tr.insert_audio(x[i : i + 320])
+            if tr.active_utterance_id is not None:
+                tr.prompt_utterance(tr.active_utterance_id, turn.talkover_prompt)
             total = i + len(x[i : i + 320])
             if not tr.vad.in_speech:
                 meter = None
@@ -315,6 +324,7 @@ def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:
                     tr.decode_pending,
                     turn.barge_in_min_speech_ms,
                     turn.barge_in_max_speech_ms,
+                    tr.pause_words,
                 )
                 if cut_ms is None and cuts:
                     cut_ms = heard_ms
@@ -337,6 +347,15 @@ def test_a_two_part_backchannel_over_a_reply_is_kept_by_its_words(voice, resourc
     assert cut_ms is not None and cut_ms < SEMANTIC.barge_in_max_speech_ms, cut_ms
 
 
+def test_a_short_request_over_a_reply_cuts_it_at_its_first_pause(voice, resources):
+    """ "Stop." never lasts the 700 ms that cut by length; the words decoded at its pause are not
+    a backchannel's, so it cuts the reply there instead of waiting for the end of its turn."""
+    audio = _say(voice, "Stop.")
+    assert len(audio) / 16 < SEMANTIC.barge_in_min_speech_ms
+    cut_ms, longest = _talkover_cut_ms(resources, audio)
+    assert cut_ms is not None and cut_ms <= longest, (cut_ms, longest)
+
+
 def test_over_a_reply_the_talkover_prompt_writes_a_murmur_as_a_backchannel(voice, resources):
     """Speech over a reply is decoded with the talkover prompt: Piper's "Hmm." (which whisper
     tiny.en drops without it, on this machine) and "Mm-hmm." come out as backchannels; its
@@ -347,3 +366,27 @@ def test_over_a_reply_the_talkover_prompt_writes_a_murmur_as_a_backchannel(voice
     for text, backchannel in cases:
         finals, _ = _audio_clock(SEMANTIC, resources, _say(voice, text), prompt=prompt)
         assert len(finals) == 1 and is_backchannel(finals[0]) == backchannel, (text, finals)
+
+
+def test_a_held_command_is_announced_as_a_likely_end_with_the_words_of_its_final(voice, resources):
+    """A command waits out the continuation hold after the model calls it finished; the
+    transcriber says so at once (``TurnLikelyEnded``) with the words its final then has."""
+    events = _clock_events(SEMANTIC, resources, _say(voice, "Remind me to call the bank."))
+    likely = [e for e in events if isinstance(e, TurnLikelyEnded)]
+    finals = [e for e in events if isinstance(e, FinalTranscript)]
+    assert len(likely) == 1 and len(finals) == 1, events
+    assert likely[0].text == finals[0].text
+    assert events.index(likely[0]) < events.index(finals[0])
+    assert not any(isinstance(e, TurnResumed) for e in events)
+
+
+def test_speech_that_goes_on_after_a_likely_end_withdraws_it(voice, resources):
+    """ "Add apples, | bananas and pears." with 500 ms after the comma: the fragment "Add apples."
+    is held (a likely end), then the speech resumes (``TurnResumed``) and the final is the whole."""
+    audio, _ = _pieces(voice, "Add apples,", "bananas and pears.", 0.5)
+    events = _clock_events(SEMANTIC, resources, audio)
+    marks = (TurnLikelyEnded, TurnResumed, FinalTranscript)
+    kinds = [type(e).__name__ for e in events if isinstance(e, marks)]
+    assert kinds[:2] == ["TurnLikelyEnded", "TurnResumed"] and kinds[-1] == "FinalTranscript", events
+    final = next(e for e in events if isinstance(e, FinalTranscript))
+    assert "pears" in final.text.lower()

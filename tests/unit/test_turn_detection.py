@@ -103,6 +103,12 @@ def test_session_update_takes_the_object_and_names_bad_keys():
     assert unprompted.turn_config(TurnDetectionConfig(mode="semantic")).talkover_prompt == ""
     with pytest.raises(ConfigError, match=r"session\.turn_detection.*talkover_prompt"):
         SessionSettings().merged({"turn_detection": {"talkover_prompt": "Mm-hmm. " * 100}})
+    # the preemptive reply per session: on by default, off for one session, a bad value named
+    assert s.turn_config(TurnDetectionConfig(mode="semantic")).preemptive_reply is True
+    waiting = SessionSettings().merged({"turn_detection": {"preemptive_reply": False}})
+    assert waiting.turn_config(TurnDetectionConfig(mode="semantic")).preemptive_reply is False
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*preemptive_reply"):
+        SessionSettings().merged({"turn_detection": {"preemptive_reply": "soon"}})
 
 
 def test_realtime_semantic_vad_maps_eagerness():
@@ -389,6 +395,21 @@ def test_the_continuation_hold_comes_from_the_config():
 )
 def test_talkover_cuts_at_its_length_unless_its_words_are_a_backchannel(heard_ms, text, pending, cuts):
     assert talkover_cuts(heard_ms, text, pending, 700, 1500) is cuts
+
+
+@pytest.mark.parametrize(
+    ("heard_ms", "pause_words", "cuts"),
+    [
+        (300, "Stop.", True),  # a short request cuts at its first pause, not at its final
+        (300, "Wait, what?", True),
+        (300, "Mm-hmm.", False),  # a backchannel's words: the reply goes on
+        (500, "Okay.", False),  # "Okay, | yeah.": its first part
+        (300, "", False),  # the pause held no words
+        (300, None, False),  # no pause, or its decode is not in: as before
+    ],
+)
+def test_talkover_cuts_at_a_pause_whose_words_are_not_a_backchannel(heard_ms, pause_words, cuts):
+    assert talkover_cuts(heard_ms, "", False, 700, 1500, pause_words) is cuts
 
 
 def test_barge_in_max_speech_is_checked_against_the_min():

@@ -15,7 +15,8 @@ on the silence timer alone and says so in ``turn_status`` (sent in ``session.cre
 
 Barge-in in semantic mode: speech that starts over a reply does not cut it at once. It cuts it
 once it has lasted ``barge_in_min_speech_ms`` (unless the words heard so far are a backchannel's:
-then at ``barge_in_max_speech_ms``), or when its final turns out to be more than a backchannel
+then at ``barge_in_max_speech_ms``), at a pause whose decoded words are not a backchannel's,
+or when its final turns out to be more than a backchannel
 ("mm-hm", "yes"); a backchannel's final is shown to the client but is not a turn. Such speech
 is decoded with the talkover prompt (``TurnDetectionConfig.talkover_prompt``).
 
@@ -38,7 +39,14 @@ import numpy as np
 
 from edge_rtgi import frames as F
 from edge_rtgi.asr.config import AsrConfig
-from edge_rtgi.asr.events import AsrEvent, FinalTranscript, PartialTranscript, SpeechEnded
+from edge_rtgi.asr.events import (
+    AsrEvent,
+    FinalTranscript,
+    PartialTranscript,
+    SpeechEnded,
+    TurnLikelyEnded,
+    TurnResumed,
+)
 from edge_rtgi.asr.streaming import SAMPLE_RATE_HZ, StreamingTranscriber
 from edge_rtgi.asr.turn import (
     SemanticEndpointer,
@@ -292,6 +300,13 @@ class AsrStage(Stage[AsrInput]):
                 )
             elif isinstance(ev, FinalTranscript):
                 await self._final(ev)
+            elif isinstance(ev, TurnLikelyEnded):
+                # not over a reply: such speech may be a backchannel, which starts nothing
+                if self._turn_cfg.preemptive_reply and self.ctx.settings.turn_detection:
+                    if self._talkover_turn is None:
+                        await self.ctx.on_likely_final(self._turn(ev.utterance_id), ev.text)
+            elif isinstance(ev, TurnResumed):
+                self.ctx.drop_likely_final(self._turn(ev.utterance_id))
         for ev in events:  # a VAD turn that held no words still ends with an (empty) final
             if (
                 isinstance(ev, SpeechEnded)
@@ -383,6 +398,7 @@ class AsrStage(Stage[AsrInput]):
                     tr.decode_pending,
                     turn_cfg.barge_in_min_speech_ms,
                     turn_cfg.barge_in_max_speech_ms,
+                    tr.pause_words,
                 ):
                     # once per utterance; the loop ignores it unless the speech is over a reply
                     self._talkover = None

@@ -1,0 +1,135 @@
+"""A reply started on a likely final (``Session.on_likely_final``), on a seeded tiny model spoken
+by espeak-ng: nothing of it reaches the client before the final; when the final has the same
+words the client gets exactly what a reply started at the final would have given (greedy: the
+same text, in the same order of events); when the words differ, or speech goes on, the client
+never sees it and the final's own reply follows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from edge_rtgi import frames as F
+from edge_rtgi.llm.engine_config import EngineConfig
+from edge_rtgi.pipeline.config import parse_pipeline
+from edge_rtgi.pipeline.resources import Resources
+from edge_rtgi.pipeline.session import Session, SessionSettings
+from tests.tiny_models import make_tiny_hf_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+ENGINE = EngineConfig(device="cpu", dtype="fp32", quant="none", kv_cache_memory_mb=16)
+TEXT = "Remind me to call the bank."
+EVENT_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    tiny = make_tiny_hf_model("llama", tmp_path_factory.mktemp("preempt"), seed=5)
+    body = (
+        f"name: chat\nstages:\n  - asr: {{model: whisper-tiny.en}}\n"
+        f"  - assistant: {{model: '{tiny}', max_reply_tokens: 12, system_prompt: Be brief.}}\n"
+        "  - tts: {voice: 'espeak:en'}\n"
+    )
+    return parse_pipeline(body, "chat.yaml")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def resources():
+    res = Resources(ENGINE)
+    yield res
+    res.close()
+
+
+async def _session(pipeline, resources) -> Session:
+    session = await Session.open({"chat": pipeline}, resources, SessionSettings(pipeline="chat"))
+    assert isinstance(await session.next_event(), F.SessionStarted)
+    return session
+
+
+async def _until_done(session: Session) -> list[F.SessionEvent]:
+    events: list[F.SessionEvent] = []
+    while not (events and isinstance(events[-1], F.ResponseDone)):
+        events.append(await asyncio.wait_for(session.next_event(), EVENT_TIMEOUT_S))
+    return events
+
+
+def _final(turn_id: int, text: str) -> F.Transcript:
+    now = F.now_s()
+    return F.Transcript(turn_id, text, final=True, t_s=now, speech_end_t_s=now - 0.5, endpoint_t_s=now)
+
+
+def _shape(events: list[F.SessionEvent]) -> list[str]:
+    """Event kinds in order, audio chunks folded into one."""
+    kinds: list[str] = []
+    for e in events:
+        kind = type(e).__name__
+        if not (kinds and kinds[-1] == kind == "AudioOut"):
+            kinds.append(kind)
+    return kinds
+
+
+async def _held_until_text_done(session: Session, response_id: str) -> None:
+    """Wait until the held response has its whole text (and so has run while held)."""
+    for _ in range(int(EVENT_TIMEOUT_S * 20)):
+        held = session.responses[response_id].held
+        assert held is not None
+        if any(isinstance(e, F.TextDone) for e, _ in held):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the held response never finished its text")
+
+
+async def test_a_confirmed_likely_final_gives_the_reply_the_final_would_have(pipeline, resources):
+    plain = await _session(pipeline, resources)
+    try:
+        turn = plain.new_turn_id()
+        await plain.on_final_transcript(_final(turn, TEXT))
+        expected = await _until_done(plain)
+    finally:
+        await plain.close()
+
+    session = await _session(pipeline, resources)
+    try:
+        turn = session.new_turn_id()
+        await session.on_likely_final(turn, TEXT)
+        (rid,) = session.responses
+        await _held_until_text_done(session, rid)
+        with pytest.raises(asyncio.TimeoutError):  # nothing of it is the client's yet
+            await asyncio.wait_for(session.next_event(), 0.3)
+        assert not session.reply_active()  # a held reply is no reply to barge in on
+        await session.on_final_transcript(_final(turn, TEXT))
+        got = await _until_done(session)
+    finally:
+        await session.close()
+    assert _shape(got) == _shape(expected)
+    assert got[-1].text == expected[-1].text and got[-1].text
+    assert got[-1].status == "completed" and got[-1].response_id == rid
+    assert [t.role for t in session.history] == ["user", "assistant"]
+
+
+async def test_a_likely_final_with_other_words_or_resumed_speech_is_never_seen(pipeline, resources):
+    session = await _session(pipeline, resources)
+    try:
+        # the words differ: the guess is dropped, the final gets its own reply
+        turn = session.new_turn_id()
+        await session.on_likely_final(turn, "Remind me.")
+        (guess,) = session.responses
+        await session.on_final_transcript(_final(turn, TEXT))
+        events = await _until_done(session)
+        started = [e.response_id for e in events if isinstance(e, F.ResponseStarted)]
+        assert len(started) == 1 and started[0] != guess
+        assert all(getattr(e, "response_id", None) != guess for e in events)
+        # speech went on: dropped at once, and the next final is answered as usual
+        turn = session.new_turn_id()
+        await session.on_likely_final(turn, "Add apples.")
+        guess = next(r for r, st in session.responses.items() if st.held is not None)
+        session.drop_likely_final(turn)
+        assert session.responses[guess].held is None and session.is_cancelled(guess)
+        await session.on_final_transcript(_final(turn, "Add apples, bananas and pears."))
+        events = await _until_done(session)
+        assert all(getattr(e, "response_id", None) != guess for e in events)
+        assert isinstance(events[-1], F.ResponseDone) and events[-1].status == "completed"
+    finally:
+        await session.close()
