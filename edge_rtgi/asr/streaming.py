@@ -236,6 +236,10 @@ class StreamingTranscriber:
         self._active = _Utterance(
             self._next_id, start, speech_start, agreement, last_decode_end=start, language=language
         )
+        # prompts set after their utterance was finalised (the loop ran late) go with the next one
+        oldest = min([u.id for u in self._ended] + [self._next_id])
+        for stale in [u for u in list(self._prompts) if u < oldest]:
+            self._prompts.pop(stale, None)
         self._next_id += 1
         self._events.append(SpeechStarted(self._active.id, round(1000 * speech_start / SAMPLE_RATE_HZ)))
 

@@ -360,6 +360,8 @@ class TurnDetectionConfig:
                 f"barge_in_max_speech_ms must be in [barge_in_min_speech_ms "
                 f"({self.barge_in_min_speech_ms}), 10000] ms, got {self.barge_in_max_speech_ms}"
             )
+        if "<|" in self.talkover_prompt:  # whisper would read it as its own control tokens
+            raise ValueError("talkover_prompt must be plain text, without '<|...|>' tokens")
         if len(self.talkover_prompt) > _TALKOVER_PROMPT_MAX_CHARS:
             raise ValueError(
                 f"talkover_prompt must be at most {_TALKOVER_PROMPT_MAX_CHARS} characters, "

@@ -437,8 +437,8 @@ class WindowDecoder:
         return PreparedWindow(job, encoded, prompt, frames, window_frames, tok, elapsed_ms)
 
     def generate(self, windows: Sequence[PreparedWindow[R]]) -> list[Hypothesis | None]:
-        """Decode the windows, one ``generate`` call per beam size, window length and prompt
-        length (whisper's "previous text"). An entry
+        """Decode the windows, one ``generate`` call per beam size, window length, prompt length
+        (whisper's "previous text") and timestamp mode. An entry
         is None where ``transcribe`` would go on to a second window (its timestamps end before
         the audio), or where a short window's result looks wrong: decode those with
         ``WhisperAsr.transcribe_whole``."""
@@ -448,14 +448,16 @@ class WindowDecoder:
         t0 = time.perf_counter()
         wm = self._model
         suppress = list(get_suppressed_tokens(windows[0].tokenizer, [-1]))
-        # one generate per (beam, window length, start-of-transcript position): CTranslate2 needs
-        # the last alike across a batch, and a prompt ("previous text") moves it
-        groups: dict[tuple[int, int, int], list[int]] = {}
+        # one generate per (beam, window length, start-of-transcript position, task tokens):
+        # CTranslate2 needs the last two alike across a batch; a prompt ("previous text") moves
+        # the first, and <|notimestamps|> is one more task token
+        groups: dict[tuple[int, int, int, bool], list[int]] = {}
         for i, window in enumerate(windows):
             sot_at = window.prompt.index(window.tokenizer.sot)
-            groups.setdefault((window.job.beam_size, window.window_frames, sot_at), []).append(i)
+            key = (window.job.beam_size, window.window_frames, sot_at, window.job.timestamps)
+            groups.setdefault(key, []).append(i)
         results: dict[int, ctranslate2.models.WhisperGenerationResult] = {}
-        for (beam, _, _), idx in groups.items():
+        for (beam, _, _, _), idx in groups.items():
             states = np.ascontiguousarray(np.concatenate([windows[i].encoder_output for i in idx]))
             out = wm.model.generate(
                 ctranslate2.StorageView.from_array(states),

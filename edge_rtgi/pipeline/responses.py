@@ -19,6 +19,13 @@ def _ms(a: float | None, b: float | None) -> float | None:
     return round((b - a) * 1000.0, 1)
 
 
+def _ms_after(a: float | None, b: float | None) -> float | None:
+    """``_ms``, 0 when ``b`` came first (a reply started on a likely final can have its first
+    words before the final that confirmed it)."""
+    ms = _ms(a, b)
+    return None if ms is None else max(0.0, ms)
+
+
 @dataclass
 class ResponseState:
     response_id: str
@@ -39,6 +46,13 @@ class ResponseState:
     # started on a likely final (Session.on_likely_final): its events for the client, each with
     # whether it completes the response, until the final confirms it; None once it is the client's
     held: list[tuple[F.SessionEvent, bool]] | None = None
+    releasing: bool = False  # the held events are on their way to the client (Session._release_held)
+    held_after_entry: int = 0  # the history's last entry id when it started: its prompt's history
+
+    @property
+    def hidden(self) -> bool:
+        """Held, and nothing of it sent yet: not the client's (no barge-in, no interrupt event)."""
+        return self.held is not None and not self.releasing
 
     def observe(self, frame: object) -> None:
         """Update from a frame on its way to the client."""
@@ -93,11 +107,11 @@ class ResponseState:
             asr_final_ms=_ms(endpoint, final if t else None),
             asr_queue_ms=t.asr_queue_ms if t else None,
             asr_decode_ms=t.asr_decode_ms if t else None,
-            llm_ttft_ms=_ms(final, m.get("first_delta")),
+            llm_ttft_ms=_ms_after(final, m.get("first_delta")),
             first_clause_ms=_ms(m.get("first_delta"), m.get("first_clause")),
             tts_first_chunk_ms=_ms(m.get("first_clause"), m.get("first_audio")),
             voice_to_voice_ms=_ms(speech_end, self.first_audio_sent_t_s),
-            text_total_ms=_ms(final, m.get("text_done")),
+            text_total_ms=_ms_after(final, m.get("text_done")),
             completion_tokens=tokens,
             backend=llm.backend if llm else None,
             prompt_tokens=llm.prompt_tokens if llm else None,

@@ -250,6 +250,7 @@ class Session:
         if self.closed:
             return
         self.closed = True
+        self._drop_guesses()
         for rid, st in list(self.responses.items()):
             if not st.finished:
                 self.interrupt(rid, "session_closed")
@@ -390,7 +391,8 @@ class Session:
         await self._input.inbox.put(F.CommitAudio())
 
     async def clear_audio(self) -> None:
-        """Discard the audio of the turn in progress."""
+        """Discard the audio of the turn in progress (and a reply started on its likely final)."""
+        self._drop_guesses()
         await self._input.inbox.put(F.ClearAudio())
 
     async def add_user_text(self, text: str, respond: bool = True, echo: bool = True) -> TextTurn:
@@ -442,6 +444,7 @@ class Session:
         history = tuple(self._history)
         if held:
             st.held = [(F.ResponseStarted(rid, st.turn_id, kind, source_text), False)]
+            st.held_after_entry = self._last_entry_id()
             if kind == "reply":  # the history as remembering the turn would make it
                 user = F.ChatTurn(-1, "user", source_text, st.turn_id, None)
                 history = (history + (user,))[-self.limits.history_turns :]
@@ -470,6 +473,7 @@ class Session:
         """Apply ``session.update`` settings; a pipeline change rebuilds the stages (keeps history)."""
         new = self.settings.merged(changes)
         self._check_turn(new, self._pick_pipeline(new.pipeline) if new.pipeline else self.pipeline)
+        self._drop_guesses()  # started under the old settings (and the ASR stage may restart)
         if new.pipeline is not None and new.pipeline != self.pipeline.name:
             pipeline = self._pick_pipeline(new.pipeline)
             await self.cancel_response(reason="client_cancel")
@@ -504,7 +508,7 @@ class Session:
         st = self.responses.get(response_id)
         if st is None or response_id in self._cancelled or not st.active():
             return False
-        if st.held is not None:  # never the client's: nothing to tell it
+        if st.hidden:  # never the client's: nothing to tell it
             self._drop_held(response_id)
             return False
         self._cancelled.add(response_id)
@@ -617,7 +621,7 @@ class Session:
     def stage_failed(self, stage: Stage[Any], frame: object, exc: BaseException) -> None:
         rid = getattr(frame, "response_id", None)
         held = self.responses.get(rid) if rid is not None else None
-        if rid is not None and held is not None and held.held is not None:
+        if rid is not None and held is not None and held.hidden:
             # a response the client has not seen: dropped; the final starts its own
             log.info("a response held on a likely final failed in %s; dropped", stage.name)
             self._drop_held(rid)
@@ -659,7 +663,7 @@ class Session:
     def reply_active(self, t_s: float | None = None) -> bool:
         """A reply is being generated or (by the estimate) still playing, and barge-in is on
         (a held one, not yet the client's, does not count)."""
-        return self.barge_in and any(st.active(t_s) and st.held is None for st in self.responses.values())
+        return self.barge_in and any(st.active(t_s) and not st.hidden for st in self.responses.values())
 
     def on_speech_stopped(self, event: F.SpeechStopped) -> None:
         self.outbox.put_control(event)
@@ -674,7 +678,7 @@ class Session:
     def _barge_in(self, t_s: float) -> None:
         if self.barge_in:
             for rid, st in list(self.responses.items()):
-                if st.active(t_s) and st.held is None:
+                if st.active(t_s) and not st.hidden:
                     self.interrupt(rid, "barge_in")
 
     def new_turn_id(self) -> int:
@@ -687,8 +691,15 @@ class Session:
         words = bool(event.text.strip()) and not event.backchannel
         respond = words and self.settings.auto_response and self.pipeline.text_stage is not None
         guess = self._guesses.pop(event.turn_id, None)
+        self._drop_guesses(before_turn=event.turn_id)  # turns that ended without a final
         st = self.responses.get(guess) if guess is not None else None
-        confirmed = respond and st is not None and st.held is not None and st.source_text == event.text
+        confirmed = (
+            respond
+            and st is not None
+            and st.hidden
+            and st.source_text == event.text
+            and st.held_after_entry == self._last_entry_id()  # nothing was said since
+        )
         if guess is not None and not confirmed:
             self._drop_held(guess)
         if not words:
@@ -707,6 +718,7 @@ class Session:
         a hold waits to be sure): start its response now, held from the client until
         ``on_final_transcript`` confirms the words; dropped unseen otherwise."""
         self.drop_likely_final(turn_id)  # an earlier pause's guess
+        self._drop_guesses(before_turn=turn_id)
         if text.strip() and self.settings.auto_response and self.pipeline.text_stage is not None:
             self._guesses[turn_id] = await self.create_response(turn_id, text, held=True)
 
@@ -716,10 +728,20 @@ class Session:
         if guess is not None:
             self._drop_held(guess)
 
+    def _drop_guesses(self, before_turn: int | None = None) -> None:
+        """Drop the held responses of every turn (or of the turns before ``before_turn``)."""
+        for turn_id in [t for t in self._guesses if before_turn is None or t < before_turn]:
+            self.drop_likely_final(turn_id)
+
+    def _last_entry_id(self) -> int:
+        return self._history[-1].entry_id if self._history else 0
+
     def _drop_held(self, response_id: str) -> None:
         st = self.responses.get(response_id)
-        if st is None or st.held is None:
+        if st is None or not st.hidden:
             return
+        for turn_id in [t for t, rid in self._guesses.items() if rid == response_id]:
+            del self._guesses[turn_id]
         st.held = None
         self._cancelled.add(response_id)
         for stage in self._stages:
@@ -729,11 +751,13 @@ class Session:
     async def _release_held(self, st: ResponseState, timing: F.Transcript) -> None:
         """The final confirmed a held response's words: it becomes the turn's response, and
         what it produced so far goes to the client in order."""
-        st.timing = timing
-        while st.held:  # frames that arrive meanwhile join the queue, so the order holds
+        st.timing, st.releasing = timing, True
+        # frames that arrive meanwhile join the queue, so the order holds; an interrupt while
+        # the queue drains (the client's outbox full) takes the usual path and ends it
+        while st.held and st.response_id not in self._cancelled:
             event, finish = st.held.pop(0)
             await self._deliver(st, event, finish)
-        st.held = None
+        st.held, st.releasing = None, False
 
     @property
     def _input(self) -> Stage[Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -121,15 +122,91 @@ async def test_a_likely_final_with_other_words_or_resumed_speech_is_never_seen(p
         started = [e.response_id for e in events if isinstance(e, F.ResponseStarted)]
         assert len(started) == 1 and started[0] != guess
         assert all(getattr(e, "response_id", None) != guess for e in events)
-        # speech went on: dropped at once, and the next final is answered as usual
+        # speech went on: dropped at once, so even a final with the same words gets a reply of its own
         turn = session.new_turn_id()
-        await session.on_likely_final(turn, "Add apples.")
+        await session.on_likely_final(turn, TEXT)
         guess = next(r for r, st in session.responses.items() if st.held is not None)
         session.drop_likely_final(turn)
         assert session.responses[guess].held is None and session.is_cancelled(guess)
-        await session.on_final_transcript(_final(turn, "Add apples, bananas and pears."))
+        await session.on_final_transcript(_final(turn, TEXT))
         events = await _until_done(session)
         assert all(getattr(e, "response_id", None) != guess for e in events)
         assert isinstance(events[-1], F.ResponseDone) and events[-1].status == "completed"
     finally:
         await session.close()
+
+
+async def test_a_guess_whose_turn_never_gets_a_final_is_dropped_by_the_next_one(pipeline, resources):
+    """The audio of a held turn can be cleared (or its decode fail): no final and no resume ever
+    names it. The next turn's final drops it, unseen, so nothing stays held for good."""
+    session = await _session(pipeline, resources)
+    try:
+        lost = session.new_turn_id()
+        await session.on_likely_final(lost, TEXT)
+        (guess,) = session.responses
+        turn = session.new_turn_id()
+        await session.on_final_transcript(_final(turn, "Add apples."))
+        events = await _until_done(session)
+        assert all(getattr(e, "response_id", None) != guess for e in events)
+        assert session.responses[guess].held is None and session.responses[guess].done
+    finally:
+        await session.close()
+
+
+async def test_a_released_reply_reports_no_negative_latency(pipeline, resources):
+    session = await _session(pipeline, resources)
+    try:
+        turn = session.new_turn_id()
+        await session.on_likely_final(turn, TEXT)
+        (rid,) = session.responses
+        await _held_until_text_done(session, rid)
+        await session.on_final_transcript(_final(turn, TEXT))
+        stats = (await _until_done(session))[-1].stats
+    finally:
+        await session.close()
+    assert stats is not None and stats.llm_ttft_ms == 0.0 and stats.text_total_ms == 0.0
+
+
+SPOKEN = (
+    "name: spoken\nstages:\n  - asr:\n      model: whisper-tiny.en\n      language: en\n"
+    "      vad: {min_silence_ms: 300, speech_pad_ms: 100, end_pad_ms: 64}\n"
+    "      turn_detection: {mode: semantic, min_silence_ms: 100, max_silence_ms: 1500}\n"
+    "  - assistant: {model: '%s', max_reply_tokens: 12, system_prompt: Be brief.}\n"
+    "  - tts: {voice: 'espeak:en'}\n"
+)
+
+
+@pytest.mark.parametrize("preemptive", [True, False])
+async def test_a_spoken_command_starts_its_reply_before_its_final(tmp_path, resources, preemptive):
+    """Through the ASR stage on Piper audio: the command waits out the continuation hold, and its
+    response is started when the model calls the pause finished (before the final), unless the
+    session turns ``preemptive_reply`` off."""
+    from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
+    from edge_rtgi.tts import make_tts
+    from tests.integration.native_client import steady_voice
+
+    tiny = make_tiny_hf_model("llama", tmp_path, seed=5)
+    pipe = parse_pipeline(SPOKEN % tiny, "spoken.yaml")
+    voice = steady_voice(make_tts("piper-en_US-joe-medium"))
+    pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
+    audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
+    settings = SessionSettings(pipeline="spoken", turn_preemptive_reply=None if preemptive else False)
+    session = await Session.open({"spoken": pipe}, resources, settings)
+    try:
+        lead, tail = np.zeros(4800, np.float32), np.zeros(32000, np.float32)  # the tail: past the cap
+        pcm16 = float32_to_pcm16(np.concatenate([lead, audio, tail]))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for i in range(0, len(pcm16), 320):
+            await session.push_audio(pcm16[i : i + 320])
+            await asyncio.sleep(max(0.0, start + (i + 320) / 16000 - loop.time()))
+        events: list[F.SessionEvent] = []
+        while not any(isinstance(e, F.ResponseDone) for e in events):
+            events.append(await asyncio.wait_for(session.next_event(), EVENT_TIMEOUT_S))
+    finally:
+        await session.close()
+    final = next(e for e in events if isinstance(e, F.Transcript) and e.final and e.text)
+    assert final.end_reason == "semantic" and "bank" in final.text.lower(), final
+    rid = next(e.response_id for e in events if isinstance(e, F.ResponseStarted))
+    created_before_final = session.responses[rid].created_t_s < final.t_s
+    assert created_before_final is preemptive

@@ -103,6 +103,8 @@ def test_session_update_takes_the_object_and_names_bad_keys():
     assert unprompted.turn_config(TurnDetectionConfig(mode="semantic")).talkover_prompt == ""
     with pytest.raises(ConfigError, match=r"session\.turn_detection.*talkover_prompt"):
         SessionSettings().merged({"turn_detection": {"talkover_prompt": "Mm-hmm. " * 100}})
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*talkover_prompt"):
+        SessionSettings().merged({"turn_detection": {"talkover_prompt": "<|endoftext|> Yes."}})
     # the preemptive reply per session: on by default, off for one session, a bad value named
     assert s.turn_config(TurnDetectionConfig(mode="semantic")).preemptive_reply is True
     waiting = SessionSettings().merged({"turn_detection": {"preemptive_reply": False}})
