@@ -82,6 +82,15 @@ async def _held_until_text_done(session: Session, response_id: str) -> None:
     raise AssertionError("the held response never finished its text")
 
 
+async def _held_reply(session: Session) -> tuple[int, str]:
+    """A new turn guessed to end with ``TEXT``, and its held response, run to its whole text."""
+    turn = session.new_turn_id()
+    await session.on_likely_final(turn, TEXT)
+    (rid,) = [r for r, st in session.responses.items() if st.held is not None]
+    await _held_until_text_done(session, rid)
+    return turn, rid
+
+
 async def test_a_confirmed_likely_final_gives_the_reply_the_final_would_have(pipeline, resources):
     plain = await _session(pipeline, resources)
     try:
@@ -93,10 +102,7 @@ async def test_a_confirmed_likely_final_gives_the_reply_the_final_would_have(pip
 
     session = await _session(pipeline, resources)
     try:
-        turn = session.new_turn_id()
-        await session.on_likely_final(turn, TEXT)
-        (rid,) = session.responses
-        await _held_until_text_done(session, rid)
+        turn, rid = await _held_reply(session)
         with pytest.raises(asyncio.TimeoutError):  # nothing of it is the client's yet
             await asyncio.wait_for(session.next_event(), 0.3)
         assert not session.reply_active()  # a held reply is no reply to barge in on
@@ -156,10 +162,7 @@ async def test_a_guess_whose_turn_never_gets_a_final_is_dropped_by_the_next_one(
 async def test_a_released_reply_reports_no_negative_latency(pipeline, resources):
     session = await _session(pipeline, resources)
     try:
-        turn = session.new_turn_id()
-        await session.on_likely_final(turn, TEXT)
-        (rid,) = session.responses
-        await _held_until_text_done(session, rid)
+        turn, _ = await _held_reply(session)
         await session.on_final_transcript(_final(turn, TEXT))
         stats = (await _until_done(session))[-1].stats
     finally:
