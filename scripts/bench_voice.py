@@ -688,6 +688,8 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         update["turn_detection"] = {"text_check": False}
     elif _recheck_ms(mode) is not None:
         update["turn_detection"] = {"recheck_ms": _recheck_ms(mode)}
+    elif _recheck_ms(mode, "question-recheck-") is not None:
+        update["turn_detection"] = {"question_recheck_ms": _recheck_ms(mode, "question-recheck-")}
     elif mode == "no-talkover-prompt":
         update["turn_detection"] = {"talkover_prompt": ""}
     elif mode == "no-preemptive-reply":
@@ -704,6 +706,7 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         if (
             got != want
             or updated.get("turn_recheck_ms") != _recheck_ms(mode)
+            or updated.get("turn_question_recheck_ms") != _recheck_ms(mode, "question-recheck-")
             or unprompted != (mode == "no-talkover-prompt")
             or unpreempted != (mode == "no-preemptive-reply")
         ):
@@ -867,18 +870,20 @@ def _slice(items: list, spec: str | None) -> list[tuple[int, object]]:
     return pairs[int(a or 0) : int(b) if b else None]
 
 
-def _recheck_ms(mode: str) -> int | None:
+def _recheck_ms(mode: str, prefix: str = "recheck-") -> int | None:
     """The <ms> of a ``recheck-<ms>`` mode (semantic with turn_detection recheck_ms <ms>: a
-    ``session.update`` through the daemon, the config on the audio clock), else None."""
-    ms = mode.removeprefix("recheck-")
-    return int(ms) if mode.startswith("recheck-") and ms.isdigit() else None
+    ``session.update`` through the daemon, the config on the audio clock), else None; with
+    ``prefix`` "question-recheck-", of such a mode (``question_recheck_ms``)."""
+    ms = mode.removeprefix(prefix)
+    return int(ms) if mode.startswith(prefix) and ms.isdigit() else None
 
 
 async def run_turn_taking(args: argparse.Namespace) -> int:
     """``--turn-taking PART``: each selected item in every mode, rotating which goes first."""
-    if not all(m in DAEMON_MODES or _recheck_ms(m) is not None for m in args.turn_modes):
+    if not all(_daemon_mode_known(m) for m in args.turn_modes):
         raise SystemExit(
-            f"through the daemon --turn-modes takes some of {','.join(DAEMON_MODES)} and recheck-<ms>"
+            f"through the daemon --turn-modes takes some of {','.join(DAEMON_MODES)}, "
+            "recheck-<ms> and question-recheck-<ms>"
         )
     data = load_turn_set()
     voices = turn_voices()
@@ -1070,7 +1075,8 @@ def merge_turn_results(paths: list[str], out: str | None) -> int:
 AUDIO_CHUNK = 320  # 20 ms, as the benchmark client sends
 # the daemon's three arms, semantic without the holds (the rules before them), and
 # "recheck-<ms>": semantic asking again every <ms> after an "unfinished" verdict ("recheck-0": never)
-# "no-talkover-prompt": speech over a reply decoded without whisper's prompt (over-reply parts)
+# "no-talkover-prompt": speech over a reply decoded without whisper's prompt (over-reply parts);
+# "question-recheck-<ms>": semantic asking again after <ms> only where the words are a question
 AUDIO_CLOCK_MODES = (
     *TURN_MODES,
     "no-fragment-hold",
@@ -1081,7 +1087,13 @@ AUDIO_CLOCK_MODES = (
 
 
 def _audio_clock_mode_known(mode: str) -> bool:
-    return mode in AUDIO_CLOCK_MODES or _recheck_ms(mode) is not None
+    known = _recheck_ms(mode) is not None or _recheck_ms(mode, "question-recheck-") is not None
+    return mode in AUDIO_CLOCK_MODES or known
+
+
+def _daemon_mode_known(mode: str) -> bool:
+    known = _recheck_ms(mode) is not None or _recheck_ms(mode, "question-recheck-") is not None
+    return mode in DAEMON_MODES or known
 
 
 PROBE_SILENCE_MS = (100, 200, 300, 500, 700, 1000)
@@ -1121,6 +1133,8 @@ def offline_transcribe(
         turn = dataclasses.replace(turn, continuation_hold_ms=0)
     elif (recheck_ms := _recheck_ms(mode)) is not None:
         turn = dataclasses.replace(turn, recheck_ms=recheck_ms)
+    elif (question_ms := _recheck_ms(mode, "question-recheck-")) is not None:
+        turn = dataclasses.replace(turn, question_recheck_ms=question_ms)
     elif mode == "silence":
         turn = turn.with_overrides(mode="silence")
     prompt = turn.talkover_prompt if over_reply and mode != "no-talkover-prompt" else ""

@@ -8,8 +8,9 @@ a ``StreamingTranscriber`` takes either. ``transcribe`` queues a job and waits f
 calling (session worker) thread, never on the event loop. One engine thread takes the jobs in
 deadline order, finals before partials, encodes each one's window (30 s, or a short one:
 ``encoder_window_s``), and runs one ``generate`` per beam size, window length, prompt length
-and timestamp mode over the windows of the step, each with its own prompt and forced prefix. Two cores then run one
-decode at a time at full width instead of N decodes that split them and all finish late.
+and timestamp mode over the windows of the step, each with its own prompt and forced prefix.
+Two cores then run one decode at a time at full width instead of N decodes that split them and
+all finish late.
 
 A step takes every window queued when it starts (up to ``batch_size``). On a CPU a 30 s encode
 is compute-bound, so batching the encoder made steps slower; windows are encoded one by one

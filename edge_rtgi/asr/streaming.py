@@ -318,20 +318,32 @@ class StreamingTranscriber:
             return
         audio = self._ring.read(max(self._ring.oldest_index, utt.start_index, now - WINDOW_SAMPLES), now)
         utt.decision = endpointer.decide(audio, silence_start, now - silence_start)
+        question_recheck = endpointer.question_recheck_samples and utt.decision.retry_silence_samples is None
+        if not utt.decision.complete and question_recheck and endpointer.text_check:
+            words = self._words_to_pause(utt, silence_start)
+            if words is not None:
+                utt.decision = endpointer.recheck_question(utt.decision, words, now - silence_start)
         if utt.decision.complete and endpointer.text_check:
             # Hold the verdict against this pause's speculative final: the final needs that
             # decode anyway, so waiting for it here delays the declared end, not the reply.
-            self._collect_pending(utt, wait=True)
-            spec = utt.speculative
-            if spec is not None and spec.silence_start_index == silence_start:
-                words = utt.agreement.final_words(split_words(spec.hypothesis.text))
-                utt.decision = endpointer.check_words(utt.decision, " ".join(words), now - silence_start)
+            words = self._words_to_pause(utt, silence_start)
+            if words is not None:
+                utt.decision = endpointer.check_words(utt.decision, words, now - silence_start)
                 if utt.decision.held and utt.likely_end_at != silence_start and words:
                     utt.likely_end_at = silence_start
-                    self._events.append(TurnLikelyEnded(utt.id, " ".join(words)))
+                    self._events.append(TurnLikelyEnded(utt.id, words))
         if utt.decision.complete:
             self.vad.force_end()
             self._end_active(silence_start, "semantic")
+
+    def _words_to_pause(self, utt: _Utterance, silence_start: int) -> str | None:
+        """The words up to the pause that began at ``silence_start`` (its speculative final,
+        waited for); None when that pause has none."""
+        self._collect_pending(utt, wait=True)
+        spec = utt.speculative
+        if spec is None or spec.silence_start_index != silence_start:
+            return None
+        return " ".join(utt.agreement.final_words(split_words(spec.hypothesis.text)))
 
     def _speculate_async(self, utt: _Utterance, silence_start: int) -> None:
         if self._decode_pool is None:

@@ -185,6 +185,9 @@ DEFAULT_FRAGMENT_HOLD_MS = 600
 # A statement or command can go on after a short pause ("Remind me about the dentist, | the
 # bank, ..."); see ``TurnDetectionConfig.continuation_hold_ms``.
 DEFAULT_CONTINUATION_HOLD_MS = 400
+# An "unfinished" verdict on words that read as a question is asked about again this much later;
+# see ``TurnDetectionConfig.question_recheck_ms`` and docs/benchmarks.md, "A recheck for questions".
+DEFAULT_QUESTION_RECHECK_MS = 500
 # Whisper's prompt for speech over a reply: the commonest backchannels, so that whisper writes a
 # murmur or a short "yeah" as one instead of as other words ("Hmm." as "them."); see
 # ``TurnDetectionConfig.talkover_prompt`` and docs/speech.md, "Backchannels".
@@ -303,22 +306,22 @@ class TurnDetectionConfig:
     """``asr.turn_detection`` in a pipeline (and ``turn_detection`` in ``session.update``).
 
     ``mode`` "silence": the turn ends after ``min_silence_ms`` of silence (unset: the VAD's own
-    ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the
-    turn; it ends if the probability is at least ``threshold``, else at ``max_silence_ms``
-    (unset: 1200). ``text_check``: a "finished" verdict also needs the speculative final not
-    to read as cut off (``transcript_unfinished``), and when the final is a fragment of at most
-    two words ("Add milk.", "Tell me."), ``fragment_hold_ms`` of silence (0: no hold), at which
-    the model is asked again; any other final that is not a question waits
-    ``continuation_hold_ms`` (0: no hold) the same way. ``recheck_ms``: after the model calls a
-    pause unfinished, it is asked again each time this much more silence has passed (0: never;
-    the turn waits for the cap). ``barge_in_min_speech_ms``: in semantic
-    mode, speech over a reply cuts it once it has lasted this long unless its words so far are a
-    backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
-    backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech that begins
-    over a reply is decoded with this as whisper's prompt, in English only ("": none), so that
-    a backchannel is written as one. ``preemptive_reply``: in semantic mode, when the model calls
-    a pause finished and the words wait out a hold, the reply starts at once, held from the
-    client until the final confirms the words (dropped unseen if speech goes on or they differ).
+    ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the turn; it
+    ends if the probability is at least ``threshold``, else at ``max_silence_ms`` (unset: 1200).
+    ``text_check``: a "finished" verdict also needs the speculative final not to read as cut off
+    (``transcript_unfinished``), and when the final is a fragment of at most two words ("Add milk.", "Tell
+    me."), ``fragment_hold_ms`` of silence (0: no hold), at which the model is asked again; any other
+    final that is not a question waits ``continuation_hold_ms`` (0: no hold) the same way. ``recheck_ms``:
+    after the model calls a pause unfinished, it is asked again each time this much more silence has
+    passed (0: never; the turn waits for the cap). ``question_recheck_ms``: the same, only where the
+    pause's words read as a question (0: off; ``recheck_ms`` wins when both are set).
+    ``barge_in_min_speech_ms``: in semantic mode, speech over a reply cuts it once it has lasted this long
+    unless its words so far are a backchannel's (then at ``barge_in_max_speech_ms``), or when its words
+    turn out not to be a backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech
+    that begins over a reply is decoded with this as whisper's prompt, in English only ("": none), so that
+    a backchannel is written as one. ``preemptive_reply``: in semantic mode, when the model calls a pause
+    finished and the words wait out a hold, the reply starts at once, held from the client until the final
+    confirms the words (dropped unseen if speech goes on or they differ).
     """
 
     mode: str = "silence"
@@ -332,6 +335,7 @@ class TurnDetectionConfig:
     fragment_hold_ms: int = DEFAULT_FRAGMENT_HOLD_MS
     continuation_hold_ms: int = DEFAULT_CONTINUATION_HOLD_MS
     recheck_ms: int = 0
+    question_recheck_ms: int = DEFAULT_QUESTION_RECHECK_MS
     talkover_prompt: str = DEFAULT_TALKOVER_PROMPT
     preemptive_reply: bool = True
 
@@ -349,8 +353,10 @@ class TurnDetectionConfig:
             if not 0 <= ms <= 10_000:
                 raise ValueError(f"{name} must be in [0, 10000] ms, got {ms}")
         # at most one model run per 32 ms of audio, as for the check time
-        if self.recheck_ms != 0 and not 32 <= self.recheck_ms <= 10_000:
-            raise ValueError(f"recheck_ms must be 0 (off) or in [32, 10000] ms, got {self.recheck_ms}")
+        for name in ("recheck_ms", "question_recheck_ms"):
+            ms = getattr(self, name)
+            if ms != 0 and not 32 <= ms <= 10_000:
+                raise ValueError(f"{name} must be 0 (off) or in [32, 10000] ms, got {ms}")
         if not 0 <= self.barge_in_min_speech_ms <= 10_000:
             raise ValueError(
                 f"barge_in_min_speech_ms must be in [0, 10000] ms, got {self.barge_in_min_speech_ms}"
@@ -391,6 +397,7 @@ class TurnDetectionConfig:
         recheck_ms: int | None = None,
         talkover_prompt: str | None = None,
         preemptive_reply: bool | None = None,
+        question_recheck_ms: int | None = None,
     ) -> TurnDetectionConfig:
         """This config with a session's settings on top (None keeps the pipeline's); ValueError
         names the key when the result is inconsistent. A switch to the other mode drops the
@@ -409,6 +416,9 @@ class TurnDetectionConfig:
             recheck_ms=self.recheck_ms if recheck_ms is None else recheck_ms,
             talkover_prompt=self.talkover_prompt if talkover_prompt is None else talkover_prompt,
             preemptive_reply=self.preemptive_reply if preemptive_reply is None else preemptive_reply,
+            question_recheck_ms=(
+                self.question_recheck_ms if question_recheck_ms is None else question_recheck_ms
+            ),
         )
 
     def silence_ms(self, vad_min_silence_ms: int) -> int:
@@ -431,6 +441,7 @@ class TurnDetectionUpdate:
     recheck_ms: int | None = None
     talkover_prompt: str | None = None
     preemptive_reply: bool | None = None
+    question_recheck_ms: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None and self.mode not in MODES:
@@ -443,6 +454,7 @@ class TurnDetectionUpdate:
             threshold=0.5 if self.threshold is None else self.threshold,
             recheck_ms=self.recheck_ms or 0,
             talkover_prompt=self.talkover_prompt or "",
+            question_recheck_ms=self.question_recheck_ms or 0,
         )
         if self.max_silence_ms is not None and self.min_silence_ms is not None:
             if self.max_silence_ms < self.min_silence_ms:
@@ -594,6 +606,7 @@ class SemanticEndpointer:
         fragment_hold_ms: int = 0,
         continuation_hold_ms: int = 0,
         recheck_ms: int = 0,
+        question_recheck_ms: int = 0,
     ):
         self.scorer = scorer
         self.threshold = threshold
@@ -602,6 +615,7 @@ class SemanticEndpointer:
         self.fragment_hold_samples = fragment_hold_ms * SAMPLE_RATE_HZ // 1000
         self.continuation_hold_samples = continuation_hold_ms * SAMPLE_RATE_HZ // 1000
         self.recheck_samples = recheck_ms * SAMPLE_RATE_HZ // 1000
+        self.question_recheck_samples = question_recheck_ms * SAMPLE_RATE_HZ // 1000
         self._warned = False
 
     @classmethod
@@ -615,6 +629,7 @@ class SemanticEndpointer:
             turn.fragment_hold_ms,
             turn.continuation_hold_ms,
             turn.recheck_ms,
+            turn.question_recheck_ms,
         )
 
     def hold_samples(self, text: str) -> int:
@@ -650,6 +665,21 @@ class SemanticEndpointer:
         return TurnDecision(
             silence_start_index, p, complete, model_ms, time.monotonic(), retry_silence_samples=retry
         )
+
+    def recheck_question(self, decision: TurnDecision, text: str, silence_samples: int = 0) -> TurnDecision:
+        """An "unfinished" verdict on a pause whose words (``text``) read as a question is asked
+        about again after ``question_recheck_ms`` more silence: a question's syntax is closed,
+        and the model often calls one unfinished at 100 ms and finished at 500."""
+        if (
+            decision.complete
+            or decision.probability is None
+            or decision.retry_silence_samples is not None
+            or not self.question_recheck_samples
+            or not is_question(text)
+        ):
+            return decision
+        retry = silence_samples + self.question_recheck_samples
+        return dataclasses.replace(decision, retry_silence_samples=retry)
 
     def check_words(self, decision: TurnDecision, text: str, silence_samples: int = 0) -> TurnDecision:
         """A "finished" verdict held against the pause's speculative final (``text_check``):

@@ -66,7 +66,7 @@ class SessionSettings:
     vad_prefix_padding_ms: int | None = None
     # How a pause ends the turn (edge_rtgi.asr.turn); on the native wire also as one object,
     # ``turn_detection: {mode, min_silence_ms, max_silence_ms, threshold, text_check, recheck_ms,
-    # talkover_prompt, preemptive_reply}``.
+    # talkover_prompt, preemptive_reply, question_recheck_ms}``.
     turn_mode: str | None = None
     turn_min_silence_ms: int | None = None
     turn_max_silence_ms: int | None = None
@@ -75,6 +75,7 @@ class SessionSettings:
     turn_recheck_ms: int | None = None
     turn_talkover_prompt: str | None = None
     turn_preemptive_reply: bool | None = None
+    turn_question_recheck_ms: int | None = None
     # each microphone chunk comes with the audio being played (stereo on the native protocol)
     echo_reference: bool = False
 
@@ -101,6 +102,7 @@ class SessionSettings:
             self.turn_threshold,
             recheck_ms=self.turn_recheck_ms,
             talkover_prompt=self.turn_talkover_prompt,
+            question_recheck_ms=self.turn_question_recheck_ms,
         )
 
     def turn_config(self, pipeline: TurnDetectionConfig) -> TurnDetectionConfig:
@@ -114,6 +116,7 @@ class SessionSettings:
             self.turn_recheck_ms,
             self.turn_talkover_prompt,
             self.turn_preemptive_reply,
+            self.turn_question_recheck_ms,
         )
 
     def merged(self, changes: dict) -> SessionSettings:
@@ -133,6 +136,7 @@ class SessionSettings:
                 "recheck_ms",
                 "talkover_prompt",
                 "preemptive_reply",
+                "question_recheck_ms",
             ):
                 if getattr(update, key) is not None:
                     changes[f"turn_{key}"] = getattr(update, key)

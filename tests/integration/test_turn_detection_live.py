@@ -279,14 +279,18 @@ def test_a_list_is_held_through_its_comma_pauses_and_a_command_ends_after_the_ho
 def test_a_request_the_model_first_calls_unfinished_ends_at_a_recheck_not_the_cap(voice, resources):
     """Piper's "What is the tallest mountain in the world?" scores about 0.05 at 100 ms of silence
     and above 0.9 from 500 ms on: without rechecks the turn waits for the cap; with them it ends
-    when the model is asked again (at 100 + 500 ms)."""
+    when the model is asked again (at 100 + 500 ms); so does the question recheck (the default),
+    since whisper writes it as a question. A statement the model calls unfinished is not asked
+    again by the question recheck."""
     audio = _say(voice, "What is the tallest mountain in the world?")
-    finals, ended = _audio_clock(SEMANTIC, resources, audio)
+    no_rechecks = dataclasses.replace(SEMANTIC, question_recheck_ms=0)
+    finals, ended = _audio_clock(no_rechecks, resources, audio)
     assert len(finals) == 1 and ended[0].reason == "silence", (finals, ended)
-    finals, ended = _audio_clock(dataclasses.replace(SEMANTIC, recheck_ms=500), resources, audio)
-    silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
-    assert len(finals) == 1 and ended[0].reason == "semantic", (finals, ended)
-    assert 600 <= silence_ms < 800, silence_ms
+    for rechecks in (dataclasses.replace(no_rechecks, recheck_ms=500), SEMANTIC):
+        finals, ended = _audio_clock(rechecks, resources, audio)
+        silence_ms = 1000 * (ended[0].endpoint_audio_s - ended[0].speech_end_audio_s)
+        assert len(finals) == 1 and ended[0].reason == "semantic", (rechecks, finals, ended)
+        assert 600 <= silence_ms < 800, silence_ms
 
 
 def _talkover_cut_ms(resources, audio: np.ndarray) -> tuple[int | None, int]:

@@ -334,6 +334,25 @@ def test_words_that_are_not_a_question_wait_for_the_continuation_hold():
     assert off.check_words(off.decide(audio, 0), "Remind me about the dentist.", 1600).complete
 
 
+def test_an_unfinished_verdict_on_a_question_is_asked_again_after_the_question_recheck():
+    audio = np.zeros(16000, np.float32)
+    ep = SemanticEndpointer(_Scorer(0.1), 0.5, 100, continuation_hold_ms=400, question_recheck_ms=300)
+    unfinished = ep.decide(audio, 0, silence_samples=1600)
+    assert unfinished.retry_silence_samples is None  # the words decide
+    asked = ep.recheck_question(unfinished, "Why is the sky blue?", 1600)
+    assert (asked.complete, asked.retry_silence_samples) == (False, 1600 + 4800)
+    # a statement, a model failure, or the feature off: waits for the cap as before
+    assert ep.recheck_question(unfinished, "Find a recipe for soup and", 1600) is unfinished
+    failed = SemanticEndpointer(_Scorer(RuntimeError("onnx")), 0.5, 100, question_recheck_ms=300)
+    assert failed.recheck_question(failed.decide(audio, 0, 1600), "Why?", 1600).retry_silence_samples is None
+    off = SemanticEndpointer(_Scorer(0.1), 0.5, 100)
+    assert off.recheck_question(off.decide(audio, 0, 1600), "Why?", 1600).retry_silence_samples is None
+    with pytest.raises(ConfigError, match=r"session\.turn_detection.*question_recheck_ms"):
+        SessionSettings().merged({"turn_detection": {"question_recheck_ms": 5}})
+    session = SessionSettings().merged({"turn_detection": {"question_recheck_ms": 300}})
+    assert session.turn_config(TurnDetectionConfig(mode="semantic")).question_recheck_ms == 300
+
+
 def test_an_unfinished_verdict_is_asked_again_after_the_recheck_time():
     # "Why is the sky blue?" on Piper: 0.09 at 100 ms of silence, 0.68 at 500, 0.94 at 700
     audio = np.zeros(16000, np.float32)
