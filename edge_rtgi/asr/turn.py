@@ -41,7 +41,6 @@ from typing import Protocol
 
 import numpy as np
 
-from edge_rtgi.asr.agreement import without_repeats
 from edge_rtgi.errors import ModelFileError
 
 log = logging.getLogger(__name__)
@@ -211,12 +210,12 @@ def is_fragment(text: str) -> bool:
 
 
 def is_backchannel(text: str) -> bool:
-    """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see"), also said more
-    than once ("Okay, yeah. Okay, yeah.": people repeat them, and whisper writes a short one
-    twice now and then)."""
-    words = [re.sub(r"[^a-z]", "", w.lower()) for w in text.split()]
-    words = without_repeats([w for w in words if w])
-    return 0 < len(words) <= _BACKCHANNEL_MAX_WORDS and all(
+    """True for a short listener response ("Mm-hmm.", "Yeah, right.", "I see"): at most
+    ``_BACKCHANNEL_MAX_WORDS`` different words, all a listener's, however often said. People
+    repeat them ("Okay, yeah. Okay, yeah."), and whisper now and then writes a short one twice
+    or loops on it ("Yup. Yup. Yup. Yep.")."""
+    words = [w for w in (re.sub(r"[^a-z]", "", w.lower()) for w in text.split()) if w]
+    return 0 < len(set(words)) <= _BACKCHANNEL_MAX_WORDS and all(
         w in BACKCHANNEL_WORDS or _MURMUR.fullmatch(w) for w in words
     )
 

@@ -212,7 +212,9 @@ def test_missing_or_corrupt_model_falls_back_with_one_warning(tmp_path, caplog, 
         ("Yeah, yeah, yeah, yeah.", True),
         ("I see. I see.", True),
         ("Stop. Stop.", False),
-        ("Yeah, okay, yeah, right.", False),  # four words, not one phrase repeated
+        ("Yeah, okay, yeah, right.", True),  # three different words
+        ("Yup. Yup. Yup. Yep. Yup.", True),  # whisper looping on a "yup"
+        ("Yes, I see, got it, right.", False),  # more than three different words
         ("Stop.", False),
         ("Them.", False),
         ("Hum.", False),
