@@ -1086,14 +1086,16 @@ AUDIO_CLOCK_MODES = (
 )
 
 
+def _recheck_mode(mode: str) -> bool:
+    return _recheck_ms(mode) is not None or _recheck_ms(mode, "question-recheck-") is not None
+
+
 def _audio_clock_mode_known(mode: str) -> bool:
-    known = _recheck_ms(mode) is not None or _recheck_ms(mode, "question-recheck-") is not None
-    return mode in AUDIO_CLOCK_MODES or known
+    return mode in AUDIO_CLOCK_MODES or _recheck_mode(mode)
 
 
 def _daemon_mode_known(mode: str) -> bool:
-    known = _recheck_ms(mode) is not None or _recheck_ms(mode, "question-recheck-") is not None
-    return mode in DAEMON_MODES or known
+    return mode in DAEMON_MODES or _recheck_mode(mode)
 
 
 PROBE_SILENCE_MS = (100, 200, 300, 500, 700, 1000)

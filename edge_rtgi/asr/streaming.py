@@ -178,11 +178,9 @@ class StreamingTranscriber:
         """Semantic mode: the words of the utterance in progress as decoded up to the pause in
         progress (its speculative final); None when there is no pause, or that decode is not in."""
         utt, silence_start = self._active, self.vad.silence_start_index
-        if utt is None or silence_start is None or utt.speculative is None:
+        if utt is None or silence_start is None:
             return None
-        if utt.speculative.silence_start_index != max(silence_start, utt.start_index):
-            return None
-        return " ".join(utt.agreement.final_words(split_words(utt.speculative.hypothesis.text)))
+        return self._speculative_words(utt, max(silence_start, utt.start_index))
 
     @property
     def active_utterance_id(self) -> int | None:
@@ -340,6 +338,12 @@ class StreamingTranscriber:
         """The words up to the pause that began at ``silence_start`` (its speculative final,
         waited for); None when that pause has none."""
         self._collect_pending(utt, wait=True)
+        return self._speculative_words(utt, silence_start)
+
+    @staticmethod
+    def _speculative_words(utt: _Utterance, silence_start: int) -> str | None:
+        """The utterance's words as its speculative final for the pause at ``silence_start`` has
+        them (committed + tail); None when its speculative final is for another pause, or none."""
         spec = utt.speculative
         if spec is None or spec.silence_start_index != silence_start:
             return None

@@ -305,22 +305,23 @@ class TurnDetectionConfig:
     """``asr.turn_detection`` in a pipeline (and ``turn_detection`` in ``session.update``).
 
     ``mode`` "silence": the turn ends after ``min_silence_ms`` of silence (unset: the VAD's own
-    ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the turn; it
-    ends if the probability is at least ``threshold``, else at ``max_silence_ms`` (unset: 1200).
-    ``text_check``: a "finished" verdict also needs the speculative final not to read as cut off
-    (``transcript_unfinished``), and when the final is a fragment of at most two words ("Add milk.", "Tell
-    me."), ``fragment_hold_ms`` of silence (0: no hold), at which the model is asked again; any other
-    final that is not a question waits ``continuation_hold_ms`` (0: no hold) the same way. ``recheck_ms``:
-    after the model calls a pause unfinished, it is asked again each time this much more silence has
-    passed (0: never; the turn waits for the cap). ``question_recheck_ms``: the same, only where the
-    pause's words read as a question (0: off; ``recheck_ms`` wins when both are set).
-    ``barge_in_min_speech_ms``: in semantic mode, speech over a reply cuts it once it has lasted this long
-    unless its words so far are a backchannel's (then at ``barge_in_max_speech_ms``), or when its words
-    turn out not to be a backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech
-    that begins over a reply is decoded with this as whisper's prompt, in English only ("": none), so that
-    a backchannel is written as one. ``preemptive_reply``: in semantic mode, when the model calls a pause
-    finished and the words wait out a hold, the reply starts at once, held from the client until the final
-    confirms the words (dropped unseen if speech goes on or they differ).
+    ``min_silence_ms``). "semantic": after ``min_silence_ms`` (unset: 150) the model scores the
+    turn; it ends if the probability is at least ``threshold``, else at ``max_silence_ms``
+    (unset: 1200). ``text_check``: a "finished" verdict also needs the speculative final not to
+    read as cut off (``transcript_unfinished``), and when the final is a fragment of at most two
+    words ("Add milk.", "Tell me."), ``fragment_hold_ms`` of silence (0: no hold), at which the
+    model is asked again; any other final that is not a question waits ``continuation_hold_ms``
+    (0: no hold) the same way. ``recheck_ms``: after the model calls a pause unfinished, it is
+    asked again each time this much more silence has passed (0: never; the turn waits for the
+    cap). ``question_recheck_ms``: the same, only where the pause's words read as a question (0:
+    off; ``recheck_ms`` wins when both are set). ``barge_in_min_speech_ms``: in semantic mode,
+    speech over a reply cuts it once it has lasted this long unless its words so far are a
+    backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
+    backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech that begins
+    over a reply is decoded with this as whisper's prompt, in English only ("": none), so that a
+    backchannel is written as one. ``preemptive_reply``: in semantic mode, when the model calls
+    a pause finished and the words wait out a hold, the reply starts at once, held from the
+    client until the final confirms the words (dropped unseen if speech goes on or they differ).
     """
 
     mode: str = "silence"

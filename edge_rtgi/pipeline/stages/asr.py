@@ -301,10 +301,10 @@ class AsrStage(Stage[AsrInput]):
             elif isinstance(ev, FinalTranscript):
                 await self._final(ev)
             elif isinstance(ev, TurnLikelyEnded):
-                # not over a reply: such speech may be a backchannel, which starts nothing
-                if self._turn_cfg.preemptive_reply and self.ctx.settings.turn_detection:
-                    if self._talkover_turn is None:
-                        await self.ctx.on_likely_final(self._turn(ev.utterance_id), ev.text)
+                # not over a reply (_talkover_turn): such speech may be a backchannel
+                preempt = self._turn_cfg.preemptive_reply and self.ctx.settings.turn_detection
+                if preempt and self._talkover_turn is None:
+                    await self.ctx.on_likely_final(self._turn(ev.utterance_id), ev.text)
             elif isinstance(ev, TurnResumed):
                 self.ctx.drop_likely_final(self._turn(ev.utterance_id))
         for ev in events:  # a VAD turn that held no words still ends with an (empty) final
