@@ -12,7 +12,9 @@ Configurations:
 - "layer loop": the shipped path (``cpu_ops.run_decode_layers``, the layer stack in one C++ call);
 - "per-op": the layer loop off, the Python layers calling every fused kernel;
 - "per-op without <kernel>": the same with that kernel replaced by its PyTorch ops;
-- "none": ``cpu_ops.disabled()``, the plain PyTorch ops.
+- "none": ``cpu_ops.disabled()``, the plain PyTorch ops;
+- "layer loop, one-row int8 on ATen": the shipped path with the LM head's one-row matmul on ATen's
+  kernel instead of ``cpu_ops.int8_mm`` (``INT8_ONE_ROW_MIN_WEIGHTS``).
 The per-op rows are compared with "per-op" (what each kernel is worth), the others with "layer loop".
 
 ``--multi-row``: the weight-only matmuls of one decode step (every quantised linear of the model,
@@ -95,9 +97,13 @@ PLAIN = {
 
 
 LAYER_LOOP = cpu_ops.run_decode_layers
+INT8_ONE_ROW_MIN_WEIGHTS = cpu_ops.INT8_ONE_ROW_MIN_WEIGHTS
+ATEN_HEAD = "layer loop, one-row int8 on ATen"
 
 
 def configure(name: str) -> contextlib.AbstractContextManager:
+    # ATEN_HEAD: one-row int8 matmuls (the LM head) on ATen's kernel, as before int8_mm took them.
+    cpu_ops.INT8_ONE_ROW_MIN_WEIGHTS = 1 << 62 if name == ATEN_HEAD else INT8_ONE_ROW_MIN_WEIGHTS
     for op, fused in FUSED.items():
         setattr(cpu_ops, op, PLAIN[op] if name == f"per-op without {op}" else fused)
     # Off for the per-op rows: the layer loop would take the step past the patched functions.
@@ -374,7 +380,7 @@ def main(argv=None) -> int:
         with torch.inference_mode():
             multi_row_step(model, args.rounds, tuple(int(r) for r in args.row_counts.split(",")))
         return 0
-    names = ["layer loop", "per-op"] + [f"per-op without {op}" for op in FUSED] + ["none"]
+    names = ["layer loop", ATEN_HEAD, "per-op"] + [f"per-op without {op}" for op in FUSED] + ["none"]
     caches, tokens, times = {}, {}, {name: [] for name in names}
     prompt = torch.arange(args.prompt_tokens) + 100
     with torch.inference_mode():

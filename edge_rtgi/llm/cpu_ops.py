@@ -78,6 +78,7 @@ def target_arch() -> str:
 _lock = threading.Lock()
 _ops: _OpNamespace | None = None  # torch.ops.edge_rtgi once loaded
 _multi_row_max = 0  # _ops.multi_row_max(), read once at load: multi_row_usable runs per matmul
+_int8_one_row = False  # the library has int8_mm's AVX-512 BF16 loops (read at load)
 _failure: str | None = None
 _disabled_depth = 0  # disabled() blocks currently open, in any thread
 # steps run_decode_layers has run, per thread: engines step on threads of their own
@@ -129,7 +130,7 @@ def load() -> bool:
     Never raises: a build failure is logged once, with what to install, and the PyTorch ops
     are used from then on.
     """
-    global _ops, _failure, _multi_row_max
+    global _ops, _failure, _multi_row_max, _int8_one_row
     if _ops is not None:
         return True
     if _failure is not None:
@@ -144,6 +145,7 @@ def load() -> bool:
         try:
             ops = _build()
             _multi_row_max = int(ops.multi_row_max())
+            _int8_one_row = str(ops.build_info()).startswith("avx512-bf16")
             _ops = ops
         except Exception as exc:  # noqa: BLE001 - any build failure means: use the PyTorch ops
             _failure = (
@@ -405,7 +407,8 @@ def decode_attention_int4(
 
 # --- weight-only matmuls for a few rows -----------------------------------------------------------
 
-# One row stays on ATen's kernels; the most rows the kernels take is the build's (multi_row_max).
+# One row stays on ATen's kernels (but for int8 LM heads, int8_kernel_usable); the most rows the
+# kernels take is the build's (multi_row_max).
 MULTI_ROW_MIN = 2
 
 
@@ -459,6 +462,27 @@ def multi_row_usable(x: Tensor) -> bool:
     """Whether ``int4_mm`` / ``int8_mm`` should run for the 2-D input ``x``: kernels loaded, CPU,
     float32 or bfloat16, no gradients, and 2..``multi_row_max()`` rows."""
     return _use(x) and MULTI_ROW_MIN <= x.shape[0] <= _multi_row_max
+
+
+# One-row int8 matmuls over at least this many weights (an LM head) run int8_mm's AVX-512 BF16
+# loops, which fetch the weights ahead of use; ATen's kernel stays faster on small ones, which the
+# caches hold (docs/cpu_kernels.md, "One row through an int8 LM head").
+INT8_ONE_ROW_MIN_WEIGHTS = 1 << 24
+
+
+def int8_kernel_usable(x: Tensor, weights: int) -> bool:
+    """Whether ``int8_mm`` should run for the 2-D input ``x`` against an int8 matrix of ``weights``
+    elements: ``multi_row_usable``, or one bf16 row (K a multiple of 32) against at least
+    ``INT8_ONE_ROW_MIN_WEIGHTS`` weights where the library has the AVX-512 BF16 loops."""
+    if x.shape[0] != 1:
+        return multi_row_usable(x)
+    return (
+        _int8_one_row
+        and weights >= INT8_ONE_ROW_MIN_WEIGHTS
+        and x.dtype == torch.bfloat16
+        and x.shape[1] % 32 == 0
+        and _use(x)
+    )
 
 
 def multi_row_calls() -> int:

@@ -113,6 +113,28 @@ def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_reads_strided_qkv_views_in_place(dtype):
+    # The layer loop passes q, k and v as views of one [rows, (Hq + 2 Hkv) D] projection, strided
+    # between tokens; the result and the cache writes must equal those of contiguous copies.
+    rows, heads, kv_heads, dim, keys, num_slots = 4, 6, 2, 16, 23, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    qk = qkv.narrow(1, 0, (heads + kv_heads) * dim).view(rows, heads + kv_heads, dim)
+    q, k_new = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
+    v_new = qkv.narrow(1, (heads + kv_heads) * dim, kv_heads * dim).view(rows, kv_heads, dim)
+    assert not q.is_contiguous() and not k_new.is_contiguous() and not v_new.is_contiguous()
+    key_slots = torch.stack([torch.randperm(num_slots)[:keys] for _ in range(rows)])
+    new_slots = key_slots[:, -1].clone()
+    stores = [torch.randn(num_slots, kv_heads, dim, dtype=dtype) for _ in range(2)]
+    copies = [s.clone() for s in stores]
+    got = cpu_ops.decode_attention(q, k_new, v_new, *stores, new_slots, key_slots, None, dim**-0.5)
+    want = cpu_ops.decode_attention(
+        q.contiguous(), k_new.contiguous(), v_new.contiguous(), *copies, new_slots, key_slots, None, dim**-0.5
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(stores[0], copies[0]) and torch.equal(stores[1], copies[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_contiguous_window(dtype):
     """The contiguous cache's case: slots are cache rows, a sliding window drops the oldest."""
     end, window = 50, 16
@@ -591,6 +613,24 @@ def test_quant_layers_use_the_multi_row_kernels_for_2_rows_to_their_widest(monke
     widest = cpu_ops.multi_row_max()
     assert widest == (32 if cpu_ops.build_info().startswith("avx512-bf16") else 16)
     assert calls == [r for r in (2, 16, 17, 32) if r <= widest] * 2
+
+
+def test_one_row_int8_takes_the_kernel_only_for_large_weights(monkeypatch):
+    calls = []
+    real8 = cpu_ops.int8_mm
+    monkeypatch.setattr(cpu_ops, "int8_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real8(*a, **k))
+    monkeypatch.setattr(cpu_ops, "INT8_ONE_ROW_MIN_WEIGHTS", 96 * 64)
+    packed, small = quant_layer("int8", 64, 64, torch.bfloat16)
+    packed, large = quant_layer("int8", 96, 64, torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    small(x)
+    got = large(x)
+    kernel_built = cpu_ops.build_info().startswith("avx512-bf16")
+    assert calls == ([1] if kernel_built else [])
+    w = dequantised(packed, large).double()
+    want = x.double() @ w.T
+    bound = 1e-5 * (x.double().abs() @ w.abs().T) + 2**-8 * want.abs()
+    assert ((got.double() - want).abs() - bound).max().item() <= 0
 
 
 def test_multi_row_ops_refuse_malformed_weights():

@@ -145,14 +145,15 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return total;
 }
 
-inline float sum(const float* x, int64_t n) {
+template <typename T>
+inline float sum(const T* x, int64_t n) {
   float part[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) part[l] += x[i + l];
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += to_f(x[i + l]);
   }
   float total = 0.f;
-  for (; i < n; ++i) total += x[i];
+  for (; i < n; ++i) total += to_f(x[i]);
   for (int64_t l = 0; l < kLanes; ++l) total += part[l];
   return total;
 }
@@ -297,7 +298,7 @@ template <typename T>
 void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor& v_store,
                            const Tensor& key_slots, const c10::optional<Tensor>& key_mask,
                            double scale, Tensor& out) {
-  const int64_t rows = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const int64_t rows = q.size(0), num_heads = q.size(1), dim = q.size(2), q_row_stride = q.stride(0);
   const int64_t num_kv_heads = k_store.size(1), group = num_heads / num_kv_heads;
   const int64_t num_keys = key_slots.size(1);
   const int64_t slot_stride = num_kv_heads * dim;
@@ -316,7 +317,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
       const int64_t* row_slots = slots + b * num_keys;
       const bool* row_mask = mask ? mask + b * num_keys : nullptr;
       for (int64_t j = 0; j < group; ++j) {
-        const T* qh = qp + (b * num_heads + kvh * group + j) * dim;
+        const T* qh = qp + b * q_row_stride + (kvh * group + j) * dim;
         for (int64_t i = 0; i < dim; ++i) qf[j * dim + i] = to_f(qh[i]) * sc;
       }
       // Scores (masked keys get -inf), then each head's softmax weights, then the weighted values.
@@ -359,7 +360,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
 
 template <typename T>
 void write_slots(const Tensor& src, Tensor& store, const Tensor& new_slots) {
-  const int64_t rows = src.size(0), row_elems = src.size(1) * src.size(2);
+  const int64_t rows = src.size(0), row_elems = src.size(1) * src.size(2), src_stride = src.stride(0);
   const int64_t num_slots = store.size(0);
   const int64_t* slots = new_slots.const_data_ptr<int64_t>();
   const T* sp = in_ptr<T>(src);
@@ -367,7 +368,7 @@ void write_slots(const Tensor& src, Tensor& store, const Tensor& new_slots) {
   for (int64_t r = 0; r < rows; ++r) {
     TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots, "edge_rtgi::decode_attention: slot ", slots[r],
                 " out of range [0, ", num_slots, ")");
-    std::memcpy(dp + slots[r] * row_elems, sp + r * row_elems, row_elems * sizeof(T));
+    std::memcpy(dp + slots[r] * row_elems, sp + r * src_stride, row_elems * sizeof(T));
   }
 }
 
@@ -393,7 +394,14 @@ Tensor decode_attention(const Tensor& q_in, const Tensor& k_new_in, const Tensor
               k_new_in.sizes(), " and ", v_new_in.sizes());
   TORCH_CHECK(key_slots_in.dim() == 2 && key_slots_in.size(0) == rows && new_slots_in.numel() == rows,
               "edge_rtgi::decode_attention: need one new slot and one row of key slots per query row");
-  Tensor q = q_in.contiguous(), k_new = k_new_in.contiguous(), v_new = v_new_in.contiguous();
+  // q, k and v may be views of the step's qkv rows, strided between tokens: only each token's
+  // heads must lie densely (a copy of all three per layer was a tenth of a 2-token step's extra time).
+  auto dense_heads = [](const Tensor& t) {
+    return t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)) && t.stride(0) >= t.size(1) * t.size(2);
+  };
+  Tensor q = dense_heads(q_in) ? q_in : q_in.contiguous();
+  Tensor k_new = dense_heads(k_new_in) ? k_new_in : k_new_in.contiguous();
+  Tensor v_new = dense_heads(v_new_in) ? v_new_in : v_new_in.contiguous();
   Tensor new_slots = new_slots_in.to(at::kLong).contiguous(), key_slots = key_slots_in.to(at::kLong).contiguous();
   c10::optional<Tensor> key_mask;
   if (key_mask_in.has_value()) {
@@ -771,8 +779,12 @@ constexpr int64_t kMaxRowChunk = 16;  // rows held per pass over the weights (mo
 constexpr int64_t kAmxRowChunk = 32;
 constexpr int64_t kRowTile = 4;       // rows whose accumulators live in registers together
 constexpr int64_t kMaxBf16Group = 128;  // the largest int4 group the AVX-512 BF16 loop buffers
+// How far ahead of the kernels' reads the weights are fetched: they stream through once, and their
+// loads were the multi-row kernels' largest stall (perf, docs/cpu_kernels.md).
+constexpr int64_t kPrefetchBytes = 2048;
 // Inputs of 2..kMultiRowMax rows take these kernels in the layer loop and in Int4/Int8Linear;
-// one row stays on ATen's kernels, which are as fast there (docs/cpu_kernels.md). 17..32 rows
+// one row stays on ATen's kernels, which are as fast there but against an int8 LM head (Python
+// decides: cpu_ops.int8_kernel_usable; docs/cpu_kernels.md). 17..32 rows
 // were measured against ATen with the AVX-512 BF16 loops and AMX only; plain loops stop at 16.
 #if defined(EDGE_RTGI_AVX512) && defined(__AVX512BF16__)
 constexpr int64_t kMultiRowMax = 32;
@@ -838,6 +850,33 @@ void int4_block_portable(const Int4Weights& w, const T* sz, const float* xf, con
 #if defined(EDGE_RTGI_AVX512) && defined(__AVX512BF16__)
 #define EDGE_RTGI_AVX512_BF16 1
 
+// One group of a 64-row int4 block decoded to bf16 (code - 8) pairs, [G/2][4 vectors of 16 output
+// rows][2 inputs] (the B-tile layout AMX wants, and what the AVX-512 BF16 loop reads).
+inline void int4_decode_group(const uint8_t* block, const Int4Weights& w, int64_t g, __m512i* codes) {
+  // bf16 of (code - 8) for code 0..15, indexed by the code in each 16-bit lane.
+  static const __m512i lut = [] {
+    alignas(64) bf16_bits values[32];
+    for (int c = 0; c < 32; ++c) values[c] = from_f<bf16_bits>(static_cast<float>((c & 15) - 8));
+    return _mm512_load_si512(values);
+  }();
+  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
+  const int64_t pairs = w.group / 2;
+  const uint8_t* first = block + g * w.group * 32;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint8_t* col = first + 2 * p * 32;  // input k; input k + 1 follows
+    _mm_prefetch(reinterpret_cast<const char*>(col + kPrefetchBytes), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * h));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32 + 16 * h));
+      // bytes of rows 16h..16h+15 at k and k+1, interleaved: one 32-bit pair per output row
+      const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+      const __m512i words = _mm512_cvtepu8_epi16(both);
+      codes[4 * p + h] = _mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), lut);
+      codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
+    }
+  }
+}
+
 // Rows [r0, r0 + R) of one int4 group: `codes` holds the group's codes minus 8 as bf16 pairs,
 // [G/2][4 vectors of 16 output rows][2 inputs]; each step broadcasts a pair of activations and
 // adds both products into 16 output rows with one dot-product instruction.
@@ -874,25 +913,9 @@ void int4_block_bf16(const Int4Weights& w, const bf16_bits* sz, const bf16_bits*
   const int64_t groups = w.k / w.group, pairs = w.group / 2;
   alignas(64) float total[kMaxRowChunk * kInt4BlockRows] = {};
   __m512i codes[4 * kMaxBf16Group / 2];
-  // bf16 of (code - 8) for code 0..15, indexed by the code in each 16-bit lane.
-  alignas(64) bf16_bits lut_values[32];
-  for (int c = 0; c < 32; ++c) lut_values[c] = from_f<bf16_bits>(static_cast<float>((c & 15) - 8));
-  const __m512i lut = _mm512_load_si512(lut_values);
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const uint8_t* block = w.packed + n0 * w.k / 2;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const uint8_t* col = block + (g * w.group + 2 * p) * 32;  // input k; input k + 1 follows
-      for (int h = 0; h < 2; ++h) {
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * h));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32 + 16 * h));
-        // bytes of rows 16h..16h+15 at k and k+1, interleaved: one 32-bit pair per output row
-        const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
-        const __m512i words = _mm512_cvtepu8_epi16(both);
-        codes[4 * p + h] = _mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), lut);
-        codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
-      }
-    }
+    int4_decode_group(block, w, g, codes);
     __m512 scale[4], zero[4];
     const bf16_bits* sz_row = sz + (g * w.n + n0) * 2;
     for (int v = 0; v < 4; ++v) {
@@ -964,6 +987,7 @@ void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x
     for (int j = 0; j < 4; ++j) {
       const int8_t* row = q + std::min(t + j, n - 1) * k;
       for (int64_t i = 0; i < k; i += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + i + kPrefetchBytes), _MM_HINT_T0);  // rows lie in order
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
         const __m512 hi =
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16))));
@@ -1024,24 +1048,10 @@ void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* 
   alignas(64) float total[kAmxRowChunk * kInt4BlockRows] = {};
   alignas(64) float sums[4][kMaxRowChunk * 16];
   alignas(64) __m512i codes[4 * kMaxBf16Group / 2];
-  alignas(64) bf16_bits lut_values[32];
-  for (int c = 0; c < 32; ++c) lut_values[c] = from_f<bf16_bits>(static_cast<float>((c & 15) - 8));
-  const __m512i lut = _mm512_load_si512(lut_values);
-  const __m512i low_nibble = _mm512_set1_epi16(0x0F);
   const uint8_t* block = w.packed + n0 * w.k / 2;
   const int64_t x_stride = w.k * static_cast<int64_t>(sizeof(bf16_bits));
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      const uint8_t* col = block + (g * w.group + 2 * p) * 32;
-      for (int h = 0; h < 2; ++h) {
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 16 * h));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + 32 + 16 * h));
-        const __m256i both = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
-        const __m512i words = _mm512_cvtepu8_epi16(both);
-        codes[4 * p + h] = _mm512_permutexvar_epi16(_mm512_and_si512(words, low_nibble), lut);
-        codes[4 * p + 2 + h] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), lut);
-      }
-    }
+    int4_decode_group(block, w, g, codes);
     const bf16_bits* sz_row = sz + (g * w.n + n0) * 2;
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRowChunk) {
       _tile_zero(2);
@@ -1115,6 +1125,7 @@ void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpa
     for (int64_t j = 0; j < 32; ++j) {
       const int8_t* row = q + std::min(t + j, n - 1) * k;  // rows past N repeat the last, unstored
       for (int64_t i = 0; i < k; i += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + i + kPrefetchBytes), _MM_HINT_T0);  // rows lie in order
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
         const __m512 hi =
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i + 16))));
@@ -1212,13 +1223,16 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
                   Tensor& out) {
   const int64_t m_all = x.size(0), k = x.size(1), n = out.size(1), groups = k / group;
   const Int4Weights w{qweight.const_data_ptr<uint8_t>(), n, k, group};
-  const Tensor xf_t = activations_f32(x);
-  const float* xf_all = xf_t.const_data_ptr<float>();
+  const T* xp_all = in_ptr<T>(x);
   // Sum of each row's activations over each group, for the zero term.
   std::vector<float> xsum_all(m_all * groups);
   for (int64_t r = 0; r < m_all; ++r)
-    for (int64_t g = 0; g < groups; ++g) xsum_all[r * groups + g] = sum(xf_all + r * k + g * group, group);
-  const T* xp_all = in_ptr<T>(x);
+    for (int64_t g = 0; g < groups; ++g) xsum_all[r * groups + g] = sum(xp_all + r * k + g * group, group);
+  // fp32 activations only for the plain loops (fp32 inputs, a short last block, no AVX-512 BF16):
+  // the copy cost as much as a small matmul's own work at every multi-row call.
+  const bool plain_loops = loops == Loops::kPortable || n % kInt4BlockRows != 0;
+  const Tensor xf_t = plain_loops ? activations_f32(x) : Tensor();
+  const float* xf_all = plain_loops ? xf_t.const_data_ptr<float>() : nullptr;
   const T* szp = in_ptr<T>(sz);
   T* op_all = out_ptr<T>(out);
   const int64_t blocks = (n + kInt4BlockRows - 1) / kInt4BlockRows;
@@ -1226,7 +1240,7 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
   std::vector<T> x_padded;  // AMX above 16 rows: the chunk's rows and zeros up to 32
   for (int64_t r0 = 0; r0 < m_all; r0 += row_chunk) {
     const int64_t m = std::min(row_chunk, m_all - r0);
-    const float* xf = xf_all + r0 * k;
+    const float* xf = plain_loops ? xf_all + r0 * k : nullptr;
     const float* xsum = xsum_all.data() + r0 * groups;
     const T* xp = xp_all + r0 * k;
     T* op = op_all + r0 * n;

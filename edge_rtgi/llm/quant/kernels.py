@@ -156,7 +156,7 @@ class Int8Linear(QuantLinear):
             x2 = x2.to(scales.dtype)
         if x2.is_cuda:
             return _int8_mm_cuda(x2, self.qweight, scales)
-        if cpu_ops.multi_row_usable(x2):
+        if cpu_ops.int8_kernel_usable(x2, self.qweight.numel()):
             return cpu_ops.int8_mm(x2, self.qweight, scales)
         return self._aten(x2)
 
