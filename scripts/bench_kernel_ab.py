@@ -7,9 +7,9 @@ percent between two runs of two builds. This script builds the kernel source of 
 (``edge_rtgi_base``) and swaps the two libraries in ``cpu_ops`` between steps of one engine
 (SmolLM2-135M as the daemon runs it), so that both see the same drift:
 
-- decode steps of a batch of B requests (``--batches``, default 1 and 8): every engine step runs
-  on one library, the next on the other; each base step is divided by the mean of the working
-  tree's steps on either side of it;
+- decode steps of a batch of B requests (``--batches``, default 1 and 8; ``--context-tokens``
+  of earlier conversation before each): every engine step runs on one library, the next on the
+  other; each base step is divided by the mean of the working tree's steps on either side of it;
 - steps that verify n - 1 draft tokens of one request (``--verify``, default 2, 3, 5 and 9 tokens):
   the same scheduled step re-run on each library in turn, as ``bench_speculative.py --step-costs``
   times it.
@@ -70,15 +70,17 @@ def build_base(rev: str):
     return getattr(torch.ops, NAMESPACE), commit
 
 
-def decode_batches(engine: LLMEngine, libraries: dict, batch: int, rounds: int) -> list[tuple[float, float]]:
+def decode_batches(
+    engine: LLMEngine, libraries: dict, batch: int, rounds: int, context_tokens: int = 0
+) -> list[tuple[float, float]]:
     """(base step, mean of the neighbouring working-tree steps) in ms, over ``rounds`` batches of
-    ``batch`` requests of 64 new tokens, the library swapped at every step."""
+    ``batch`` requests of 64 new tokens, the library swapped at every step; ``context_tokens``
+    of earlier text before each request's question (a long conversation)."""
     tok = engine.tokenizer
     assert tok is not None
-    prompts = [
-        tok.encode_chat([{"role": "user", "content": f"Tell me a long story about the sea, number {i}."}])
-        for i in range(batch)
-    ]
+    history = tok.decode(tok.encode("We talked about boats, tides and the weather. " * 200)[:context_tokens])
+    questions = [f"{history}Tell me a long story about the sea, number {i}." for i in range(batch)]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
     pairs: list[tuple[float, float]] = []
     names = list(libraries)
     for _ in range(rounds):
@@ -145,6 +147,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated ('' for none)")
     ap.add_argument("--rounds", type=int, default=4, help="batches of 64 tokens per batch size")
+    ap.add_argument(
+        "--context-tokens", type=int, default=0, help="earlier text before each decode request (tokens)"
+    )
     ap.add_argument("--verify", default="2,3,5,9", help="verification step sizes ('' for none)")
     ap.add_argument("--verify-rounds", type=int, default=40)
     args = ap.parse_args()
@@ -160,7 +165,8 @@ def main() -> int:
     )
     try:
         for batch in (int(b) for b in args.batches.split(",") if b):
-            report(f"decode batch {batch:>2}", decode_batches(engine, libraries, batch, args.rounds), "steps")
+            pairs = decode_batches(engine, libraries, batch, args.rounds, args.context_tokens)
+            report(f"decode batch {batch:>2}", pairs, "steps")
         sizes = tuple(int(n) for n in args.verify.split(",") if n)
         if sizes:
             for n, pairs in verify_steps(engine, libraries, (1, *sizes), args.verify_rounds).items():

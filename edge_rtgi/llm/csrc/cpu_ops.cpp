@@ -145,6 +145,33 @@ inline float dot(const float* a, const T* b, int64_t n) {
   return total;
 }
 
+#ifdef EDGE_RTGI_AVX512
+// 16 elements at p as floats.
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// Sums of 16 lanes of a, b, c, d -> lanes 0..3 of the result.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
+  const __m512 abcd = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
+  const __m512 quarters = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1));
+  return _mm512_castps512_ps128(quarters);
+}
+
+#endif
+
 template <typename T>
 inline float sum(const T* x, int64_t n) {
   float part[kLanes] = {};
@@ -294,6 +321,24 @@ Tensor silu_mul(const Tensor& gate_up_in) {
 
 // --- Decode attention -----------------------------------------------------------------------
 
+#ifdef EDGE_RTGI_AVX512
+// One head's sum of p[s] * value[s] over its keys, the 16 x NV floats of the sum held in registers
+// (head dims 64 and 128); masked keys are skipped, as their slots may hold anything.
+template <int NV, typename T>
+inline void weighted_values(const T* values, const int64_t* row_slots, const bool* row_mask, int64_t slot_stride,
+                            const float* p, int64_t num_keys, float* out) {
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < num_keys; ++s) {
+    if (row_mask && !row_mask[s]) continue;
+    const T* value = values + row_slots[s] * slot_stride;
+    const __m512 pv = _mm512_set1_ps(p[s]);
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(pv, load16(value + 16 * v), acc[v]);
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
+}
+#endif
+
 template <typename T>
 void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor& v_store,
                            const Tensor& key_slots, const c10::optional<Tensor>& key_mask,
@@ -321,7 +366,30 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
         for (int64_t i = 0; i < dim; ++i) qf[j * dim + i] = to_f(qh[i]) * sc;
       }
       // Scores (masked keys get -inf), then each head's softmax weights, then the weighted values.
-      for (int64_t s = 0; s < num_keys; ++s) {
+      int64_t s0 = 0;
+#ifdef EDGE_RTGI_AVX512
+      if (dim % 16 == 0) {
+        // Four keys at a time: one horizontal sum per four scores, where dot() needs one per score.
+        for (; s0 + 4 <= num_keys; s0 += 4) {
+          const T* keys[4];
+          for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + t] * slot_stride + kvh * dim;
+          for (int64_t j = 0; j < group; ++j) {
+            const float* qj = qf.data() + j * dim;
+            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int64_t d = 0; d < dim; d += 16) {
+              const __m512 qv = _mm512_loadu_ps(qj + d);
+              for (int t = 0; t < 4; ++t) a[t] = _mm512_fmadd_ps(qv, load16(keys[t] + d), a[t]);
+            }
+            _mm_storeu_ps(scores.data() + j * num_keys + s0, sum4(a[0], a[1], a[2], a[3]));
+          }
+          for (int t = 0; row_mask && t < 4; ++t) {
+            if (row_mask[s0 + t]) continue;
+            for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
+          }
+        }
+      }
+#endif
+      for (int64_t s = s0; s < num_keys; ++s) {
         if (row_mask && !row_mask[s]) {
           for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s] = -std::numeric_limits<float>::infinity();
           continue;
@@ -338,14 +406,27 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
         }
         denom[j] = sum(sj, num_keys);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < num_keys; ++s) {
-        if (row_mask && !row_mask[s]) continue;
-        const T* value = vp + row_slots[s] * slot_stride + kvh * dim;
+      const T* values = vp + kvh * dim;
+#ifdef EDGE_RTGI_AVX512
+      if (dim == 64 || dim == 128) {
         for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * num_keys + s];
+          const float* sj = scores.data() + j * num_keys;
           float* aj = acc.data() + j * dim;
-          for (int64_t i = 0; i < dim; ++i) aj[i] += p * to_f(value[i]);
+          if (dim == 64) weighted_values<4>(values, row_slots, row_mask, slot_stride, sj, num_keys, aj);
+          else weighted_values<8>(values, row_slots, row_mask, slot_stride, sj, num_keys, aj);
+        }
+      } else
+#endif
+      {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = 0; s < num_keys; ++s) {
+          if (row_mask && !row_mask[s]) continue;
+          const T* value = values + row_slots[s] * slot_stride;
+          for (int64_t j = 0; j < group; ++j) {
+            const float p = scores[j * num_keys + s];
+            float* aj = acc.data() + j * dim;
+            for (int64_t i = 0; i < dim; ++i) aj[i] += p * to_f(value[i]);
+          }
         }
       }
       for (int64_t j = 0; j < group; ++j) {
@@ -944,19 +1025,6 @@ void int4_block_bf16(const Int4Weights& w, const bf16_bits* sz, const bf16_bits*
       _mm512_storeu_si512(out + r * w.n + n0 + 16 * v, (__m512i)two);
     }
   }
-}
-
-// Sums of 16 lanes of a, b, c, d -> lanes 0..3 of the result.
-inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] and the same for c, d
-  const __m512 abcd = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));
-  const __m512 quarters = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1));
-  return _mm512_castps512_ps128(quarters);
 }
 
 // Rows [r0, r0 + R) against 4 int8 output rows held as bf16 in `wb` ([4][K]).
