@@ -113,6 +113,30 @@ def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,keys,dim", [(1, 701, 64), (2, 530, 128), (1, 300, 40)])
+def test_decode_attention_long_rows_split_over_threads(dtype, rows, keys, dim):
+    # Past 256 keys a row's keys are split into stretches whose softmax sums are merged; masked keys
+    # fall inside and at the edges of stretches, and a whole stretch may be masked out.
+    heads, kv_heads, num_slots = 9, 3, 1024
+    k_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
+    v_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
+    q = torch.randn(rows, heads, dim, dtype=dtype)
+    k_new = torch.randn(rows, kv_heads, dim, dtype=dtype)
+    v_new = torch.randn(rows, kv_heads, dim, dtype=dtype)
+    key_slots = torch.stack([torch.randperm(num_slots)[:keys] for _ in range(rows)])
+    new_slots = key_slots[:, -1].clone()
+    key_mask = torch.rand(rows, keys) > 0.3
+    key_mask[:, : keys // 3] = False  # the first stretch or more masked out whole
+    key_mask[:, -1] = True
+    want, _, _ = reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask)
+    got = cpu_ops.decode_attention(
+        q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, dim**-0.5
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_reads_strided_qkv_views_in_place(dtype):
     # The layer loop passes q, k and v as views of one [rows, (Hq + 2 Hkv) D] projection, strided
     # between tokens; the result and the cache writes must equal those of contiguous copies.
