@@ -43,8 +43,6 @@ NAMESPACE = "edge_rtgi_base"
 
 def build_base(rev: str):
     """The kernel library at ``rev``, registered as ``torch.ops.edge_rtgi_base``."""
-    from torch.utils.cpp_extension import load as load_extension
-
     text = subprocess.run(
         ["git", "show", f"{rev}:{SOURCE}"], cwd=REPO, check=True, capture_output=True, text=True
     ).stdout
@@ -58,15 +56,7 @@ def build_base(rev: str):
     source = folder / "cpu_ops_base.cpp"
     if not source.exists() or source.read_text() != text:
         source.write_text(text)
-    load_extension(
-        name=f"edge_rtgi_cpu_ops_base_{commit}",
-        sources=[str(source)],
-        extra_cflags=["-O3", f"-march={cpu_ops.target_arch()}", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        is_python_module=False,
-        verbose=False,
-    )
+    cpu_ops.build_library(f"edge_rtgi_cpu_ops_base_{commit}", source, folder)
     return getattr(torch.ops, NAMESPACE), commit
 
 

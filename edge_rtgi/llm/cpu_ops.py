@@ -162,24 +162,11 @@ def load() -> bool:
 
 
 def _build() -> _OpNamespace:
-    from torch.utils.cpp_extension import load as load_extension
-
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(directory / "lock")
     started = time.perf_counter()
-    # -march=native (by default): the library is built on, and cached for, the machine that runs it.
-    # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
-    # library then needs libgomp.so.1, which resolves to the copy torch has already loaded.
-    load_extension(
-        name="edge_rtgi_cpu_ops",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    build_library("edge_rtgi_cpu_ops", SOURCE, directory)
     ops = torch.ops.edge_rtgi
     log.info(
         "fused CPU kernels (%s loops) ready in %.1f s (%s)",
@@ -188,6 +175,25 @@ def _build() -> _OpNamespace:
         directory,
     )
     return ops
+
+
+def build_library(name: str, source: Path, directory: Path) -> None:
+    """Compile (or reuse) and load the kernel library ``name`` from ``source`` in ``directory``
+    with the flags the kernels are built with (also ``scripts/bench_kernel_ab.py``'s baseline)."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    # -march=native (by default): the library is built on, and cached for, the machine that runs it.
+    # -fopenmp: at::parallel_for is inlined from ATen's headers and runs serially without it; the
+    # library then needs libgomp.so.1, which resolves to the copy torch has already loaded.
+    load_extension(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=["-O3", f"-march={target_arch()}", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _clear_stale_lock(lock: Path) -> None:

@@ -88,21 +88,26 @@ def reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, ke
     return torch.cat(outs), k_store, v_store
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 20)])
-def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
-    rows, keys, num_slots = 3, 37, 200
+def paged_decode_inputs(dtype, rows, keys, heads, kv_heads, dim, num_slots):
+    """Random q, k_new, v_new, stores, slots and a mask for a paged decode-attention call; each
+    row's new token is among its own keys, and its last key is never masked."""
     k_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
     v_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
     q = torch.randn(rows, heads, dim, dtype=dtype)
-    k_new, v_new = (
-        torch.randn(rows, kv_heads, dim, dtype=dtype),
-        torch.randn(rows, kv_heads, dim, dtype=dtype),
-    )
+    k_new = torch.randn(rows, kv_heads, dim, dtype=dtype)
+    v_new = torch.randn(rows, kv_heads, dim, dtype=dtype)
     key_slots = torch.stack([torch.randperm(num_slots)[:keys] for _ in range(rows)])
-    new_slots = key_slots[:, -1].clone()  # each row's new token is among its own keys
+    new_slots = key_slots[:, -1].clone()
     key_mask = torch.rand(rows, keys) > 0.3
     key_mask[:, -1] = True
+    return q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 2, 20)])
+def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
+    inputs = paged_decode_inputs(dtype, 3, 37, heads, kv_heads, dim, 200)
+    q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask = inputs
     want, want_k, want_v = reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask)
     got = cpu_ops.decode_attention(
         q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask[:, None, None, :], dim**-0.5
@@ -117,17 +122,9 @@ def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
 def test_decode_attention_long_rows_split_over_threads(dtype, rows, keys, dim):
     # Past 256 keys a row's keys are split into stretches whose softmax sums are merged; masked keys
     # fall inside and at the edges of stretches, and a whole stretch may be masked out.
-    heads, kv_heads, num_slots = 9, 3, 1024
-    k_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
-    v_store = torch.randn(num_slots, kv_heads, dim, dtype=dtype)
-    q = torch.randn(rows, heads, dim, dtype=dtype)
-    k_new = torch.randn(rows, kv_heads, dim, dtype=dtype)
-    v_new = torch.randn(rows, kv_heads, dim, dtype=dtype)
-    key_slots = torch.stack([torch.randperm(num_slots)[:keys] for _ in range(rows)])
-    new_slots = key_slots[:, -1].clone()
-    key_mask = torch.rand(rows, keys) > 0.3
+    inputs = paged_decode_inputs(dtype, rows, keys, 9, 3, dim, 1024)
+    q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask = inputs
     key_mask[:, : keys // 3] = False  # the first stretch or more masked out whole
-    key_mask[:, -1] = True
     want, _, _ = reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask)
     got = cpu_ops.decode_attention(
         q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, dim**-0.5
