@@ -342,7 +342,8 @@ inline void weighted_values(const T* values, const int64_t* row_slots, const boo
 // Decode attention's work items: (row, KV head, stretch of keys). At batch 1 there are only a few
 // KV heads (3 for SmolLM2), which would leave a core idle part of the time; stretches give every
 // thread several items. Their partial softmax sums are merged at the end (flash-decoding), which
-// changes only the order of the sums. Stretches are a multiple of `align` keys (a KV block).
+// changes only the order of the sums. Stretches are a multiple of `align` keys (the int4 cache
+// passes its block size, so a block's scale and zero are folded into q once per stretch).
 struct KeyStretches {
   int64_t splits, stretch;
 };
