@@ -73,21 +73,29 @@ def decode_batches(
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
     pairs: list[tuple[float, float]] = []
     names = list(libraries)
+    started: set[str] = set()  # this round's requests past their prefill (a token delivered)
     for _ in range(rounds):
+        started.clear()
         for i, ids in enumerate(prompts):
             rid = f"b{i}-{time.monotonic_ns()}"
-            engine.submit(ids, SamplingParams(max_tokens=64, ignore_eos=True), lambda d: None, request_id=rid)
-        times: list[tuple[str, float]] = []
+            engine.submit(
+                ids,
+                SamplingParams(max_tokens=64, ignore_eos=True),
+                lambda d: started.add(d.request_id),
+                request_id=rid,
+            )
+        decode: list[tuple[str, float]] = []  # steps in which every request decoded
         step = 0
         while True:
             name = names[step % 2]
             cpu_ops._ops = libraries[name]
+            all_decoding = len(started) == batch
             start = time.perf_counter()
             if not engine.step():
                 break
-            times.append((name, (time.perf_counter() - start) * 1e3))
+            if all_decoding:
+                decode.append((name, (time.perf_counter() - start) * 1e3))
             step += 1
-        decode = times[batch + 2 :]  # past the prompts' prefill steps
         for i in range(1, len(decode) - 1):
             name, ms = decode[i]
             if name == "base" and decode[i - 1][0] == decode[i + 1][0] == "tree":

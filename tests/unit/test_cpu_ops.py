@@ -119,12 +119,12 @@ def test_decode_attention_paged_with_mask(dtype, heads, kv_heads, dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,keys,dim", [(1, 701, 64), (2, 530, 128), (1, 300, 40)])
-def test_decode_attention_long_rows_split_over_threads(dtype, rows, keys, dim):
-    # Past 256 keys a row's keys are split into stretches whose softmax sums are merged; masked keys
-    # fall inside and at the edges of stretches, and a whole stretch may be masked out.
+def test_decode_attention_long_rows_with_masked_runs(dtype, rows, keys, dim):
+    # Hundreds of keys, four at a time where the head dim allows, with a long masked run at the start
+    # and scattered masked keys after it (head dims 64 and 128 keep their value sums in registers).
     inputs = paged_decode_inputs(dtype, rows, keys, 9, 3, dim, 1024)
     q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask = inputs
-    key_mask[:, : keys // 3] = False  # the first stretch or more masked out whole
+    key_mask[:, : keys // 3] = False
     want, _, _ = reference_decode(q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask)
     got = cpu_ops.decode_attention(
         q, k_new, v_new, k_store, v_store, new_slots, key_slots, key_mask, dim**-0.5

@@ -339,52 +339,6 @@ inline void weighted_values(const T* values, const int64_t* row_slots, const boo
 }
 #endif
 
-// Decode attention's work items: (row, KV head, stretch of keys). At batch 1 there are only a few
-// KV heads (3 for SmolLM2), which would leave a core idle part of the time; stretches give every
-// thread several items. Their partial softmax sums are merged at the end (flash-decoding), which
-// changes only the order of the sums. Stretches are a multiple of `align` keys (the int4 cache
-// passes its block size, so a block's scale and zero are folded into q once per stretch).
-struct KeyStretches {
-  int64_t splits, stretch;
-};
-
-inline KeyStretches key_stretches(int64_t heads_total, int64_t num_keys, int64_t align) {
-  const int64_t want_items = 8 * static_cast<int64_t>(at::get_num_threads());
-  int64_t splits = std::min((want_items + heads_total - 1) / heads_total, std::max<int64_t>(1, num_keys / 128));
-  splits = std::max<int64_t>(1, splits);
-  const int64_t stretch = std::max<int64_t>(1, ((num_keys + splits - 1) / splits + align - 1) / align * align);
-  return {std::max<int64_t>(1, (num_keys + stretch - 1) / stretch), stretch};
-}
-
-// Merge the stretches of each (row, query head): partial maxima, exp sums and weighted value sums.
-template <typename T>
-void merge_stretches(const float* pmax, const float* psum, const float* pacc, int64_t heads_total, int64_t splits,
-                     int64_t num_kv_heads, int64_t group, int64_t dim, T* op) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t num_heads = num_kv_heads * group;
-  std::vector<float> o(dim);
-  for (int64_t bh = 0; bh < heads_total; ++bh) {
-    const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
-    for (int64_t j = 0; j < group; ++j) {
-      float top = kNegInf;
-      for (int64_t k = 0; k < splits; ++k) top = std::max(top, pmax[(bh * splits + k) * group + j]);
-      float denom = 0.f;
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t k = 0; k < splits && top != kNegInf; ++k) {
-        const int64_t idx = (bh * splits + k) * group + j;
-        if (pmax[idx] == kNegInf) continue;
-        const float w = exp_f(pmax[idx] - top);
-        denom += w * psum[idx];
-        for (int64_t i = 0; i < dim; ++i) o[i] += w * pacc[idx * dim + i];
-      }
-      // A row with every key masked out gets zeros (SDPA would give NaN); callers never pass one.
-      const float inv = denom > 0.f ? 1.f / denom : 0.f;
-      T* oh = op + (b * num_heads + h * group + j) * dim;
-      for (int64_t i = 0; i < dim; ++i) oh[i] = from_f<T>(o[i] * inv);
-    }
-  }
-}
-
 template <typename T>
 void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor& v_store,
                            const Tensor& key_slots, const c10::optional<Tensor>& key_mask,
@@ -398,27 +352,15 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
   const T* vp = in_ptr<T>(v_store);
   const int64_t* slots = key_slots.const_data_ptr<int64_t>();
   const bool* mask = key_mask.has_value() ? key_mask->const_data_ptr<bool>() : nullptr;
-  const float sc = static_cast<float>(scale);
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int64_t heads_total = rows * num_kv_heads;
-  const KeyStretches plan = key_stretches(heads_total, num_keys, 4);
-  const int64_t splits = plan.splits, stretch = plan.stretch, work = heads_total * splits;
-  // One stretch per head (many rows, or few keys): each item writes its output itself, no merge.
-  const bool merge = splits > 1;
-  std::vector<float> part_max(merge ? work * group : 0), part_sum(merge ? work * group : 0),
-      part_acc(merge ? work * group * dim : 0);
-  float* pmax = part_max.data();
-  float* psum = part_sum.data();
-  float* pacc = part_acc.data();
   T* op = out_ptr<T>(out);
-  at::parallel_for(0, work, grain_rows(stretch * dim * group * 2), [=](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), scores(group * stretch), sums(group), own_acc(merge ? 0 : group * dim);
+  const float sc = static_cast<float>(scale);
+  const int64_t work = rows * num_kv_heads;
+  at::parallel_for(0, work, grain_rows(num_keys * dim * group * 2), [=](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dim), acc(group * dim), scores(group * num_keys), denom(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t split = item % splits, bh = item / splits;
-      const int64_t b = bh / num_kv_heads, kvh = bh % num_kv_heads;
-      const int64_t first = split * stretch, n = std::min(num_keys, first + stretch) - first;
-      const int64_t* row_slots = slots + b * num_keys + first;
-      const bool* row_mask = mask ? mask + b * num_keys + first : nullptr;
+      const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
+      const int64_t* row_slots = slots + b * num_keys;
+      const bool* row_mask = mask ? mask + b * num_keys : nullptr;
       for (int64_t j = 0; j < group; ++j) {
         const T* qh = qp + b * q_row_stride + (kvh * group + j) * dim;
         for (int64_t i = 0; i < dim; ++i) qf[j * dim + i] = to_f(qh[i]) * sc;
@@ -428,7 +370,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
 #ifdef EDGE_RTGI_AVX512
       if (dim % 16 == 0) {
         // Four keys at a time: one horizontal sum per four scores, where dot() needs one per score.
-        for (; s0 + 4 <= n; s0 += 4) {
+        for (; s0 + 4 <= num_keys; s0 += 4) {
           const T* keys[4];
           for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + t] * slot_stride + kvh * dim;
           for (int64_t j = 0; j < group; ++j) {
@@ -438,68 +380,63 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
               const __m512 qv = _mm512_loadu_ps(qj + d);
               for (int t = 0; t < 4; ++t) a[t] = _mm512_fmadd_ps(qv, load16(keys[t] + d), a[t]);
             }
-            _mm_storeu_ps(scores.data() + j * stretch + s0, sum4(a[0], a[1], a[2], a[3]));
+            _mm_storeu_ps(scores.data() + j * num_keys + s0, sum4(a[0], a[1], a[2], a[3]));
           }
           for (int t = 0; row_mask && t < 4; ++t) {
             if (row_mask[s0 + t]) continue;
-            for (int64_t j = 0; j < group; ++j) scores[j * stretch + s0 + t] = kNegInf;
+            for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
           }
         }
       }
 #endif
-      for (int64_t s = s0; s < n; ++s) {
+      for (int64_t s = s0; s < num_keys; ++s) {
         if (row_mask && !row_mask[s]) {
-          for (int64_t j = 0; j < group; ++j) scores[j * stretch + s] = kNegInf;
+          for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s] = -std::numeric_limits<float>::infinity();
           continue;
         }
         const T* key = kp + row_slots[s] * slot_stride + kvh * dim;
-        for (int64_t j = 0; j < group; ++j) scores[j * stretch + s] = dot(qf.data() + j * dim, key, dim);
+        for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s] = dot(qf.data() + j * dim, key, dim);
       }
       for (int64_t j = 0; j < group; ++j) {
-        float* sj = scores.data() + j * stretch;
-        float row_max = kNegInf;
-        for (int64_t s = 0; s < n; ++s) row_max = std::max(row_max, sj[s]);
-        for (int64_t s = 0; s < n; ++s) sj[s] = sj[s] == kNegInf ? 0.f : exp_f(sj[s] - row_max);
-        sums[j] = sum(sj, n);
-        if (merge) {
-          pmax[item * group + j] = row_max;
-          psum[item * group + j] = sums[j];
+        float* sj = scores.data() + j * num_keys;
+        float row_max = -std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < num_keys; ++s) row_max = std::max(row_max, sj[s]);
+        for (int64_t s = 0; s < num_keys; ++s) {
+          sj[s] = sj[s] == -std::numeric_limits<float>::infinity() ? 0.f : exp_f(sj[s] - row_max);
         }
+        denom[j] = sum(sj, num_keys);
       }
       const T* values = vp + kvh * dim;
-      float* acc = merge ? pacc + item * group * dim : own_acc.data();
-      bool done = false;
 #ifdef EDGE_RTGI_AVX512
       if (dim == 64 || dim == 128) {
         for (int64_t j = 0; j < group; ++j) {
-          const float* sj = scores.data() + j * stretch;
-          if (dim == 64) weighted_values<4>(values, row_slots, row_mask, slot_stride, sj, n, acc + j * dim);
-          else weighted_values<8>(values, row_slots, row_mask, slot_stride, sj, n, acc + j * dim);
+          const float* sj = scores.data() + j * num_keys;
+          float* aj = acc.data() + j * dim;
+          if (dim == 64) weighted_values<4>(values, row_slots, row_mask, slot_stride, sj, num_keys, aj);
+          else weighted_values<8>(values, row_slots, row_mask, slot_stride, sj, num_keys, aj);
         }
-        done = true;
-      }
+      } else
 #endif
-      if (!done) {
-        std::fill(acc, acc + group * dim, 0.f);
-        for (int64_t s = 0; s < n; ++s) {
+      {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = 0; s < num_keys; ++s) {
           if (row_mask && !row_mask[s]) continue;
           const T* value = values + row_slots[s] * slot_stride;
           for (int64_t j = 0; j < group; ++j) {
-            const float p = scores[j * stretch + s];
-            float* aj = acc + j * dim;
+            const float p = scores[j * num_keys + s];
+            float* aj = acc.data() + j * dim;
             for (int64_t i = 0; i < dim; ++i) aj[i] += p * to_f(value[i]);
           }
         }
       }
-      for (int64_t j = 0; !merge && j < group; ++j) {
+      for (int64_t j = 0; j < group; ++j) {
         T* oh = op + (b * num_heads + kvh * group + j) * dim;
         // A row with every key masked out gets zeros (SDPA would give NaN); callers never pass one.
-        const float inv = sums[j] > 0.f ? 1.f / sums[j] : 0.f;
+        const float inv = denom[j] > 0.f ? 1.f / denom[j] : 0.f;
         for (int64_t i = 0; i < dim; ++i) oh[i] = from_f<T>(acc[j * dim + i] * inv);
       }
     }
   });
-  if (merge) merge_stretches<T>(pmax, psum, pacc, heads_total, splits, num_kv_heads, group, dim, op);
 }
 
 template <typename T>
@@ -699,11 +636,17 @@ void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k
   T* op = out_ptr<T>(out);
   const float sc = static_cast<float>(scale);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // Work items: (row, kv head, stretch of keys), as decode_attention_impl. A stretch is a whole
-  // number of blocks, so a block's qs/qz is formed once.
+  // Work items: (row, kv head, stretch of keys). At batch 1 there are only a few KV heads (3 for
+  // SmolLM2), which would leave a core idle part of the time; stretches give every thread several
+  // items. Their partial softmax sums are merged at the end (flash-decoding), which changes only
+  // the order of the sums. A stretch is a whole number of blocks, so a block's qs/qz is formed once.
   const int64_t heads_total = rows * num_kv_heads;
-  const KeyStretches plan = key_stretches(heads_total, num_keys, bs);
-  const int64_t splits = plan.splits, stretch = plan.stretch, work = heads_total * splits;
+  const int64_t want_items = 8 * static_cast<int64_t>(at::get_num_threads());
+  int64_t splits = std::min((want_items + heads_total - 1) / heads_total, std::max<int64_t>(1, num_keys / 128));
+  splits = std::max<int64_t>(1, splits);
+  const int64_t stretch = std::max<int64_t>(1, ((num_keys + splits - 1) / splits + bs - 1) / bs * bs);
+  splits = std::max<int64_t>(1, (num_keys + stretch - 1) / stretch);
+  const int64_t work = heads_total * splits;
   std::vector<float> part_max(work * group), part_sum(work * group), part_acc(work * group * dim);
   float* pmax = part_max.data();
   float* psum = part_sum.data();
@@ -802,7 +745,27 @@ void decode_attention_int4_impl(const Tensor& q, const Int4Layer& kv, const T* k
       }
     }
   });
-  merge_stretches<T>(pmax, psum, pacc, heads_total, splits, num_kv_heads, group, dim, op);
+  // Merge the stretches of each (row, query head).
+  for (int64_t bh = 0; bh < heads_total; ++bh) {
+    const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
+    for (int64_t j = 0; j < group; ++j) {
+      float top = kNegInf;
+      for (int64_t k = 0; k < splits; ++k) top = std::max(top, pmax[(bh * splits + k) * group + j]);
+      float denom = 0.f;
+      std::vector<float> o(dim, 0.f);
+      for (int64_t k = 0; k < splits && top != kNegInf; ++k) {
+        const int64_t idx = (bh * splits + k) * group + j;
+        if (pmax[idx] == kNegInf) continue;
+        const float w = exp_f(pmax[idx] - top);
+        denom += w * psum[idx];
+        for (int64_t i = 0; i < dim; ++i) o[i] += w * pacc[idx * dim + i];
+      }
+      // A row with every key masked out gets zeros (as decode_attention); callers never pass one.
+      const float inv = denom > 0.f ? 1.f / denom : 0.f;
+      T* oh = op + (b * num_heads + h * group + j) * dim;
+      for (int64_t i = 0; i < dim; ++i) oh[i] = from_f<T>(o[i] * inv);
+    }
+  }
 }
 
 Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Tensor& k_scale, const Tensor& k_zero,
