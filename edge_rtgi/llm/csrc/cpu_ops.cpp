@@ -992,7 +992,8 @@ inline void int4_group_rows(const __m512i* codes, int64_t pairs, const bf16_bits
 void int4_block_bf16(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
                      int64_t n0, bf16_bits* out) {
   const int64_t groups = w.k / w.group, pairs = w.group / 2;
-  alignas(64) float total[kMaxRowChunk * kInt4BlockRows] = {};
+  alignas(64) float total[kMaxRowChunk * kInt4BlockRows];
+  std::fill(total, total + m * kInt4BlockRows, 0.f);  // only the rows in use: this runs per block
   __m512i codes[4 * kMaxBf16Group / 2];
   const uint8_t* block = w.packed + n0 * w.k / 2;
   for (int64_t g = 0; g < groups; ++g) {
@@ -1113,7 +1114,8 @@ struct alignas(64) TileConfig {
 void int4_block_amx(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
                     int64_t n0, bf16_bits* out) {
   const int64_t groups = w.k / w.group, pairs = w.group / 2;
-  alignas(64) float total[kAmxRowChunk * kInt4BlockRows] = {};
+  alignas(64) float total[kAmxRowChunk * kInt4BlockRows];
+  std::fill(total, total + m * kInt4BlockRows, 0.f);  // only the rows in use: this runs per block
   alignas(64) float sums[4][kMaxRowChunk * 16];
   alignas(64) __m512i codes[4 * kMaxBf16Group / 2];
   const uint8_t* block = w.packed + n0 * w.k / 2;
