@@ -7,10 +7,12 @@ to copy, little repetition). Each setting is one ``Speculator`` put on the same 
 off); settings are interleaved within every run, in a shuffled order, and each figure is the
 median over runs of the decode rate (tokens after the first, over the time after the first).
 The adaptive setting keeps its speculator across runs: learning is part of what it does.
-Settings: off; ``auto`` over the n-gram draft and the trained draft (``eagle``, the catalogue's or
-``--draft-model``); ``auto-ngram`` (the n-gram draft alone, what plain ``auto`` runs); each draft
-at fixed k; with ``--llamacpp K`` also llama.cpp on the same GGUF and prompts, plain and with
-llama-cpp-python's prompt-lookup speculation of K tokens (``pip install 'edge-rtgi[llamacpp]'``).
+Settings: off; ``auto`` as the engine builds it (the n-gram draft and the ``retrieval`` draft
+over the catalogue's reply store); ``auto-ngram`` (the n-gram draft alone, what ``auto`` ran
+before the reply store); ``auto-eagle`` (``auto`` plus the trained draft, the catalogue's or
+``--draft-model``; not with ``--no-eagle``); each draft at fixed k; with ``--llamacpp K`` also
+llama.cpp on the same GGUF and prompts, plain and with llama-cpp-python's prompt-lookup
+speculation of K tokens (``pip install 'edge-rtgi[llamacpp]'``).
 
 Also reported: acceptance rate and mean accepted length per draft per workload, and the measured
 run time of a decode step by the number of tokens it carries (1 = plain decode, k+1 = verifying
@@ -38,7 +40,7 @@ from edge_rtgi.bench.peers import LlamaCppPeer
 from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.catalog import resolve_model
-from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
+from edge_rtgi.llm.engine import LLMEngine, build_speculator, load_eagle_draft, load_retrieval_draft
 from edge_rtgi.llm.quant.kernels import set_max_kernel_rows
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
@@ -51,7 +53,7 @@ ADVERSARIAL = (
     "Write a short poem about a lighthouse, with no line repeated.",
     "List the planets of the solar system with one unusual fact about each.",
 )
-FIXED = (("ngram", 2), ("ngram", 4), ("ngram", 8))
+FIXED = (("ngram", 2), ("ngram", 4), ("ngram", 8), ("retrieval", 2), ("retrieval", 4))
 EAGLE_FIXED = (("eagle", 2), ("eagle", 4), ("eagle", 6))
 COST_SIZES = (1, 2, 3, 5, 9, 17)
 # --step-costs: the kernel microbenchmark's row counts (scripts/bench_cpu_kernels.py --multi-row)
@@ -224,6 +226,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help="prompts per workload")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workloads", default=",".join((*WORKLOADS, "adversarial")))
+    ap.add_argument(
+        "--fixed",
+        default=",".join(f"{d}:{k}" for d, k in FIXED),
+        help="the fixed (draft:k) settings beside off and the adaptive ones, comma-separated",
+    )
     ap.add_argument("--json", default=None, help="write the raw figures here")
     ap.add_argument(
         "--step-costs",
@@ -269,13 +276,24 @@ def main() -> None:
             else [load_eagle_draft(args.draft_model, engine.model, engine.tokenizer, config.model)]
         )
 
+    def retrieval() -> list[Draft]:
+        return [load_retrieval_draft(None, engine.model, engine.tokenizer, config.model)]
+
+    def speculator(spec: SpeculativeConfig) -> Speculator:
+        built = build_speculator(spec, engine.model, engine.tokenizer, config.model)
+        assert built is not None, f"{spec} built no speculator (see the warning above)"
+        return built
+
     settings = [
         Setting("off", None),
-        Setting("auto", Speculator(SpeculativeConfig("auto"), [NgramDraft(), *eagle()])),
+        Setting("auto", speculator(SpeculativeConfig("auto"))),
+        Setting("auto-ngram", Speculator(SpeculativeConfig("auto"), [NgramDraft()])),
     ]
-    settings += [Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k))) for d, k in FIXED]
+    fixed = [(d, int(k)) for d, _, k in (f.partition(":") for f in args.fixed.split(",") if f)]
+    settings += [Setting(f"{d}:k={k}", speculator(SpeculativeConfig("fixed", d, k))) for d, k in fixed]
     if not args.no_eagle:
-        settings.append(Setting("auto-ngram", Speculator(SpeculativeConfig("auto"))))
+        every = [NgramDraft(), *retrieval(), *eagle()]
+        settings.append(Setting("auto-eagle", Speculator(SpeculativeConfig("auto"), every)))
         settings += [
             Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k), eagle()))
             for d, k in EAGLE_FIXED

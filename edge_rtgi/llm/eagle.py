@@ -17,7 +17,6 @@ Trained by ``scripts/train_draft.py`` (docs/engine.md, "The trained draft").
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -38,7 +37,7 @@ from edge_rtgi.llm.model import (
 )
 from edge_rtgi.llm.request import Request
 from edge_rtgi.llm.rope import RotaryEmbedding
-from edge_rtgi.llm.tokenizer import Tokenizer
+from edge_rtgi.llm.tokenizer import Tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +101,6 @@ class EagleDraftSpec:
             window_tokens=window_tokens,
             head_token_count=head_token_count,
         )
-
-
-def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """sha256 of a tokenizer's token strings in id order: two tokenizers with the same
-    fingerprint map every id to the same token."""
-    backend = tokenizer.backend
-    h = hashlib.sha256()
-    for i in range(backend.get_vocab_size(with_added_tokens=True)):
-        h.update((backend.id_to_token(i) or "").encode("utf-8", "surrogatepass"))
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 class SequenceBackend:

@@ -47,6 +47,7 @@ from edge_rtgi.llm.request import (
     TokenLogprob,
     Usage,
 )
+from edge_rtgi.llm.retrieval import StoreMismatchError
 from edge_rtgi.llm.runner import CHUNK_ROWS_MAX_KEYS, ModelRunner
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.scheduler import (
@@ -56,9 +57,16 @@ from edge_rtgi.llm.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from edge_rtgi.llm.speculative import DRAFTS, Draft, SpeculativeConfig, Speculator, parse_speculative
+from edge_rtgi.llm.speculative import (
+    DRAFTS,
+    Draft,
+    NgramDraft,
+    SpeculativeConfig,
+    Speculator,
+    parse_speculative,
+)
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
-from edge_rtgi.llm.tokenizer import ChatTokenizer
+from edge_rtgi.llm.tokenizer import ChatTokenizer, Tokenizer, tokenizer_fingerprint
 
 if TYPE_CHECKING:
     from edge_rtgi.llm.weights import LoadedModel
@@ -139,13 +147,31 @@ def _build_storage(
 def build_speculator(
     spec: SpeculativeConfig, model: Transformer, tokenizer: ChatTokenizer | None, model_name: str
 ) -> Speculator | None:
-    """The speculator for ``spec``, with the trained draft (``eagle``) loaded where the setting
-    names it (``draft: eagle``, or ``{draft: auto, draft_model: ...}``). A draft file that is
-    missing, damaged or made for another model is refused with one warning: under ``auto`` the
-    cheap drafts run on, with ``draft: eagle`` the engine runs without speculation."""
+    """The speculator for ``spec``, with the drafts that need a file loaded where the setting
+    asks for them: the reply store (``retrieval``) under ``auto`` wherever the catalogue has one
+    for the model, and the trained draft (``eagle``) where the setting names it (``draft:
+    eagle``, or ``{draft: auto, draft_model: ...}``). A file that is missing, damaged or made for
+    another model is refused with one warning: under ``auto`` the other drafts run on, with a
+    fixed draft the engine runs without speculation."""
     drafts: list[Draft] = []
     if spec.mode == "auto" or spec.draft in DRAFTS:
         drafts += [cls() for name, cls in DRAFTS.items() if spec.mode == "auto" or name == spec.draft]
+    if spec.draft == "retrieval" or spec.mode == "auto":
+        try:
+            store_name = spec.draft_model if spec.mode == "fixed" else None
+            drafts.append(load_retrieval_draft(store_name, model, tokenizer, model_name))
+        except (ModelNotFoundError, StoreMismatchError) as exc:
+            if spec.mode == "fixed":
+                log.warning("speculative decoding is off: %s", exc)
+                return None
+            # auto looked the store up by the configured model's name; a model loaded otherwise
+            # (from_loaded, a path) may have no store, or not that one: nothing to warn about
+            log.info("speculative: auto runs without the retrieval draft: %s", exc)
+        except EdgeRtgiError as exc:
+            if spec.mode == "fixed":
+                log.warning("speculative decoding is off: the reply store was refused: %s", exc)
+                return None
+            log.warning("speculative: auto runs without the retrieval draft: %s", exc)
     # Under plain ``auto`` the trained draft is left out: on this CPU it costs more per token than
     # its acceptance returns (docs/benchmarks.md, "The trained draft"); naming it opts in.
     if spec.draft == "eagle" or (spec.mode == "auto" and spec.draft_model is not None):
@@ -159,27 +185,55 @@ def build_speculator(
     return Speculator(spec, drafts)
 
 
+def _catalogue_draft(kind: str, model_name: str) -> str:
+    """The name of the catalogue's draft file of ``kind`` (``extra.kind``; entries without one
+    are ``eagle``) made for ``model_name``; ModelNotFoundError when there is none."""
+    from edge_rtgi.catalog import list_entries
+
+    for entry in list_entries("draft"):
+        extra = entry.extra or {}
+        if extra.get("target") == model_name and extra.get("kind", "eagle") == kind:
+            return entry.name
+    hint = {
+        "eagle": "train one with scripts/train_draft.py and set speculative.draft_model",
+        "retrieval": "build one with scripts/build_reply_store.py and set speculative.draft_model",
+    }[kind]
+    raise ModelNotFoundError(f"the catalogue has no {kind} draft for {model_name!r}", hint=hint)
+
+
+def _own_tokenizer(tokenizer: ChatTokenizer | None, draft: str) -> Tokenizer:
+    if not isinstance(tokenizer, Tokenizer):
+        raise ConfigError(f"the {draft} draft needs the model's own tokenizer to check it was made for it")
+    return tokenizer
+
+
+def load_retrieval_draft(
+    store: str | None, model: Transformer, tokenizer: ChatTokenizer | None, model_name: str
+) -> Draft:
+    """The ``retrieval`` draft for ``model``: the reply store ``store`` (a catalogue name or a
+    path), or the catalogue's store whose ``extra.target`` is ``model_name``. EdgeRtgiError with
+    the reason."""
+    from edge_rtgi.catalog import resolve_model
+    from edge_rtgi.llm.retrieval import RetrievalDraft
+
+    name = store or _catalogue_draft("retrieval", model_name)
+    own = _own_tokenizer(tokenizer, "retrieval")
+    path = resolve_model(name, role="draft")
+    # the request's own tokens first (prompt lookup), the store where they have no match
+    return RetrievalDraft.from_file(path, tokenizer_fingerprint(own), model.config.vocab_size, NgramDraft())
+
+
 def load_eagle_draft(
     draft_model: str | None, model: Transformer, tokenizer: ChatTokenizer | None, model_name: str
 ) -> Draft:
     """The ``eagle`` draft for ``model``: ``draft_model`` (a catalogue name or a path), or the
     catalogue's draft whose ``extra.target`` is ``model_name``. EdgeRtgiError with the reason."""
-    from edge_rtgi.catalog import list_entries, resolve_model
+    from edge_rtgi.catalog import resolve_model
     from edge_rtgi.llm.eagle import EagleDraft
-    from edge_rtgi.llm.tokenizer import Tokenizer
 
-    if not isinstance(tokenizer, Tokenizer):
-        raise ConfigError("the eagle draft needs the model's own tokenizer to check it was trained for it")
-    name = draft_model
-    if name is None:
-        matches = [e.name for e in list_entries("draft") if (e.extra or {}).get("target") == model_name]
-        if not matches:
-            raise ModelNotFoundError(
-                f"the catalogue has no eagle draft for {model_name!r}",
-                hint="train one with scripts/train_draft.py and set speculative.draft_model",
-            )
-        name = matches[0]
-    return EagleDraft.from_file(resolve_model(name, role="draft"), model, tokenizer)
+    name = draft_model or _catalogue_draft("eagle", model_name)
+    own = _own_tokenizer(tokenizer, "eagle")
+    return EagleDraft.from_file(resolve_model(name, role="draft"), model, own)
 
 
 class LLMEngine:

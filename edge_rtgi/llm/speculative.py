@@ -208,10 +208,11 @@ class NgramDraft:
         self._index.pop(request_id, None)
 
 
-# Drafts the speculator builds itself (no model run); ``eagle`` is built by the engine, which has
-# the target model it reads (``llm.eagle.EagleDraft``).
+# Drafts the speculator builds itself (no model run); ``retrieval`` (a store file made for the
+# model, ``llm.retrieval``) and ``eagle`` (the target model it reads, ``llm.eagle``) are built by
+# the engine.
 DRAFTS: dict[str, type[NgramDraft]] = {"ngram": NgramDraft}
-DRAFT_NAMES = ("ngram", "eagle")
+DRAFT_NAMES = ("ngram", "retrieval", "eagle")
 
 
 # --- cost and acceptance models -----------------------------------------------------------------
@@ -472,7 +473,10 @@ class Speculator:
         if drafts is None:
             names = list(DRAFTS) if config.mode == "auto" else [config.draft]
             if any(name not in DRAFTS for name in names):
-                raise ValueError(f"draft {config.draft!r} runs a model: build it and pass it in drafts")
+                raise ValueError(
+                    f"draft {config.draft!r} needs a file or the model: build it (engine.build_speculator) "
+                    "and pass it in drafts"
+                )
             drafts = [DRAFTS[name]() for name in names]
         self.costs = StepCostTable()
         fixed = (config.draft, config.k) if config.mode == "fixed" else None
@@ -498,8 +502,8 @@ class Speculator:
         setting = own or self.config
         if logprobs or setting.mode == "off":
             return False
-        reproducible = setting.mode == "fixed" and setting.draft not in self.policy.model_drafts
-        reproducible = reproducible and setting.draft in DRAFTS
+        cheap = setting.draft in DRAFTS or setting.draft in self.policy.drafts
+        reproducible = setting.mode == "fixed" and cheap and setting.draft not in self.policy.model_drafts
         return not (seeded and not greedy and not reproducible)
 
     def propose(self, decodes: list[tuple[Request, SpeculativeConfig | None]]) -> None:

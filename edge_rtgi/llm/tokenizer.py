@@ -11,6 +11,7 @@ HTML), and then encoded *without* adding special tokens, exactly as transformers
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -147,6 +148,17 @@ class Tokenizer:
         return self.encode(
             self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
         )
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """sha256 of a tokenizer's token strings in id order: two tokenizers with the same
+    fingerprint map every id to the same token."""
+    backend = tokenizer.backend
+    h = hashlib.sha256()
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        h.update((backend.id_to_token(i) or "").encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=8)

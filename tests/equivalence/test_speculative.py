@@ -10,14 +10,19 @@ rarely repeat themselves enough for the n-gram draft to be accepted often.
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from edge_rtgi.llm.engine import LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.request import Request
+from edge_rtgi.llm.retrieval import save_reply_store
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import NgramDraft, SpeculativeConfig, Speculator
+from edge_rtgi.llm.tokenizer import tokenizer_fingerprint
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, run_staggered
 from tests.tiny_models import make_tiny_hf_model
@@ -77,12 +82,32 @@ def with_scripted(engine: LLMEngine, loaded, prompts, params, k: int = 4) -> Scr
     return draft
 
 
-SETTINGS = ["ngram", "auto", "scripted"]
+SETTINGS = ["ngram", "auto", "scripted", "retrieval"]
+
+
+def retrieval_engine(loaded, prompts, params, k: int = 4, **overrides) -> LLMEngine:
+    """The ``retrieval`` draft, loaded from a store file as the engine loads the catalogue's, over
+    the model's own greedy replies to ``prompts``, each also twice with every 5th token changed (so
+    that there the store's majority is wrong and drafts are rejected), and its replies to
+    unrelated texts."""
+    replies = []
+    for p, pp in zip(prompts, params, strict=True):
+        reply = generate(loaded, p, SamplingParams(max_tokens=pp.max_tokens, ignore_eos=True)).token_ids
+        changed = [(t + 7) % 300 if i % 5 == 4 else t for i, t in enumerate(reply)]
+        replies += [reply, changed, changed]
+    tok = loaded.tokenizer
+    replies += [generate(loaded, tok.encode(t[::-1]), SamplingParams(max_tokens=20)).token_ids for t in TEXTS]
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "replies.safetensors"
+        save_reply_store(path, replies, {"target": "tiny", "tokenizer_sha256": tokenizer_fingerprint(tok)})
+        return engine_for(loaded, {"draft": "retrieval", "k": k, "draft_model": str(path)}, **overrides)
 
 
 def speculating_engine(loaded, setting, prompts, params, **overrides) -> LLMEngine:
     if setting == "ngram":
         return engine_for(loaded, {"draft": "ngram", "k": 4}, **overrides)
+    if setting == "retrieval":
+        return retrieval_engine(loaded, prompts, params, **overrides)
     if setting == "auto":
         return engine_for(loaded, "auto", **overrides)
     engine = engine_for(loaded, **overrides)
@@ -95,6 +120,7 @@ def test_greedy_batch_one_equals_plain(loaded, setting):
     tok = loaded.tokenizer
     prompts = [tok.encode(TEXTS[1] + " " + TEXTS[1]), tok.encode(TEXTS[4])]
     params = [SamplingParams(max_tokens=30, ignore_eos=True)] * 2
+    drafted = accepted = 0
     for prompt, p in zip(prompts, params, strict=True):
         engine = speculating_engine(loaded, setting, [prompt], [p])
         got = engine.generate([prompt], p)[0]
@@ -102,12 +128,15 @@ def test_greedy_batch_one_equals_plain(loaded, setting):
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.usage.completion_tokens == len(want.token_ids)
         assert engine.kv.num_free_blocks == 256
+        stats = engine.stats()
+        drafted, accepted = drafted + stats.spec_draft_tokens, accepted + stats.spec_accepted_tokens
         if setting == "scripted":
-            stats = engine.stats()
             assert stats.spec_accepted_tokens > 10  # long acceptances happened
             assert stats.spec_draft_tokens > stats.spec_accepted_tokens  # and rejections
             assert stats.num_steps < 30  # fewer steps than tokens
             assert got.usage.accepted_draft_tokens == stats.spec_accepted_tokens
+    if setting == "retrieval":
+        assert drafted > accepted > 0  # drafts accepted and rejected
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -124,7 +153,7 @@ def test_greedy_in_mixed_batches_equals_plain(loaded, setting):
     stats = engine.stats()
     assert stats.requests_per_step > 1.5
     assert stats.kv_blocks_used == 0
-    if setting == "scripted":
+    if setting in ("scripted", "retrieval"):
         assert stats.spec_accepted_tokens > 0
 
 

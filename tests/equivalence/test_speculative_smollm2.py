@@ -1,12 +1,13 @@
 """SmolLM2 through the engine with speculation gives the plain path's greedy output, token for
-token, with the n-gram draft, the adaptive policy and a draft that is often right (so that long
+token, with the n-gram draft, the catalogue's reply store (``retrieval``), the adaptive policy
+over both as the engine builds it, the trained draft, and a draft that is often right (so that long
 verifications of the real model happen), alone and in one batch."""
 
 from __future__ import annotations
 
 import pytest
 
-from edge_rtgi.llm.engine import LLMEngine, load_eagle_draft
+from edge_rtgi.llm.engine import LLMEngine, build_speculator, load_eagle_draft
 from edge_rtgi.llm.engine_config import EngineConfig
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.sampling import SamplingParams
@@ -37,7 +38,7 @@ def engine():
     engine.shutdown()
 
 
-@pytest.mark.parametrize("setting", ["ngram:4", "auto", "scripted", "eagle"])
+@pytest.mark.parametrize("setting", ["ngram:4", "retrieval:4", "auto", "scripted", "eagle"])
 def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
     tok = engine.tokenizer
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
@@ -51,8 +52,13 @@ def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
         draft = load_eagle_draft(None, engine.model, tok, "smollm2-135m-instruct")
         engine.speculator = Speculator(SpeculativeConfig("fixed", "eagle", 4), [draft])
     else:
-        config = SpeculativeConfig("auto") if setting == "auto" else SpeculativeConfig("fixed", "ngram", 4)
-        engine.speculator = Speculator(config)
+        config = (
+            SpeculativeConfig("auto") if setting == "auto" else SpeculativeConfig("fixed", setting[:-2], 4)
+        )
+        engine.speculator = build_speculator(config, engine.model, tok, "smollm2-135m-instruct")
+        assert engine.speculator is not None
+        if setting != "ngram:4":  # the catalogue's reply store was found and loaded
+            assert "retrieval" in engine.speculator.policy.drafts
     before = engine.stats()
     alone = [engine.generate([c], params)[0] for c in chats]
     batched = engine.generate(chats, params)
@@ -60,6 +66,6 @@ def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
         assert a.token_ids == w.token_ids and a.text == w.text
         assert b.token_ids == w.token_ids and b.text == w.text
     after = engine.stats()
-    if setting != "auto":  # the fixed drafts always propose on the copying prompt
+    if setting not in ("auto", "retrieval:4"):  # these always propose on the copying prompt
         assert after.spec_accepted_tokens > before.spec_accepted_tokens
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

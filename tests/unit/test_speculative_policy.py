@@ -247,7 +247,7 @@ def test_a_model_running_draft_is_charged_its_cost_and_asked_only_when_chosen():
     spec.add_features({"r": FeatureRows(4, None)})  # type: ignore[arg-type]
     assert dear_draft.features == [("r", 4)]
     assert not Speculator(SpeculativeConfig("auto")).wants_features
-    with pytest.raises(ValueError, match="runs a model"):
+    with pytest.raises(ValueError, match="needs a file or the model"):
         Speculator(SpeculativeConfig("fixed", "eagle", 4))
 
 
