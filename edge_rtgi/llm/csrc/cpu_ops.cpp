@@ -843,7 +843,7 @@ Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Te
 // row pays the weight read and the dequantisation again. A verification step (k+1 rows of one
 // request) or a decode batch of a few sequences should cost little more than one row, so these
 // read each block of weights once, dequantise it once into a small buffer that stays in L1, and
-// apply it to every row (up to kRowTile rows in registers at a time). Same weight layouts as
+// apply it to every row (up to kBf16RowTile rows in registers at a time). Same weight layouts as
 // ATen's kernels (the prepared weights are unchanged):
 //   int4: _convert_weight_to_int4pack_for_cpu's layout: blocks of 64 output rows, each [K, 32]
 //         bytes with row n at column n % 32, in the high nibble when n % 64 >= 32; a last block of
@@ -858,7 +858,6 @@ constexpr int64_t kInt4BlockRows = 64;
 constexpr int64_t kMaxRowChunk = 16;  // rows held per pass over the weights (more: another pass)
 // With AMX, two 16-row activation tiles share one pass: the codes are decoded once for both.
 constexpr int64_t kAmxRowChunk = 32;
-constexpr int64_t kRowTile = 4;       // rows whose accumulators live in registers together
 constexpr int64_t kMaxBf16Group = 128;  // the largest int4 group the AVX-512 BF16 loop buffers
 // How far ahead of the kernels' reads the weights are fetched: they stream through once, and their
 // loads were the multi-row kernels' largest stall (perf, docs/cpu_kernels.md).
@@ -988,6 +987,27 @@ inline void int4_group_rows(const __m512i* codes, int64_t pairs, const bf16_bits
   }
 }
 
+// The AVX-512 BF16 loops take rows in passes of up to kBf16RowTile (4 x R accumulators, 4 weight
+// vectors and a broadcast fit the 32 registers at R = 6), split as evenly as they go: 5 rows in
+// one pass rather than 4 + 1, 8 as 4 + 4 (docs/cpu_kernels.md, "Row passes without AMX").
+constexpr int64_t kBf16RowTile = 6;
+
+// The rows of pass `i` of `passes` over `m` rows starting at row `r` (the rest split evenly).
+inline int64_t pass_rows(int64_t m, int64_t r, int64_t i, int64_t passes) { return (m - r) / (passes - i); }
+
+// f.template operator()<R>() for R = rows (1..kBf16RowTile).
+template <typename F>
+inline void with_row_tile(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    default: f(std::integral_constant<int, 6>{}); break;
+  }
+}
+
 // A full block of 64 int4 output rows for `m` bf16 activation rows (AVX-512 BF16).
 void int4_block_bf16(const Int4Weights& w, const bf16_bits* sz, const bf16_bits* x, const float* xsum, int64_t m,
                      int64_t n0, bf16_bits* out) {
@@ -1006,18 +1026,15 @@ void int4_block_bf16(const Int4Weights& w, const bf16_bits* sz, const bf16_bits*
       scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
       zero[v] = _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
     }
-    int64_t r = 0;
-    for (; r + kRowTile <= m; r += kRowTile) {
-      int4_group_rows<kRowTile>(codes, pairs, x + r * w.k, w.k, g * w.group, xsum + r * groups, groups, g, scale,
-                                zero, total + r * kInt4BlockRows);
+    const int64_t passes = (m + kBf16RowTile - 1) / kBf16RowTile;
+    for (int64_t i = 0, r = 0; i < passes; ++i) {
+      const int64_t rows = pass_rows(m, r, i, passes);
+      with_row_tile(rows, [&](auto tile) {
+        int4_group_rows<decltype(tile)::value>(codes, pairs, x + r * w.k, w.k, g * w.group, xsum + r * groups, groups,
+                                               g, scale, zero, total + r * kInt4BlockRows);
+      });
+      r += rows;
     }
-    const int64_t left = m - r;
-    const bf16_bits* xr = x + r * w.k;
-    const float* xs = xsum + r * groups;
-    float* tr = total + r * kInt4BlockRows;
-    if (left == 3) int4_group_rows<3>(codes, pairs, xr, w.k, g * w.group, xs, groups, g, scale, zero, tr);
-    if (left == 2) int4_group_rows<2>(codes, pairs, xr, w.k, g * w.group, xs, groups, g, scale, zero, tr);
-    if (left == 1) int4_group_rows<1>(codes, pairs, xr, w.k, g * w.group, xs, groups, g, scale, zero, tr);
   }
   for (int64_t r = 0; r < m; ++r) {
     for (int v = 0; v < 4; v += 2) {
@@ -1049,7 +1066,7 @@ inline void int8_tile_rows(const bf16_bits* wb, const bf16_bits* x, int64_t k, f
 void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x, int64_t m, int64_t n, int64_t k,
                     int64_t n0, int64_t n1, bf16_bits* out) {
   std::vector<bf16_bits> wb(4 * k);
-  float dots[kRowTile * 4];
+  float dots[kBf16RowTile * 4];
   for (int64_t t = n0; t < n1; t += 4) {
     // The tile's 4 weight rows as bf16 (int8 is exact in bf16), once for every activation row;
     // a last tile past N repeats row N - 1 and its results are not stored.
@@ -1066,12 +1083,10 @@ void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x
     const int64_t cols = std::min<int64_t>(4, n - t);
     float sc[4];
     for (int j = 0; j < 4; ++j) sc[j] = to_f(scales[std::min(t + j, n - 1)]);
-    for (int64_t r = 0; r < m;) {
-      const int64_t tile = std::min(kRowTile, m - r);
-      if (tile == 4) int8_tile_rows<4>(wb.data(), x + r * k, k, dots);
-      else if (tile == 3) int8_tile_rows<3>(wb.data(), x + r * k, k, dots);
-      else if (tile == 2) int8_tile_rows<2>(wb.data(), x + r * k, k, dots);
-      else int8_tile_rows<1>(wb.data(), x + r * k, k, dots);
+    const int64_t passes = (m + kBf16RowTile - 1) / kBf16RowTile;
+    for (int64_t pass = 0, r = 0; pass < passes; ++pass) {
+      const int64_t tile = pass_rows(m, r, pass, passes);
+      with_row_tile(tile, [&](auto rows) { int8_tile_rows<decltype(rows)::value>(wb.data(), x + r * k, k, dots); });
       for (int64_t i = 0; i < tile; ++i) {
         // ATen's int8 kernel also applies the scale to the finished fp32 dot product.
         for (int64_t j = 0; j < cols; ++j) out[(r + i) * n + t + j] = from_f<bf16_bits>(dots[4 * i + j] * sc[j]);
