@@ -50,6 +50,17 @@ def cpu_has_bf16() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX-BF16 tiles (what oneDNN's bf16 matmuls, and so ATen's bf16
+    ``F.linear``, run on where the kernel grants the tile state)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags
+
+
+@functools.lru_cache(maxsize=1)
 def _openmp_pause() -> Callable[[int], int] | None:
     """``omp_pause_resource_all`` of the OpenMP runtime torch ships with, or None."""
     lib_dir = Path(torch.__file__).parent / "lib"

@@ -198,7 +198,7 @@ def report_step_costs(
         f"threads {torch.get_num_threads()}, load {load_before[0]:.2f} -> {load_after[0]:.2f}"
     )
     print("batch-1 step carrying n tokens (n-1 drafts) after a 64-token context, median ms (ratio to n=1")
-    print("at the same row limit; 'limit' = AUTO_QUANT_KERNEL_MAX_ROWS, more rows take the dense bf16 copy)")
+    print("at the same row limit; 'limit': auto_quant_kernel_max_rows(), more rows take the dense copy)")
     for m in limits:
         for n in sizes:
             wall_ms, cpu_ms = costs[m, n]

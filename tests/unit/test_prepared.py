@@ -96,6 +96,25 @@ def test_a_copy_made_under_another_kernel_row_limit_is_never_used(gguf, tmp_path
     assert load_prepared(gguf, "cpu", "bf16", "auto", cache_dir=tmp_path).hit
 
 
+@pytest.mark.parametrize(
+    "build,cpu_amx,rows",
+    [
+        ("avx512-bf16-amx", True, 32),  # the kernels on AMX tiles beat the dense copy to 32 rows
+        ("avx512-bf16", False, 32),  # neither has AMX: the AVX-512 loops beat it to 32 too
+        ("avx512-bf16", True, 8),  # the dense copy has AMX (oneDNN), the kernels' build does not
+        ("portable", False, 8),
+        (None, False, 8),  # no kernels
+    ],
+)
+def test_the_auto_row_limit_follows_the_kernels_and_the_cpu(monkeypatch, build, cpu_amx, rows):
+    from edge_rtgi import device
+    from edge_rtgi.llm import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "build_info", lambda: build)
+    monkeypatch.setattr(device, "cpu_has_amx", lambda: cpu_amx)
+    assert policy.auto_quant_kernel_max_rows() == rows
+
+
 def test_a_copy_recorded_under_another_key_or_damaged_is_rebuilt(gguf, tmp_path, caplog):
     built = load_prepared(gguf, "cpu", "fp32", "none", cache_dir=tmp_path)
     meta_file = built.cache_path / "meta.json"

@@ -6,7 +6,8 @@
   on CUDA the int4 path is opt-in, so everything else stays in full precision.
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
-  chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles, else 8); see
+  chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles or the CPU has
+  no AMX for the dense copy either, else 8); see
   ``keep_dense_copy`` in ``kernels.py``.
 - Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
   (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
@@ -21,24 +22,28 @@ import torch
 
 from edge_rtgi import device as devices
 
-# Inputs of more rows than this run on the dense copy: ATen's weight-only kernels and the
-# multi-row kernels' AVX-512 loops lose to bf16 F.linear somewhere between 8 and 16 rows on the
-# shapes measured (docs/engine.md, docs/cpu_kernels.md).
+# Inputs of more rows than this run on the dense copy: where bf16 F.linear has AMX (oneDNN) and
+# the multi-row kernels do not, ATen's weight-only kernels and the kernels' AVX-512 loops lose to
+# it somewhere between 8 and 16 rows on the shapes measured (docs/engine.md, docs/cpu_kernels.md).
 AUTO_QUANT_KERNEL_MAX_ROWS = 8
-# With AMX tiles the multi-row kernels beat the dense copy up to their widest input (32 rows:
-# two 16-row tiles per pass over the weights; docs/cpu_kernels.md).
-AUTO_QUANT_KERNEL_MAX_ROWS_AMX = 32
+# The multi-row kernels beat the dense copy up to their widest input (32 rows) where they run on
+# AMX tiles (two 16-row tiles per pass over the weights), and where neither has AMX (their AVX-512
+# BF16 loops against F.linear without tiles; docs/cpu_kernels.md, "Row passes without AMX").
+AUTO_QUANT_KERNEL_MAX_ROWS_WIDE = 32
 
 
 def auto_quant_kernel_max_rows() -> int:
     """Widest input ``quant: auto`` runs on the weight-only kernels rather than the dense copy:
-    ``AUTO_QUANT_KERNEL_MAX_ROWS_AMX`` where the fused CPU kernels are loaded with AMX tiles
-    (``cpu_ops.build_info()``), else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
+    ``AUTO_QUANT_KERNEL_MAX_ROWS_WIDE`` where the fused CPU kernels are loaded with AMX tiles, or
+    with their AVX-512 BF16 loops on a CPU without AMX (``cpu_ops.build_info()``,
+    ``device.cpu_has_amx()``), else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
     copy's key (``llm.prepared``): the layers store it."""
     from edge_rtgi.llm import cpu_ops
 
-    amx = (cpu_ops.build_info() or "").endswith("amx")
-    return AUTO_QUANT_KERNEL_MAX_ROWS_AMX if amx else AUTO_QUANT_KERNEL_MAX_ROWS
+    info = cpu_ops.build_info() or ""
+    if info.endswith("amx") or (info.startswith("avx512-bf16") and not devices.cpu_has_amx()):
+        return AUTO_QUANT_KERNEL_MAX_ROWS_WIDE
+    return AUTO_QUANT_KERNEL_MAX_ROWS
 
 
 # GGUF Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, so asymmetric int4 with
