@@ -51,13 +51,17 @@ def cpu_has_bf16() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def cpu_has_amx() -> bool:
-    """True when the CPU has AMX-BF16 tiles (what oneDNN's bf16 matmuls, and so ATen's bf16
-    ``F.linear``, run on where the kernel grants the tile state)."""
+    """True when the CPU has AMX-BF16 tiles and Linux grants this process their state: then
+    oneDNN's bf16 matmuls, and so ATen's bf16 ``F.linear``, run on them."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " amx_bf16" in flags
+    if " amx_bf16" not in flags:
+        return False
+    # torch's own request for the tile state (arch_prctl), as oneDNN needs it; absent: assume granted
+    init_amx = getattr(torch._C._cpu, "_init_amx", None)
+    return bool(init_amx()) if init_amx is not None else True
 
 
 @functools.lru_cache(maxsize=1)

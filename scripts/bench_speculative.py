@@ -284,12 +284,16 @@ def main() -> None:
         assert built is not None, f"{spec} built no speculator (see the warning above)"
         return built
 
+    auto = speculator(SpeculativeConfig("auto"))
+    assert "retrieval" in auto.policy.drafts, "the catalogue's reply store did not load (see the log)"
     settings = [
         Setting("off", None),
-        Setting("auto", speculator(SpeculativeConfig("auto"))),
+        Setting("auto", auto),
         Setting("auto-ngram", Speculator(SpeculativeConfig("auto"), [NgramDraft()])),
     ]
-    fixed = [(d, int(k)) for d, _, k in (f.partition(":") for f in args.fixed.split(",") if f)]
+    fixed = [(d, int(k)) for d, _, k in (f.partition(":") for f in args.fixed.split(",") if f) if k.isdigit()]
+    if len(fixed) != len([f for f in args.fixed.split(",") if f]):
+        ap.error(f"--fixed takes draft:k settings, comma-separated (ngram:4,retrieval:2), got {args.fixed!r}")
     settings += [Setting(f"{d}:k={k}", speculator(SpeculativeConfig("fixed", d, k))) for d, k in fixed]
     if not args.no_eagle:
         every = [NgramDraft(), *retrieval(), *eagle()]

@@ -54,13 +54,13 @@ from edge_rtgi.llm.eagle import (  # noqa: E402
     EagleDraftSpec,
     SequenceBackend,
     save_draft,
-    tokenizer_fingerprint,
 )
 from edge_rtgi.llm.engine import LLMEngine  # noqa: E402
 from edge_rtgi.llm.engine_config import EngineConfig  # noqa: E402
 from edge_rtgi.llm.model import ContiguousKVCache, Transformer  # noqa: E402
 from edge_rtgi.llm.prepared import load_prepared  # noqa: E402
 from edge_rtgi.llm.sampling import SamplingParams  # noqa: E402
+from edge_rtgi.llm.tokenizer import tokenizer_fingerprint  # noqa: E402
 from edge_rtgi.llm.weights import load_model  # noqa: E402
 
 DEFAULT_OUT = ROOT / "edge_rtgi" / "llm" / "data" / "smollm2-135m-instruct-eagle.safetensors"

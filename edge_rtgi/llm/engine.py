@@ -159,7 +159,9 @@ def build_speculator(
     if spec.draft == "retrieval" or spec.mode == "auto":
         try:
             store_name = spec.draft_model if spec.mode == "fixed" else None
-            drafts.append(load_retrieval_draft(store_name, model, tokenizer, model_name))
+            # its own-text lookup is the n-gram draft's, with one index per request for both
+            own = next((d for d in drafts if isinstance(d, NgramDraft)), None) or NgramDraft()
+            drafts.append(load_retrieval_draft(store_name, model, tokenizer, model_name, own))
         except (ModelNotFoundError, StoreMismatchError) as exc:
             if spec.mode == "fixed":
                 log.warning("speculative decoding is off: %s", exc)
@@ -208,19 +210,25 @@ def _own_tokenizer(tokenizer: ChatTokenizer | None, draft: str) -> Tokenizer:
 
 
 def load_retrieval_draft(
-    store: str | None, model: Transformer, tokenizer: ChatTokenizer | None, model_name: str
+    store: str | None,
+    model: Transformer,
+    tokenizer: ChatTokenizer | None,
+    model_name: str,
+    own: NgramDraft | None = None,
 ) -> Draft:
     """The ``retrieval`` draft for ``model``: the reply store ``store`` (a catalogue name or a
-    path), or the catalogue's store whose ``extra.target`` is ``model_name``. EdgeRtgiError with
-    the reason."""
+    path), or the catalogue's store whose ``extra.target`` is ``model_name``; ``own``: the n-gram
+    draft whose proposal from the request's own text comes first (a new one when None; pass the
+    engine's, so that each request is indexed once). EdgeRtgiError with the reason."""
     from edge_rtgi.catalog import resolve_model
     from edge_rtgi.llm.retrieval import RetrievalDraft
 
     name = store or _catalogue_draft("retrieval", model_name)
-    own = _own_tokenizer(tokenizer, "retrieval")
+    checked = _own_tokenizer(tokenizer, "retrieval")
     path = resolve_model(name, role="draft")
     # the request's own tokens first (prompt lookup), the store where they have no match
-    return RetrievalDraft.from_file(path, tokenizer_fingerprint(own), model.config.vocab_size, NgramDraft())
+    vocab = model.config.vocab_size
+    return RetrievalDraft.from_file(path, tokenizer_fingerprint(checked), vocab, own or NgramDraft())
 
 
 def load_eagle_draft(

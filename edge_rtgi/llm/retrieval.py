@@ -12,7 +12,7 @@ the store; then, token by token, the continuation most of its occurrences share.
 confidence is that share; drafting stops below ``min_confidence`` (dynamic k), at the end of a
 reply, or when the occurrences run out. The index is numpy: per n-gram length, the sorted
 64-bit hashes of every n-gram in the store and the position after each, so one lookup is a
-binary search. No torch, no model run: it costs about 0.1 ms per proposal here.
+binary search. No torch, no model run (its cost and memory: docs/engine.md).
 
 The store file (safetensors) holds the replies' token ids and, in its header, the sha256 of the
 tokenizer they were made with (``tokenizer_fingerprint``), so a store made for another model is
@@ -56,7 +56,7 @@ class _NgramTable:
     """Every n-gram of one length in the store: sorted hashes, and the position after each."""
 
     hashes: np.ndarray  # uint64, sorted
-    next_positions: np.ndarray  # int64, same order
+    next_positions: np.ndarray  # int32, same order
 
 
 def join_replies(replies: Sequence[Sequence[int]]) -> np.ndarray:
@@ -103,9 +103,11 @@ class ReplyStore:
                 nok[n:] = ok[n - 1 : -1] & is_token[n - 1 : -1]
                 h, ok = nh, nok
                 if n >= self.min_n:
-                    positions = np.flatnonzero(ok & is_token)  # followed by a token
+                    # every n-gram, also one that ends a reply: its end counts against the
+                    # confidence of what followed the others (continue_from)
+                    positions = np.flatnonzero(ok)
                     order = np.argsort(h[positions], kind="stable")
-                    tables[n] = _NgramTable(h[positions][order], positions[order])
+                    tables[n] = _NgramTable(h[positions][order], positions[order].astype(np.int32))
         return tables
 
     def occurrences(self, context: Sequence[int]) -> tuple[int, np.ndarray]:
@@ -119,7 +121,7 @@ class ReplyStore:
             hi = int(np.searchsorted(table.hashes, key, "right"))
             if hi > lo:
                 return n, table.next_positions[lo:hi]
-        return 0, np.empty(0, dtype=np.int64)
+        return 0, np.empty(0, dtype=np.int32)
 
     def continue_from(self, positions: np.ndarray, k: int, min_confidence: float) -> list[int]:
         """Up to ``k`` tokens that most of the occurrences ending at ``positions`` share next."""
@@ -216,25 +218,30 @@ def read_reply_store(path: Path) -> tuple[np.ndarray, dict[str, object]]:
     try:
         with safe_open(str(path), framework="numpy") as f:
             header = f.metadata() or {}
+            if header.get("format") != STORE_FORMAT or header.get("version") != str(STORE_FORMAT_VERSION):
+                raise ModelFileError(
+                    f"{path} is not an edge-rtgi reply store of version {STORE_FORMAT_VERSION} "
+                    f"(format {header.get('format')!r}, version {header.get('version')!r})",
+                    hint="build one with scripts/build_reply_store.py",
+                )
             tokens = f.get_tensor("tokens") if "tokens" in f.keys() else None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+    except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
         raise ModelFileError(
             f"reply store {path} is damaged or not a safetensors file: {exc}",
             hint="delete it and pull or build it again",
         ) from exc
-    if header.get("format") != STORE_FORMAT or header.get("version") != str(STORE_FORMAT_VERSION):
-        raise ModelFileError(
-            f"{path} is not an edge-rtgi reply store of version {STORE_FORMAT_VERSION} "
-            f"(format {header.get('format')!r}, version {header.get('version')!r})",
-            hint="build one with scripts/build_reply_store.py",
-        )
     try:
         meta = json.loads(header.get("meta", "{}"))
     except ValueError as exc:
         raise ModelFileError(
             f"reply store {path} has a malformed header: {exc}", hint="build it again"
         ) from exc
-    if tokens is None or tokens.ndim != 1 or not isinstance(meta, dict):
+    if (
+        tokens is None
+        or tokens.ndim != 1
+        or not np.issubdtype(tokens.dtype, np.integer)
+        or not isinstance(meta, dict)
+    ):
         raise ModelFileError(f"reply store {path} holds no token list", hint="build it again")
     if not len(tokens) or int(tokens.min()) < _SEPARATOR or tokens[-1] != _SEPARATOR:
         raise ModelFileError(f"reply store {path} holds a malformed token list", hint="build it again")

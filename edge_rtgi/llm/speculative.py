@@ -83,7 +83,8 @@ class SpeculativeConfig:
     mode: str = "off"
     draft: str = "ngram"
     k: int = 4
-    # the trained draft's file (catalogue name or path); None: the catalogue's draft for the model
+    # the file of a draft that needs one (the trained draft's weights, the retrieval draft's reply
+    # store; catalogue name or path); None: the catalogue's for the model
     draft_model: str | None = None
 
     @property
@@ -518,7 +519,7 @@ class Speculator:
                 fixed = (own.draft, own.k)
                 if own.draft not in self.policy.drafts:
                     if own.draft not in DRAFTS:
-                        continue  # a model-running draft this engine has not loaded: plain steps
+                        continue  # a draft with a file this engine has not loaded: plain steps
                     self.policy.drafts[own.draft] = DRAFTS[own.draft]()  # a cheap one
             adaptive = own is not None and own.mode == "auto"
             pinned = self.policy.pinned(fixed, adaptive)

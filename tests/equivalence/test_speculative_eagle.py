@@ -25,7 +25,6 @@ from edge_rtgi.llm.eagle import (
     SequenceBackend,
     read_draft,
     save_draft,
-    tokenizer_fingerprint,
 )
 from edge_rtgi.llm.engine import LLMEngine
 from edge_rtgi.llm.engine_config import EngineConfig
@@ -34,6 +33,7 @@ from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.request import Request
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
+from edge_rtgi.llm.tokenizer import tokenizer_fingerprint
 from edge_rtgi.llm.weights import load_model
 from tests.equivalence.test_engine import TEXTS, run_staggered
 from tests.equivalence.test_speculative import check_prefix_hits_and_preemption

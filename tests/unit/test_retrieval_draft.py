@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from edge_rtgi.errors import ModelFileError
-from edge_rtgi.llm.engine import build_speculator
+from edge_rtgi.errors import ModelFileError, ModelNotFoundError
+from edge_rtgi.llm.engine import _catalogue_draft, build_speculator
 from edge_rtgi.llm.request import Request
 from edge_rtgi.llm.retrieval import ReplyStore, RetrievalDraft, read_reply_store, save_reply_store
 from edge_rtgi.llm.sampling import SamplingParams
@@ -22,13 +22,14 @@ FINGERPRINT = "ab" * 32
 
 
 def brute_force(replies: list[list[int]], context: list[int], min_n: int, max_n: int):
-    """(n, sorted (reply, index after the match)) by scanning every reply."""
+    """(n, sorted (reply, index after the match)) by scanning every reply; a match may end its
+    reply (the index after it is then the reply's length)."""
     for n in range(min(max_n, len(context)), min_n - 1, -1):
         suffix = context[-n:]
         hits = [
             (r, i + n)
             for r, reply in enumerate(replies)
-            for i in range(len(reply) - n)  # a token must follow the match
+            for i in range(len(reply) - n + 1)
             if reply[i : i + n] == suffix
         ]
         if hits:
@@ -57,8 +58,8 @@ def test_proposals_follow_the_majority_and_stop_when_unsure_or_at_a_reply_end():
     def propose(tokens: list[int], k: int = 8) -> list[int]:
         return draft.propose(Request("r", tokens, SamplingParams()), k)
 
-    # "1 2" is followed by 3 three times (the "1 2" that ends the last reply has no next token),
-    # then 4 in 2 of 3, then 5 and 6 once each (a tie at 0.5: the lower id), then the reply ends
+    # "1 2" is followed by 3 three times and ends the last reply once (3 of 4), then 4 in 2 of 3,
+    # then 5 and 6 once each (a tie at 0.5: the lower id), then the reply ends
     assert propose([0, 1, 2]) == [3, 4, 5]
     assert propose([0, 1, 2], k=1) == [3]
     assert propose([3, 4]) == [5]
@@ -68,6 +69,9 @@ def test_proposals_follow_the_majority_and_stop_when_unsure_or_at_a_reply_end():
     assert propose([8, 8]) == []  # nothing matches
     assert propose([5]) == []  # shorter than min_n
     assert propose([9, 7]) == []  # no n-gram crosses the end of a reply
+    # an n-gram that mostly ends replies: its one continuation has 1 of 3, too unsure
+    ending = RetrievalDraft(ReplyStore.of([[5, 1, 2], [6, 1, 2], [1, 2, 9]]))
+    assert ending.propose(Request("r", [0, 1, 2], SamplingParams()), 4) == []
 
 
 def test_the_requests_own_text_comes_before_the_store():
@@ -123,9 +127,32 @@ def test_a_refused_store_turns_a_fixed_retrieval_setting_off_with_one_warning(tm
     assert built is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "reply store" in warnings[0] and "damaged" in warnings[0]
-    # under auto a model without a store in the catalogue runs the n-gram draft, without a warning
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="edge_rtgi.llm.engine"):
-        auto = build_speculator(SpeculativeConfig("auto"), tiny_loaded.model, tiny_loaded.tokenizer, "tiny")
-    assert auto is not None and list(auto.policy.drafts) == ["ngram"]
-    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    # under auto a model without a store in the catalogue runs the n-gram draft, without a
+    # warning; so does a model loaded under the name of one that has a store (from_loaded keeps
+    # the config's model name), whose store is then refused for its tokenizer
+    for name in ("tiny", "smollm2-135m-instruct"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="edge_rtgi.llm.engine"):
+            auto = build_speculator(SpeculativeConfig("auto"), tiny_loaded.model, tiny_loaded.tokenizer, name)
+        assert auto is not None and list(auto.policy.drafts) == ["ngram"]
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_catalogue_names_each_kind_of_draft_for_smollm2():
+    assert _catalogue_draft("eagle", "smollm2-135m-instruct") == "smollm2-135m-instruct-eagle"
+    assert _catalogue_draft("retrieval", "smollm2-135m-instruct") == "smollm2-135m-instruct-replies"
+    with pytest.raises(ModelNotFoundError, match="no retrieval draft for 'tiny'"):
+        _catalogue_draft("retrieval", "tiny")
+
+
+def test_store_files_of_another_kind_are_refused_before_their_tensors_are_read(tmp_path):
+    from safetensors.numpy import save_file
+
+    floats = tmp_path / "floats.safetensors"
+    save_file({"tokens": np.array([1.5, -1.0], dtype=np.float32)}, str(floats))
+    with pytest.raises(ModelFileError, match="not an edge-rtgi reply store"):
+        read_reply_store(floats)
+    header = {"format": "edge-rtgi-reply-store", "version": "1", "meta": "{}"}
+    save_file({"tokens": np.array([1.5, -1.0], dtype=np.float32)}, str(floats), metadata=header)
+    with pytest.raises(ModelFileError, match="holds no token list"):
+        read_reply_store(floats)

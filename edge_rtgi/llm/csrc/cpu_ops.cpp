@@ -995,7 +995,8 @@ constexpr int64_t kBf16RowTile = 6;
 // The rows of pass `i` of `passes` over `m` rows starting at row `r` (the rest split evenly).
 inline int64_t pass_rows(int64_t m, int64_t r, int64_t i, int64_t passes) { return (m - r) / (passes - i); }
 
-// f.template operator()<R>() for R = rows (1..kBf16RowTile).
+// f(std::integral_constant<int, rows>{}) for rows in 1..kBf16RowTile: the pass's row count as a
+// compile-time constant, so that its accumulators are a fixed set of registers.
 template <typename F>
 inline void with_row_tile(int64_t rows, F&& f) {
   switch (rows) {
@@ -1004,7 +1005,8 @@ inline void with_row_tile(int64_t rows, F&& f) {
     case 3: f(std::integral_constant<int, 3>{}); break;
     case 4: f(std::integral_constant<int, 4>{}); break;
     case 5: f(std::integral_constant<int, 5>{}); break;
-    default: f(std::integral_constant<int, 6>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    default: TORCH_CHECK(false, "a pass of ", rows, " rows: the AVX-512 BF16 loops take 1..", kBf16RowTile);
   }
 }
 
