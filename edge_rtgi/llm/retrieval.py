@@ -114,12 +114,19 @@ class ReplyStore:
         """(n, positions): the longest suffix of ``context`` (``max_n`` down to ``min_n``
         tokens) found in the store, and the position after each of its occurrences; (0, empty)
         when none is."""
-        for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+        longest = min(self.max_n, len(context))
+        # the hashes of every suffix in one pass: h(t[-n:]) = (t[-n] + 1) * B^(n-1) + h(t[-n+1:])
+        suffix_hashes, h, power = [0] * (longest + 1), 0, 1
+        for n in range(1, longest + 1):
+            h = (h + (context[-n] + 1) * power) & _HASH_MASK
+            power = (power * _HASH_BASE) & _HASH_MASK
+            suffix_hashes[n] = h
+        for n in range(longest, self.min_n - 1, -1):
             table = self._tables[n]
-            key = np.uint64(_hash(context[-n:]))
+            key = np.uint64(suffix_hashes[n])
             lo = int(np.searchsorted(table.hashes, key, "left"))
-            hi = int(np.searchsorted(table.hashes, key, "right"))
-            if hi > lo:
+            if lo < len(table.hashes) and table.hashes[lo] == key:
+                hi = int(np.searchsorted(table.hashes, key, "right"))
                 return n, table.next_positions[lo:hi]
         return 0, np.empty(0, dtype=np.int32)
 
@@ -127,6 +134,13 @@ class ReplyStore:
         """Up to ``k`` tokens that most of the occurrences ending at ``positions`` share next."""
         out: list[int] = []
         while len(out) < k and len(positions):
+            if len(positions) == 1:  # one occurrence: its own continuation, to its reply's end
+                start = int(positions[0])
+                for token in self.tokens[start : start + k - len(out)].tolist():
+                    if token == _SEPARATOR:
+                        break
+                    out.append(token)
+                break
             following = self.tokens[positions]
             values, counts = np.unique(following, return_counts=True)
             best = int(counts.argmax())
