@@ -141,16 +141,21 @@ def run_peer(setting: PeerSetting, prompts) -> tuple[float, float]:
 
 
 def step_costs(
-    engine: LLMEngine, sizes: tuple[int, ...], repeats: int, max_rows: tuple[int, ...] = ()
+    engine: LLMEngine,
+    sizes: tuple[int, ...],
+    repeats: int,
+    max_rows: tuple[int, ...] = (),
+    context_tokens: int = 64,
 ) -> dict[tuple[int, int], tuple[float, float]]:
     """Run time of one batch-1 step carrying n tokens (the last token plus n-1 drafts) after a
-    64-token context: median wall ms and CPU ms over ``repeats`` interleaved rounds, keyed by
+    ``context_tokens`` context: median wall ms and CPU ms over ``repeats`` interleaved rounds, keyed by
     (kernel row limit, n) (limit 0: as loaded). The same step is re-run without being applied,
     so every round sees the same context; each row limit in ``max_rows`` is set in turn within
     every round (``quant.kernels.set_max_kernel_rows``)."""
     tok = engine.tokenizer
     assert tok is not None
-    ids = tok.encode("The history of the printing press begins in the fifteenth century. " * 6)[:64]
+    text = "The history of the printing press begins in the fifteenth century. "
+    ids = tok.encode(text * (context_tokens // 8 + 1))[:context_tokens]
     deltas: list[RequestDelta] = []
     engine.speculator = None
     engine.runner.collect_features = False
@@ -185,20 +190,22 @@ def report_step_costs(
     limits: tuple[int, ...],
     json_path: str | None,
     sizes: tuple[int, ...] = STEP_COST_SIZES,
+    context_tokens: int = 64,
 ) -> None:
     """``--step-costs``: only the step-cost table, at each kernel row limit, paired round by round."""
     sizes = tuple(sorted({1, *sizes}))
     for _ in range(2):  # warm-up: first-call kernels, each path once
-        step_costs(engine, sizes, 1, limits)
+        step_costs(engine, sizes, 1, limits, context_tokens)
     load_before, started = os.getloadavg(), time.time()
-    costs = step_costs(engine, sizes, rounds, limits)
+    costs = step_costs(engine, sizes, rounds, limits, context_tokens)
     load_after = os.getloadavg()
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {rounds} rounds interleaved, "
         f"threads {torch.get_num_threads()}, load {load_before[0]:.2f} -> {load_after[0]:.2f}"
     )
-    print("batch-1 step carrying n tokens (n-1 drafts) after a 64-token context, median ms (ratio to n=1")
-    print("at the same row limit; 'limit': auto_quant_kernel_max_rows(), more rows take the dense copy)")
+    print(f"batch-1 step carrying n tokens (n-1 drafts) after a {context_tokens}-token context, median ms")
+    print("(ratio to n=1 at the same row limit; 'limit': auto_quant_kernel_max_rows(), more rows take")
+    print("the dense copy)")
     for m in limits:
         for n in sizes:
             wall_ms, cpu_ms = costs[m, n]
@@ -239,6 +246,7 @@ def main() -> None:
         help="only time one step of n tokens (--step-sizes) at each of these kernel row limits (16,32)",
     )
     ap.add_argument("--rounds", type=int, default=15, help="--step-costs: interleaved rounds")
+    ap.add_argument("--context-tokens", type=int, default=64, help="--step-costs: tokens before the step")
     ap.add_argument(
         "--step-sizes",
         default=",".join(map(str, STEP_COST_SIZES)),
@@ -265,7 +273,7 @@ def main() -> None:
     if args.step_costs:
         limits = tuple(int(m) for m in args.step_costs.split(","))
         sizes = tuple(int(n) for n in args.step_sizes.split(","))
-        report_step_costs(engine, args.rounds, limits, args.json, sizes)
+        report_step_costs(engine, args.rounds, limits, args.json, sizes, args.context_tokens)
         return
     workloads = args.workloads.split(",")
 
