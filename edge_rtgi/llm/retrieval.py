@@ -151,10 +151,6 @@ class ReplyStore:
             positions = positions[following == token] + 1
         return out
 
-    @property
-    def token_count(self) -> int:
-        return int((self.tokens >= 0).sum())
-
 
 class RetrievalDraft:
     """Proposes what followed the request's longest matching suffix in a ``ReplyStore``.
