@@ -284,8 +284,8 @@ def main() -> None:
             else [load_eagle_draft(args.draft_model, engine.model, engine.tokenizer, config.model)]
         )
 
-    def retrieval() -> list[Draft]:
-        return [load_retrieval_draft(None, engine.model, engine.tokenizer, config.model)]
+    def retrieval(own: NgramDraft) -> list[Draft]:
+        return [load_retrieval_draft(None, engine.model, engine.tokenizer, config.model, own)]
 
     def speculator(spec: SpeculativeConfig) -> Speculator:
         built = build_speculator(spec, engine.model, engine.tokenizer, config.model)
@@ -304,7 +304,8 @@ def main() -> None:
         ap.error(f"--fixed takes draft:k settings, comma-separated (ngram:4,retrieval:2), got {args.fixed!r}")
     settings += [Setting(f"{d}:k={k}", speculator(SpeculativeConfig("fixed", d, k))) for d, k in fixed]
     if not args.no_eagle:
-        every = [NgramDraft(), *retrieval(), *eagle()]
+        ngram = NgramDraft()  # shared with the retrieval draft, as the engine builds it
+        every = [ngram, *retrieval(ngram), *eagle()]
         settings.append(Setting("auto-eagle", Speculator(SpeculativeConfig("auto"), every)))
         settings += [
             Setting(f"{d}:k={k}", Speculator(SpeculativeConfig("fixed", d, k), eagle()))

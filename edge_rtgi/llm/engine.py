@@ -160,7 +160,7 @@ def build_speculator(
         try:
             store_name = spec.draft_model if spec.mode == "fixed" else None
             # its own-text lookup is the n-gram draft's, with one index per request for both
-            own = next((d for d in drafts if isinstance(d, NgramDraft)), None) or NgramDraft()
+            own = next((d for d in drafts if isinstance(d, NgramDraft)), None)
             drafts.append(load_retrieval_draft(store_name, model, tokenizer, model_name, own))
         except (ModelNotFoundError, StoreMismatchError) as exc:
             if spec.mode == "fixed":
