@@ -227,41 +227,75 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 class StepCostTable:
-    """Measured run time of decode-only steps by the number of tokens they carry (EMA per size).
+    """Measured run time of decode-only steps by the number of tokens they carry.
 
-    Relative cost of carrying ``k`` more tokens is read from here; sizes not seen yet are
-    interpolated, or extrapolated at ``prior_ratio_per_token`` of a one-token step.
+    The machine's speed drifts (tens of percent within minutes on a shared host) and step sizes
+    are seen at different times: a 5-token step last timed a minute ago set against a 1-token step
+    timed just now would read the drift as the price of the drafts (a slowdown since then makes
+    drafts look free). So the table keeps each size's cost relative to the size timed most often
+    (the anchor: the plain step at the usual batch), measured against the anchor's time *when it
+    was taken*: ``anchor_ms`` follows the anchor's own steps (EMA), and each other size keeps an
+    EMA of its time over ``anchor_ms``. Ratios between sizes then cancel a drift they share, and
+    ``cost_ms`` is a size's relative cost at the anchor's current time. ``follow_speed=False``
+    keeps plain per-size EMAs of the times (the ablation).
+
+    Sizes not seen yet are interpolated, or extrapolated at ``prior_ratio_per_token`` of a
+    one-token step.
     """
 
-    def __init__(self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1):
+    def __init__(
+        self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1, follow_speed: bool = True
+    ):
         self.prior_ratio_per_token = prior_ratio_per_token
         self.smoothing = smoothing
-        self.ms: dict[int, float] = {}
+        self.follow_speed = follow_speed
+        self.anchor: int | None = None
+        self.anchor_ms = 1.0  # the anchor's current step time (1.0 without one, or not following)
+        self.relative: dict[int, float] = {}  # time over anchor_ms (the anchor's own: 1.0)
         self.count: dict[int, int] = {}
 
     def observe(self, tokens: int, run_ms: float) -> None:
-        old = self.ms.get(tokens)
         self.count[tokens] = self.count.get(tokens, 0) + 1
         # the first few samples average plainly so one noisy step does not set the table
         weight = max(self.smoothing, 1.0 / self.count[tokens])
-        self.ms[tokens] = run_ms if old is None else old + weight * (run_ms - old)
+        if not self.follow_speed:
+            old = self.relative.get(tokens, run_ms)
+            self.relative[tokens] = old + weight * (run_ms - old)
+            return
+        if self.anchor is None:
+            self.anchor, self.anchor_ms = tokens, run_ms
+        if self.count[tokens] > self.count[self.anchor]:  # another size now runs most: re-anchor
+            scale = self.relative.get(tokens, run_ms / self.anchor_ms)
+            self.anchor, self.anchor_ms = tokens, self.anchor_ms * scale
+            self.relative = {n: r / scale for n, r in self.relative.items()}
+        if tokens == self.anchor:
+            self.anchor_ms += weight * (run_ms - self.anchor_ms)
+            self.relative[tokens] = 1.0
+            return
+        old = self.relative.get(tokens, run_ms / self.anchor_ms)
+        self.relative[tokens] = old + weight * (run_ms / self.anchor_ms - old)
 
-    def cost_ms(self, tokens: int) -> float | None:
-        if tokens in self.ms:
-            return self.ms[tokens]
-        below = max((t for t in self.ms if t < tokens), default=None)
-        above = min((t for t in self.ms if t > tokens), default=None)
+    def _relative(self, tokens: int) -> float | None:
+        if tokens in self.relative:
+            return self.relative[tokens]
+        below = max((t for t in self.relative if t < tokens), default=None)
+        above = min((t for t in self.relative if t > tokens), default=None)
         if below is not None and above is not None:
             f = (tokens - below) / (above - below)
-            return self.ms[below] + f * (self.ms[above] - self.ms[below])
+            return self.relative[below] + f * (self.relative[above] - self.relative[below])
         return None
+
+    def cost_ms(self, tokens: int) -> float | None:
+        """The run time of a step of ``tokens`` at the machine's current speed (None: unknown)."""
+        relative = self._relative(tokens)
+        return None if relative is None else relative * self.anchor_ms
 
     def ratio(self, base_tokens: int, extra_tokens: int) -> float:
         """Cost of a step with ``extra_tokens`` more than ``base_tokens``, relative to it."""
         if extra_tokens == 0:
             return 1.0
-        base = self.cost_ms(base_tokens)
-        more = self.cost_ms(base_tokens + extra_tokens)
+        base = self._relative(base_tokens)
+        more = self._relative(base_tokens + extra_tokens)
         if base is not None and more is not None and base > 0:
             return max(more / base, 1.0)
         return 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)

@@ -304,3 +304,28 @@ def test_in_a_batch_drafts_are_placed_while_the_shared_step_still_gains():
             r.draft_token_ids = []
         speculator.propose([(r, None) for r in reqs])
         assert sum(bool(r.draft_token_ids) for r in reqs) == batch_drafts
+
+
+def test_step_cost_ratios_follow_the_machine_not_its_drift():
+    """Drafted steps were last timed while the machine was fast; it has since slowed by 60 % and
+    only plain steps ran. The cost of four drafts is still 1.48x a plain step: the drift-following
+    table says so, plain per-size EMAs compare old and new times and call the drafts free."""
+
+    def step_ms(tokens: int, speed: float) -> float:
+        return speed * 7.0 * (1.0 + 0.12 * (tokens - 1))
+
+    following, plain = StepCostTable(), StepCostTable(follow_speed=False)
+    for table in (following, plain):
+        for _ in range(30):  # fast: plain and 5-token steps interleaved
+            table.observe(1, step_ms(1, 1.0))
+            table.observe(5, step_ms(5, 1.0))
+        for i in range(200):  # slowing down to 1.6x, plain steps only
+            table.observe(1, step_ms(1, 1.0 + 0.6 * min(i / 100, 1.0)))
+    assert abs(following.ratio(1, 4) - 1.48) < 0.01
+    assert abs(following.cost_ms(5) - step_ms(5, 1.6)) < 0.1  # type: ignore[operator]
+    assert plain.ratio(1, 4) == 1.0  # 10.36 ms then against 11.2 ms now: "free"
+    # a drafted step timed now corrects a size's own cost, whatever the speed
+    for _ in range(40):
+        following.observe(1, step_ms(1, 1.6))
+        following.observe(5, 1.6 * 7.0 * 1.8)
+    assert abs(following.ratio(1, 4) - 1.8) < 0.02
