@@ -4,11 +4,16 @@
 SmolLM2-135M-Instruct as the daemon runs it (catalogue GGUF, quant "auto"), greedy, the
 workloads' own prompts (edge_rtgi.bench.workloads) plus a set chosen to defeat drafts (no text
 to copy, little repetition). Each setting is one ``Speculator`` put on the same engine (None:
-off); settings are interleaved within every run, in a shuffled order, and each figure is the
-median over runs of the decode rate (tokens after the first, over the time after the first).
+off); settings are interleaved prompt by prompt (every setting decodes one prompt, in a shuffled
+order, before any goes on to the next), so that the machine's drift over a run hits them alike, and
+each figure is the median over runs of the decode rate over a workload's prompts (tokens after the
+first, over the time after the first). Beside the ratio of medians, the median and range over runs
+of each run's own ratio to ``off`` (paired within the run).
 The adaptive setting keeps its speculator across runs: learning is part of what it does.
 Settings: off; ``auto`` as the engine builds it (the n-gram draft and the ``retrieval`` draft
-over the catalogue's reply store); ``auto-ngram`` (the n-gram draft alone, what ``auto`` ran
+over the catalogue's reply store); with ``--plain-cost-table`` also ``auto-ema`` (the same with
+the step-cost table's plain per-size EMAs, as before it followed the machine's drift);
+``auto-ngram`` (the n-gram draft alone, what ``auto`` ran
 before the reply store); ``auto-eagle`` (``auto`` plus the trained draft, the catalogue's or
 ``--draft-model``; not with ``--no-eagle``); each draft at fixed k; with ``--llamacpp K`` also
 llama.cpp on the same GGUF and prompts, plain and with llama-cpp-python's prompt-lookup
@@ -44,7 +49,14 @@ from edge_rtgi.llm.engine import LLMEngine, build_speculator, load_eagle_draft, 
 from edge_rtgi.llm.quant.kernels import set_max_kernel_rows
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.speculative import Draft, FeatureDraft, NgramDraft, SpeculativeConfig, Speculator
+from edge_rtgi.llm.speculative import (
+    Draft,
+    FeatureDraft,
+    NgramDraft,
+    SpeculativeConfig,
+    Speculator,
+    StepCostTable,
+)
 
 WORKLOADS = ("code", "translation", "dialogue", "voice")
 # Prompts with nothing to copy: drafts guess from text they have not seen
@@ -69,6 +81,25 @@ class Setting:
     accepted: dict[str, list[int]] = field(default_factory=dict)  # [drafts, accepted, verify steps]
 
 
+@dataclass
+class DecodeTiming:
+    """Tokens decoded after each first token, and the wall and CPU seconds they took."""
+
+    tokens: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def add(self, other: DecodeTiming) -> None:
+        self.tokens += other.tokens
+        self.wall_s += other.wall_s
+        self.cpu_s += other.cpu_s
+
+    @property
+    def rates(self) -> tuple[float, float]:
+        """(tokens per wall second, tokens per CPU second)."""
+        return self.tokens / self.wall_s, self.tokens / self.cpu_s
+
+
 def prompts_for(engine: LLMEngine, workload: str, count: int) -> list[tuple[list[int], RequestClass]]:
     tok = engine.tokenizer
     assert tok is not None
@@ -81,9 +112,9 @@ def prompts_for(engine: LLMEngine, workload: str, count: int) -> list[tuple[list
     return [(list(p.prompt_token_ids), RequestClass(p.request_class)) for p in prepared]
 
 
-def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> tuple[float, float]:
-    """Decode rate over ``prompts``: tokens after each first token per second of wall time, and
-    per second of this process's CPU time (on a shared machine the steadier of the two)."""
+def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> DecodeTiming:
+    """Decoding ``prompts``: tokens after each first token, and the wall time and this process's
+    CPU time they took (on a shared machine the CPU time is the steadier of the two)."""
     engine.speculator = setting.speculator
     engine.runner.collect_features = setting.speculator is not None and setting.speculator.wants_features
     before = engine.stats()
@@ -109,7 +140,7 @@ def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> tupl
     acc[1] += after.spec_accepted_tokens - before.spec_accepted_tokens
     if setting.speculator is not None:
         acc[2] += setting.speculator.stats.verify_steps - steps_before
-    return tokens / wall_s, tokens / cpu_s
+    return DecodeTiming(tokens, wall_s, cpu_s)
 
 
 class PeerSetting(Setting):
@@ -120,8 +151,8 @@ class PeerSetting(Setting):
         self.peer = peer
 
 
-def run_peer(setting: PeerSetting, prompts) -> tuple[float, float]:
-    """``run_one`` for llama.cpp: decode rate after each first token, wall and CPU."""
+def run_peer(setting: PeerSetting, prompts) -> DecodeTiming:
+    """``run_one`` for llama.cpp."""
     llm = setting.peer.llm
     tokens, wall_s, cpu_s = 0, 0.0, 0.0
     for ids, _ in prompts:
@@ -137,7 +168,7 @@ def run_peer(setting: PeerSetting, prompts) -> tuple[float, float]:
         wall_s += time.perf_counter() - wall
         cpu_s += time.process_time() - cpu
         tokens += produced - 1
-    return tokens / wall_s, tokens / cpu_s
+    return DecodeTiming(tokens, wall_s, cpu_s)
 
 
 def step_costs(
@@ -261,6 +292,12 @@ def main() -> None:
         "--no-eagle", action="store_true", help="only the n-gram draft (the earlier runs' settings)"
     )
     ap.add_argument(
+        "--plain-cost-table",
+        action="store_true",
+        help="also auto with plain per-size EMAs of step times (auto-ema: the cost table before it "
+        "followed the machine's drift)",
+    )
+    ap.add_argument(
         "--llamacpp",
         type=int,
         default=0,
@@ -299,6 +336,10 @@ def main() -> None:
         Setting("auto", auto),
         Setting("auto-ngram", Speculator(SpeculativeConfig("auto"), [NgramDraft()])),
     ]
+    if args.plain_cost_table:
+        ema = speculator(SpeculativeConfig("auto"))
+        ema.costs = ema.policy.costs = StepCostTable(follow_speed=False)
+        settings.append(Setting("auto-ema", ema))
     fixed = [(d, int(k)) for d, _, k in (f.partition(":") for f in args.fixed.split(",") if f) if k.isdigit()]
     if len(fixed) != len([f for f in args.fixed.split(",") if f]):
         ap.error(f"--fixed takes draft:k settings, comma-separated (ngram:4,retrieval:2), got {args.fixed!r}")
@@ -324,15 +365,17 @@ def main() -> None:
     started = time.time()
     for _ in range(args.runs):
         for w in workloads:
-            shuffled = list(settings)
-            order.shuffle(shuffled)
-            for s in shuffled:
-                run = (
-                    run_peer(s, prompts[w])
-                    if isinstance(s, PeerSetting)
-                    else run_one(engine, s, w, prompts[w])
-                )
-                s.rates.setdefault(w, []).append(run)
+            timings = {s.name: DecodeTiming() for s in settings}
+            for prompt in prompts[w]:
+                shuffled = list(settings)
+                order.shuffle(shuffled)
+                for s in shuffled:
+                    one = [prompt]
+                    timings[s.name].add(
+                        run_peer(s, one) if isinstance(s, PeerSetting) else run_one(engine, s, w, one)
+                    )
+            for s in settings:
+                s.rates.setdefault(w, []).append(timings[s.name].rates)
     load_after = os.getloadavg()
     costs = {n: c for (_, n), c in step_costs(engine, COST_SIZES, max(args.runs, 5) * 2).items()}
     print(
@@ -341,14 +384,16 @@ def main() -> None:
         f"load {load_before[0]:.2f} -> {load_after[0]:.2f}"
     )
     print("decode rate per CPU second (median over runs), its ratio to off, and the wall-clock ratio;")
-    print("a = acceptance rate of draft tokens, L = mean accepted tokens per verification step")
-    print(f"{'setting':<11}" + "".join(f"{w:>36}" for w in workloads))
+    print("a = acceptance rate of draft tokens, L = mean accepted tokens per verification step;")
+    print("p = median [min-max] over runs of the run's own CPU-second ratio to off")
+    print(f"{'setting':<11}" + "".join(f"{w:>54}" for w in workloads))
     off_cpu = {w: statistics.median(r[1] for r in settings[0].rates[w]) for w in workloads}
     off_wall = {w: statistics.median(r[0] for r in settings[0].rates[w]) for w in workloads}
     report: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "runs": args.runs,
         "prompts_per_workload": args.prompts,
+        "interleaved": "per prompt",
         "load": [load_before[0], load_after[0]],
         "settings": {},
     }
@@ -360,19 +405,23 @@ def main() -> None:
             drafts, accepted, steps = s.accepted.get(w, [0, 0, 0])
             rate = accepted / drafts if drafts else 0.0
             length = accepted / steps if steps else 0.0
+            paired = [r[1] / o[1] for r, o in zip(s.rates[w], settings[0].rates[w], strict=True)]
             cells.append(
-                f"{cpu:6.1f} {cpu / off_cpu[w]:4.2f}x w{wall / off_wall[w]:4.2f}x a{rate:4.2f} L{length:4.2f}"
+                f"{cpu:6.1f} {cpu / off_cpu[w]:4.2f}x w{wall / off_wall[w]:4.2f}x "
+                f"a{rate:4.2f} L{length:4.2f} "
+                f"p{statistics.median(paired):4.2f}[{min(paired):4.2f}-{max(paired):4.2f}]"
             )
             report["settings"][f"{s.name}/{w}"] = {  # type: ignore[index]
                 "tok_per_wall_s": [r[0] for r in s.rates[w]],
                 "tok_per_cpu_s": [r[1] for r in s.rates[w]],
                 "speedup_cpu": cpu / off_cpu[w],
                 "speedup_wall": wall / off_wall[w],
+                "paired_speedup_cpu_by_run": paired,
                 "draft_tokens": drafts,
                 "accepted_tokens": accepted,
                 "verify_steps": steps,
             }
-        print(f"{s.name:<11}" + "".join(f"{c:>36}" for c in cells))
+        print(f"{s.name:<11}" + "".join(f"{c:>54}" for c in cells))
     print("\nbatch-1 step carrying n tokens (n-1 drafts) after a 64-token context, median ms:")
     for n, (wall_ms, cpu_ms) in costs.items():
         print(
