@@ -232,16 +232,22 @@ class StepCostTable:
     The machine's speed drifts (tens of percent within minutes on a shared host) and step sizes
     are seen at different times: a 5-token step last timed a minute ago set against a 1-token step
     timed just now would read the drift as the price of the drafts (a slowdown since then makes
-    drafts look free). So the table keeps each size's cost relative to the size timed most often
-    (the anchor: the plain step at the usual batch), measured against the anchor's time *when it
-    was taken*: ``anchor_ms`` follows the anchor's own steps (EMA), and each other size keeps an
-    EMA of its time over ``anchor_ms``. Ratios between sizes then cancel a drift they share, and
-    ``cost_ms`` is a size's relative cost at the anchor's current time. ``follow_speed=False``
-    keeps plain per-size EMAs of the times (the ablation).
+    drafts look free). So the table keeps each size's cost relative to an anchor, the size timed
+    most often lately (the plain step at the current batch; counts decay, so the anchor follows
+    the traffic), measured against the anchor's time *when it was taken*: ``anchor_ms`` is an EMA
+    of the anchor's own steps, and each other size keeps an EMA of its time over ``anchor_ms``.
+    Ratios between sizes then cancel a drift they share, as long as the anchor keeps running;
+    ``cost_ms`` is a size's relative cost at the anchor's current (lagging) time. A step's time is
+    clipped to ``CLIP`` times its size's estimate before it counts, so one stall (a collection, a
+    page-in) moves the table a little rather than making drafts look free or dear for a hundred
+    steps. ``follow_speed=False`` keeps plain per-size EMAs of the times (the ablation).
 
     Sizes not seen yet are interpolated, or extrapolated at ``prior_ratio_per_token`` of a
     one-token step.
     """
+
+    CLIP = (0.5, 3.0)
+    RECENT_STEPS = 200  # recent counts are halved past this, so the anchor follows the traffic
 
     def __init__(
         self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1, follow_speed: bool = True
@@ -252,28 +258,39 @@ class StepCostTable:
         self.anchor: int | None = None
         self.anchor_ms = 1.0  # the anchor's current step time (1.0 without one, or not following)
         self.relative: dict[int, float] = {}  # time over anchor_ms (the anchor's own: 1.0)
-        self.count: dict[int, int] = {}
+        self.count: dict[int, int] = {}  # steps timed per size (their EMA weights)
+        self.recent: dict[int, float] = {}  # the same, decaying: which size is the anchor
 
     def observe(self, tokens: int, run_ms: float) -> None:
+        if not run_ms > 0:  # a clock that did not move (or NaN) says nothing about the cost
+            return
         self.count[tokens] = self.count.get(tokens, 0) + 1
         # the first few samples average plainly so one noisy step does not set the table
         weight = max(self.smoothing, 1.0 / self.count[tokens])
         if not self.follow_speed:
-            old = self.relative.get(tokens, run_ms)
-            self.relative[tokens] = old + weight * (run_ms - old)
+            last = self.relative.get(tokens, run_ms)
+            self.relative[tokens] = last + weight * (run_ms - last)
             return
+        self.recent[tokens] = self.recent.get(tokens, 0.0) + 1.0
+        if self.recent[tokens] > self.RECENT_STEPS:
+            self.recent = {n: c / 2 for n, c in self.recent.items()}
         if self.anchor is None:
             self.anchor, self.anchor_ms = tokens, run_ms
-        if self.count[tokens] > self.count[self.anchor]:  # another size now runs most: re-anchor
+        if self.recent[tokens] > self.recent.get(self.anchor, 0.0):  # another size runs most: re-anchor
             scale = self.relative.get(tokens, run_ms / self.anchor_ms)
             self.anchor, self.anchor_ms = tokens, self.anchor_ms * scale
             self.relative = {n: r / scale for n, r in self.relative.items()}
+        old = self.relative.get(tokens)
+        if old is None:
+            self.relative[tokens] = run_ms / self.anchor_ms
+            return
+        low, high = self.CLIP
+        ratio = min(max(run_ms / self.anchor_ms, low * old), high * old)
         if tokens == self.anchor:
-            self.anchor_ms += weight * (run_ms - self.anchor_ms)
+            self.anchor_ms += weight * (ratio - 1.0) * self.anchor_ms
             self.relative[tokens] = 1.0
             return
-        old = self.relative.get(tokens, run_ms / self.anchor_ms)
-        self.relative[tokens] = old + weight * (run_ms / self.anchor_ms - old)
+        self.relative[tokens] = old + weight * (ratio - old)
 
     def _relative(self, tokens: int) -> float | None:
         if tokens in self.relative:

@@ -329,3 +329,33 @@ def test_step_cost_ratios_follow_the_machine_not_its_drift():
         following.observe(1, step_ms(1, 1.6))
         following.observe(5, 1.6 * 7.0 * 1.8)
     assert abs(following.ratio(1, 4) - 1.8) < 0.02
+
+
+def test_the_cost_table_follows_a_change_of_traffic_and_shrugs_off_a_stall():
+    def step_ms(tokens: int, speed: float) -> float:
+        return speed * 7.0 * (1.0 + 0.125 * (tokens - 1))
+
+    table = StepCostTable()
+    for _ in range(1000):  # a long spell at batch 1: size 1 is the anchor
+        table.observe(1, step_ms(1, 1.0))
+    for i in range(600):  # then batch 3 (plain: 3 tokens; with drafts: 7), slowing to 1.6x
+        speed = 1.0 + 0.6 * min(i / 300, 1.0)
+        table.observe(3, step_ms(3, speed))
+        if i % 3 == 0:
+            table.observe(7, step_ms(7, speed))
+    assert table.anchor == 3
+    assert abs(table.ratio(3, 4) - step_ms(7, 1.0) / step_ms(3, 1.0)) < 0.02
+    assert abs(table.cost_ms(3) - step_ms(3, 1.6)) < 0.2  # type: ignore[operator]
+
+    stalled = StepCostTable()
+    for _ in range(30):
+        stalled.observe(1, 7.0)
+        stalled.observe(5, 10.5)
+    stalled.observe(1, 2000.0)  # a 2 s stall on a plain step
+    for _ in range(10):
+        stalled.observe(1, 7.0)
+        stalled.observe(5, 10.5)
+    assert stalled.ratio(1, 4) > 1.4  # 1.5 before the stall; not "free"
+    stalled.observe(5, 0.0)  # a clock that did not move is ignored, not a division by zero
+    stalled.observe(9, 0.0)
+    assert 9 not in stalled.relative
