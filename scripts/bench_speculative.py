@@ -357,6 +357,9 @@ def main() -> None:
         settings.append(PeerSetting("llama.cpp", LlamaCppPeer(gguf, args.threads)))
         lookup = LlamaCppPeer(gguf, args.threads, prompt_lookup_tokens=args.llamacpp)
         settings.append(PeerSetting(f"lcpp-pl:{args.llamacpp}", lookup))
+    names = [s.name for s in settings]
+    if len(set(names)) != len(names):
+        ap.error(f"settings must have different names, got {names}")
     prompts = {w: prompts_for(engine, w, args.prompts) for w in workloads}
     for w in workloads:  # warm-up: first-call kernels, allocator
         run_one(engine, settings[0], w, prompts[w][:1])

@@ -17,8 +17,10 @@ through the machine's noise. This script takes them apart:
    own-text-then-store proposal (up to 8) that will hold, so it never pays for a rejected one.
 
     .venv/bin/python scripts/replay_speculative.py --costs 1,1.18,1.31,1.33,1.51,1.53,1.64,1.75,1.84
-    # several tables, separated by ';' (what cheaper verification would be worth):
-    .venv/bin/python scripts/replay_speculative.py --costs '1,1.18,1.31,1.33,1.51;1,1.1,1.2,1.3,1.4'
+    # several tables, separated by ';' (what cheaper verification would be worth); each gives the
+    # cost of 1 to 9 tokens, as the policy may draft up to 8:
+    .venv/bin/python scripts/replay_speculative.py \
+        --costs '1,1.18,1.31,1.33,1.51,1.53,1.64,1.75,1.84;1,1.1,1.2,1.3,1.4,1.5,1.6,1.7,1.8'
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from edge_rtgi.llm.request import Request, RequestClass  # noqa: E402
 from edge_rtgi.llm.retrieval import RetrievalDraft  # noqa: E402
 from edge_rtgi.llm.sampling import SamplingParams  # noqa: E402
 from edge_rtgi.llm.speculative import (  # noqa: E402
+    K_CHOICES,
     Draft,
     NgramDraft,
     SpeculativeConfig,
@@ -49,15 +52,18 @@ from edge_rtgi.llm.speculative import (  # noqa: E402
 )
 
 ORACLE_MAX_TOKENS = 8
+TABLE_SIZES = 1 + max(K_CHOICES)  # a table prices every step the policy may choose
 
 
 @dataclass
 class Reply:
-    """One prompt of a workload and the target's greedy reply to it."""
+    """One prompt of a workload and the target's greedy reply to it; ``cut`` when the reply
+    stopped at the token limit (the engine then drafts no further than the limit)."""
 
     prompt: list[int]
     reply: list[int]
     request_class: RequestClass
+    cut: bool = False
 
 
 @dataclass
@@ -76,8 +82,8 @@ class Replayed:
 
 
 def greedy_replies(engine: LLMEngine, prompts: int, max_tokens: int, work: Path) -> dict[str, list[Reply]]:
-    """The engine's greedy replies at batch 1 per workload, cached in ``work``."""
-    path = work / f"replay-replies-{prompts}x{max_tokens}.json"
+    """The engine's greedy replies at batch 1 per workload, cached in ``work`` per model."""
+    path = work / f"replay-replies-{engine.config.model.replace('/', '_')}-{prompts}x{max_tokens}.json"
     if path.exists():
         raw = json.loads(path.read_text())
     else:
@@ -91,7 +97,11 @@ def greedy_replies(engine: LLMEngine, prompts: int, max_tokens: int, work: Path)
         work.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(raw))
     return {
-        w: [Reply(r["prompt"], r["reply"], RequestClass(r["class"])) for r in rows] for w, rows in raw.items()
+        w: [
+            Reply(r["prompt"], r["reply"], RequestClass(r["class"]), cut=len(r["reply"]) >= max_tokens)
+            for r in rows
+        ]
+        for w, rows in raw.items()
     }
 
 
@@ -118,7 +128,9 @@ def replay(replies: list[Reply], make: Callable[[], Speculator], costs: list[flo
         at = 1
         while at < len(item.reply):
             spec.propose([(request, None)])
-            draft = list(request.draft_token_ids or [])[: len(costs) - 1]
+            # as the scheduler caps drafts: never past the table, nor past the token limit
+            room = len(item.reply) - at - 1 if item.cut else len(costs) - 1
+            draft = list(request.draft_token_ids or [])[: min(len(costs) - 1, room)]
             got = held(draft, item.reply, at)
             new = item.reply[at : at + got + 1]
             spec.observe(
@@ -150,7 +162,8 @@ def oracle(replies: list[Reply], draft: Draft, costs: list[float], prefix: str) 
         request.append_output_token(item.reply[0])
         at = 1
         while at < len(item.reply):
-            got = held(draft.propose(request, min(ORACLE_MAX_TOKENS, len(costs) - 1)), item.reply, at)
+            room = len(item.reply) - at - 1 if item.cut else ORACLE_MAX_TOKENS
+            got = held(draft.propose(request, min(ORACLE_MAX_TOKENS, len(costs) - 1, room)), item.reply, at)
             new = item.reply[at : at + got + 1]
             out.cost += costs[got]
             out.tokens += len(new)
@@ -178,8 +191,8 @@ def main() -> None:
     args = ap.parse_args()
     tables = [[float(c) for c in t.split(",")] for t in args.costs.split(";") if t.strip()]
     for t in tables:
-        if len(t) < 2 or t[0] != 1.0 or any(b < a for a, b in zip(t, t[1:], strict=False)):
-            ap.error(f"--costs: each table starts at 1 and does not fall, got {t}")
+        if len(t) < TABLE_SIZES or t[0] != 1.0 or any(b < a for a, b in zip(t, t[1:], strict=False)):
+            ap.error(f"--costs: each table prices 1..{TABLE_SIZES} tokens, from 1, never falling; got {t}")
     engine = stepped_engine(2)
     replies = greedy_replies(engine, args.prompts, args.max_tokens, args.work_dir)
 

@@ -23,6 +23,14 @@ def test_a_reply_that_repeats_the_prompt_is_replayed_whole_at_the_drafts_price()
     assert abs(fixed.cost - 5 * 1.4) < 1e-9
     best = replay_speculative.oracle(replies, NgramDraft(), COSTS, "o")
     assert best.tokens == fixed.tokens and best.cost <= fixed.cost
+    # a reply cut at the token limit: as the scheduler does, no draft reaches past the limit, so
+    # the last step carries 2 drafts (3 tokens left) at 1.2
+    cut = [replay_speculative.Reply(replies[0].prompt, reply, RequestClass.BULK, cut=True)]
+    capped = replay_speculative.replay(
+        cut, lambda: Speculator(SpeculativeConfig("fixed", "ngram", 4), [NgramDraft()]), COSTS, "c"
+    )
+    assert capped.tokens == fixed.tokens and capped.accepted == 4 * 4 + 2
+    assert abs(capped.cost - (4 * 1.4 + 1.2)) < 1e-9
 
 
 class WrongDraft(NgramDraft):
