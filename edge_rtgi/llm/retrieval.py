@@ -22,6 +22,7 @@ refused at load.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ STORE_FORMAT_VERSION = 1
 _SEPARATOR = -1  # between replies: no n-gram and no continuation crosses it
 _HASH_BASE = 1_000_003
 _HASH_MASK = (1 << 64) - 1
+# Occurrences below which a continuation is walked in plain Python (numpy's per-call cost dominates)
+_FEW_OCCURRENCES = 64
 
 
 class StoreMismatchError(ModelFileError):
@@ -121,34 +124,60 @@ class ReplyStore:
             h = (h + (context[-n] + 1) * power) & _HASH_MASK
             power = (power * _HASH_BASE) & _HASH_MASK
             suffix_hashes[n] = h
-        for n in range(longest, self.min_n - 1, -1):
+        # A suffix that occurs has every shorter suffix occurring too (inside the same n-gram), so
+        # the longest one is found by bisecting on n: about 3 lookups instead of up to 7.
+        found: tuple[int, int, int] | None = None  # (n, lo, hi) of the longest suffix seen so far
+        low, high = self.min_n, longest
+        while low <= high:
+            n = (low + high) // 2
             table = self._tables[n]
             key = np.uint64(suffix_hashes[n])
             lo = int(np.searchsorted(table.hashes, key, "left"))
             if lo < len(table.hashes) and table.hashes[lo] == key:
-                hi = int(np.searchsorted(table.hashes, key, "right"))
-                return n, table.next_positions[lo:hi]
-        return 0, np.empty(0, dtype=np.int32)
+                found = (n, lo, int(np.searchsorted(table.hashes, key, "right")))
+                low = n + 1
+            else:
+                high = n - 1
+        if found is None:
+            return 0, np.empty(0, dtype=np.int32)
+        n, lo, hi = found
+        return n, self._tables[n].next_positions[lo:hi]
 
     def continue_from(self, positions: np.ndarray, k: int, min_confidence: float) -> list[int]:
-        """Up to ``k`` tokens that most of the occurrences ending at ``positions`` share next."""
+        """Up to ``k`` tokens that most of the occurrences ending at ``positions`` share next (ties:
+        the smallest token id)."""
         out: list[int] = []
-        while len(out) < k and len(positions):
-            if len(positions) == 1:  # one occurrence: its own continuation, to its reply's end
-                start = int(positions[0])
-                for token in self.tokens[start : start + k - len(out)].tolist():
-                    if token == _SEPARATOR:
-                        break
-                    out.append(token)
-                break
+        while len(out) < k and len(positions) > _FEW_OCCURRENCES:
             following = self.tokens[positions]
             values, counts = np.unique(following, return_counts=True)
             best = int(counts.argmax())
             token = int(values[best])
             if token == _SEPARATOR or counts[best] / len(following) < min_confidence:
-                break
+                return out
             out.append(token)
             positions = positions[following == token] + 1
+        if len(out) == k or not len(positions):
+            return out
+        # Few occurrences left: their next tokens read in one gather and walked in plain Python,
+        # where numpy's per-call cost would be most of the work. A window running past the store's
+        # end reads its last token, the separator that ended that occurrence before it.
+        width = k - len(out)
+        index = np.minimum(positions[:, None] + np.arange(width), len(self.tokens) - 1)
+        alive = self.tokens[index].tolist()
+        for j in range(width):
+            if len(alive) == 1:  # one occurrence: its own continuation, to its reply's end
+                for token in alive[0][j:]:
+                    if token == _SEPARATOR:
+                        break
+                    out.append(token)
+                break
+            tally = Counter(row[j] for row in alive)
+            top = max(tally.values())
+            token = min(t for t, c in tally.items() if c == top)
+            if token == _SEPARATOR or top / len(alive) < min_confidence:
+                break
+            out.append(token)
+            alive = [row for row in alive if row[j] == token]
         return out
 
 

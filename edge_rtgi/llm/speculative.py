@@ -167,6 +167,9 @@ class NgramDraft:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n, self.min_confidence = min_n, max_n, min_confidence
         self._index: dict[str, _NgramIndex] = {}
+        # the last proposal per request, by (tokens seen, k): the retrieval draft asks for the same
+        # proposal as the policy within one step (tokens only grow, so the count names the text)
+        self._last: dict[str, tuple[int, int, list[int]]] = {}
 
     def _update(self, request: Request) -> _NgramIndex:
         index = self._index.setdefault(request.request_id, _NgramIndex())
@@ -182,6 +185,9 @@ class NgramDraft:
         return index
 
     def propose(self, request: Request, k: int) -> list[int]:
+        last = self._last.get(request.request_id)
+        if last is not None and last[0] == request.num_tokens and last[1] == k:
+            return list(last[2])
         index = self._update(request)
         context = request.all_token_ids[-self.max_n :]
         out: list[int] = []
@@ -191,7 +197,8 @@ class NgramDraft:
                 break
             out.append(guess)
             context = [*context[1:], guess] if len(context) >= self.max_n else [*context, guess]
-        return out
+        self._last[request.request_id] = (request.num_tokens, k, out)
+        return list(out)
 
     def _next(self, index: _NgramIndex, context: list[int]) -> int | None:
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
@@ -207,6 +214,7 @@ class NgramDraft:
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)
+        self._last.pop(request_id, None)
 
 
 # Drafts the speculator builds itself (no model run); ``retrieval`` (a store file made for the

@@ -82,9 +82,19 @@ def test_the_requests_own_text_comes_before_the_store():
     # no match in the request: the store's continuation
     assert draft.propose(Request("q", [0, 5, 6], SamplingParams()), 4) == [7]
     assert RetrievalDraft(store).propose(Request("r", [1, 2, 9, 1, 2], SamplingParams()), 4) == [3, 4]
+    # the engine's n-gram draft is the same instance: asked again for the same text, it answers
+    # from memory, and a caller that changes the list it got changes nothing
+    own = draft.own
+    assert own is not None
+    request = Request("r", [1, 2, 9, 1, 2], SamplingParams())
+    first = own.propose(request, 4)
+    first.append(0)
+    assert own.propose(request, 4) == [9, 1, 2, 9] and own.propose(request, 2) == [9, 1]
+    request.append_output_token(7)  # new text: a new proposal
+    assert own.propose(request, 4) == []
     draft.release("r")
     draft.release("q")
-    assert draft.own is not None and draft.own._index == {}
+    assert own._index == {} and own._last == {}
 
 
 def test_store_files_round_trip_and_bad_files_are_refused(tmp_path):
