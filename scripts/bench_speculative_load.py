@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Speculation under concurrent load: plain ``auto`` (the n-gram draft) against ``off`` on one engine.
+"""Speculation under concurrent load: ``auto`` as the engine builds it (the n-gram draft and the
+catalogue's reply store), and ``auto-ngram`` (the n-gram draft alone, the earlier runs' ``auto``),
+against ``off`` on one engine.
 
 16 prompts (4 each of dialogue, voice, code, translation), 48 tokens, greedy, submitted in groups
-of 1 and of 8 at once; per setting the median over 3 interleaved rounds of the decode throughput
-(tokens over the group's wall time) and of the p50 / p95 gap between token deliveries.
+of 1 and of 8 at once; per setting the median over 3 rounds, the settings in a rotating order, of
+the decode throughput (tokens over the group's wall time) and of the p50 / p95 gap between token
+deliveries.
 
     flock /tmp/bench.lock .venv/bin/python scripts/bench_speculative_load.py
 """
@@ -14,9 +17,10 @@ import time
 
 from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
+from edge_rtgi.llm.engine import build_speculator
 from edge_rtgi.llm.request import RequestClass
 from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
+from edge_rtgi.llm.speculative import NgramDraft, SpeculativeConfig, Speculator
 
 engine = stepped_engine(2)
 tok = engine.tokenizer
@@ -56,12 +60,14 @@ def run(spec, batch):
     return rate, gaps[len(gaps) // 2] * 1e3, gaps[int(len(gaps) * 0.95)] * 1e3
 
 
-auto = Speculator(SpeculativeConfig("auto"))
+auto = build_speculator(SpeculativeConfig("auto"), engine.model, tok, engine.config.model)
+ngram_only = Speculator(SpeculativeConfig("auto"), [NgramDraft()])
+settings = [("off", None), ("auto", auto), ("auto-ngram", ngram_only)]
 for batch in (1, 8):
     run(None, batch)
-    out = {"off": [], "auto": []}
+    out: dict[str, list] = {name: [] for name, _ in settings}
     for r in range(3):
-        for name, spec in (("off", None), ("auto", auto)) if r % 2 == 0 else (("auto", auto), ("off", None)):
+        for name, spec in settings[r:] + settings[:r]:
             out[name].append(run(spec, batch))
     for name, rows in out.items():
         rate = statistics.median(r[0] for r in rows)
