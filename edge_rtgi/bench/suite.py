@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# Optimisations.int8_activations -> EngineConfig.int8_activations
+INT8_ACTIVATION_SETTINGS: dict[str, bool | str] = {"off": False, "auto": "auto", "on": True}
+
+
 @dataclass(frozen=True)
 class Optimisations:
     """The switches. Each field is one optimisation, so an ablation flips exactly one field.
@@ -82,6 +86,8 @@ class Optimisations:
     stopping: str = "eos"  # or "clause": a budget is soft and ends the reply at a clause
     # the engine's speculative decoding: "off", "auto" or "<draft>:<k>" (llm.speculative)
     speculative: str = "off"
+    # int4 layers' decode matmuls on int8 activations: "off", "auto" or "on" (llm.quant.kernels)
+    int8_activations: str = "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.quant, str) and self.quant.lower() in ("none", ""):
@@ -94,6 +100,8 @@ class Optimisations:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.window()  # validates kv_window
+        if self.int8_activations not in INT8_ACTIVATION_SETTINGS:
+            raise ConfigError(f"int8_activations must be off, auto or on, got {self.int8_activations!r}")
         if self.eviction is not None and self.eviction not in EVICTION_MODES:
             raise ConfigError(
                 f"eviction must be none or one of {', '.join(EVICTION_MODES)}, got {self.eviction!r}"
@@ -132,6 +140,7 @@ class Optimisations:
             scheduling=self.scheduling,
             num_threads=num_threads,
             speculative=self.speculative,
+            int8_activations=INT8_ACTIVATION_SETTINGS[self.int8_activations],
         )
 
     @property
@@ -144,6 +153,7 @@ class Optimisations:
             or self.window() is not None
             or self.eviction is not None
             or self.token_budget != "off"
+            or self.int8_activations != "off"
         )
 
     def changed(self, spec: str) -> Optimisations:

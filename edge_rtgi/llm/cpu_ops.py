@@ -491,6 +491,13 @@ def int8_kernel_usable(x: Tensor, weights: int) -> bool:
     )
 
 
+def int8_activation_rows_usable(x: Tensor) -> bool:
+    """Whether ``int4_i8_mm`` should run for the 2-D input ``x`` of a layer that has the int8
+    activation layout: kernels loaded, CPU, float32 or bfloat16, no gradients, and
+    1..``multi_row_max()`` rows (wider inputs take the dense copies or ATen)."""
+    return _use(x) and 1 <= x.shape[0] <= _multi_row_max
+
+
 def multi_row_calls() -> int:
     """How many ``int4_mm`` / ``int8_mm`` calls this process has made, from Python or from the
     layer loop (tests check with it that a step really took them); 0 when not loaded."""
@@ -519,6 +526,29 @@ def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, loops: str = "best") -> 
     if _ops is None:
         raise RuntimeError("int8_mm called without the fused CPU kernels loaded")
     return _ops.int8_mm.default(x, qweight, scales, loops)
+
+
+def int4_pack_i8(qweight: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
+    """ATen's CPU int4 pack and its bf16 ``[K/G, N, 2]`` scales and zeros repacked into the layout
+    ``int4_i8_mm`` reads (csrc/cpu_ops.cpp: tiles of 64 outputs, scales inside; same size plus the
+    scales). N must be a multiple of 64, the group size of 32."""
+    if _ops is None:
+        raise RuntimeError("int4_pack_i8 called without the fused CPU kernels loaded")
+    return _ops.int4_pack_i8.default(qweight, group_size, scales_and_zeros)
+
+
+def int4_i8_mm(x: Tensor, packed: Tensor, group_size: int, out_features: int, loops: str = "best") -> Tensor:
+    """``x @ W^T`` for an int4 ``W`` in ``int4_pack_i8``'s layout, with the activations rounded to
+    int8 per 32 inputs (lossy; docs/cpu_kernels.md, "int8 activations"). ``loops``: "best" (AVX-512
+    VNNI where built, ``vnni_built()``) or "portable" (plain loops, the same bits)."""
+    if _ops is None:
+        raise RuntimeError("int4_i8_mm called without the fused CPU kernels loaded")
+    return _ops.int4_i8_mm.default(x, packed, group_size, out_features, loops)
+
+
+def vnni_built() -> bool:
+    """Whether the loaded library has ``int4_i8_mm``'s AVX-512 VNNI loops (False when not loaded)."""
+    return bool(_ops.vnni_built()) if _ops is not None else False
 
 
 # --- the layer stack in one call -----------------------------------------------------------------
@@ -622,6 +652,13 @@ def _build_plan(model) -> _LayerPlan | None:
             dense = bind(linear, ("dense_weight",))[0]
             if dense is not None:
                 max_rows = min(max_rows, linear.max_kernel_rows)
+            # bound either way, so that switching the layer's int8 activations drops the plan
+            packed_i8 = bind(linear, ("i8_packed",))[0] if fused_kind == 2 else None
+            if packed_i8 is not None:
+                # kind 3: int4 weights against int8 activations (int4_i8_mm, scales inside)
+                params += [packed_i8, None, *bind(linear, ("bias",))]
+                meta += [3, linear.group_size]
+                continue
             names = (
                 ("qweight", "scales_and_zeros", "bias") if fused_kind == 2 else ("qweight", "scales", "bias")
             )

@@ -38,6 +38,7 @@ from edge_rtgi.llm.kv.mixed import MixedPagedKVStorage
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import windowed_groups
 from edge_rtgi.llm.model import ModelConfig, Transformer
+from edge_rtgi.llm.quant.kernels import apply_int8_activations
 from edge_rtgi.llm.request import (
     Request,
     RequestClass,
@@ -258,6 +259,8 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
+        # a property of the model's layers: engines sharing one model share it (the last one set)
+        self.int8_activation_layers = apply_int8_activations(model, self.config.int8_activations)
         mcfg = model.config
         window = self.config.kv_window
         if window is None:

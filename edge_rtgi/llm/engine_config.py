@@ -86,9 +86,15 @@ class EngineConfig:
     # reply's first clause being synthesised; edge_rtgi.cpu_priority). 0: never wait.
     yield_to_foreground_ms: int = 250
     speculative: str | bool | dict[str, str | int] = "off"
+    # int4 layers' matmuls of 1..32 rows with the activations rounded to int8 per 32 inputs, on
+    # AVX-512 VNNI (llm.quant.kernels.apply_int8_activations): "auto" where the CPU and layers
+    # allow, true (the same, with a warning where they do not), false (bf16 activations)
+    int8_activations: bool | str = False
 
     def __post_init__(self) -> None:
         parse_speculative(self.speculative)  # ValueError naming speculative.k / .draft
+        if self.int8_activations not in (True, False, "auto"):
+            raise ValueError(f"int8_activations must be true, false or auto, got {self.int8_activations!r}")
         if self.yield_to_foreground_ms < 0:
             raise ValueError(f"yield_to_foreground_ms must be >= 0, got {self.yield_to_foreground_ms}")
         if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):

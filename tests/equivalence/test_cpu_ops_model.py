@@ -419,3 +419,98 @@ def test_bf16_wide_decode_batches_run_the_layer_loop_on_the_multi_row_kernels(fo
             agree += int((picks == torch.tensor(got.token_ids)).sum())
             total += len(got.token_ids)
     assert agree >= 0.9 * total, f"{agree} of {total}"
+
+
+def decode_logits(loaded, ids: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced logits one token per step (the decode path) over a contiguous cache."""
+    model, cfg = loaded.model, loaded.config
+    cache = ContiguousKVCache(cfg, len(ids), model.dtype, model.device)
+    rows = []
+    with torch.inference_mode():
+        for pos, token in enumerate(ids.tolist()):
+            cache.begin(1)
+            rows.append(model.compute_logits(model(torch.tensor([token]), torch.tensor([pos]), cache)))
+            cache.commit()
+    return torch.cat(rows).float()
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_built(), reason="int8 activations need the AVX-512 VNNI loops")
+@pytest.mark.parametrize("fused_mode", MODES, indirect=True)
+def test_int8_activations_stay_within_their_tolerance_of_the_plain_path(folder, fused_mode, request):
+    """A lossy kernel (``int8_activations``): int4-g32 layers in bf16 with their activations
+    rounded to int8 per 32 inputs, teacher-forced one token per step, against the same weights on
+    ATen's kernels with no fused code. Stated tolerance: mean KL below 5e-3 nats and argmax agreement
+    of at least 90 % (the bf16 kernels alone, above: 1e-3 and 90 %), on the layer loop and on the
+    Python layers alike, which give the same bits (the same op per layer)."""
+    from edge_rtgi.llm.quant.kernels import set_int8_activations
+
+    loaded = load_model(folder, device="cpu", dtype="bf16")
+    apply_engine_quant(loaded.model, "int4-g32")
+    ids = torch.tensor(loaded.tokenizer.encode(TEXTS[5] + " " + TEXTS[1]))
+    with cpu_ops.disabled():
+        plain = decode_logits(loaded, ids)
+    assert set_int8_activations(loaded.model, True) > 0
+    before = cpu_ops.multi_row_calls()
+    rounded = decode_logits(loaded, ids)
+    assert cpu_ops.multi_row_calls() - before >= len(ids) * 2 * loaded.config.num_layers
+    check_counts(fused_mode, request.node.callspec.params["fused_mode"], len(ids) - 1)
+    kl = torch.nn.functional.kl_div(
+        rounded.log_softmax(-1), plain.log_softmax(-1), log_target=True, reduction="batchmean"
+    )
+    assert kl.item() < 5e-3, kl.item()
+    assert (rounded.argmax(-1) == plain.argmax(-1)).float().mean().item() >= 0.9
+    assert not torch.equal(rounded, plain)
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_built(), reason="int8 activations need the AVX-512 VNNI loops")
+def test_int8_activations_give_the_same_bits_in_the_layer_loop_and_the_python_layers(folder, monkeypatch):
+    from edge_rtgi.llm.quant.kernels import set_int8_activations
+
+    loaded = load_model(folder, device="cpu", dtype="bf16")
+    apply_engine_quant(loaded.model, "int4-g32")
+    set_int8_activations(loaded.model, True)
+    ids = torch.tensor(loaded.tokenizer.encode(TEXTS[2]))
+    steps = cpu_ops.layer_loop_steps()
+    loop = decode_logits(loaded, ids)
+    assert cpu_ops.layer_loop_steps() - steps == len(ids)
+    monkeypatch.setattr(cpu_ops, "run_decode_layers", lambda *args: None)
+    assert torch.equal(loop, decode_logits(loaded, ids))
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_built(), reason="int8 activations need the AVX-512 VNNI loops")
+def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(folder):
+    """``int8_activations: auto`` in the engine: batched decode steps on the int8-activation kernel
+    pick the plain path's teacher-forced argmax (no kernels, bf16 ATen) for at least 90 % of tokens."""
+    loaded = load_model(folder, device="cpu", dtype="bf16")
+    apply_engine_quant(loaded.model, "int4-g32")
+    tok = loaded.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(TEXTS))]
+    engine = engine_for(loaded, max_num_batched_tokens=64, int8_activations="auto")
+    assert engine.int8_activation_layers > 0
+    results = run_staggered(engine, prompts, params)
+    agree = total = 0
+    with cpu_ops.disabled(), torch.inference_mode():
+        for prompt, got in zip(prompts, results, strict=True):
+            ids = torch.tensor(prompt + got.token_ids)
+            picks = decode_logits(loaded, ids)[len(prompt) - 1 : -1].argmax(-1)
+            agree += int((picks == torch.tensor(got.token_ids)).sum())
+            total += len(got.token_ids)
+    assert agree >= 0.9 * total, f"{agree} of {total}"
+    # a later engine on the same model with the setting off puts the layers back
+    assert engine_for(loaded, int8_activations=False).int8_activation_layers == 0
+    assert all(m.i8_packed is None for m in loaded.model.modules() if hasattr(m, "i8_packed"))
+
+
+def test_int8_activations_setting_is_checked_and_says_when_it_cannot_apply(folder, caplog):
+    from edge_rtgi.llm.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="int8_activations"):
+        EngineConfig(int8_activations="yes")
+    loaded = load_model(folder, device="cpu", dtype="fp32")  # fp32 scales: the kernel reads bf16
+    apply_engine_quant(loaded.model, "int4-g32")
+    with caplog.at_level("WARNING"):
+        engine = engine_for(loaded, int8_activations=True)
+    assert engine.int8_activation_layers == 0
+    assert any("int8_activations" in r.getMessage() and "kept off" in r.getMessage() for r in caplog.records)
+    assert engine_for(loaded, int8_activations="auto").int8_activation_layers == 0  # silently

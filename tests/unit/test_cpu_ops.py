@@ -668,3 +668,111 @@ def test_multi_row_ops_refuse_malformed_weights():
         cpu_ops.int8_mm(x, layer8.qweight, layer8.scales[:5])
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_ops.int8_mm(x[None], layer8.qweight, layer8.scales)
+
+
+# --- int4 weights against int8 activations (int4_i8_mm) -----------------------------------------
+
+
+def rounded_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int8 activations and their scales, per 32 inputs, computed as it does in fp32:
+    q = round(x * (127 / max|x|)) to nearest even, scale = max|x| / 127."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    top = xb.abs().amax(-1, keepdim=True)
+    # a true division: ``127.0 / top`` is computed as top.reciprocal() * 127, rounded twice
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    return torch.round(xb * inv).view(x.shape), (top / 127.0).squeeze(-1)
+
+
+def i8_reference(x: torch.Tensor, packed, layer) -> torch.Tensor:
+    """The kernel's definition in fp64: int8 activations against (code - 8) * scale, plus the zero
+    term on the unrounded activations."""
+    q, scale = rounded_activations(x)
+    sz, g = layer.scales_and_zeros.double(), layer.group_size
+    w_scaled = (packed.codes().double() - 8) * sz[..., 0].T.repeat_interleave(g, dim=1)
+    zero = sz[..., 1].T.repeat_interleave(g, dim=1)
+    xq = q.double() * scale.double().repeat_interleave(32, dim=1)
+    return xq @ w_scaled.T + x.double() @ zero.T
+
+
+I8_SHAPES = [
+    ("int4-g32", (960, 576)),
+    ("int4-g32", (576, 1536)),
+    ("int4-g64", (128, 256)),
+    ("int4-g128", (64, 256)),
+]
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+@pytest.mark.parametrize("scheme,shape", I8_SHAPES)
+def test_int8_activation_matmul_is_its_definition_and_within_the_rounding_of_the_activations(
+    scheme, shape, x_dtype
+):
+    """``int4_i8_mm`` against its own definition in fp64 (bound: fp32 sums, 1e-5 of the sum of
+    |terms|, plus bf16 output rounding), the VNNI and plain loops bit for bit, and against
+    dequantise-then-matmul on the unrounded activations within what rounding them can move: half a
+    step, max|x| / 254, per input."""
+    packed, layer = quant_layer(scheme, *shape, torch.bfloat16)
+    i8 = cpu_ops.int4_pack_i8(layer.qweight, layer.group_size, layer.scales_and_zeros)
+    w = dequantised(packed, layer).double()
+    for rows in (1, 2, 3, 5, 16, 33):
+        x = torch.randn(rows, shape[1]).to(x_dtype)
+        x[0, :32] *= 50  # an outlier block: its scale is coarse, the others are not
+        got = cpu_ops.int4_i8_mm(x, i8, layer.group_size, shape[0])
+        assert got.dtype == x_dtype and got.shape == (rows, shape[0])
+        assert torch.equal(got, cpu_ops.int4_i8_mm(x, i8, layer.group_size, shape[0], "portable"))
+        rounding = 2**-8 * got.double().abs() if x_dtype == torch.bfloat16 else 0
+        want = i8_reference(x, packed, layer)
+        bound = 1e-5 * (x.double().abs() @ w.abs().T) + rounding
+        assert ((got.double() - want).abs() - bound).max().item() <= 0, rows
+        _, scale = rounded_activations(x)
+        half_step = (scale.double() / 2).repeat_interleave(32, dim=1)
+        exact = x.double() @ w.T
+        bound = half_step @ w.abs().T + 1e-5 * (x.double().abs() @ w.abs().T) + rounding
+        assert ((got.double() - exact).abs() - bound).max().item() <= 0, rows
+
+
+def test_int8_activation_ops_refuse_what_they_cannot_read():
+    _, layer = quant_layer("int4-g32", 128, 64, torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    i8 = cpu_ops.int4_pack_i8(layer.qweight, 32, layer.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        cpu_ops.int4_i8_mm(x, i8[:-1], 32, 128)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        cpu_ops.int4_i8_mm(x, i8, 32, 96)
+    with pytest.raises(RuntimeError, match="multiple of the group size"):
+        cpu_ops.int4_i8_mm(torch.randn(2, 48, dtype=torch.bfloat16), i8, 32, 128)
+    with pytest.raises(RuntimeError, match="loops must be"):
+        cpu_ops.int4_i8_mm(x, i8, 32, 128, "avx512")
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_ops.int4_pack_i8(layer.qweight, 32, layer.scales_and_zeros.float())
+    _, short = quant_layer("int4-g32", 80, 64, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        cpu_ops.int4_pack_i8(short.qweight, 32, short.scales_and_zeros)
+    assert short.int8_activations_unusable() is not None
+
+
+def test_int4_layers_with_int8_activations_take_the_kernel_for_1_row_to_their_widest(monkeypatch):
+    """Switched on, an int4 layer runs ``int4_i8_mm`` for 1..multi_row_max() rows and its other
+    paths beyond; switched off it is back on its weight-only kernels. Where the library has no VNNI
+    loops the switch is refused with the reason (the plain loops are slower than ATen's)."""
+    _, layer = quant_layer("int4-g32", 128, 64, torch.bfloat16)
+    if not cpu_ops.vnni_built():
+        assert "VNNI" in (layer.int8_activations_unusable() or "")
+        with pytest.raises(ValueError, match="VNNI"):
+            layer.use_int8_activations()
+        return
+    calls = []
+    real = cpu_ops.int4_i8_mm
+    monkeypatch.setattr(cpu_ops, "int4_i8_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    plain = layer(x := torch.randn(1, 64, dtype=torch.bfloat16))
+    layer.use_int8_activations()
+    widest = cpu_ops.multi_row_max()
+    for rows in (1, 2, widest, widest + 1):
+        layer(torch.randn(rows, 64, dtype=torch.bfloat16))
+    with cpu_ops.disabled():
+        layer(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert calls == [1, 2, widest]
+    # rounded activations: another result (how close: the op's test above)
+    assert torch.equal(layer(x), real(x, layer.i8_packed, 32, 128)) and not torch.equal(layer(x), plain)
+    layer.use_int8_activations(False)
+    assert layer.i8_packed is None and torch.equal(layer(x), plain)

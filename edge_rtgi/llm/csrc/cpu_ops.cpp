@@ -16,6 +16,8 @@
 //   decode_attention_int4(q, k_codes, k_scale, k_zero, k_open, open_row, v_codes, v_scale, v_zero,
 //                         key_slots, key_mask, scale, block_size, value_group)
 //       the same attention over an int4 KIVI cache (kv/int4.py), reading its codes in place.
+//   int4_mm / int8_mm(x, ...)                     weight-only matmuls for a few rows (below)
+//   int4_pack_i8, int4_i8_mm                      int4 weights against int8 activations (below)
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -1470,6 +1472,311 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
   return out;
 }
 
+// --- int4 weights against int8 activations (`int8_activations`) -------------------------------
+//
+// At one row the bf16 loops above and ATen's are bound by instructions, not by the memory
+// (docs/cpu_kernels.md, "One row is far from the memory bound"): decoding 128 codes to bf16 pairs
+// takes about 20 instructions for 4 dot products. Here the activations are rounded to int8 per 32
+// inputs (as llama.cpp's Q8_0 does) and the codes stay integers: one load and three bit operations
+// give 128 codes, and one VNNI instruction adds 64 products into exact int32 sums. The weights,
+// scales and zeros are those of the int4 layer, repacked once at load (int4_pack_i8) so that each
+// thread reads one sequential stream (no software prefetch: the hardware's alone was faster,
+// docs/cpu_kernels.md):
+//   tiles of 64 output rows, one after another; in a tile, per group g of G inputs:
+//     64 (scale, zero) bf16 pairs (256 bytes), then G/8 chunks of 256 bytes: 4 vectors of 16
+//     outputs x 4 bytes, byte b of output j in chunk c = code(j, 8c + b) | code(j, 8c + 4 + b) << 4.
+// Per 32 inputs of a row: s = max|x| / 127, q = round(x * 127 / max|x|) (ties to even), and the
+// exact sum of x; then for every output
+//   y += scale_g * (s * (sum_k code_k q_k - 8 sum_k q_k)) + zero_g * sum_k x_k
+// in that order in both loops, so the VNNI and the plain loops give the same bits.
+
+constexpr int64_t kI8Block = 32;        // activations share one int8 scale per 32 inputs
+constexpr int64_t kI8TileRows = 64;     // output rows per tile
+constexpr int64_t kI8PairBytes = kI8TileRows * 4;  // a group's (scale, zero) bf16 pairs in a tile
+constexpr int64_t kI8ChunkBytes = 256;  // 8 inputs x 64 outputs x 4 bits
+
+inline int64_t i8_group_bytes(int64_t group) { return kI8PairBytes + group / 8 * kI8ChunkBytes; }
+
+// Activation rows rounded to int8 per block of 32 inputs.
+struct Int8Rows {
+  std::vector<int8_t> q;         // [m][k]
+  std::vector<float> scale;      // [m][k/32]: max|x| / 127
+  std::vector<float> sum;        // [m][k/32]: the exact sum of x (for the zero term)
+  std::vector<int32_t> q_sum;    // [m][k/32]: the sum of q
+};
+
+// The sum of 32 floats in a fixed order (halving: lane i with i + 16, then + 8, + 4, + 2, + 1),
+// the order the AVX-512 reduction below takes.
+inline float sum32_halving(const float* v) {
+  float s[16];
+  for (int i = 0; i < 16; ++i) s[i] = v[i] + v[i + 16];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) s[i] = s[i] + s[i + w];
+  return s[0];
+}
+
+template <typename T>
+void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
+  const int64_t blocks = k / kI8Block;
+  out.q.resize(m * k);
+  out.scale.resize(m * blocks);
+  out.sum.resize(m * blocks);
+  out.q_sum.resize(m * blocks);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const T* p = x + r * k + b * kI8Block;
+      int8_t* q = out.q.data() + r * k + b * kI8Block;
+      const int64_t i = r * blocks + b;
+#ifdef EDGE_RTGI_AVX512
+      const __m512 f0 = load16(p), f1 = load16(p + 16);
+      const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+      const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round to nearest even
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+      out.q_sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      // the halving order of sum32_halving
+      const __m512 s16 = _mm512_add_ps(f0, f1);
+      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      out.sum[i] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+#else
+      float f[kI8Block], top = 0.f;
+      for (int64_t j = 0; j < kI8Block; ++j) {
+        f[j] = to_f(p[j]);
+        top = std::max(top, std::fabs(f[j]));
+      }
+      const float inv = top > 0.f ? 127.f / top : 0.f;
+      int32_t q_sum = 0;
+      for (int64_t j = 0; j < kI8Block; ++j) {
+        const float v = std::nearbyint(f[j] * inv);
+        q[j] = static_cast<int8_t>(std::clamp(v, -128.f, 127.f));
+        q_sum += q[j];
+      }
+      out.q_sum[i] = q_sum;
+      out.sum[i] = sum32_halving(f);
+#endif
+      out.scale[i] = top / 127.f;
+    }
+  }
+}
+
+// Totals of one tile (64 outputs) for one activation row, plain loops.
+void int4_i8_tile_portable(const uint8_t* tile, int64_t k, int64_t group, const Int8Rows& x, int64_t r,
+                           float* total /*[64]*/) {
+  const int64_t blocks = k / kI8Block, per_group = group / kI8Block;
+  std::fill(total, total + kI8TileRows, 0.f);
+  for (int64_t g = 0; g < k / group; ++g) {
+    const uint8_t* group_start = tile + g * i8_group_bytes(group);
+    const bf16_bits* pairs = reinterpret_cast<const bf16_bits*>(group_start);
+    for (int64_t bg = 0; bg < per_group; ++bg) {
+      const int64_t b = g * per_group + bg, i = r * blocks + b;
+      int32_t acc[kI8TileRows] = {};
+      for (int64_t c = 0; c < kI8Block / 8; ++c) {
+        const uint8_t* chunk = group_start + kI8PairBytes + (bg * kI8Block / 8 + c) * kI8ChunkBytes;
+        const int8_t* q = x.q.data() + r * k + b * kI8Block + 8 * c;
+        for (int64_t j = 0; j < kI8TileRows; ++j) {
+          for (int64_t byte = 0; byte < 4; ++byte) {
+            const uint8_t v = chunk[j * 4 + byte];
+            acc[j] += (v & 0x0F) * q[byte] + (v >> 4) * q[4 + byte];
+          }
+        }
+      }
+      for (int64_t j = 0; j < kI8TileRows; ++j) {
+        const float f = static_cast<float>(acc[j] - 8 * x.q_sum[i]) * x.scale[i];
+        total[j] = std::fma(f, to_f(pairs[2 * j]), total[j]);
+        total[j] = std::fma(to_f(pairs[2 * j + 1]), x.sum[i], total[j]);
+      }
+    }
+  }
+}
+
+#if defined(EDGE_RTGI_AVX512) && defined(__AVX512VNNI__)
+#define EDGE_RTGI_VNNI 1
+
+// Totals of one tile for R activation rows (R <= 2: 8 R accumulators, 8 scale / zero vectors).
+template <int R>
+void int4_i8_tile_vnni(const uint8_t* tile, int64_t k, int64_t group, const Int8Rows& x, int64_t r0,
+                       float* total /*[R][64]*/) {
+  const int64_t blocks = k / kI8Block, per_group = group / kI8Block, chunks = kI8Block / 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 tot[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) tot[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < k / group; ++g) {
+    const uint8_t* group_start = tile + g * i8_group_bytes(group);
+    __m512 scale[4], zero[4];
+    for (int v = 0; v < 4; ++v) {
+      // 16 (scale, zero) pairs: the scale in the low half of each 32-bit lane
+      const __m512i sp = _mm512_loadu_si512(group_start + 64 * v);
+      scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(sp, 16));
+      zero[v] = _mm512_castsi512_ps(_mm512_and_si512(sp, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    }
+    for (int64_t bg = 0; bg < per_group; ++bg) {
+      const int64_t b = g * per_group + bg;
+      const uint8_t* first = group_start + kI8PairBytes + bg * chunks * kI8ChunkBytes;
+      __m512i acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512i xlo[R], xhi[R];
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;  // 4 int8 activations for the low nibbles, 4 for the high ones
+          const int8_t* q = x.q.data() + (r0 + r) * k + b * kI8Block + 8 * c;
+          std::memcpy(&lo4, q, 4);
+          std::memcpy(&hi4, q + 4, 4);
+          xlo[r] = _mm512_set1_epi32(lo4);
+          xhi[r] = _mm512_set1_epi32(hi4);
+        }
+        const uint8_t* chunk = first + c * kI8ChunkBytes;
+        for (int v = 0; v < 4; ++v) {
+          const __m512i w = _mm512_loadu_si512(chunk + 64 * v);
+          const __m512i wlo = _mm512_and_si512(w, low);
+          const __m512i whi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+          for (int r = 0; r < R; ++r) {
+            acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], wlo, xlo[r]);
+            acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], whi, xhi[r]);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * blocks + b;
+        const __m512i eight_q = _mm512_set1_epi32(8 * x.q_sum[i]);
+        const __m512 s = _mm512_set1_ps(x.scale[i]), xs = _mm512_set1_ps(x.sum[i]);
+        for (int v = 0; v < 4; ++v) {
+          const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], eight_q)), s);
+          tot[r][v] = _mm512_fmadd_ps(f, scale[v], tot[r][v]);
+          tot[r][v] = _mm512_fmadd_ps(zero[v], xs, tot[r][v]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(total + r * kI8TileRows + 16 * v, tot[r][v]);
+}
+#endif
+
+bool vnni_built() {
+#ifdef EDGE_RTGI_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+void check_i8_shape(int64_t n, int64_t k, int64_t group, const char* name) {
+  TORCH_CHECK(group > 0 && group % kI8Block == 0 && k % group == 0, "edge_rtgi::", name, ": K = ", k,
+              " must be a multiple of the group size ", group, ", itself a multiple of ", kI8Block);
+  TORCH_CHECK(n > 0 && n % kI8TileRows == 0, "edge_rtgi::", name, ": N = ", n, " must be a multiple of ",
+              kI8TileRows);
+}
+
+// ATen's CPU int4 pack and its [K/G, N, 2] bf16 scales and zeros -> the layout above.
+Tensor int4_pack_i8(const Tensor& qweight_in, int64_t group, const Tensor& sz_in) {
+  TORCH_CHECK(sz_in.scalar_type() == at::kBFloat16 && sz_in.dim() == 3 && sz_in.size(2) == 2,
+              "edge_rtgi::int4_pack_i8: scales_and_zeros must be bf16 [K/G, N, 2], got ", sz_in.sizes(), " ",
+              sz_in.scalar_type());
+  const int64_t n = sz_in.size(1), k = sz_in.size(0) * group;
+  check_i8_shape(n, k, group, "int4_pack_i8");
+  TORCH_CHECK(qweight_in.scalar_type() == at::kByte && qweight_in.numel() == n * k / 2,
+              "edge_rtgi::int4_pack_i8: qweight must be ATen's CPU int4 pack of [", n, ", ", k, "], got ",
+              qweight_in.sizes(), " ", qweight_in.scalar_type());
+  const Tensor qweight = qweight_in.contiguous(), sz = sz_in.contiguous();
+  const Int4Weights w{qweight.const_data_ptr<uint8_t>(), n, k, group};
+  const bf16_bits* szp = in_ptr<bf16_bits>(sz);
+  const int64_t groups = k / group, tile_bytes = groups * i8_group_bytes(group);
+  Tensor out = at::empty({n / kI8TileRows * tile_bytes}, qweight.options());
+  uint8_t* op = out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, n / kI8TileRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> codes(kI8TileRows * k);  // [k][64] codes minus 8, as int4_codes gives them
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kI8TileRows;
+      for (int64_t kk = 0; kk < k; ++kk) int4_codes(w, n0, kI8TileRows, kk, codes.data() + kk * kI8TileRows);
+      uint8_t* tile = op + t * tile_bytes;
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* group_start = tile + g * i8_group_bytes(group);
+        std::memcpy(group_start, szp + (g * n + n0) * 2, kI8PairBytes);
+        for (int64_t c = 0; c < group / 8; ++c) {
+          uint8_t* chunk = group_start + kI8PairBytes + c * kI8ChunkBytes;
+          const int64_t k0 = g * group + 8 * c;
+          for (int64_t j = 0; j < kI8TileRows; ++j) {
+            for (int64_t byte = 0; byte < 4; ++byte) {
+              const int lo = static_cast<int>(codes[(k0 + byte) * kI8TileRows + j]) + 8;
+              const int hi = static_cast<int>(codes[(k0 + 4 + byte) * kI8TileRows + j]) + 8;
+              chunk[j * 4 + byte] = static_cast<uint8_t>(lo | hi << 4);
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x [M, K] (bf16 or fp32) against int4_pack_i8's layout -> [M, N] in x's dtype.
+Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, int64_t n,
+                  c10::string_view loops_name) {
+  check_activation(x_in, "int4_i8_mm");
+  TORCH_CHECK(x_in.dim() == 2, "edge_rtgi::int4_i8_mm: x must be [rows, K], got ", x_in.sizes());
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  check_i8_shape(n, k, group, "int4_i8_mm");
+  const int64_t tile_bytes = k / group * i8_group_bytes(group);
+  TORCH_CHECK(packed_in.scalar_type() == at::kByte && packed_in.numel() == n / kI8TileRows * tile_bytes,
+              "edge_rtgi::int4_i8_mm: packed must be int4_pack_i8's layout of [", n, ", ", k, "] (",
+              n / kI8TileRows * tile_bytes, " uint8), got ", packed_in.sizes(), " ", packed_in.scalar_type());
+  const std::string loops(loops_name);
+  TORCH_CHECK(loops == "best" || loops == "portable", "edge_rtgi::int4_i8_mm: loops must be \"best\" or ",
+              "\"portable\", got \"", loops, "\"");
+  const Tensor x = x_in.contiguous(), packed = packed_in.contiguous();
+  Tensor out = at::empty({m, n}, x.options());
+  g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
+  Int8Rows rows;
+  if (x.scalar_type() == at::kFloat) quantize_rows_i8(in_ptr<float>(x), m, k, rows);
+  else quantize_rows_i8(in_ptr<bf16_bits>(x), m, k, rows);
+  const uint8_t* wp = packed.const_data_ptr<uint8_t>();
+  const bool vnni = vnni_built() && loops == "best";
+  auto store = [&](const float* total, int64_t r, int64_t n0) {
+    if (x.scalar_type() == at::kFloat) {
+      std::copy(total, total + kI8TileRows, out.mutable_data_ptr<float>() + r * n + n0);
+    } else {
+      bf16_bits* o = out_ptr<bf16_bits>(out) + r * n + n0;
+      for (int64_t j = 0; j < kI8TileRows; ++j) o[j] = from_f<bf16_bits>(total[j]);
+    }
+  };
+  at::parallel_for(0, n / kI8TileRows, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float total[2 * kI8TileRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = wp + t * tile_bytes;
+      const int64_t n0 = t * kI8TileRows;
+      int64_t r = 0;
+#ifdef EDGE_RTGI_VNNI
+      if (vnni) {
+        // rows in pairs: the tile's codes come from L2 again for each pair
+        for (; r + 2 <= m; r += 2) {
+          int4_i8_tile_vnni<2>(tile, k, group, rows, r, total);
+          store(total, r, n0);
+          store(total + kI8TileRows, r + 1, n0);
+        }
+        if (r < m) {
+          int4_i8_tile_vnni<1>(tile, k, group, rows, r, total);
+          store(total, r, n0);
+          ++r;
+        }
+      }
+#endif
+      for (; r < m; ++r) {
+        int4_i8_tile_portable(tile, k, group, rows, r, total);
+        store(total, r, n0);
+      }
+    }
+  });
+  (void)vnni;
+  return out;
+}
+
 // --- The layer stack of a one-token decode step -------------------------------------------------
 //
 // model.py's DecoderLayer.forward, layer after layer, for one query row, calling the kernels above
@@ -1482,12 +1789,13 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
 //   kind 0, dense:  a = weight [N, K]                     (F.linear)
 //   kind 1, int8:   a = int8 weight [N, K], b = scales [N] (aten._weight_int8pack_mm)
 //   kind 2, int4:   a = CPU-packed int4, b = scales_and_zeros [K/G, N, 2] (aten._weight_int4pack_mm_for_cpu)
+//   kind 3, int4 with int8 activations: a = int4_pack_i8's layout (scales inside), b unused (int4_i8_mm)
 
 constexpr int64_t kParamsPerLayer = 14, kMetaPerLayer = 8;
 
 Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10::optional<Tensor>& a,
                     const c10::optional<Tensor>& b, const c10::optional<Tensor>& bias) {
-  TORCH_CHECK(a.has_value() && (kind == 0 || b.has_value()),
+  TORCH_CHECK(a.has_value() && (kind == 0 || kind == 3 || b.has_value()),
               "edge_rtgi::decode_layers: a linear layer of kind ", kind, " lacks its weight or scales");
   Tensor y;
   if (kind == 0) {
@@ -1499,6 +1807,12 @@ Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10
     y = multi_row ? int8_mm(x, *a, *b, "best") : at::_weight_int8pack_mm(x, *a, *b);
   } else if (kind == 2) {
     y = multi_row ? int4_mm(x, *a, group_size, *b, "best") : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
+  } else if (kind == 3) {
+    const int64_t k = x.size(1);
+    TORCH_CHECK(group_size > 0 && k % group_size == 0, "edge_rtgi::decode_layers: int8-activation layer with K = ",
+                k, " and group size ", group_size);
+    const int64_t n = a->numel() / (k / group_size * i8_group_bytes(group_size)) * kI8TileRows;
+    y = int4_i8_mm(x, *a, group_size, n, "best");
   } else {
     TORCH_CHECK(false, "edge_rtgi::decode_layers: unknown linear kind ", kind);
   }
@@ -1576,6 +1890,9 @@ TORCH_LIBRARY(edge_rtgi, m) {
         "float scale, int block_size, int value_group) -> Tensor");
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, str loops=\"best\") -> Tensor");
   m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\") -> Tensor");
+  m.def("int4_pack_i8(Tensor qweight, int group_size, Tensor scales_and_zeros) -> Tensor");
+  m.def("int4_i8_mm(Tensor x, Tensor packed, int group_size, int n, str loops=\"best\") -> Tensor");
+  m.def("vnni_built() -> bool");
   m.def("multi_row_calls() -> int");
   m.def("multi_row_max() -> int");
 }
@@ -1585,6 +1902,7 @@ TORCH_LIBRARY_FRAGMENT(edge_rtgi, m) {
   m.impl("build_info", TORCH_FN(build_info));
   m.impl("multi_row_calls", TORCH_FN(multi_row_calls));
   m.impl("multi_row_max", TORCH_FN(multi_row_max));
+  m.impl("vnni_built", TORCH_FN(vnni_built));
 }
 
 TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
@@ -1596,4 +1914,6 @@ TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("int4_pack_i8", &int4_pack_i8);
+  m.impl("int4_i8_mm", &int4_i8_mm);
 }

@@ -78,6 +78,7 @@ class QuantLinear(nn.Module, abc.ABC):
             if group_size is None:
                 raise ValueError("an int4 layer needs its group size")
             self.group_size, self.on_cuda = group_size, False
+            self.register_buffer("i8_packed", None, persistent=False)
         return self
 
     def keep_dense_copy(self, max_kernel_rows: int) -> None:
@@ -202,6 +203,7 @@ class Int4Linear(QuantLinear):
     qweight: Tensor
     scales_and_zeros: Tensor
     row_codes: Tensor  # CUDA only
+    i8_packed: Tensor | None  # the int8-activation layout (use_int8_activations), else None
     kernel_buffers = ("qweight", "scales_and_zeros")
     fused_kind = 2  # its kind in cpu_ops' layer loop (csrc/cpu_ops.cpp)
     group_size: int
@@ -227,6 +229,36 @@ class Int4Linear(QuantLinear):
             wq = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         self.register_buffer("qweight", wq)
         self.register_buffer("scales_and_zeros", sz.to(device, dtype))
+        self.register_buffer("i8_packed", None, persistent=False)
+
+    def int8_activations_unusable(self) -> str | None:
+        """Why ``use_int8_activations`` cannot apply to this layer, or None when it can."""
+        if self.on_cuda or self.qweight.device.type != "cpu":
+            return "the int8-activation kernel is CPU-only"
+        if not cpu_ops.vnni_built():
+            return "the fused CPU kernels were built without AVX-512 VNNI (or are not loaded)"
+        if self.scales_and_zeros.dtype != torch.bfloat16:
+            return f"its scales are {self.scales_and_zeros.dtype}, the kernel reads bf16"
+        if self.out_features % 64 or self.group_size % 32:
+            return (
+                f"{self.out_features} outputs in groups of {self.group_size} inputs "
+                "(needs outputs a multiple of 64 and groups of 32)"
+            )
+        return None
+
+    def use_int8_activations(self, on: bool = True) -> None:
+        """Run this layer's CPU matmuls of 1..``cpu_ops.multi_row_max()`` rows with its activations
+        rounded to int8 per 32 inputs (``cpu_ops.int4_i8_mm``, lossy), on a copy of the weights
+        repacked for that kernel (as many bytes again as ``qweight``, plus the scales); ``on=False``
+        drops the copy. Raises ValueError where ``int8_activations_unusable`` gives a reason."""
+        if not on:
+            self.i8_packed = None
+            return
+        reason = self.int8_activations_unusable()
+        if reason is not None:
+            raise ValueError(f"int8 activations: {reason}")
+        if self.i8_packed is None:
+            self.i8_packed = cpu_ops.int4_pack_i8(self.qweight, self.group_size, self.scales_and_zeros)
 
     def _matmul(self, x2: Tensor) -> Tensor:
         scales_and_zeros = self.scales_and_zeros
@@ -234,6 +266,9 @@ class Int4Linear(QuantLinear):
             x2 = x2.to(scales_and_zeros.dtype)
         if self.on_cuda:
             return torch.ops.aten._weight_int4pack_mm(x2, self.qweight, self.group_size, scales_and_zeros)
+        packed_i8 = self.i8_packed
+        if packed_i8 is not None and cpu_ops.int8_activation_rows_usable(x2):
+            return cpu_ops.int4_i8_mm(x2, packed_i8, self.group_size, self.out_features)
         if cpu_ops.multi_row_usable(x2):
             return cpu_ops.int4_mm(x2, self.qweight, self.group_size, scales_and_zeros)
         return self._aten(x2)
@@ -307,6 +342,41 @@ class TiedQuantEmbedding(nn.Module):
         else:
             raise TypeError(f"no tied embedding for a {type(head).__name__} head")
         return head.gather_rows(flat, dtype).view(*ids.shape, self.embedding_dim)
+
+
+def set_int8_activations(model: nn.Module, on: bool) -> int:
+    """``use_int8_activations(on)`` on every int4 layer of ``model`` that can take it; returns how
+    many layers now round their activations to int8 (0 where none can: no AVX-512 VNNI, CUDA,
+    fp32 scales). The layer loop's cached plan is dropped, as the layers' kind changes."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            if on and module.int8_activations_unusable() is None:
+                module.use_int8_activations(True)
+                count += 1
+            elif not on:
+                module.use_int8_activations(False)
+    cpu_ops.forget_plan(model)
+    return count
+
+
+def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
+    """The engine's ``int8_activations`` setting on ``model``: False switches the int8-activation
+    kernel off; "auto" switches it on for every int4 layer that can take it (CPU kernels built with
+    AVX-512 VNNI, bf16 scales); True does the same and logs one warning, with the reason, where no
+    layer can. Returns how many layers now round their activations to int8."""
+    if setting is False:
+        if any(isinstance(m, Int4Linear) and m.i8_packed is not None for m in model.modules()):
+            set_int8_activations(model, False)
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    if layers and not layers[0].on_cuda:
+        cpu_ops.load()  # vnni_built() reads the loaded library
+    count = set_int8_activations(model, True)
+    if count == 0 and setting is True:
+        reason = layers[0].int8_activations_unusable() if layers else "the model has no int4 layers"
+        log.warning("int8_activations: true, but no layer can take it (%s); kept off", reason)
+    return count
 
 
 def set_max_kernel_rows(model: nn.Module, max_kernel_rows: int) -> None:
