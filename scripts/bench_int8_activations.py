@@ -50,7 +50,7 @@ from edge_rtgi.llm.model import ContiguousKVCache, Transformer
 from edge_rtgi.llm.quant.kernels import Int4Linear
 from edge_rtgi.llm.request import RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
-from edge_rtgi.llm.weights import load_model
+from edge_rtgi.llm.weights import LoadedModel, load_model
 
 WORKLOADS = ("code", "translation", "dialogue", "voice")
 MAX_TOKENS = 48
@@ -66,7 +66,9 @@ class Switch:
 
     @classmethod
     def build(cls, model: Transformer) -> Switch:
-        layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+        layers = [
+            m for m in model.modules() if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None
+        ]
         for layer in layers:
             layer.use_int8_activations(True)
         return cls(model, layers, [layer.i8_packed for layer in layers if layer.i8_packed is not None])
@@ -147,7 +149,7 @@ def decode_logits(model: Transformer, prompt: list[int], continuation: list[int]
     return torch.cat(rows)
 
 
-def kl_part(full, model: Transformer, switch: Switch, prompts: list[list[int]]) -> dict:
+def kl_part(full: LoadedModel, model: Transformer, switch: Switch, prompts: list[list[int]]) -> dict:
     out: dict[str, dict] = {}
     sequences = []
     for prompt in prompts:
@@ -174,7 +176,9 @@ def kl_part(full, model: Transformer, switch: Switch, prompts: list[list[int]]) 
     return out
 
 
-def quality(engine: LLMEngine, switch: Switch, full, names: list[str], limit: int | None) -> dict:
+def quality(
+    engine: LLMEngine, switch: Switch, full: LoadedModel, names: list[str], limit: int | None
+) -> dict:
     context = shared_context_tokens(engine, full)
     out = {}
     for name in names:

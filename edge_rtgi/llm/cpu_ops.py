@@ -499,8 +499,8 @@ def int8_activation_rows_usable(x: Tensor) -> bool:
 
 
 def multi_row_calls() -> int:
-    """How many ``int4_mm`` / ``int8_mm`` calls this process has made, from Python or from the
-    layer loop (tests check with it that a step really took them); 0 when not loaded."""
+    """How many ``int4_mm`` / ``int8_mm`` / ``int4_i8_mm`` calls this process has made, from Python or
+    from the layer loop (tests check with it that a step really took them); 0 when not loaded."""
     return _ops.multi_row_calls() if _ops is not None else 0
 
 
@@ -531,7 +531,7 @@ def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, loops: str = "best") -> 
 def int4_pack_i8(qweight: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:
     """ATen's CPU int4 pack and its bf16 ``[K/G, N, 2]`` scales and zeros repacked into the layout
     ``int4_i8_mm`` reads (csrc/cpu_ops.cpp: tiles of 64 outputs, scales inside; same size plus the
-    scales). N must be a multiple of 64, the group size of 32."""
+    scales). N must be a multiple of 64, the group size a multiple of 32."""
     if _ops is None:
         raise RuntimeError("int4_pack_i8 called without the fused CPU kernels loaded")
     return _ops.int4_pack_i8.default(qweight, group_size, scales_and_zeros)
@@ -655,7 +655,9 @@ def _build_plan(model) -> _LayerPlan | None:
             # bound either way, so that switching the layer's int8 activations drops the plan
             packed_i8 = bind(linear, ("i8_packed",))[0] if fused_kind == 2 else None
             if packed_i8 is not None:
-                # kind 3: int4 weights against int8 activations (int4_i8_mm, scales inside)
+                # kind 3: int4 weights against int8 activations (int4_i8_mm, scales inside), which
+                # takes as many rows as the Python layers give it (int8_activation_rows_usable)
+                max_rows = min(max_rows, _multi_row_max)
                 params += [packed_i8, None, *bind(linear, ("bias",))]
                 meta += [3, linear.group_size]
                 continue

@@ -93,7 +93,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_speculative(self.speculative)  # ValueError naming speculative.k / .draft
-        if self.int8_activations not in (True, False, "auto"):
+        if not (isinstance(self.int8_activations, bool) or self.int8_activations == "auto"):  # not 0 / 1
             raise ValueError(f"int8_activations must be true, false or auto, got {self.int8_activations!r}")
         if self.yield_to_foreground_ms < 0:
             raise ValueError(f"yield_to_foreground_ms must be >= 0, got {self.yield_to_foreground_ms}")

@@ -475,6 +475,8 @@ def test_int8_activations_give_the_same_bits_in_the_layer_loop_and_the_python_la
     assert cpu_ops.layer_loop_steps() - steps == len(ids)
     monkeypatch.setattr(cpu_ops, "run_decode_layers", lambda *args: None)
     assert torch.equal(loop, decode_logits(loaded, ids))
+    # no dense copies under an explicit int4 scheme: the layer loop stops where the kernel does
+    assert cpu_ops.fused_decode_max_rows(loaded.model) == cpu_ops.multi_row_max()
 
 
 @pytest.mark.skipif(not cpu_ops.vnni_built(), reason="int8 activations need the AVX-512 VNNI loops")
@@ -505,8 +507,9 @@ def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(fol
 def test_int8_activations_setting_is_checked_and_says_when_it_cannot_apply(folder, caplog):
     from edge_rtgi.llm.engine_config import EngineConfig
 
-    with pytest.raises(ValueError, match="int8_activations"):
-        EngineConfig(int8_activations="yes")
+    for bad in ("yes", 0, 1):  # 0 == False in Python; a YAML 0 must not pass for false
+        with pytest.raises(ValueError, match="int8_activations"):
+            EngineConfig(int8_activations=bad)
     loaded = load_model(folder, device="cpu", dtype="fp32")  # fp32 scales: the kernel reads bf16
     apply_engine_quant(loaded.model, "int4-g32")
     with caplog.at_level("WARNING"):

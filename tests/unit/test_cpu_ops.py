@@ -776,3 +776,33 @@ def test_int4_layers_with_int8_activations_take_the_kernel_for_1_row_to_their_wi
     assert torch.equal(layer(x), real(x, layer.i8_packed, 32, 128)) and not torch.equal(layer(x), plain)
     layer.use_int8_activations(False)
     assert layer.i8_packed is None and torch.equal(layer(x), plain)
+
+
+def test_int8_activation_quantiser_keeps_tiny_and_zero_blocks_finite_and_alike_in_both_loops():
+    """A block whose max|x| is so small that 127 / max|x| overflows (or all zeros) rounds to q = 0
+    in both loops instead of saturating; the rest of the row is unaffected."""
+    packed, layer = quant_layer("int4-g32", 64, 128, torch.bfloat16)
+    i8 = cpu_ops.int4_pack_i8(layer.qweight, 32, layer.scales_and_zeros)
+    for x_dtype in DTYPES:
+        x = torch.randn(2, 128).to(x_dtype)
+        x[0, :32] = 1e-38  # 127 / 1e-38 is not a finite float
+        x[1, 32:64] = 0.0
+        got = cpu_ops.int4_i8_mm(x, i8, 32, 64)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, cpu_ops.int4_i8_mm(x, i8, 32, 64, "portable"))
+        rest = x.clone()
+        rest[0, :32] = 0.0
+        # the same up to one rounding: the tiny zero term can tip an exact tie in a later sum
+        want = cpu_ops.int4_i8_mm(rest, i8, 32, 64).float()
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
+
+
+def test_int8_activations_are_dropped_when_a_layer_can_no_longer_take_them():
+    from edge_rtgi.llm.quant.kernels import set_int8_activations
+
+    if not cpu_ops.vnni_built():
+        pytest.skip("no AVX-512 VNNI loops in this build")
+    model = torch.nn.Sequential(quant_layer("int4-g32", 128, 64, torch.bfloat16)[1])
+    assert set_int8_activations(model, True) == 1 and model[0].i8_packed is not None
+    model[0].scales_and_zeros = model[0].scales_and_zeros.float()  # as model.float() leaves it
+    assert set_int8_activations(model, True) == 0 and model[0].i8_packed is None

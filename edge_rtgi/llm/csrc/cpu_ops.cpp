@@ -1486,7 +1486,7 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
 //     64 (scale, zero) bf16 pairs (256 bytes), then G/8 chunks of 256 bytes: 4 vectors of 16
 //     outputs x 4 bytes, byte b of output j in chunk c = code(j, 8c + b) | code(j, 8c + 4 + b) << 4.
 // Per 32 inputs of a row: s = max|x| / 127, q = round(x * 127 / max|x|) (ties to even), and the
-// exact sum of x; then for every output
+// sum of x (fp32, a fixed order); then for every output
 //   y += scale_g * (s * (sum_k code_k q_k - 8 sum_k q_k)) + zero_g * sum_k x_k
 // in that order in both loops, so the VNNI and the plain loops give the same bits.
 
@@ -1501,7 +1501,7 @@ inline int64_t i8_group_bytes(int64_t group) { return kI8PairBytes + group / 8 *
 struct Int8Rows {
   std::vector<int8_t> q;         // [m][k]
   std::vector<float> scale;      // [m][k/32]: max|x| / 127
-  std::vector<float> sum;        // [m][k/32]: the exact sum of x (for the zero term)
+  std::vector<float> sum;        // [m][k/32]: the fp32 sum of x in sum32_halving's order (zero term)
   std::vector<int32_t> q_sum;    // [m][k/32]: the sum of q
 };
 
@@ -1513,6 +1513,13 @@ inline float sum32_halving(const float* v) {
   for (int w = 8; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) s[i] = s[i] + s[i + w];
   return s[0];
+}
+
+// 127 / max|x|, or 0 where that is not finite (all zeros, or so small that the quotient overflows:
+// then every q is 0 in both loops rather than saturated).
+inline float i8_inverse_step(float top) {
+  const float inv = 127.f / top;
+  return top > 0.f && std::isfinite(inv) ? inv : 0.f;
 }
 
 template <typename T>
@@ -1530,7 +1537,7 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
 #ifdef EDGE_RTGI_AVX512
       const __m512 f0 = load16(p), f1 = load16(p + 16);
       const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
-      const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      const __m512 inv = _mm512_set1_ps(i8_inverse_step(top));
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round to nearest even
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
@@ -1549,10 +1556,11 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
         f[j] = to_f(p[j]);
         top = std::max(top, std::fabs(f[j]));
       }
-      const float inv = top > 0.f ? 127.f / top : 0.f;
+      const float inv = i8_inverse_step(top);
       int32_t q_sum = 0;
       for (int64_t j = 0; j < kI8Block; ++j) {
-        const float v = std::nearbyint(f[j] * inv);
+        float v = std::nearbyint(f[j] * inv);
+        if (v != v) v = 0.f;  // NaN activations: what the vector path's conversion gives is not defined either
         q[j] = static_cast<int8_t>(std::clamp(v, -128.f, 127.f));
         q_sum += q[j];
       }
@@ -1808,9 +1816,12 @@ Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10
   } else if (kind == 2) {
     y = multi_row ? int4_mm(x, *a, group_size, *b, "best") : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
   } else if (kind == 3) {
+    // the Python layers take int4_i8_mm for as many rows (int8_activation_rows_usable), so both agree
+    TORCH_CHECK(rows <= kMultiRowMax, "edge_rtgi::decode_layers: ", rows, " rows on an int8-activation layer, ",
+                "which takes 1..", kMultiRowMax, " (cpu_ops caps the layer loop's rows)");
     const int64_t k = x.size(1);
-    TORCH_CHECK(group_size > 0 && k % group_size == 0, "edge_rtgi::decode_layers: int8-activation layer with K = ",
-                k, " and group size ", group_size);
+    TORCH_CHECK(group_size > 0 && group_size % kI8Block == 0 && k % group_size == 0,
+                "edge_rtgi::decode_layers: int8-activation layer with K = ", k, " and group size ", group_size);
     const int64_t n = a->numel() / (k / group_size * i8_group_bytes(group_size)) * kI8TileRows;
     y = int4_i8_mm(x, *a, group_size, n, "best");
   } else {

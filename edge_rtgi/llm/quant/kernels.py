@@ -354,7 +354,7 @@ def set_int8_activations(model: nn.Module, on: bool) -> int:
             if on and module.int8_activations_unusable() is None:
                 module.use_int8_activations(True)
                 count += 1
-            elif not on:
+            else:  # off, or no longer usable (a model moved to fp32 or CUDA): drop any old copy
                 module.use_int8_activations(False)
     cpu_ops.forget_plan(model)
     return count
@@ -363,8 +363,9 @@ def set_int8_activations(model: nn.Module, on: bool) -> int:
 def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
     """The engine's ``int8_activations`` setting on ``model``: False switches the int8-activation
     kernel off; "auto" switches it on for every int4 layer that can take it (CPU kernels built with
-    AVX-512 VNNI, bf16 scales); True does the same and logs one warning, with the reason, where no
-    layer can. Returns how many layers now round their activations to int8."""
+    AVX-512 VNNI, bf16 scales), except where the CPU has AMX tiles; True does the same (AMX or not)
+    and logs one warning, with the reason, where no layer can. Returns how many layers now round
+    their activations to int8."""
     if setting is False:
         if any(isinstance(m, Int4Linear) and m.i8_packed is not None for m in model.modules()):
             set_int8_activations(model, False)
@@ -372,6 +373,11 @@ def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     if layers and not layers[0].on_cuda:
         cpu_ops.load()  # vnni_built() reads the loaded library
+    if setting == "auto" and cpu_ops.build_info() == "avx512-bf16-amx":
+        # AMX tiles run 2..32 rows in bf16 at little more than one row's cost; the int8 kernel's
+        # rows cost more, and it was never measured against them: auto leaves such CPUs as they are
+        set_int8_activations(model, False)
+        return 0
     count = set_int8_activations(model, True)
     if count == 0 and setting is True:
         reason = layers[0].int8_activations_unusable() if layers else "the model has no int4 layers"
