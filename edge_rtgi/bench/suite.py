@@ -86,8 +86,8 @@ class Optimisations:
     stopping: str = "eos"  # or "clause": a budget is soft and ends the reply at a clause
     # the engine's speculative decoding: "off", "auto" or "<draft>:<k>" (llm.speculative)
     speculative: str = "off"
-    # int4 layers' decode matmuls on int8 activations: "off", "auto" or "on" (llm.quant.kernels)
-    int8_activations: str = "off"
+    # int4 layers' decode matmuls on int8 activations: "auto" (as the engine ships), "off" or "on"
+    int8_activations: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.quant, str) and self.quant.lower() in ("none", ""):
@@ -153,8 +153,7 @@ class Optimisations:
             or self.window() is not None
             or self.eviction is not None
             or self.token_budget != "off"
-            or self.int8_activations != "off"
-        )
+        )  # int8_activations only acts on quantised layers: quant already counts
 
     def changed(self, spec: str) -> Optimisations:
         """Apply an ablation: one ``field=value`` change, or several joined by commas

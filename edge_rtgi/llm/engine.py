@@ -259,8 +259,13 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
-        # a property of the model's layers: engines sharing one model share it (the last one set)
-        self.int8_activation_layers = apply_int8_activations(model, self.config.int8_activations)
+        # a property of the model's layers: engines sharing one model share it (the last one set).
+        # auto steps aside for speculative decoding: a verification step wider than the kernel's
+        # rows would see unrounded activations, and greedy output must not depend on drafts
+        rounding = self.config.int8_activations
+        if rounding == "auto" and self.config.speculation().enabled:
+            rounding = False
+        self.int8_activation_layers = apply_int8_activations(model, rounding)
         mcfg = model.config
         window = self.config.kv_window
         if window is None:

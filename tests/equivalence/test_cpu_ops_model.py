@@ -502,6 +502,10 @@ def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(fol
     # a later engine on the same model with the setting off puts the layers back
     assert engine_for(loaded, int8_activations=False).int8_activation_layers == 0
     assert all(m.i8_packed is None for m in loaded.model.modules() if hasattr(m, "i8_packed"))
+    # the default (auto) is on, and steps aside where speculative decoding is on
+    assert engine_for(loaded).int8_activation_layers > 0
+    assert engine_for(loaded, speculative="ngram:2").int8_activation_layers == 0
+    assert engine_for(loaded, speculative="ngram:2", int8_activations=True).int8_activation_layers > 0
 
 
 def test_int8_activations_setting_is_checked_and_says_when_it_cannot_apply(folder, caplog):
