@@ -26,7 +26,6 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,36 +46,13 @@ from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.engine import LLMEngine
 from edge_rtgi.llm.generate import generate
 from edge_rtgi.llm.model import ContiguousKVCache, Transformer
-from edge_rtgi.llm.quant.kernels import Int4Linear
+from edge_rtgi.llm.quant.kernels import Int8ActivationSwitch
 from edge_rtgi.llm.request import RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.weights import LoadedModel, load_model
 
 WORKLOADS = ("code", "translation", "dialogue", "voice")
 MAX_TOKENS = 48
-
-
-@dataclass
-class Switch:
-    """The model's int4 layers and their int8-activation copies, switched on and off cheaply."""
-
-    model: Transformer
-    layers: list[Int4Linear]
-    packed: list[torch.Tensor]
-
-    @classmethod
-    def build(cls, model: Transformer) -> Switch:
-        layers = [
-            m for m in model.modules() if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None
-        ]
-        for layer in layers:
-            layer.use_int8_activations(True)
-        return cls(model, layers, [layer.i8_packed for layer in layers if layer.i8_packed is not None])
-
-    def set(self, on: bool) -> None:
-        for layer, packed in zip(self.layers, self.packed, strict=True):
-            layer.i8_packed = packed if on else None
-        cpu_ops.forget_plan(self.model)
 
 
 def decode_rate(engine: LLMEngine, prompts: list[list[int]]) -> tuple[int, float]:
@@ -96,7 +72,9 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]]) -> tuple[int, float
     return sum(sum(len(x.token_ids) for x in d[1:]) for d in deltas.values()), cpu_s
 
 
-def speed(engine: LLMEngine, switch: Switch, prompts: list[list[int]], runs: int, batch: int) -> dict:
+def speed(
+    engine: LLMEngine, switch: Int8ActivationSwitch, prompts: list[list[int]], runs: int, batch: int
+) -> dict:
     groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     for on in (False, True):  # warm-up
         switch.set(on)
@@ -149,7 +127,9 @@ def decode_logits(model: Transformer, prompt: list[int], continuation: list[int]
     return torch.cat(rows)
 
 
-def kl_part(full: LoadedModel, model: Transformer, switch: Switch, prompts: list[list[int]]) -> dict:
+def kl_part(
+    full: LoadedModel, model: Transformer, switch: Int8ActivationSwitch, prompts: list[list[int]]
+) -> dict:
     out: dict[str, dict] = {}
     sequences = []
     for prompt in prompts:
@@ -177,7 +157,7 @@ def kl_part(full: LoadedModel, model: Transformer, switch: Switch, prompts: list
 
 
 def quality(
-    engine: LLMEngine, switch: Switch, full: LoadedModel, names: list[str], limit: int | None
+    engine: LLMEngine, switch: Int8ActivationSwitch, full: LoadedModel, names: list[str], limit: int | None
 ) -> dict:
     context = shared_context_tokens(engine, full)
     out = {}
@@ -219,7 +199,7 @@ def main() -> None:
     engine = stepped_engine(args.threads)
     if not cpu_ops.vnni_built():
         raise SystemExit("the fused CPU kernels have no AVX-512 VNNI loops here: nothing to compare")
-    switch = Switch.build(engine.model)
+    switch = Int8ActivationSwitch.build(engine.model)
     tok = engine.tokenizer
     assert tok is not None
     result: dict = {

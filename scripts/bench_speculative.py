@@ -10,11 +10,13 @@ each figure is the median over runs of the decode rate over a workload's prompts
 first, over the time after the first). Beside the ratio of medians, the median and range over runs
 of each run's own ratio to ``off`` (paired within the run).
 The adaptive setting keeps its speculator across runs: learning is part of what it does.
-Settings: off; ``auto`` as the engine builds it (the n-gram draft and the ``retrieval`` draft
-over the catalogue's reply store); with ``--plain-cost-table`` also ``auto-ema`` (the same with
-the step-cost table's plain per-size EMAs, as before it followed the machine's drift);
-``auto-ngram`` (the n-gram draft alone, what ``auto`` ran
-before the reply store); ``auto-eagle`` (``auto`` plus the trained draft, the catalogue's or
+Settings: off; ``off-int8`` (plain decoding on int8 activations, the engine's default without
+speculation where the CPU has AVX-512 VNNI; every other setting runs without them, as
+``int8_activations: auto`` steps aside for speculation, docs/engine.md); ``auto`` as the engine
+builds it (the n-gram draft and the ``retrieval`` draft over the catalogue's reply store); with
+``--plain-cost-table`` also ``auto-ema`` (the same with the step-cost table's plain per-size EMAs,
+as before it followed the machine's drift); ``auto-ngram`` (the n-gram draft alone, what ``auto``
+ran before the reply store); ``auto-eagle`` (``auto`` plus the trained draft, the catalogue's or
 ``--draft-model``; not with ``--no-eagle``); each draft at fixed k; with ``--llamacpp K`` also
 llama.cpp on the same GGUF and prompts, plain and with llama-cpp-python's prompt-lookup
 speculation of K tokens (``pip install 'edge-rtgi[llamacpp]'``).
@@ -46,7 +48,7 @@ from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.catalog import resolve_model
 from edge_rtgi.llm.engine import LLMEngine, build_speculator, load_eagle_draft, load_retrieval_draft
-from edge_rtgi.llm.quant.kernels import set_max_kernel_rows
+from edge_rtgi.llm.quant.kernels import Int8ActivationSwitch, set_max_kernel_rows
 from edge_rtgi.llm.request import RequestClass, RequestDelta
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import (
@@ -77,6 +79,9 @@ MAX_TOKENS = 48
 class Setting:
     name: str
     speculator: Speculator | None
+    # the int4 layers on int8 activations (the engine's default without speculation; with it,
+    # int8_activations: auto steps aside, so every speculative setting runs without)
+    int8: bool = False
     rates: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # (wall, cpu) tok/s
     accepted: dict[str, list[int]] = field(default_factory=dict)  # [drafts, accepted, verify steps]
 
@@ -112,9 +117,12 @@ def prompts_for(engine: LLMEngine, workload: str, count: int) -> list[tuple[list
     return [(list(p.prompt_token_ids), RequestClass(p.request_class)) for p in prepared]
 
 
-def run_one(engine: LLMEngine, setting: Setting, workload: str, prompts) -> DecodeTiming:
+def run_one(
+    engine: LLMEngine, setting: Setting, workload: str, prompts, switch: Int8ActivationSwitch
+) -> DecodeTiming:
     """Decoding ``prompts``: tokens after each first token, and the wall time and this process's
     CPU time they took (on a shared machine the CPU time is the steadier of the two)."""
+    switch.set(setting.int8)
     engine.speculator = setting.speculator
     engine.runner.collect_features = setting.speculator is not None and setting.speculator.wants_features
     before = engine.stats()
@@ -304,9 +312,16 @@ def main() -> None:
         metavar="K",
         help="also llama.cpp on the same GGUF, plain and with its prompt-lookup draft of K tokens",
     )
+    ap.add_argument(
+        "--auto-int8",
+        action="store_true",
+        help="also auto on int8 activations (int8_activations: true; auto steps aside for speculation)",
+    )
     args = ap.parse_args()
     engine = stepped_engine(args.threads)
     config = engine.config
+    switch = Int8ActivationSwitch.build(engine.model)
+    switch.set(False)  # the engine as it runs with speculation on (int8_activations: auto steps aside)
     if args.step_costs:
         limits = tuple(int(m) for m in args.step_costs.split(","))
         sizes = tuple(int(n) for n in args.step_sizes.split(","))
@@ -336,6 +351,10 @@ def main() -> None:
         Setting("auto", auto),
         Setting("auto-ngram", Speculator(SpeculativeConfig("auto"), [NgramDraft()])),
     ]
+    if switch.layers:  # the default without speculation, where the CPU has VNNI (docs/engine.md)
+        settings.insert(1, Setting("off-int8", None, int8=True))
+        if args.auto_int8:  # int8_activations: true with speculation (lossless only within the kernel's rows)
+            settings.append(Setting("auto-int8", speculator(SpeculativeConfig("auto")), int8=True))
     if args.plain_cost_table:
         ema = speculator(SpeculativeConfig("auto"))
         ema.costs = ema.policy.costs = StepCostTable(follow_speed=False)
@@ -362,7 +381,7 @@ def main() -> None:
         ap.error(f"settings must have different names, got {names}")
     prompts = {w: prompts_for(engine, w, args.prompts) for w in workloads}
     for w in workloads:  # warm-up: first-call kernels, allocator
-        run_one(engine, settings[0], w, prompts[w][:1])
+        run_one(engine, settings[0], w, prompts[w][:1], switch)
     order = random.Random(0)
     load_before = os.getloadavg()
     started = time.time()
@@ -375,11 +394,12 @@ def main() -> None:
                 for s in shuffled:
                     one = [prompt]
                     timings[s.name].add(
-                        run_peer(s, one) if isinstance(s, PeerSetting) else run_one(engine, s, w, one)
+                        run_peer(s, one) if isinstance(s, PeerSetting) else run_one(engine, s, w, one, switch)
                     )
             for s in settings:
                 s.rates.setdefault(w, []).append(timings[s.name].rates)
     load_after = os.getloadavg()
+    switch.set(False)
     costs = {n: c for (_, n), c in step_costs(engine, COST_SIZES, max(args.runs, 5) * 2).items()}
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {args.runs} runs, "

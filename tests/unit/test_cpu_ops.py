@@ -806,3 +806,23 @@ def test_int8_activations_are_dropped_when_a_layer_can_no_longer_take_them():
     assert set_int8_activations(model, True) == 1 and model[0].i8_packed is not None
     model[0].scales_and_zeros = model[0].scales_and_zeros.float()  # as model.float() leaves it
     assert set_int8_activations(model, True) == 0 and model[0].i8_packed is None
+
+
+def test_the_int8_activation_switch_makes_copies_once_and_flips_them():
+    from edge_rtgi.llm.quant.kernels import Int8ActivationSwitch
+
+    model = torch.nn.Sequential(
+        quant_layer("int4-g32", 128, 64, torch.bfloat16)[1],
+        quant_layer("int4-g32", 80, 128, torch.bfloat16)[1],
+    )
+    switch = Int8ActivationSwitch.build(model)
+    if not cpu_ops.vnni_built():
+        assert switch.layers == [] and model[0].i8_packed is None
+        return
+    assert switch.layers == [model[0]]  # 80 outputs: not a whole 64-row tile
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    rounded = model[0](x)
+    switch.set(False)
+    assert model[0].i8_packed is None and not torch.equal(model[0](x), rounded)
+    switch.set(True)
+    assert model[0].i8_packed is switch.packed[0] and torch.equal(model[0](x), rounded)

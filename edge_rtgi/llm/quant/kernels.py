@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -358,6 +359,35 @@ def set_int8_activations(model: nn.Module, on: bool) -> int:
                 module.use_int8_activations(False)
     cpu_ops.forget_plan(model)
     return count
+
+
+@dataclass
+class Int8ActivationSwitch:
+    """A model's int4 layers that can take int8 activations, with their repacked copies made once,
+    switched on and off without repacking: benchmarks compare both kernels on one engine."""
+
+    model: nn.Module
+    layers: list[Int4Linear]
+    packed: list[Tensor]
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Int8ActivationSwitch:
+        """Make the copies of every layer that can take them (none: an empty switch)."""
+        layers = [
+            m for m in model.modules() if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None
+        ]
+        packed = []
+        for layer in layers:
+            layer.use_int8_activations(True)
+            assert layer.i8_packed is not None  # use_int8_activations(True) made it
+            packed.append(layer.i8_packed)
+        return cls(model, layers, packed)
+
+    def set(self, on: bool) -> None:
+        """Int8 activations on every switched layer (True) or none (False)."""
+        for layer, packed in zip(self.layers, self.packed, strict=True):
+            layer.i8_packed = packed if on else None
+        cpu_ops.forget_plan(self.model)
 
 
 def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
