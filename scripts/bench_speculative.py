@@ -351,7 +351,7 @@ def main() -> None:
         Setting("auto", auto),
         Setting("auto-ngram", Speculator(SpeculativeConfig("auto"), [NgramDraft()])),
     ]
-    if switch.layers:  # the default without speculation, where the CPU has VNNI (docs/engine.md)
+    if engine.int8_activation_layers:  # the default without speculation here (VNNI, no AMX; docs/engine.md)
         settings.insert(1, Setting("off-int8", None, int8=True))
         if args.auto_int8:  # int8_activations: true with speculation (lossless only within the kernel's rows)
             settings.append(Setting("auto-int8", speculator(SpeculativeConfig("auto")), int8=True))

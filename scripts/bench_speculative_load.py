@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Speculation under concurrent load: ``auto`` as the engine builds it (the n-gram draft and the
 catalogue's reply store), and ``auto-ngram`` (the n-gram draft alone, the earlier runs' ``auto``),
-against ``off`` on one engine.
+against ``off`` on one engine. ``off`` runs on int8 activations where the engine's default turns them
+on (``int8_activations: auto``, a VNNI CPU without AMX), the speculative settings without them, as
+the engine runs each (auto steps aside for speculation).
 
 16 prompts (4 each of dialogue, voice, code, translation), 48 tokens, greedy, submitted in groups
 of 1 and of 8 at once; per setting the median over 3 rounds, the settings in a rotating order, of
@@ -18,11 +20,14 @@ import time
 from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.llm.engine import build_speculator
+from edge_rtgi.llm.quant.kernels import Int8ActivationSwitch
 from edge_rtgi.llm.request import RequestClass
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import NgramDraft, SpeculativeConfig, Speculator
 
 engine = stepped_engine(2)
+rounding = engine.int8_activation_layers > 0  # what the default gives plain decoding here
+switch = Int8ActivationSwitch.build(engine.model)
 tok = engine.tokenizer
 items = []
 for w in ("dialogue", "voice", "code", "translation"):
@@ -32,6 +37,7 @@ for w in ("dialogue", "voice", "code", "translation"):
 
 
 def run(spec, batch):
+    switch.set(rounding and spec is None)
     engine.speculator = spec
     res = []
     for start in range(0, len(items), batch):

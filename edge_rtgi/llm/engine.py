@@ -259,11 +259,17 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = model.eval()
         self.tokenizer = tokenizer
-        # a property of the model's layers: engines sharing one model share it (the last one set).
-        # auto steps aside for speculative decoding: a verification step wider than the kernel's
-        # rows would see unrounded activations, and greedy output must not depend on drafts
+        spec = self.config.speculation()
+        self.speculator = (
+            build_speculator(spec, model, tokenizer, self.config.model) if spec.enabled else None
+        )
+        # a property of the model's layers: engines sharing one model share it (the last one set);
+        # set before the runner reads the layer loop's width. auto steps aside where drafts run:
+        # their verification steps, wider than the kernel's rows, would take the unrounded dense
+        # copies while plain steps round, moving a request's numbers further than the bf16 kernels'
+        # own differences do
         rounding = self.config.int8_activations
-        if rounding == "auto" and self.config.speculation().enabled:
+        if rounding == "auto" and self.speculator is not None:
             rounding = False
         self.int8_activation_layers = apply_int8_activations(model, rounding)
         mcfg = model.config
@@ -314,10 +320,6 @@ class LLMEngine:
             self.step_model,
         )
         self._turn_starts, self._sentence_ends = _segment_tokens(tokenizer, eviction)
-        spec = self.config.speculation()
-        self.speculator = (
-            build_speculator(spec, model, tokenizer, self.config.model) if spec.enabled else None
-        )
         self.runner.collect_features = self.speculator is not None and self.speculator.wants_features
         tok_eos = getattr(tokenizer, "eos_token_ids", ()) if tokenizer is not None else ()
         self.eos_token_ids = frozenset((*mcfg.eos_token_ids, *tok_eos))

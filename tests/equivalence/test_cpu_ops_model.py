@@ -506,6 +506,10 @@ def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(fol
     assert engine_for(loaded).int8_activation_layers > 0
     assert engine_for(loaded, speculative="ngram:2").int8_activation_layers == 0
     assert engine_for(loaded, speculative="ngram:2", int8_activations=True).int8_activation_layers > 0
+    # a draft refused at load (the catalogue's reply store is for SmolLM2's tokenizer): no speculator
+    # runs, so the kernel stays on
+    refused = engine_for(loaded, speculative="retrieval:3")
+    assert refused.speculator is None and refused.int8_activation_layers > 0
 
 
 def test_int8_activations_setting_is_checked_and_says_when_it_cannot_apply(folder, caplog):
