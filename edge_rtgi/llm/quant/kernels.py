@@ -372,15 +372,13 @@ class Int8ActivationSwitch:
 
     @classmethod
     def build(cls, model: nn.Module) -> Int8ActivationSwitch:
-        """Make the copies of every layer that can take them (none: an empty switch)."""
-        layers = [
-            m for m in model.modules() if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None
-        ]
-        packed = []
-        for layer in layers:
-            layer.use_int8_activations(True)
-            assert layer.i8_packed is not None  # use_int8_activations(True) made it
-            packed.append(layer.i8_packed)
+        """Make the copies of every layer that can take them (none: an empty switch); left on."""
+        set_int8_activations(model, True)
+        layers, packed = [], []
+        for m in model.modules():
+            if isinstance(m, Int4Linear) and m.i8_packed is not None:
+                layers.append(m)
+                packed.append(m.i8_packed)
         return cls(model, layers, packed)
 
     def set(self, on: bool) -> None:
