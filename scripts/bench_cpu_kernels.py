@@ -23,6 +23,8 @@ verifying k draft tokens, or of a decode batch; ``--row-counts`` for others), in
 round:
 - "shipped": what ``Int4Linear`` / ``Int8Linear`` run (ATen's kernel at 1 row, ``cpu_ops.int4_mm`` /
   ``int8_mm`` at 2..32 rows);
+- "int8 act": ``cpu_ops.int4_i8_mm`` on each int4 layer's repacked weights, activations rounded to
+  int8 (what ``int8_activations: auto`` runs; only where the library has the VNNI loops);
 - "avx512": the same kernels with their AVX-512 BF16 loops instead of AMX tiles;
 - "aten": ATen's weight-only kernels at every row count (the old path, which pays the weights per row);
 - "dense": ``F.linear`` on the dequantised bf16 copy that ``quant: auto`` keeps for wide inputs.
@@ -68,6 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from edge_rtgi.catalog import resolve_model
+from edge_rtgi.device import release_cpu_workers
 from edge_rtgi.llm import cpu_ops
 from edge_rtgi.llm.model import ContiguousKVCache
 from edge_rtgi.llm.quant import apply_engine_quant
@@ -137,14 +140,32 @@ def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_C
             return cpu_ops.int4_mm(x, layer.qweight, layer.group_size, layer.scales_and_zeros, "avx512")
         return cpu_ops.int8_mm(x, layer.qweight, layer.scales, "avx512")
 
+    # int4_i8_mm on each int4 layer's own repacked weights (the LM head keeps its int8 kernel),
+    # packed here rather than switched on, so that "shipped" stays the bf16-activation path
+    i8_packs = {}
+    if cpu_ops.vnni_built():
+        for m in layers:
+            if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None:
+                i8_packs[id(m)] = cpu_ops.int4_pack_i8(m.qweight, m.group_size, m.scales_and_zeros)
+        release_cpu_workers()
+
+    def int8_activations(layer, x):
+        packed = i8_packs.get(id(layer))
+        if packed is None:
+            return layer._matmul(x)
+        return cpu_ops.int4_i8_mm(x, packed, layer.group_size, layer.out_features)
+
     paths = {
         "shipped": lambda layer, x: layer._matmul(x),
+        "int8 act": int8_activations,
         "avx512": avx512,
         "aten": lambda layer, x: layer._aten(x),
         "dense": lambda layer, x: F.linear(x, layer.dense_weight),
     }
     if any(m.dense_weight is None for m in layers):
         del paths["dense"]  # only quant: auto keeps the dense copies
+    if not i8_packs:
+        del paths["int8 act"]  # no VNNI loops, or no int4 layer that can take them
     times: dict[tuple[str, int], list[float]] = {(p, r): [] for p in paths for r in row_counts}
     for round_index in range(rounds + 1):  # round 0 warms up and is dropped
         for rows in row_counts:

@@ -1494,6 +1494,7 @@ constexpr int64_t kI8Block = 32;        // activations share one int8 scale per 
 constexpr int64_t kI8TileRows = 64;     // output rows per tile
 constexpr int64_t kI8PairBytes = kI8TileRows * 4;  // a group's (scale, zero) bf16 pairs in a tile
 constexpr int64_t kI8ChunkBytes = 256;  // 8 inputs x 64 outputs x 4 bits
+constexpr int64_t kI8PassRows = 4;      // activation rows per pass over a tile (VNNI loops)
 
 inline int64_t i8_group_bytes(int64_t group) { return kI8PairBytes + group / 8 * kI8ChunkBytes; }
 
@@ -1605,7 +1606,8 @@ void int4_i8_tile_portable(const uint8_t* tile, int64_t k, int64_t group, const 
 #if defined(EDGE_RTGI_AVX512) && defined(__AVX512VNNI__)
 #define EDGE_RTGI_VNNI 1
 
-// Totals of one tile for R activation rows (R <= 2: 8 R accumulators, 8 scale / zero vectors).
+// Totals of one tile for R activation rows (R <= 4: 4 R accumulators and 2 R broadcast activations
+// stay in registers; the totals and the group's scales and zeros are read once per 32 inputs).
 template <int R>
 void int4_i8_tile_vnni(const uint8_t* tile, int64_t k, int64_t group, const Int8Rows& x, int64_t r0,
                        float* total /*[R][64]*/) {
@@ -1755,23 +1757,25 @@ Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, in
     }
   };
   at::parallel_for(0, n / kI8TileRows, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float total[2 * kI8TileRows];
+    alignas(64) float total[kI8PassRows * kI8TileRows];
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = wp + t * tile_bytes;
       const int64_t n0 = t * kI8TileRows;
       int64_t r = 0;
 #ifdef EDGE_RTGI_VNNI
       if (vnni) {
-        // rows in pairs: the tile's codes come from L2 again for each pair
-        for (; r + 2 <= m; r += 2) {
-          int4_i8_tile_vnni<2>(tile, k, group, rows, r, total);
-          store(total, r, n0);
-          store(total + kI8TileRows, r + 1, n0);
-        }
-        if (r < m) {
-          int4_i8_tile_vnni<1>(tile, k, group, rows, r, total);
-          store(total, r, n0);
-          ++r;
+        // up to 4 rows per pass over the tile: each further pass reads its codes from L1 or L2
+        // again and decodes them again
+        for (; r < m;) {
+          const int64_t pass = std::min<int64_t>(m - r, kI8PassRows);
+          switch (pass) {
+            case 4: int4_i8_tile_vnni<4>(tile, k, group, rows, r, total); break;
+            case 3: int4_i8_tile_vnni<3>(tile, k, group, rows, r, total); break;
+            case 2: int4_i8_tile_vnni<2>(tile, k, group, rows, r, total); break;
+            default: int4_i8_tile_vnni<1>(tile, k, group, rows, r, total); break;
+          }
+          for (int64_t i = 0; i < pass; ++i) store(total + i * kI8TileRows, r + i, n0);
+          r += pass;
         }
       }
 #endif
