@@ -10,9 +10,10 @@ each figure is the median over runs of the decode rate over a workload's prompts
 first, over the time after the first). Beside the ratio of medians, the median and range over runs
 of each run's own ratio to ``off`` (paired within the run).
 The adaptive setting keeps its speculator across runs: learning is part of what it does.
-Settings: off; ``off-int8`` (plain decoding on int8 activations, the engine's default without
-speculation where the CPU has AVX-512 VNNI; every other setting runs without them, as
-``int8_activations: auto`` steps aside for speculation, docs/engine.md); ``auto`` as the engine
+Every setting runs as the engine's default does: on int8 activations where the CPU has AVX-512
+VNNI and no AMX (``int8_activations: auto``, docs/engine.md), with drafts verified only within the
+int8 kernel's rows; with ``--bf16`` (on such a CPU) also ``off-bf16`` and ``auto-bf16``, the same on
+bf16 activations, as before int8 activations. Settings: off; ``auto`` as the engine
 builds it (the n-gram draft and the ``retrieval`` draft over the catalogue's reply store); with
 ``--plain-cost-table`` also ``auto-ema`` (the same with the step-cost table's plain per-size EMAs,
 as before it followed the machine's drift); ``auto-ngram`` (the n-gram draft alone, what ``auto``
@@ -79,9 +80,8 @@ MAX_TOKENS = 48
 class Setting:
     name: str
     speculator: Speculator | None
-    # the int4 layers on int8 activations (the engine's default without speculation; with it,
-    # int8_activations: auto steps aside, so every speculative setting runs without)
-    int8: bool = False
+    # the int4 layers on int8 activations where the engine's default has them; False: bf16
+    int8: bool = True
     rates: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # (wall, cpu) tok/s
     accepted: dict[str, list[int]] = field(default_factory=dict)  # [drafts, accepted, verify steps]
 
@@ -118,11 +118,12 @@ def prompts_for(engine: LLMEngine, workload: str, count: int) -> list[tuple[list
 
 
 def run_one(
-    engine: LLMEngine, setting: Setting, workload: str, prompts, switch: Int8ActivationSwitch
+    engine: LLMEngine, setting: Setting, workload: str, prompts, switch: Int8ActivationSwitch | None
 ) -> DecodeTiming:
     """Decoding ``prompts``: tokens after each first token, and the wall time and this process's
     CPU time they took (on a shared machine the CPU time is the steadier of the two)."""
-    switch.set(setting.int8)
+    if switch is not None:
+        switch.set(setting.int8)
     engine.speculator = setting.speculator
     engine.runner.collect_features = setting.speculator is not None and setting.speculator.wants_features
     before = engine.stats()
@@ -313,15 +314,15 @@ def main() -> None:
         help="also llama.cpp on the same GGUF, plain and with its prompt-lookup draft of K tokens",
     )
     ap.add_argument(
-        "--auto-int8",
+        "--bf16",
         action="store_true",
-        help="also auto on int8 activations (int8_activations: true; auto steps aside for speculation)",
+        help="also off and auto on bf16 activations (where the default rounds them to int8)",
     )
     args = ap.parse_args()
     engine = stepped_engine(args.threads)
     config = engine.config
-    switch = Int8ActivationSwitch.build(engine.model)
-    switch.set(False)  # the engine as it runs with speculation on (int8_activations: auto steps aside)
+    # the default's kernel on and off without repacking (None: the default keeps bf16 activations)
+    switch = Int8ActivationSwitch.build(engine.model) if engine.int8_activation_layers else None
     if args.step_costs:
         limits = tuple(int(m) for m in args.step_costs.split(","))
         sizes = tuple(int(n) for n in args.step_sizes.split(","))
@@ -351,10 +352,9 @@ def main() -> None:
         Setting("auto", auto),
         Setting("auto-ngram", Speculator(SpeculativeConfig("auto"), [NgramDraft()])),
     ]
-    if engine.int8_activation_layers:  # the default without speculation here (VNNI, no AMX; docs/engine.md)
-        settings.insert(1, Setting("off-int8", None, int8=True))
-        if args.auto_int8:  # int8_activations: true with speculation (lossless only within the kernel's rows)
-            settings.append(Setting("auto-int8", speculator(SpeculativeConfig("auto")), int8=True))
+    if switch is not None and args.bf16:
+        settings.insert(1, Setting("off-bf16", None, int8=False))
+        settings.append(Setting("auto-bf16", speculator(SpeculativeConfig("auto")), int8=False))
     if args.plain_cost_table:
         ema = speculator(SpeculativeConfig("auto"))
         ema.costs = ema.policy.costs = StepCostTable(follow_speed=False)
@@ -399,7 +399,8 @@ def main() -> None:
             for s in settings:
                 s.rates.setdefault(w, []).append(timings[s.name].rates)
     load_after = os.getloadavg()
-    switch.set(False)
+    if switch is not None:
+        switch.set(True)
     costs = {n: c for (_, n), c in step_costs(engine, COST_SIZES, max(args.runs, 5) * 2).items()}
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {args.runs} runs, "

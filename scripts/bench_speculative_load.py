@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Speculation under concurrent load: ``auto`` as the engine builds it (the n-gram draft and the
 catalogue's reply store), and ``auto-ngram`` (the n-gram draft alone, the earlier runs' ``auto``),
-against ``off`` on one engine. ``off`` runs on int8 activations where the engine's default turns them
-on (``int8_activations: auto``, a VNNI CPU without AMX), the speculative settings without them, as
-the engine runs each (auto steps aside for speculation).
+against ``off`` on one engine, every setting on the engine's default kernels (int8 activations
+where ``int8_activations: auto`` turns them on: a VNNI CPU without AMX; drafts are then verified
+only in decode steps within the int8 kernel's rows).
 
 16 prompts (4 each of dialogue, voice, code, translation), 48 tokens, greedy, submitted in groups
-of 1 and of 8 at once; per setting the median over 3 rounds, the settings in a rotating order, of
+of 1, 4 and 8 at once; per setting the median over 3 rounds, the settings in a rotating order, of
 the decode throughput (tokens over the group's wall time) and of the p50 / p95 gap between token
 deliveries.
 
@@ -20,14 +20,11 @@ import time
 from edge_rtgi.bench.suite import stepped_engine
 from edge_rtgi.bench.workloads import get_workload, prepare
 from edge_rtgi.llm.engine import build_speculator
-from edge_rtgi.llm.quant.kernels import Int8ActivationSwitch
 from edge_rtgi.llm.request import RequestClass
 from edge_rtgi.llm.sampling import SamplingParams
 from edge_rtgi.llm.speculative import NgramDraft, SpeculativeConfig, Speculator
 
 engine = stepped_engine(2)
-rounding = engine.int8_activation_layers > 0  # what the default gives plain decoding here
-switch = Int8ActivationSwitch.build(engine.model)
 tok = engine.tokenizer
 items = []
 for w in ("dialogue", "voice", "code", "translation"):
@@ -37,7 +34,6 @@ for w in ("dialogue", "voice", "code", "translation"):
 
 
 def run(spec, batch):
-    switch.set(rounding and spec is None)
     engine.speculator = spec
     res = []
     for start in range(0, len(items), batch):
@@ -69,7 +65,7 @@ def run(spec, batch):
 auto = build_speculator(SpeculativeConfig("auto"), engine.model, tok, engine.config.model)
 ngram_only = Speculator(SpeculativeConfig("auto"), [NgramDraft()])
 settings = [("off", None), ("auto", auto), ("auto-ngram", ngram_only)]
-for batch in (1, 8):
+for batch in (1, 4, 8):
     run(None, batch)
     out: dict[str, list] = {name: [] for name, _ in settings}
     for r in range(3):

@@ -193,7 +193,7 @@ def main() -> None:
     for t in tables:
         if len(t) < TABLE_SIZES or t[0] != 1.0 or any(b < a for a, b in zip(t, t[1:], strict=False)):
             ap.error(f"--costs: each table prices 1..{TABLE_SIZES} tokens, from 1, never falling; got {t}")
-    engine = stepped_engine(2, int8_activations=False)  # the replies a speculating engine gives
+    engine = stepped_engine(2)  # the engine's default kernels, which speculation runs on too
     replies = greedy_replies(engine, args.prompts, args.max_tokens, args.work_dir)
 
     loaded = load_retrieval_draft(None, engine.model, engine.tokenizer, engine.config.model)

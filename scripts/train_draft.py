@@ -77,8 +77,8 @@ def generate_replies(model_name: str, work: Path, seed: int) -> list[dict]:
     prompts = corpus(system_prompt(), seed)
     missing = [p for p in prompts if _key(p) not in cached]
     if missing:
-        # the replies a speculating engine gives (int8_activations: auto steps aside for drafts)
-        engine = LLMEngine.from_config(EngineConfig(model=model_name, int8_activations=False))
+        # the replies of the engine's default kernels, which speculation runs on too
+        engine = LLMEngine.from_config(EngineConfig(model=model_name))
         tok = engine.tokenizer
         assert tok is not None
         ids = [

@@ -294,10 +294,9 @@ def model_for(models: Models, opt: Optimisations, base: Optimisations) -> Any | 
     return None
 
 
-def stepped_engine(num_threads: int = 2, int8_activations: bool | str = "auto") -> LLMEngine:
+def stepped_engine(num_threads: int = 2) -> LLMEngine:
     """The daemon's default model and engine settings with ``num_threads`` threads, and no engine
-    thread: the caller calls ``step()`` itself, so a benchmark's timings carry no hand-off.
-    ``int8_activations``: the engine setting (False: as an engine with a speculator runs)."""
+    thread: the caller calls ``step()`` itself, so a benchmark's timings carry no hand-off."""
     import torch
 
     from edge_rtgi.catalog import resolve_model
@@ -305,7 +304,7 @@ def stepped_engine(num_threads: int = 2, int8_activations: bool | str = "auto") 
     from edge_rtgi.llm.engine_config import EngineConfig
     from edge_rtgi.llm.prepared import load_prepared
 
-    config = EngineConfig(num_threads=num_threads, int8_activations=int8_activations)
+    config = EngineConfig(num_threads=num_threads)
     source = resolve_model(config.model, role="llm")
     prepared = load_prepared(source, config.device, config.dtype, config.quant)
     engine = LLMEngine.from_loaded(prepared.loaded, config, start=False)

@@ -680,9 +680,15 @@ def _plan_valid(plan: _LayerPlan) -> bool:
     )
 
 
+# quant.kernels.int8_activation_max_rows caches its answer on the model under this key
+INT8_ROWS_CACHE_KEY = "_int8_activation_max_rows"
+
+
 def forget_plan(model) -> None:
-    """Drop a model's cached layer-loop arguments (and the references they hold to its weights)."""
+    """Drop a model's cached layer-loop arguments (and the references they hold to its weights),
+    and the int8-activation row limit cached beside them: call it after changing a layer's kernel."""
     model.__dict__.pop("_fused_decode_plan", None)
+    model.__dict__.pop(INT8_ROWS_CACHE_KEY, None)
 
 
 def _current_plan(model, dtype: torch.dtype) -> _LayerPlan | None:

@@ -38,7 +38,7 @@ from edge_rtgi.llm.kv.mixed import MixedPagedKVStorage
 from edge_rtgi.llm.kv.storage import Int8PagedKVStorage, PagedKVStorage
 from edge_rtgi.llm.kv.window import windowed_groups
 from edge_rtgi.llm.model import ModelConfig, Transformer
-from edge_rtgi.llm.quant.kernels import apply_int8_activations
+from edge_rtgi.llm.quant.kernels import apply_int8_activations, int8_activation_max_rows
 from edge_rtgi.llm.request import (
     Request,
     RequestClass,
@@ -264,14 +264,8 @@ class LLMEngine:
             build_speculator(spec, model, tokenizer, self.config.model) if spec.enabled else None
         )
         # a property of the model's layers: engines sharing one model share it (the last one set);
-        # set before the runner reads the layer loop's width. auto steps aside where drafts run:
-        # their verification steps, wider than the kernel's rows, would take the unrounded dense
-        # copies while plain steps round, moving a request's numbers further than the bf16 kernels'
-        # own differences do
-        rounding = self.config.int8_activations
-        if rounding == "auto" and self.speculator is not None:
-            rounding = False
-        self.int8_activation_layers = apply_int8_activations(model, rounding)
+        # set before the runner reads the layer loop's width
+        self.int8_activation_layers = apply_int8_activations(model, self.config.int8_activations)
         mcfg = model.config
         window = self.config.kv_window
         if window is None:
@@ -742,7 +736,25 @@ class LLMEngine:
             self.runner.keep_scores(req.request_id, keep)
             self._stats.kv_evicted_tokens += len(st.scores) - len(keep)
 
+    def _draft_room(self) -> int | None:
+        """The most draft tokens the next step may verify (None: no limit but the budget's).
+        Where layers round their activations to int8, a step verifies drafts only while it
+        holds decodes alone and stays within the rows those layers' kernel takes: a wider step
+        would run them unrounded on the dense copies, so drafts would change the numbers of
+        every request in the step, not only in the last bits as the bf16 kernels' own
+        differences do."""
+        rows = int8_activation_max_rows(self.model)
+        if rows is None:
+            return None
+        running = self.scheduler.running
+        if self.scheduler.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
+            return 0  # a prompt joins the step, and its chunk's rows are the scheduler's to choose
+        return rows - len(running)
+
     def _propose_drafts(self, speculator: Speculator) -> None:
+        room = self._draft_room()
+        if room is not None and room <= 0:
+            return
         decodes = []
         for req in self.scheduler.running:
             if req.num_tokens - req.num_computed_tokens != 1:
@@ -753,7 +765,7 @@ class LLMEngine:
                 continue
             if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs, own):
                 decodes.append((req, own))
-        speculator.propose(decodes)
+        speculator.propose(decodes, room)
 
     def _observe_drafts(
         self,

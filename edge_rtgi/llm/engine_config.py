@@ -88,8 +88,8 @@ class EngineConfig:
     speculative: str | bool | dict[str, str | int] = "off"
     # int4 layers' matmuls of 1..32 rows with the activations rounded to int8 per 32 inputs, on
     # AVX-512 VNNI (llm.quant.kernels.apply_int8_activations): "auto" where the CPU (not AMX) and
-    # layers allow and no speculator runs, true (wherever layers can, with a warning where none
-    # can), false (bf16 activations)
+    # layers allow (drafts are then verified only within the kernel's rows), true (wherever layers
+    # can, with a warning where none can), false (bf16 activations)
     int8_activations: bool | str = "auto"
 
     def __post_init__(self) -> None:

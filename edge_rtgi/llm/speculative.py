@@ -566,13 +566,19 @@ class Speculator:
         reproducible = setting.mode == "fixed" and cheap and setting.draft not in self.policy.model_drafts
         return not (seeded and not greedy and not reproducible)
 
-    def propose(self, decodes: list[tuple[Request, SpeculativeConfig | None]]) -> None:
+    def propose(
+        self, decodes: list[tuple[Request, SpeculativeConfig | None]], max_draft_tokens: int | None = None
+    ) -> None:
         """Put a draft on each of ``decodes`` (running requests one token short, each with its
-        own setting or None for the engine's) that should get one."""
+        own setting or None for the engine's) that should get one. ``max_draft_tokens``: the most
+        draft tokens the step may carry in all (None: no limit but the scheduler's budget)."""
         self._chosen.clear()
         base_tokens = len(decodes)
         step_yield = float(base_tokens)  # tokens the step is expected to give, drafts placed so far
+        room = MAX_DRAFT_TOKENS * len(decodes) if max_draft_tokens is None else max_draft_tokens
         for req, own in decodes:
+            if room <= 0:
+                break
             fixed = None
             if own is not None and own.mode == "fixed":
                 fixed = (own.draft, own.k)
@@ -584,7 +590,7 @@ class Speculator:
             pinned = self.policy.pinned(fixed, adaptive)
             if pinned is not None:
                 name, k = pinned
-                req.draft_token_ids = self._ask(self.policy.drafts[name], req, k)
+                req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))
             else:
                 # Each cheap draft (no model run) proposes as far as it can once; the policy then
                 # picks which and how much of it to verify, knowing what it would get, or a plain
@@ -599,7 +605,8 @@ class Speculator:
                     if n not in model_drafts
                 }
                 available = {
-                    n: len(proposals[n]) if n in proposals else MAX_DRAFT_TOKENS for n in self.policy.drafts
+                    n: min(len(proposals[n]) if n in proposals else MAX_DRAFT_TOKENS, room)
+                    for n in self.policy.drafts
                 }
                 asked: set[str] = set()
                 while True:
@@ -611,7 +618,7 @@ class Speculator:
                     name, k = choice
                     proposals[name] = self._ask(self.policy.drafts[name], req, k)
                     asked.add(name)
-                    available[name] = len(proposals[name])
+                    available[name] = min(len(proposals[name]), room)
                     if len(proposals[name]) == k:
                         break
                     self.policy.observe_declined(req, name)
@@ -624,6 +631,7 @@ class Speculator:
                 self._chosen[req.request_id] = name
                 # the requests after this one share the step: they pay for these rows too
                 drafted = len(req.draft_token_ids)
+                room -= drafted
                 base_tokens += drafted
                 step_yield += expected_tokens(self.policy.acceptance(req, name), drafted) - 1.0
 

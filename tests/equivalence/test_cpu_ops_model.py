@@ -502,14 +502,62 @@ def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(fol
     # a later engine on the same model with the setting off puts the layers back
     assert engine_for(loaded, int8_activations=False).int8_activation_layers == 0
     assert all(m.i8_packed is None for m in loaded.model.modules() if hasattr(m, "i8_packed"))
-    # the default (auto) is on, and steps aside where speculative decoding is on
+    # the default (auto) is on, with speculative decoding too (its drafts stay within the kernel's rows)
     assert engine_for(loaded).int8_activation_layers > 0
-    assert engine_for(loaded, speculative="ngram:2").int8_activation_layers == 0
-    assert engine_for(loaded, speculative="ngram:2", int8_activations=True).int8_activation_layers > 0
-    # a draft refused at load (the catalogue's reply store is for SmolLM2's tokenizer): no speculator
-    # runs, so the kernel stays on
-    refused = engine_for(loaded, speculative="retrieval:3")
-    assert refused.speculator is None and refused.int8_activation_layers > 0
+    assert engine_for(loaded, speculative="ngram:2").int8_activation_layers > 0
+
+
+@pytest.mark.skipif(not cpu_ops.vnni_built(), reason="int8 activations need the AVX-512 VNNI loops")
+def test_speculation_on_int8_activations_is_lossless_and_stays_within_the_kernels_rows(folder):
+    """Drafts on int8 activations: greedy output is the plain engine's on the same kernel, token for
+    token, alone and in staggered batches (the kernel rounds each row alone, so verifying rows is a
+    plain step's arithmetic); and a step verifies drafts only while it holds decodes alone within
+    the rows the kernel takes (here 3, as if ``quant: auto`` kept dense copies past 3 rows)."""
+    from edge_rtgi.llm.quant.kernels import keep_dense_copies
+    from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
+    from tests.equivalence.test_speculative import ScriptedDraft
+
+    loaded = load_model(folder, device="cpu", dtype="bf16")
+    apply_engine_quant(loaded.model, "int4-g32")
+    tok = loaded.tokenizer
+    prompts = [tok.encode(TEXTS[i] + " " + TEXTS[i]) for i in range(4)]
+    params = [SamplingParams(max_tokens=24 + 4 * i, ignore_eos=True) for i in range(4)]
+
+    def spec_run(engine, batch):
+        # the scripted draft proposes the plain engine's own continuation, every third token wrong
+        script = {tuple(p): r.token_ids for p, r in zip(prompts, plain[batch], strict=True)}
+        engine.speculator = Speculator(SpeculativeConfig("fixed", "scripted", 4), [ScriptedDraft(script)])
+        steps: list[SchedulerOutput] = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda output, params: steps.append(output) or execute(output, params)
+        got = (
+            run_staggered(engine, prompts, params)
+            if batch
+            else [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+        )
+        return got, steps
+
+    plain = {}
+    for batch in (False, True):
+        engine = engine_for(loaded)
+        assert engine.int8_activation_layers > 0
+        plain[batch] = (
+            run_staggered(engine, prompts, params)
+            if batch
+            else [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+        )
+    for batch in (False, True):
+        engine = engine_for(loaded)
+        got, steps = spec_run(engine, batch)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain[batch]]
+        assert engine.stats().spec_accepted_tokens > 10
+    # a narrower kernel: drafted steps hold decodes alone, within its rows
+    keep_dense_copies(loaded.model, 3)
+    engine = engine_for(loaded)
+    got, steps = spec_run(engine, True)
+    drafted = [s for s in steps if any(r.num_draft_tokens for r in s.scheduled)]
+    assert drafted and all(s.num_batched_tokens <= 3 for s in drafted)
+    assert all(len(r.token_ids) - r.num_draft_tokens == 1 for s in drafted for r in s.scheduled)
 
 
 def test_int8_activations_setting_is_checked_and_says_when_it_cannot_apply(folder, caplog):

@@ -306,6 +306,31 @@ def test_in_a_batch_drafts_are_placed_while_the_shared_step_still_gains():
         assert sum(bool(r.draft_token_ids) for r in reqs) == batch_drafts
 
 
+def test_a_step_carries_no_more_draft_tokens_than_it_is_given_room_for():
+    """``max_draft_tokens`` (the engine's room within the int8 kernel's rows) caps the step's drafts
+    in all, for the policy's choices and for a pinned draft alike; 0 proposes nothing."""
+    free = StepCostTable()
+    for n in range(1, 80):
+        free.observe(n, 7.0 + 0.05 * n)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2]
+    for config in (SpeculativeConfig("auto"), SpeculativeConfig("fixed", "ngram", 8)):
+        for room, want in ((None, None), (5, 5), (3, 3), (0, 0)):
+            speculator = Speculator(config)
+            speculator.costs = speculator.policy.costs = free
+            reqs = [
+                Request(f"r{i}", prompt, SamplingParams(), request_class=RequestClass.BULK) for i in range(3)
+            ]
+            for r in reqs:
+                for _ in range(10):  # nearly every draft token accepted
+                    speculator.policy.observe(r, "ngram", 4, 4)
+            speculator.propose([(r, None) for r in reqs], room)
+            drafted = sum(len(r.draft_token_ids) for r in reqs)
+            if want is None:
+                assert drafted > 5  # unlimited: every request drafts
+            else:
+                assert drafted == want, (config, room, [r.draft_token_ids for r in reqs])
+
+
 def test_step_cost_ratios_follow_the_machine_not_its_drift():
     """Drafted steps were last timed while the machine was fast; it has since slowed by 60 % and
     only plain steps ran. The cost of four drafts is still 1.48x a plain step: the drift-following

@@ -251,7 +251,9 @@ class Int4Linear(QuantLinear):
         """Run this layer's CPU matmuls of 1..``cpu_ops.multi_row_max()`` rows with its activations
         rounded to int8 per 32 inputs (``cpu_ops.int4_i8_mm``, lossy), on a copy of the weights
         repacked for that kernel (as many bytes again as ``qweight``, plus the scales); ``on=False``
-        drops the copy. Raises ValueError where ``int8_activations_unusable`` gives a reason."""
+        drops the copy. Raises ValueError where ``int8_activations_unusable`` gives a reason.
+        ``set_int8_activations`` switches a whole model; after switching single layers, call
+        ``cpu_ops.forget_plan(model)``."""
         if not on:
             self.i8_packed = None
             return
@@ -361,6 +363,25 @@ def set_int8_activations(model: nn.Module, on: bool) -> int:
     return count
 
 
+def int8_activation_max_rows(model: nn.Module) -> int | None:
+    """The most rows a matmul input may have for every layer of ``model`` that rounds its
+    activations to int8 to still take ``int4_i8_mm`` (wider inputs take the dense copies or ATen,
+    unrounded); None when none of them rounds. Cached on the model until ``cpu_ops.forget_plan``,
+    which every switch in this module calls (the engine asks before each step)."""
+    cached = model.__dict__.get(cpu_ops.INT8_ROWS_CACHE_KEY, False)
+    if cached is not False:
+        return cached
+    most = None
+    for m in model.modules():
+        if isinstance(m, Int4Linear) and m.i8_packed is not None:
+            rows = cpu_ops.multi_row_max()
+            if m.dense_weight is not None:
+                rows = min(rows, m.max_kernel_rows)
+            most = rows if most is None else min(most, rows)
+    model.__dict__[cpu_ops.INT8_ROWS_CACHE_KEY] = most
+    return most
+
+
 @dataclass
 class Int8ActivationSwitch:
     """A model's int4 layers that can take int8 activations, with their repacked copies made once,
@@ -394,6 +415,7 @@ def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
     AVX-512 VNNI, bf16 scales), except where the CPU has AMX tiles; True does the same (AMX or not)
     and logs one warning, with the reason, where no layer can. Returns how many layers now round
     their activations to int8."""
+    cpu_ops.forget_plan(model)  # whatever changed the layers since, the engine reads them afresh
     if setting is False:
         if any(isinstance(m, Int4Linear) and m.i8_packed is not None for m in model.modules()):
             set_int8_activations(model, False)
@@ -426,6 +448,7 @@ def set_max_kernel_rows(model: nn.Module, max_kernel_rows: int) -> None:
 def keep_dense_copies(model: nn.Module, max_kernel_rows: int) -> int:
     """``keep_dense_copy`` on every quantised layer; returns the extra bytes this costs."""
     extra = 0
+    cpu_ops.forget_plan(model)  # the rows each kernel takes change
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.keep_dense_copy(max_kernel_rows)
