@@ -1764,10 +1764,11 @@ Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, in
       int64_t r = 0;
 #ifdef EDGE_RTGI_VNNI
       if (vnni) {
-        // up to 4 rows per pass over the tile: each further pass reads its codes from L1 or L2
-        // again and decodes them again
+        // up to 4 rows per pass over the tile, the passes as even as can be (5 rows: 3 + 2): each
+        // further pass reads its codes from L1 or L2 again and decodes them again
         for (; r < m;) {
-          const int64_t pass = std::min<int64_t>(m - r, kI8PassRows);
+          const int64_t passes = (m - r + kI8PassRows - 1) / kI8PassRows;
+          const int64_t pass = (m - r + passes - 1) / passes;
           switch (pass) {
             case 4: int4_i8_tile_vnni<4>(tile, k, group, rows, r, total); break;
             case 3: int4_i8_tile_vnni<3>(tile, k, group, rows, r, total); break;
