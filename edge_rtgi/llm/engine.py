@@ -739,15 +739,16 @@ class LLMEngine:
     def _draft_room(self) -> int | None:
         """The most draft tokens the next step may verify (None: no limit but the budget's).
         Where layers round their activations to int8, a step verifies drafts only while it
-        holds decodes alone and stays within the rows those layers' kernel takes: a wider step
-        would run them unrounded on the dense copies, so drafts would change the numbers of
-        every request in the step, not only in the last bits as the bf16 kernels' own
-        differences do."""
+        holds decodes alone (no prompt mid-prefill, none that could be admitted) and stays
+        within the rows those layers' kernel takes: a wider step would run them unrounded on
+        the dense copies, so drafts would change the numbers of every request in the step,
+        not only in the last bits as the bf16 kernels' own differences do."""
         rows = int8_activation_max_rows(self.model)
         if rows is None:
             return None
         running = self.scheduler.running
-        if self.scheduler.waiting or any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
+        admits = self.scheduler.waiting and len(running) < self.config.max_num_seqs
+        if admits or any(r.num_tokens - r.num_computed_tokens != 1 for r in running):
             return 0  # a prompt joins the step, and its chunk's rows are the scheduler's to choose
         return rows - len(running)
 

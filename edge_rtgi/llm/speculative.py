@@ -590,7 +590,7 @@ class Speculator:
             pinned = self.policy.pinned(fixed, adaptive)
             if pinned is not None:
                 name, k = pinned
-                req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))
+                req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))[:room]
             else:
                 # Each cheap draft (no model run) proposes as far as it can once; the policy then
                 # picks which and how much of it to verify, knowing what it would get, or a plain

@@ -511,8 +511,10 @@ def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(fol
 def test_speculation_on_int8_activations_is_lossless_and_stays_within_the_kernels_rows(folder):
     """Drafts on int8 activations: greedy output is the plain engine's on the same kernel, token for
     token, alone and in staggered batches (the kernel rounds each row alone, so verifying rows is a
-    plain step's arithmetic); and a step verifies drafts only while it holds decodes alone within
-    the rows the kernel takes (here 3, as if ``quant: auto`` kept dense copies past 3 rows)."""
+    plain step's arithmetic); and with a kernel of 3 rows (as if ``quant: auto`` kept dense copies
+    past 3 rows) a step verifies drafts only while it holds decodes alone within them, so output
+    alone is still the plain engine's (with drafts of 4 and no limit, verification steps of 5 rows
+    would run on the unrounded dense copies)."""
     from edge_rtgi.llm.quant.kernels import keep_dense_copies
     from edge_rtgi.llm.speculative import SpeculativeConfig, Speculator
     from tests.equivalence.test_speculative import ScriptedDraft
@@ -523,41 +525,50 @@ def test_speculation_on_int8_activations_is_lossless_and_stays_within_the_kernel
     prompts = [tok.encode(TEXTS[i] + " " + TEXTS[i]) for i in range(4)]
     params = [SamplingParams(max_tokens=24 + 4 * i, ignore_eos=True) for i in range(4)]
 
-    def spec_run(engine, batch):
-        # the scripted draft proposes the plain engine's own continuation, every third token wrong
-        script = {tuple(p): r.token_ids for p, r in zip(prompts, plain[batch], strict=True)}
-        engine.speculator = Speculator(SpeculativeConfig("fixed", "scripted", 4), [ScriptedDraft(script)])
-        steps: list[SchedulerOutput] = []
-        execute = engine.runner.execute
-        engine.runner.execute = lambda output, params: steps.append(output) or execute(output, params)
+    def run(batch, reference=None, join_every_steps=2, **overrides):
+        """The plain engine's outputs, or with ``reference`` a speculating engine's and its steps
+        (each with how many requests were waiting)."""
+        engine = engine_for(loaded, **overrides)
+        assert engine.int8_activation_layers > 0
+        steps: list[tuple[SchedulerOutput, int]] = []
+        if reference is not None:
+            # the scripted draft proposes the plain engine's own continuation, every third token wrong
+            script = {tuple(p): r.token_ids for p, r in zip(prompts, reference, strict=True)}
+            engine.speculator = Speculator(SpeculativeConfig("fixed", "scripted", 4), [ScriptedDraft(script)])
+            execute = engine.runner.execute
+
+            def record(output, params):
+                steps.append((output, len(engine.scheduler.waiting)))
+                return execute(output, params)
+
+            engine.runner.execute = record
         got = (
-            run_staggered(engine, prompts, params)
+            run_staggered(engine, prompts, params, join_every_steps)
             if batch
             else [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
         )
+        if reference is not None:
+            assert engine.stats().spec_accepted_tokens > 0
         return got, steps
 
-    plain = {}
-    for batch in (False, True):
-        engine = engine_for(loaded)
-        assert engine.int8_activation_layers > 0
-        plain[batch] = (
-            run_staggered(engine, prompts, params)
-            if batch
-            else [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
-        )
-    for batch in (False, True):
-        engine = engine_for(loaded)
-        got, steps = spec_run(engine, batch)
-        assert [r.token_ids for r in got] == [r.token_ids for r in plain[batch]]
-        assert engine.stats().spec_accepted_tokens > 10
-    # a narrower kernel: drafted steps hold decodes alone, within its rows
-    keep_dense_copies(loaded.model, 3)
-    engine = engine_for(loaded)
-    got, steps = spec_run(engine, True)
-    drafted = [s for s in steps if any(r.num_draft_tokens for r in s.scheduled)]
-    assert drafted and all(s.num_batched_tokens <= 3 for s in drafted)
-    assert all(len(r.token_ids) - r.num_draft_tokens == 1 for s in drafted for r in s.scheduled)
+    for narrow in (False, True):
+        if narrow:
+            keep_dense_copies(loaded.model, 3)
+        for batch in (False, True):
+            plain, _ = run(batch)
+            got, steps = run(batch, plain)
+            drafted = [s for s, _ in steps if any(r.num_draft_tokens for r in s.scheduled)]
+            assert drafted
+            if narrow:
+                assert all(s.num_batched_tokens <= 3 for s in drafted)
+                assert all(len(r.token_ids) - r.num_draft_tokens == 1 for s in drafted for r in s.scheduled)
+            if not (narrow and batch):  # there drafts change which steps the decodes share
+                assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    # a backlog that cannot be admitted (max_num_seqs) leaves the running request its drafts
+    plain, _ = run(False)
+    got, steps = run(True, plain, join_every_steps=0, max_num_seqs=1)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert any(waiting and any(r.num_draft_tokens for r in s.scheduled) for s, waiting in steps)
 
 
 def test_int8_activations_setting_is_checked_and_says_when_it_cannot_apply(folder, caplog):

@@ -1611,6 +1611,7 @@ void int4_i8_tile_portable(const uint8_t* tile, int64_t k, int64_t group, const 
 template <int R>
 void int4_i8_tile_vnni(const uint8_t* tile, int64_t k, int64_t group, const Int8Rows& x, int64_t r0,
                        float* total /*[R][64]*/) {
+  static_assert(R >= 1 && R <= kI8PassRows, "int4_i8_mm's totals hold kI8PassRows rows");
   const int64_t blocks = k / kI8Block, per_group = group / kI8Block, chunks = kI8Block / 8;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 tot[R][4];

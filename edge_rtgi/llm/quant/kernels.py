@@ -90,7 +90,8 @@ class QuantLinear(nn.Module, abc.ABC):
         so they win at batch-1 decode and lose badly to bf16 GEMM for prefill chunks and wide
         decode batches (9x at 256 rows on this CPU). The copy holds the *dequantised* weights,
         so both paths compute with the same weight values; it costs memory (not saved in
-        checkpoints, but counted by ``resident_bytes``).
+        checkpoints, but counted by ``resident_bytes``). ``keep_dense_copies`` does a whole
+        model; after single layers, call ``cpu_ops.forget_plan(model)``.
         """
         dtype = self._activation_dtype()
         self.dense_weight = self.dequantized_weight(dtype)
