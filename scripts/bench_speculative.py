@@ -211,6 +211,9 @@ def step_costs(
         for m in limits:
             if m:
                 set_max_kernel_rows(engine.runner.model, m)
+                # untimed: the first step after the change rebuilds the layer loop's plan
+                req.draft_token_ids = []
+                engine.runner.execute(engine.scheduler.schedule(), params)
             for n in sizes:
                 req.draft_token_ids = list(ids[1:n])
                 output = engine.scheduler.schedule()
