@@ -268,10 +268,13 @@ class StepCostTable:
         self.relative: dict[int, float] = {}  # time over anchor_ms (the anchor's own: 1.0)
         self.count: dict[int, int] = {}  # steps timed per size (their EMA weights)
         self.recent: dict[int, float] = {}  # the same, decaying: which size is the anchor
+        # ratio() answers until the next observation: the policy asks the same few many times a step
+        self._ratios: dict[tuple[int, int], float] = {}
 
     def observe(self, tokens: int, run_ms: float) -> None:
         if not run_ms > 0:  # a clock that did not move (or NaN) says nothing about the cost
             return
+        self._ratios.clear()
         self.count[tokens] = self.count.get(tokens, 0) + 1
         # the first few samples average plainly so one noisy step does not set the table
         weight = max(self.smoothing, 1.0 / self.count[tokens])
@@ -319,11 +322,18 @@ class StepCostTable:
         """Cost of a step with ``extra_tokens`` more than ``base_tokens``, relative to it."""
         if extra_tokens == 0:
             return 1.0
+        key = (base_tokens, extra_tokens)
+        known = self._ratios.get(key)
+        if known is not None:
+            return known
         base = self._relative(base_tokens)
         more = self._relative(base_tokens + extra_tokens)
         if base is not None and more is not None and base > 0:
-            return max(more / base, 1.0)
-        return 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)
+            value = max(more / base, 1.0)
+        else:
+            value = 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)
+        self._ratios[key] = value
+        return value
 
 
 # --- the policy ---------------------------------------------------------------------------------
@@ -591,6 +601,13 @@ class Speculator:
             if pinned is not None:
                 name, k = pinned
                 req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))[:room]
+            elif (
+                base_tokens > 1 and self.policy.choose(req, base_tokens, step_yield_tokens=step_yield) is None
+            ):
+                # In a batch, where no draft could pay even proposing all it may, nothing is
+                # proposed: the proposals cost more than the step's share of their tokens (the
+                # store's lookup most). Alone, the proposal is still made and scored in the shadow.
+                continue
             else:
                 # Each cheap draft (no model run) proposes as far as it can once; the policy then
                 # picks which and how much of it to verify, knowing what it would get, or a plain

@@ -306,6 +306,44 @@ def test_in_a_batch_drafts_are_placed_while_the_shared_step_still_gains():
         assert sum(bool(r.draft_token_ids) for r in reqs) == batch_drafts
 
 
+def test_in_a_batch_no_proposal_is_made_where_no_draft_could_pay():
+    """A proposal costs the store's lookup and the n-gram walk (tens of us a request), more than a
+    step's share of what it could give in a batch whose rows are dear: there the draft is not asked
+    at all. Alone it is still asked, and its proposal scored in the shadow when the step is plain."""
+
+    class CountingNgram(NgramDraft):
+        calls = 0
+
+        def propose(self, request: Request, k: int) -> list[int]:
+            CountingNgram.calls += 1
+            return super().propose(request, k)
+
+    bound, free = StepCostTable(), StepCostTable()
+    for n in range(1, 80):
+        bound.observe(n, 7.0 + 0.4 * min(n, 8) + 1.0 * max(n - 8, 0))
+        free.observe(n, 7.0 + 0.05 * n)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    for costs, batch, asked in ((bound, 8, 0), (free, 8, 8), (bound, 1, 1)):
+        speculator = Speculator(SpeculativeConfig("auto"), [CountingNgram()])
+        speculator.costs = speculator.policy.costs = costs
+        reqs = [
+            Request(f"r{i}", prompt, SamplingParams(), request_class=RequestClass.BULK) for i in range(batch)
+        ]
+        for r in reqs:
+            for _ in range(10):  # half of the draft tokens accepted
+                speculator.policy.observe(r, "ngram", 2, 1)
+        CountingNgram.calls = 0
+        speculator.propose([(r, None) for r in reqs])
+        assert CountingNgram.calls == asked, (batch, asked)
+    # the cost table's answers are kept between observations only
+    for _ in range(20):  # the plain step of eight, timed most: the anchor
+        bound.observe(8, 10.2)
+    before = bound.ratio(8, 2)
+    for _ in range(5):
+        bound.observe(10, 30.0)
+    assert bound.ratio(8, 2) > before
+
+
 def test_a_step_carries_no_more_draft_tokens_than_it_is_given_room_for():
     """``max_draft_tokens`` (the engine's room within the int8 kernel's rows) caps the step's drafts
     in all, for the policy's choices and for a pinned draft alike; 0 proposes nothing."""
