@@ -49,6 +49,7 @@ from edge_rtgi.llm.speculative import (  # noqa: E402
     NgramDraft,
     SpeculativeConfig,
     Speculator,
+    StepSize,
 )
 
 ORACLE_MAX_TOKENS = 8
@@ -138,7 +139,7 @@ def replay(replies: list[Reply], make: Callable[[], Speculator], costs: list[flo
                 {request.request_id: len(draft)} if draft else {},
                 {request.request_id: got} if draft else {},
                 {request.request_id: new},
-                1 + len(draft),
+                StepSize(1, 1 + len(draft)),
                 costs[len(draft)],
             )
             out.cost += costs[len(draft)]

@@ -64,6 +64,7 @@ from edge_rtgi.llm.speculative import (
     NgramDraft,
     SpeculativeConfig,
     Speculator,
+    StepSize,
     parse_speculative,
 )
 from edge_rtgi.llm.step_model import StepShape, StepTimeModel
@@ -766,7 +767,7 @@ class LLMEngine:
                 continue
             if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs, own):
                 decodes.append((req, own))
-        speculator.propose(decodes, room)
+        speculator.propose(decodes, room, len(self.scheduler.running))
 
     def _observe_drafts(
         self,
@@ -783,7 +784,7 @@ class LLMEngine:
             {s.request_id: s.num_draft_tokens for s in output.scheduled if s.num_draft_tokens},
             result.num_accepted,
             {u.request_id: u.new_token_ids for u in updates if u.new_token_ids},
-            output.num_batched_tokens if decode_only else None,
+            StepSize(len(output.scheduled), output.num_batched_tokens) if decode_only else None,
             run_ms,
         )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -234,28 +235,45 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+@dataclass(frozen=True)
+class StepSize:
+    """A decode-only step's shape: the sequences it holds and the tokens they carry (one each,
+    plus their drafts). Both matter: the same tokens cost differently as more sequences or as
+    more drafts."""
+
+    sequences: int
+    tokens: int
+
+
 class StepCostTable:
-    """Measured run time of decode-only steps by the number of tokens they carry.
+    """Measured run time of decode-only steps by their size (``StepSize``: sequences, tokens).
 
-    The machine's speed drifts (tens of percent within minutes on a shared host) and step sizes
-    are seen at different times: a 5-token step last timed a minute ago set against a 1-token step
-    timed just now would read the drift as the price of the drafts (a slowdown since then makes
-    drafts look free). So the table keeps each size's cost relative to an anchor, the size timed
-    most often lately (the plain step at the current batch; counts decay, so the anchor follows
-    the traffic), measured against the anchor's time *when it was taken*: ``anchor_ms`` is an EMA
-    of the anchor's own steps, and each other size keeps an EMA of its time over ``anchor_ms``.
-    Ratios between sizes then cancel a drift they share, as long as the anchor keeps running;
-    ``cost_ms`` is a size's relative cost at the anchor's current (lagging) time. A step's time is
-    clipped to ``CLIP`` times its size's estimate before it counts, so one stall (a collection, a
-    page-in) moves the table a little rather than making drafts look free or dear for a hundred
-    steps. ``follow_speed=False`` keeps plain per-size EMAs of the times (the ablation).
+    Sizes are kept apart by their sequences as well as their tokens: eight plain decodes and six
+    decodes carrying two drafts both carry eight tokens, but do not cost the same (the six cost
+    more on the CPU here: docs/benchmarks.md), and a table by tokens alone priced the six's drafts
+    at the eight's plain step, nearly free.
 
-    Sizes not seen yet are interpolated, or extrapolated at ``prior_ratio_per_token`` of a
-    one-token step.
+    A drafted step is timed against the plain step of its own sequences, taken just before it:
+    the median of the last ``PLAIN_STEPS`` plain steps of those sequences, if the latest is at
+    most ``PAIR_WINDOW_STEPS`` steps old. Each size keeps an EMA of that ratio (plain sizes: 1).
+    Pairs cancel what the two steps share: the machine's speed, which drifts by tens of percent
+    within minutes on a shared host, and the requests' contexts, which differ from one batch to
+    the next (a table by size alone set drafted steps of one batch against plain steps of
+    another and read the difference as the drafts' price). The median shrugs off one stalled
+    plain step, and a ratio is clipped to ``CLIP`` times its size's estimate before it counts,
+    so one stalled drafted step moves the table a little. A drafted step with no recent plain
+    step of its sequences teaches nothing. ``cost_ms`` is a size's ratio times its plain step
+    now. ``follow_speed=False`` keeps plain per-size EMAs of the times (the ablation).
+
+    A size not yet timed is interpolated between the sizes of the same sequences, or
+    extrapolated from the largest of them at the cost per extra token of the nearest sequences
+    with two sizes timed (``_slope``); with none, at ``prior_ratio_per_token`` of a one-token
+    step.
     """
 
     CLIP = (0.5, 3.0)
-    RECENT_STEPS = 200  # recent counts are halved past this, so the anchor follows the traffic
+    PLAIN_STEPS = 3
+    PAIR_WINDOW_STEPS = 64
 
     def __init__(
         self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1, follow_speed: bool = True
@@ -263,71 +281,110 @@ class StepCostTable:
         self.prior_ratio_per_token = prior_ratio_per_token
         self.smoothing = smoothing
         self.follow_speed = follow_speed
-        self.anchor: int | None = None
-        self.anchor_ms = 1.0  # the anchor's current step time (1.0 without one, or not following)
-        self.relative: dict[int, float] = {}  # time over anchor_ms (the anchor's own: 1.0)
-        self.count: dict[int, int] = {}  # steps timed per size (their EMA weights)
-        self.recent: dict[int, float] = {}  # the same, decaying: which size is the anchor
+        # following: time over the plain step of the same sequences (that step's own: 1.0);
+        # not following: an EMA of the time itself
+        self.relative: dict[StepSize, float] = {}
+        self.count: dict[StepSize, int] = {}  # steps timed per size (their EMA weights)
+        self._steps = 0  # decode-only steps observed
+        self._plain: dict[int, deque[tuple[int, float]]] = {}  # sequences -> (step, ms) of recent plain steps
         # ratio() answers until the next observation: the policy asks the same few many times a step
-        self._ratios: dict[tuple[int, int], float] = {}
+        self._ratios: dict[tuple[int, int, int], float] = {}
 
-    def observe(self, tokens: int, run_ms: float) -> None:
+    def observe(self, tokens: int, run_ms: float, sequences: int = 1) -> None:
+        """Learn from one decode-only step of ``sequences`` sequences carrying ``tokens`` tokens."""
         if not run_ms > 0:  # a clock that did not move (or NaN) says nothing about the cost
             return
+        size = StepSize(sequences, tokens)
         self._ratios.clear()
-        self.count[tokens] = self.count.get(tokens, 0) + 1
-        # the first few samples average plainly so one noisy step does not set the table
-        weight = max(self.smoothing, 1.0 / self.count[tokens])
+        self._steps += 1
         if not self.follow_speed:
-            last = self.relative.get(tokens, run_ms)
-            self.relative[tokens] = last + weight * (run_ms - last)
+            self._average(size, run_ms)
             return
-        self.recent[tokens] = self.recent.get(tokens, 0.0) + 1.0
-        if self.recent[tokens] > self.RECENT_STEPS:
-            self.recent = {n: c / 2 for n, c in self.recent.items()}
-        if self.anchor is None:
-            self.anchor, self.anchor_ms = tokens, run_ms
-        if self.recent[tokens] > self.recent.get(self.anchor, 0.0):  # another size runs most: re-anchor
-            scale = self.relative.get(tokens, run_ms / self.anchor_ms)
-            self.anchor, self.anchor_ms = tokens, self.anchor_ms * scale
-            self.relative = {n: r / scale for n, r in self.relative.items()}
-        old = self.relative.get(tokens)
-        if old is None:
-            self.relative[tokens] = run_ms / self.anchor_ms
+        if tokens <= sequences:
+            self._plain.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS)).append((self._steps, run_ms))
+            self.relative[size] = 1.0
+            self.count[size] = self.count.get(size, 0) + 1
             return
-        low, high = self.CLIP
-        ratio = min(max(run_ms / self.anchor_ms, low * old), high * old)
-        if tokens == self.anchor:
-            self.anchor_ms += weight * (ratio - 1.0) * self.anchor_ms
-            self.relative[tokens] = 1.0
+        plain_ms = self._plain_ms(sequences, self.PAIR_WINDOW_STEPS)
+        if plain_ms is None:
             return
-        self.relative[tokens] = old + weight * (ratio - old)
+        ratio = run_ms / plain_ms
+        old = self.relative.get(size)
+        if old is not None:
+            low, high = self.CLIP
+            ratio = min(max(ratio, low * old), high * old)
+        self._average(size, ratio)
 
-    def _relative(self, tokens: int) -> float | None:
-        if tokens in self.relative:
-            return self.relative[tokens]
-        below = max((t for t in self.relative if t < tokens), default=None)
-        above = min((t for t in self.relative if t > tokens), default=None)
-        if below is not None and above is not None:
-            f = (tokens - below) / (above - below)
-            return self.relative[below] + f * (self.relative[above] - self.relative[below])
-        return None
+    def _average(self, size: StepSize, value: float) -> None:
+        self.count[size] = self.count.get(size, 0) + 1
+        # the first few samples average plainly so one noisy step does not set the table
+        weight = max(self.smoothing, 1.0 / self.count[size])
+        old = self.relative.get(size, value)
+        self.relative[size] = old + weight * (value - old)
 
-    def cost_ms(self, tokens: int) -> float | None:
-        """The run time of a step of ``tokens`` at the machine's current speed (None: unknown)."""
-        relative = self._relative(tokens)
-        return None if relative is None else relative * self.anchor_ms
+    def _plain_ms(self, sequences: int, within_steps: int | None = None) -> float | None:
+        """The median of the recent plain steps of ``sequences`` (None: none, or the latest is
+        more than ``within_steps`` steps old)."""
+        recent = self._plain.get(sequences)
+        if not recent or (within_steps is not None and self._steps - recent[-1][0] > within_steps):
+            return None
+        times = sorted(ms for _, ms in recent)
+        return times[len(times) // 2]
 
-    def ratio(self, base_tokens: int, extra_tokens: int) -> float:
-        """Cost of a step with ``extra_tokens`` more than ``base_tokens``, relative to it."""
+    def _slope(self, sequences: int) -> float | None:
+        """Cost per extra token as a share of the smallest size timed (the plain step): between
+        the two largest sizes timed with these sequences, else with the nearest sequences that
+        have two (the larger of two as near: the dearer guess). None where none have two."""
+        slopes: dict[int, float] = {}
+        for seqs in {s.sequences for s in self.relative}:
+            sizes = sorted(t.tokens for t in self.relative if t.sequences == seqs)
+            if len(sizes) >= 2:
+                lo, hi = self.relative[StepSize(seqs, sizes[-2])], self.relative[StepSize(seqs, sizes[-1])]
+                plain = self.relative[StepSize(seqs, sizes[0])]
+                slopes[seqs] = max(hi - lo, 0.0) / plain / (sizes[-1] - sizes[-2])
+        if not slopes:
+            return None
+        return slopes[min(slopes, key=lambda seqs: (abs(seqs - sequences), -seqs))]
+
+    def _relative(self, size: StepSize) -> float | None:
+        if size in self.relative:
+            return self.relative[size]
+        same = sorted(t.tokens for t in self.relative if t.sequences == size.sequences)
+        below = max((t for t in same if t < size.tokens), default=None)
+        above = min((t for t in same if t > size.tokens), default=None)
+        if below is None:
+            return None
+        low = self.relative[StepSize(size.sequences, below)]
+        if above is not None:
+            f = (size.tokens - below) / (above - below)
+            return low + f * (self.relative[StepSize(size.sequences, above)] - low)
+        plain = self.relative[StepSize(size.sequences, same[0])]
+        slope = self._slope(size.sequences)
+        if slope is None:  # one size of these sequences timed, none with two anywhere
+            slope = self.prior_ratio_per_token / same[0]
+        return low + slope * plain * (size.tokens - below)
+
+    def cost_ms(self, tokens: int, sequences: int = 1) -> float | None:
+        """The run time of a step of ``sequences`` carrying ``tokens`` tokens at the machine's
+        current speed (None: unknown)."""
+        relative = self._relative(StepSize(sequences, tokens))
+        if relative is None or not self.follow_speed:
+            return relative
+        plain_ms = self._plain_ms(sequences)
+        return None if plain_ms is None else relative * plain_ms
+
+    def ratio(self, base_tokens: int, extra_tokens: int, sequences: int | None = None) -> float:
+        """Cost of a step with ``extra_tokens`` more than ``base_tokens``, relative to it;
+        ``sequences``: the step's sequences (None: one per base token, no drafts placed yet)."""
         if extra_tokens == 0:
             return 1.0
-        key = (base_tokens, extra_tokens)
+        seqs = base_tokens if sequences is None else sequences
+        key = (seqs, base_tokens, extra_tokens)
         known = self._ratios.get(key)
         if known is not None:
             return known
-        base = self._relative(base_tokens)
-        more = self._relative(base_tokens + extra_tokens)
+        base = self._relative(StepSize(seqs, base_tokens))
+        more = self._relative(StepSize(seqs, base_tokens + extra_tokens))
         if base is not None and more is not None and base > 0:
             value = max(more / base, 1.0)
         else:
@@ -455,6 +512,7 @@ class AdaptivePolicy:
         adaptive: bool = False,
         available: Mapping[str, int] | None = None,
         step_yield_tokens: float | None = None,
+        sequences: int | None = None,
     ) -> tuple[str, int] | None:
         """(draft, k) for this request's next step, or None for a plain step. ``base_tokens``:
         tokens the step carries without this request's drafts; ``fixed`` / ``adaptive``: the
@@ -462,33 +520,35 @@ class AdaptivePolicy:
         proposed (None: as many as asked), so that no k is paid for on the promise of tokens the
         draft does not have. A draft that proposed nothing is not a candidate.
         ``step_yield_tokens``: the tokens the step is expected to give without this request's
-        drafts (None: one per row of ``base_tokens``)."""
+        drafts (None: one per row of ``base_tokens``). ``sequences``: the step's sequences (None:
+        one per token of ``base_tokens``, no drafts placed yet)."""
         pinned = self.pinned(fixed, adaptive)
         if pinned is not None:
             return pinned
         step_yield = float(base_tokens) if step_yield_tokens is None else step_yield_tokens
         step_yield = max(step_yield, 1.0)
+        seqs = base_tokens if sequences is None else sequences
         best: tuple[float, str, int] | None = None
         for name in self.drafts:
             most = MAX_DRAFT_TOKENS if available is None else available.get(name, 0)
             if most <= 0:
                 continue
             alpha = self._arm(request, name).optimistic()
-            per_token = self.draft_cost_ratio(name, base_tokens)
+            per_token = self.draft_cost_ratio(name, base_tokens, seqs)
             for k in sorted({min(k, most) for k in K_CHOICES}):
                 more = (step_yield + expected_tokens(alpha, k) - 1.0) / step_yield
-                gain = more / (self.costs.ratio(base_tokens, k) + per_token * k)
+                gain = more / (self.costs.ratio(base_tokens, k, seqs) + per_token * k)
                 if gain >= MIN_GAIN and (best is None or gain > best[0]):
                     best = (gain, name, k)
         return None if best is None else (best[1], best[2])
 
-    def draft_cost_ratio(self, name: str, base_tokens: int) -> float:
-        """A draft's own cost per proposed token relative to a plain step of ``base_tokens``
-        (0 for drafts that run no model)."""
+    def draft_cost_ratio(self, name: str, base_tokens: int, sequences: int | None = None) -> float:
+        """A draft's own cost per proposed token relative to a step of ``sequences`` (None: one
+        per token) carrying ``base_tokens`` (0 for drafts that run no model)."""
         draft = self.drafts[name]
         if name not in self.model_drafts or not isinstance(draft, FeatureDraft):
             return 0.0
-        step_ms = self.costs.cost_ms(base_tokens)
+        step_ms = self.costs.cost_ms(base_tokens, base_tokens if sequences is None else sequences)
         cost_ms = draft.cost_ms_per_token
         if step_ms is None or step_ms <= 0 or cost_ms is None:
             return UNMEASURED_DRAFT_COST_RATIO
@@ -577,13 +637,19 @@ class Speculator:
         return not (seeded and not greedy and not reproducible)
 
     def propose(
-        self, decodes: list[tuple[Request, SpeculativeConfig | None]], max_draft_tokens: int | None = None
+        self,
+        decodes: list[tuple[Request, SpeculativeConfig | None]],
+        max_draft_tokens: int | None = None,
+        step_sequences: int | None = None,
     ) -> None:
         """Put a draft on each of ``decodes`` (running requests one token short, each with its
         own setting or None for the engine's) that should get one. ``max_draft_tokens``: the most
-        draft tokens the step may carry in all (None: no limit but the scheduler's budget)."""
+        draft tokens the step may carry in all (None: no limit but the scheduler's budget);
+        ``step_sequences``: the decodes the step holds, these and any that may not speculate
+        (None: these alone)."""
         self._chosen.clear()
-        base_tokens = len(decodes)
+        sequences = max(len(decodes), step_sequences or 0)
+        base_tokens = sequences
         step_yield = float(base_tokens)  # tokens the step is expected to give, drafts placed so far
         room = MAX_DRAFT_TOKENS * len(decodes) if max_draft_tokens is None else max_draft_tokens
         for req, own in decodes:
@@ -602,7 +668,9 @@ class Speculator:
                 name, k = pinned
                 req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))[:room]
             elif (
-                base_tokens > 1 and self.policy.choose(req, base_tokens, step_yield_tokens=step_yield) is None
+                sequences > 1
+                and self.policy.choose(req, base_tokens, step_yield_tokens=step_yield, sequences=sequences)
+                is None
             ):
                 # In a batch, where no draft could pay even proposing all it may, nothing is
                 # proposed: the proposals cost more than the step's share of their tokens (the
@@ -628,7 +696,11 @@ class Speculator:
                 asked: set[str] = set()
                 while True:
                     choice = self.policy.choose(
-                        req, base_tokens, available=available, step_yield_tokens=step_yield
+                        req,
+                        base_tokens,
+                        available=available,
+                        step_yield_tokens=step_yield,
+                        sequences=sequences,
                     )
                     if choice is None or choice[0] not in model_drafts or choice[0] in asked:
                         break
@@ -658,13 +730,13 @@ class Speculator:
         drafts: Mapping[str, int],
         accepted: Mapping[str, int],
         new_tokens: Mapping[str, list[int]],
-        step_tokens: int | None,
+        step: StepSize | None,
         run_ms: float,
     ) -> None:
         """After a step: ``drafts``/``accepted`` per verifying request, ``new_tokens`` per
-        request that got tokens, ``step_tokens`` the step's size when it held decodes only."""
-        if step_tokens is not None:
-            self.costs.observe(step_tokens, run_ms)
+        request that got tokens, ``step`` the step's size when it held decodes only."""
+        if step is not None:
+            self.costs.observe(step.tokens, run_ms, step.sequences)
         for rid, tokens in new_tokens.items():
             req = requests.get(rid)
             k = drafts.get(rid, 0)
