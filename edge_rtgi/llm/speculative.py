@@ -16,6 +16,7 @@ Torch-free: proposals are token lists, the policy is arithmetic.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
@@ -255,25 +256,26 @@ class StepCostTable:
 
     A drafted step is timed against the plain step of its own sequences, taken just before it:
     the median of the last ``PLAIN_STEPS`` plain steps of those sequences, if the latest is at
-    most ``PAIR_WINDOW_STEPS`` steps old. Each size keeps an EMA of that ratio (plain sizes: 1).
+    most ``PAIR_WINDOW_STEPS`` steps old (a batch's first drafted steps, before any plain one,
+    wait for the first plain step after them). Each size keeps an EMA of that ratio (plain sizes: 1).
     Pairs cancel what the two steps share: the machine's speed, which drifts by tens of percent
     within minutes on a shared host, and the requests' contexts, which differ from one batch to
     the next (a table by size alone set drafted steps of one batch against plain steps of
     another and read the difference as the drafts' price). The median shrugs off one stalled
     plain step, and a ratio is clipped to ``CLIP`` times its size's estimate before it counts,
-    so one stalled drafted step moves the table a little. A drafted step with no recent plain
-    step of its sequences teaches nothing. ``cost_ms`` is a size's ratio times its plain step
+    so one stalled drafted step moves the table a little. A drafted step with no plain step of
+    its sequences within the window teaches nothing. ``cost_ms`` is a size's ratio times its plain step
     now. ``follow_speed=False`` keeps plain per-size EMAs of the times (the ablation).
 
     A size not yet timed is interpolated between the sizes of the same sequences, or
     extrapolated from the largest of them at the cost per extra token of the nearest sequences
-    with two sizes timed (``_slope``); with none, at ``prior_ratio_per_token`` of a one-token
-    step.
+    with two sizes timed (``_slope``; also for sequences with nothing timed yet); with none, at
+    ``prior_ratio_per_token`` of a one-token step.
     """
 
     CLIP = (0.5, 3.0)
     PLAIN_STEPS = 3
-    PAIR_WINDOW_STEPS = 64
+    PAIR_WINDOW_STEPS = 256
 
     def __init__(
         self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1, follow_speed: bool = True
@@ -287,28 +289,43 @@ class StepCostTable:
         self.count: dict[StepSize, int] = {}  # steps timed per size (their EMA weights)
         self._steps = 0  # decode-only steps observed
         self._plain: dict[int, deque[tuple[int, float]]] = {}  # sequences -> (step, ms) of recent plain steps
-        # ratio() answers until the next observation: the policy asks the same few many times a step
+        self._tokens: dict[int, list[int]] = {}  # sequences -> the token counts timed, sorted
+        # sequences -> (step, size, ms) of drafted steps still waiting for a plain step to pair with
+        self._unpaired: dict[int, deque[tuple[int, StepSize, float]]] = {}
+        # ratio() and _slopes() answer until the table changes: the policy asks the same few many
+        # times a step, and a plain step (ratio 1 to itself) changes nothing but the speed
         self._ratios: dict[tuple[int, int, int], float] = {}
+        self._slopes_known: dict[int, float] | None = None
 
     def observe(self, tokens: int, run_ms: float, sequences: int = 1) -> None:
         """Learn from one decode-only step of ``sequences`` sequences carrying ``tokens`` tokens."""
         if not run_ms > 0:  # a clock that did not move (or NaN) says nothing about the cost
             return
         size = StepSize(sequences, tokens)
-        self._ratios.clear()
         self._steps += 1
         if not self.follow_speed:
             self._average(size, run_ms)
             return
         if tokens <= sequences:
             self._plain.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS)).append((self._steps, run_ms))
-            self.relative[size] = 1.0
-            self.count[size] = self.count.get(size, 0) + 1
+            if size in self.relative:
+                self.count[size] += 1
+            else:
+                self._average(size, 1.0)
+            # drafted steps that came before any plain step of these sequences (a batch's first
+            # steps) are priced against this one
+            for step, waiting, waiting_ms in self._unpaired.pop(sequences, []):
+                if self._steps - step <= self.PAIR_WINDOW_STEPS:
+                    self._add_pair(waiting, waiting_ms / run_ms)
             return
         plain_ms = self._plain_ms(sequences, self.PAIR_WINDOW_STEPS)
         if plain_ms is None:
+            queue = self._unpaired.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS))
+            queue.append((self._steps, size, run_ms))
             return
-        ratio = run_ms / plain_ms
+        self._add_pair(size, run_ms / plain_ms)
+
+    def _add_pair(self, size: StepSize, ratio: float) -> None:
         old = self.relative.get(size)
         if old is not None:
             low, high = self.CLIP
@@ -316,6 +333,10 @@ class StepCostTable:
         self._average(size, ratio)
 
     def _average(self, size: StepSize, value: float) -> None:
+        self._ratios.clear()
+        self._slopes_known = None
+        if size not in self.relative:
+            bisect.insort(self._tokens.setdefault(size.sequences, []), size.tokens)
         self.count[size] = self.count.get(size, 0) + 1
         # the first few samples average plainly so one noisy step does not set the table
         weight = max(self.smoothing, 1.0 / self.count[size])
@@ -332,16 +353,23 @@ class StepCostTable:
         return times[len(times) // 2]
 
     def _slope(self, sequences: int) -> float | None:
-        """Cost per extra token as a share of the smallest size timed (the plain step): between
-        the two largest sizes timed with these sequences, else with the nearest sequences that
-        have two (the larger of two as near: the dearer guess). None where none have two."""
-        slopes: dict[int, float] = {}
-        for seqs in {s.sequences for s in self.relative}:
-            sizes = sorted(t.tokens for t in self.relative if t.sequences == seqs)
-            if len(sizes) >= 2:
-                lo, hi = self.relative[StepSize(seqs, sizes[-2])], self.relative[StepSize(seqs, sizes[-1])]
-                plain = self.relative[StepSize(seqs, sizes[0])]
-                slopes[seqs] = max(hi - lo, 0.0) / plain / (sizes[-1] - sizes[-2])
+        """Cost per extra token as a share of the plain step (the smallest size timed): from it
+        to the largest size timed with these sequences, else with the nearest sequences that
+        have two sizes (the larger of two as near: the dearer guess); never below half the
+        prior's share of the plain step. None where no sequences have two sizes timed. Over the
+        whole range, not between the two largest: those two are often close, and a noisy pair
+        gave a slope of 0, which made every further draft free. The floor is under the truth
+        here at every batch (docs/benchmarks.md, "Step costs by sequences")."""
+        slopes = self._slopes_known
+        if slopes is None:
+            slopes = {}
+            for seqs, sizes in self._tokens.items():
+                if len(sizes) >= 2:
+                    plain = self.relative[StepSize(seqs, sizes[0])]
+                    top = self.relative[StepSize(seqs, sizes[-1])]
+                    floor = 0.5 * self.prior_ratio_per_token / sizes[0]
+                    slopes[seqs] = max((top - plain) / plain / (sizes[-1] - sizes[0]), floor)
+            self._slopes_known = slopes
         if not slopes:
             return None
         return slopes[min(slopes, key=lambda seqs: (abs(seqs - sequences), -seqs))]
@@ -349,13 +377,14 @@ class StepCostTable:
     def _relative(self, size: StepSize) -> float | None:
         if size in self.relative:
             return self.relative[size]
-        same = sorted(t.tokens for t in self.relative if t.sequences == size.sequences)
-        below = max((t for t in same if t < size.tokens), default=None)
-        above = min((t for t in same if t > size.tokens), default=None)
-        if below is None:
+        same = self._tokens.get(size.sequences, [])
+        at = bisect.bisect(same, size.tokens)
+        if at == 0:
             return None
+        below = same[at - 1]
         low = self.relative[StepSize(size.sequences, below)]
-        if above is not None:
+        if at < len(same):
+            above = same[at]
             f = (size.tokens - below) / (above - below)
             return low + f * (self.relative[StepSize(size.sequences, above)] - low)
         plain = self.relative[StepSize(size.sequences, same[0])]
@@ -387,6 +416,8 @@ class StepCostTable:
         more = self._relative(StepSize(seqs, base_tokens + extra_tokens))
         if base is not None and more is not None and base > 0:
             value = max(more / base, 1.0)
+        elif (slope := self._slope(seqs)) is not None:  # none of these sequences: the nearest's cost
+            value = 1.0 + slope * extra_tokens
         else:
             value = 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)
         self._ratios[key] = value
@@ -542,6 +573,14 @@ class AdaptivePolicy:
                     best = (gain, name, k)
         return None if best is None else (best[1], best[2])
 
+    def could_pay(self, sequences: int) -> bool:
+        """Whether drafts that always hold could pay for their rows in a step of ``sequences``
+        plain decodes, at some k (no draft's own cost counted): where not, no request's could."""
+        return any(
+            (sequences + k) / sequences / self.costs.ratio(sequences, k, sequences) >= MIN_GAIN
+            for k in K_CHOICES
+        )
+
     def draft_cost_ratio(self, name: str, base_tokens: int, sequences: int | None = None) -> float:
         """A draft's own cost per proposed token relative to a step of ``sequences`` (None: one
         per token) carrying ``base_tokens`` (0 for drafts that run no model)."""
@@ -650,6 +689,8 @@ class Speculator:
         self._chosen.clear()
         sequences = max(len(decodes), step_sequences or 0)
         base_tokens = sequences
+        # at this batch even drafts that always hold would not pay: ask no one (one check a step)
+        hopeless = sequences > 1 and not self.policy.could_pay(sequences)
         step_yield = float(base_tokens)  # tokens the step is expected to give, drafts placed so far
         room = MAX_DRAFT_TOKENS * len(decodes) if max_draft_tokens is None else max_draft_tokens
         for req, own in decodes:
@@ -667,7 +708,7 @@ class Speculator:
             if pinned is not None:
                 name, k = pinned
                 req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))[:room]
-            elif (
+            elif hopeless or (
                 sequences > 1
                 and self.policy.choose(req, base_tokens, step_yield_tokens=step_yield, sequences=sequences)
                 is None

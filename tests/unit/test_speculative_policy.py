@@ -443,6 +443,8 @@ def test_step_costs_are_kept_by_sequences_as_well_as_tokens():
     table.observe(5, 9.0, 5)  # five: plain step only; six's slope lent (0.15 a token)
     assert abs(table.ratio(5, 2, 5) - 1.3) < 1e-6
     assert abs(table.cost_ms(7, 5) - 9.0 * 1.3) < 1e-6  # type: ignore[operator]
+    table.observe(9, 12.5, 6)  # a larger size timed cheaper than a smaller: further drafts still cost
+    assert abs(table.ratio(6, 6, 6) - 1.5) < 1e-6  # the slope from the plain step: 0.25 / 3 a token
     # the request side: six decodes whose drafts hold half the time stay plain at these costs
     speculator = Speculator(SpeculativeConfig("auto"))
     speculator.costs = speculator.policy.costs = table
@@ -482,3 +484,46 @@ def test_a_drafted_step_is_priced_against_the_plain_steps_just_before_it():
         table.observe(1, 5.0)
     table.observe(8, 100.0, 6)  # no plain step of six for too long: not a pair
     assert abs(table.ratio(6, 2, 6) - 1.2) < 1e-6
+    # a batch's first steps carry drafts before any plain step: they wait for the first one
+    first = StepCostTable()
+    first.observe(10, 13.0, 8)
+    first.observe(10, 13.0, 8)
+    assert first.ratio(8, 2, 8) < 1.1  # nothing timed yet: the prior
+    first.observe(8, 10.0, 8)
+    assert abs(first.ratio(8, 2, 8) - 1.3) < 1e-6
+    # and sequences with nothing timed take the cost per token of the nearest that have it
+    assert abs(first.ratio(6, 2, 6) - 1.3) < 1e-6
+
+
+def test_where_even_drafts_that_always_hold_cannot_pay_no_one_is_asked_but_a_pinned_draft():
+    """Rows as dear as whole sequences: k drafts that all hold give k tokens for k rows' cost, never
+    the 3 % the policy asks. One check a step says so, and no request is asked, nor checked on its
+    own; a request pinned to a fixed draft still proposes."""
+
+    class CountingNgram(NgramDraft):
+        calls = 0
+
+        def propose(self, request: Request, k: int) -> list[int]:
+            CountingNgram.calls += 1
+            return super().propose(request, k)
+
+    dear = StepCostTable()
+    for n in range(8, 40):
+        dear.observe(n, 1.25 * n, 8)
+    speculator = Speculator(SpeculativeConfig("auto"), [CountingNgram()])
+    speculator.costs = speculator.policy.costs = dear
+    assert not speculator.policy.could_pay(8)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    reqs = [Request(f"r{i}", prompt, SamplingParams(), request_class=RequestClass.BULK) for i in range(8)]
+    chosen = []
+    choose = speculator.policy.choose
+    speculator.policy.choose = lambda *a, **kw: chosen.append(a) or choose(*a, **kw)  # type: ignore[method-assign]
+    speculator.propose([(r, None) for r in reqs])
+    # not even the per-request check ran (about 15 us a request)
+    assert CountingNgram.calls == 0 and not chosen and not any(r.draft_token_ids for r in reqs)
+    speculator.propose(
+        [(r, SpeculativeConfig("fixed", "ngram", 2) if i == 0 else None) for i, r in enumerate(reqs)]
+    )
+    assert (
+        CountingNgram.calls == 1 and reqs[0].draft_token_ids and not any(r.draft_token_ids for r in reqs[1:])
+    )
