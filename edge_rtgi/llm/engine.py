@@ -767,7 +767,8 @@ class LLMEngine:
                 continue
             if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs, own):
                 decodes.append((req, own))
-        speculator.propose(decodes, room, len(self.scheduler.running))
+        running_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
+        speculator.propose(decodes, room, running_decodes)
 
     def _observe_drafts(
         self,

@@ -254,28 +254,35 @@ class StepCostTable:
     more on the CPU here: docs/benchmarks.md), and a table by tokens alone priced the six's drafts
     at the eight's plain step, nearly free.
 
-    A drafted step is timed against the plain step of its own sequences, taken just before it:
-    the median of the last ``PLAIN_STEPS`` plain steps of those sequences, if the latest is at
-    most ``PAIR_WINDOW_STEPS`` steps old (a batch's first drafted steps, before any plain one,
-    wait for the first plain step after them). Each size keeps an EMA of that ratio (plain sizes: 1).
-    Pairs cancel what the two steps share: the machine's speed, which drifts by tens of percent
-    within minutes on a shared host, and the requests' contexts, which differ from one batch to
-    the next (a table by size alone set drafted steps of one batch against plain steps of
-    another and read the difference as the drafts' price). The median shrugs off one stalled
-    plain step, and a ratio is clipped to ``CLIP`` times its size's estimate before it counts,
-    so one stalled drafted step moves the table a little. A drafted step with no plain step of
-    its sequences within the window teaches nothing. ``cost_ms`` is a size's ratio times its plain step
-    now. ``follow_speed=False`` keeps plain per-size EMAs of the times (the ablation).
+    A drafted step is timed against the plain steps of its own sequences nearest before it: the
+    median of those of the last ``PLAIN_STEPS`` that are at most ``PAIR_WINDOW_STEPS`` steps
+    old. A drafted step with none (a batch's first steps) waits for the ``PLAIN_STEPS`` plain
+    steps after it, if they come within the window; else it teaches nothing. Each size keeps an
+    EMA of that ratio (plain sizes: 1). Pairs cancel what the two steps share: the machine's
+    speed, which drifts by tens of percent within minutes on a shared host, and mostly the
+    requests' contexts (a table by size alone set drafted steps of one batch against plain
+    steps of another and read the difference as the drafts' price). The median shrugs off one
+    stalled plain step; a ratio is clipped to ``CLIP`` times its size's estimate before it
+    counts (a new size's: what the table would have said of it), so one stalled drafted step
+    moves the table a little. (A size priced too dear is not drafted, so not timed again: a
+    stall on its first sample can keep drafts off it, at most by that clip.) ``cost_ms`` is a size's ratio
+    times its recent plain step. ``follow_speed=False`` keeps plain per-size EMAs of the times
+    (the ablation).
 
     A size not yet timed is interpolated between the sizes of the same sequences, or
     extrapolated from the largest of them at the cost per extra token of the nearest sequences
     with two sizes timed (``_slope``; also for sequences with nothing timed yet); with none, at
-    ``prior_ratio_per_token`` of a one-token step.
+    ``prior_ratio_per_token`` of a one-token step. No draft is ever priced below
+    ``MIN_SHARE_OF_PRIOR`` of that prior (per token, as a share of the plain step).
     """
 
     CLIP = (0.5, 3.0)
     PLAIN_STEPS = 3
     PAIR_WINDOW_STEPS = 256
+    # the floor under a draft token's price: a quarter of the prior's, below every cost measured
+    # here (docs/benchmarks.md, "Step costs by sequences"); it only keeps a noisy pair from
+    # making drafts free
+    MIN_SHARE_OF_PRIOR = 0.25
 
     def __init__(
         self, prior_ratio_per_token: float = 0.25, smoothing: float = 0.1, follow_speed: bool = True
@@ -286,51 +293,69 @@ class StepCostTable:
         # following: time over the plain step of the same sequences (that step's own: 1.0);
         # not following: an EMA of the time itself
         self.relative: dict[StepSize, float] = {}
-        self.count: dict[StepSize, int] = {}  # steps timed per size (their EMA weights)
+        self.count: dict[StepSize, int] = {}  # samples per size (their EMA weights)
         self._steps = 0  # decode-only steps observed
         self._plain: dict[int, deque[tuple[int, float]]] = {}  # sequences -> (step, ms) of recent plain steps
         self._tokens: dict[int, list[int]] = {}  # sequences -> the token counts timed, sorted
-        # sequences -> (step, size, ms) of drafted steps still waiting for a plain step to pair with
+        # sequences -> (step, size, ms) of drafted steps waiting for plain steps to pair with
         self._unpaired: dict[int, deque[tuple[int, StepSize, float]]] = {}
-        # ratio() and _slopes() answer until the table changes: the policy asks the same few many
+        # ratio() and _slope() answer until the table changes: the policy asks the same few many
         # times a step, and a plain step (ratio 1 to itself) changes nothing but the speed
         self._ratios: dict[tuple[int, int, int], float] = {}
         self._slopes_known: dict[int, float] | None = None
 
     def observe(self, tokens: int, run_ms: float, sequences: int = 1) -> None:
         """Learn from one decode-only step of ``sequences`` sequences carrying ``tokens`` tokens."""
-        if not run_ms > 0:  # a clock that did not move (or NaN) says nothing about the cost
+        # a clock that did not move (or NaN) says nothing; nor does a step that is not decodes
+        if not run_ms > 0 or sequences < 1 or tokens < sequences:
             return
         size = StepSize(sequences, tokens)
         self._steps += 1
         if not self.follow_speed:
             self._average(size, run_ms)
             return
-        if tokens <= sequences:
-            self._plain.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS)).append((self._steps, run_ms))
+        if tokens == sequences:
+            recent = self._plain.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS))
+            recent.append((self._steps, run_ms))
             if size in self.relative:
                 self.count[size] += 1
             else:
                 self._average(size, 1.0)
-            # drafted steps that came before any plain step of these sequences (a batch's first
-            # steps) are priced against this one
-            for step, waiting, waiting_ms in self._unpaired.pop(sequences, []):
-                if self._steps - step <= self.PAIR_WINDOW_STEPS:
-                    self._add_pair(waiting, waiting_ms / run_ms)
+            self._pair_waiting(sequences, recent)
             return
-        plain_ms = self._plain_ms(sequences, self.PAIR_WINDOW_STEPS)
+        plain_ms = self._plain_ms(sequences)
         if plain_ms is None:
-            queue = self._unpaired.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS))
-            queue.append((self._steps, size, run_ms))
+            self._unpaired.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS)).append(
+                (self._steps, size, run_ms)
+            )
             return
         self._add_pair(size, run_ms / plain_ms)
 
+    def _pair_waiting(self, sequences: int, recent: deque[tuple[int, float]]) -> None:
+        """Price the drafted steps that had no plain step of their sequences before them against
+        the ``PLAIN_STEPS`` after them, once those are in (within the window, else drop them)."""
+        waiting = self._unpaired.get(sequences)
+        if not waiting:
+            return
+        while waiting and self._steps - waiting[0][0] > self.PAIR_WINDOW_STEPS:
+            waiting.popleft()
+        if len(recent) < self.PLAIN_STEPS:
+            return
+        after = [ms for step, ms in recent]
+        median = sorted(after)[len(after) // 2]
+        while waiting and waiting[0][0] < recent[0][0]:
+            _, size, ms = waiting.popleft()
+            self._add_pair(size, ms / median)
+
     def _add_pair(self, size: StepSize, ratio: float) -> None:
-        old = self.relative.get(size)
-        if old is not None:
-            low, high = self.CLIP
-            ratio = min(max(ratio, low * old), high * old)
-        self._average(size, ratio)
+        # a new size's first sample is clipped against what the table says of it now
+        old = (
+            self.relative.get(size)
+            or self._relative(size)
+            or self._prior(size.sequences, size.tokens - size.sequences)
+        )
+        low, high = self.CLIP
+        self._average(size, min(max(ratio, low * old), high * old))
 
     def _average(self, size: StepSize, value: float) -> None:
         self._ratios.clear()
@@ -343,23 +368,30 @@ class StepCostTable:
         old = self.relative.get(size, value)
         self.relative[size] = old + weight * (value - old)
 
-    def _plain_ms(self, sequences: int, within_steps: int | None = None) -> float | None:
-        """The median of the recent plain steps of ``sequences`` (None: none, or the latest is
-        more than ``within_steps`` steps old)."""
-        recent = self._plain.get(sequences)
-        if not recent or (within_steps is not None and self._steps - recent[-1][0] > within_steps):
+    def _plain_ms(self, sequences: int) -> float | None:
+        """The median of the recent plain steps of ``sequences`` within the window (None: none)."""
+        recent = [
+            ms for step, ms in self._plain.get(sequences, ()) if self._steps - step <= self.PAIR_WINDOW_STEPS
+        ]
+        if not recent:
             return None
-        times = sorted(ms for _, ms in recent)
-        return times[len(times) // 2]
+        return sorted(recent)[len(recent) // 2]
+
+    def _min_share(self, sequences: int) -> float:
+        """The least a draft token may cost, as a share of the plain step of ``sequences``."""
+        return self.MIN_SHARE_OF_PRIOR * self.prior_ratio_per_token / sequences
+
+    def _prior(self, sequences: int, extra_tokens: int) -> float:
+        """A step's cost with ``extra_tokens`` drafts over its plain step, before any is timed."""
+        return 1.0 + self.prior_ratio_per_token * extra_tokens / sequences
 
     def _slope(self, sequences: int) -> float | None:
         """Cost per extra token as a share of the plain step (the smallest size timed): from it
         to the largest size timed with these sequences, else with the nearest sequences that
-        have two sizes (the larger of two as near: the dearer guess); never below half the
-        prior's share of the plain step. None where no sequences have two sizes timed. Over the
-        whole range, not between the two largest: those two are often close, and a noisy pair
-        gave a slope of 0, which made every further draft free. The floor is under the truth
-        here at every batch (docs/benchmarks.md, "Step costs by sequences")."""
+        have two sizes (the larger of two as near); never below ``_min_share``. None where no
+        sequences have two sizes timed. Over the whole range, not between the two largest: those
+        two are often close, and a noisy pair gave a slope of 0, which made every further draft
+        free."""
         slopes = self._slopes_known
         if slopes is None:
             slopes = {}
@@ -367,12 +399,12 @@ class StepCostTable:
                 if len(sizes) >= 2:
                     plain = self.relative[StepSize(seqs, sizes[0])]
                     top = self.relative[StepSize(seqs, sizes[-1])]
-                    floor = 0.5 * self.prior_ratio_per_token / sizes[0]
-                    slopes[seqs] = max((top - plain) / plain / (sizes[-1] - sizes[0]), floor)
+                    slopes[seqs] = (top - plain) / plain / (sizes[-1] - sizes[0])
             self._slopes_known = slopes
         if not slopes:
             return None
-        return slopes[min(slopes, key=lambda seqs: (abs(seqs - sequences), -seqs))]
+        nearest = slopes[min(slopes, key=lambda seqs: (abs(seqs - sequences), -seqs))]
+        return max(nearest, self._min_share(sequences))
 
     def _relative(self, size: StepSize) -> float | None:
         if size in self.relative:
@@ -395,7 +427,7 @@ class StepCostTable:
 
     def cost_ms(self, tokens: int, sequences: int = 1) -> float | None:
         """The run time of a step of ``sequences`` carrying ``tokens`` tokens at the machine's
-        current speed (None: unknown)."""
+        current speed (None: unknown, or no plain step of those sequences lately)."""
         relative = self._relative(StepSize(sequences, tokens))
         if relative is None or not self.follow_speed:
             return relative
@@ -407,7 +439,7 @@ class StepCostTable:
         ``sequences``: the step's sequences (None: one per base token, no drafts placed yet)."""
         if extra_tokens == 0:
             return 1.0
-        seqs = base_tokens if sequences is None else sequences
+        seqs = max(1, base_tokens if sequences is None else sequences)
         key = (seqs, base_tokens, extra_tokens)
         known = self._ratios.get(key)
         if known is not None:
@@ -415,11 +447,16 @@ class StepCostTable:
         base = self._relative(StepSize(seqs, base_tokens))
         more = self._relative(StepSize(seqs, base_tokens + extra_tokens))
         if base is not None and more is not None and base > 0:
-            value = max(more / base, 1.0)
+            value = more / base
         elif (slope := self._slope(seqs)) is not None:  # none of these sequences: the nearest's cost
             value = 1.0 + slope * extra_tokens
         else:
-            value = 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)
+            value = (
+                self._prior(seqs, extra_tokens)
+                if base_tokens == seqs
+                else 1.0 + (self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1))
+            )
+        value = max(value, 1.0 + self._min_share(seqs) * extra_tokens)
         self._ratios[key] = value
         return value
 
@@ -575,10 +612,11 @@ class AdaptivePolicy:
 
     def could_pay(self, sequences: int) -> bool:
         """Whether drafts that always hold could pay for their rows in a step of ``sequences``
-        plain decodes, at some k (no draft's own cost counted): where not, no request's could."""
+        plain decodes, at any k ``choose`` may take (a proposal's length caps it below the
+        choices), no draft's own cost counted: where not, no request's drafts could."""
         return any(
             (sequences + k) / sequences / self.costs.ratio(sequences, k, sequences) >= MIN_GAIN
-            for k in K_CHOICES
+            for k in range(1, max(K_CHOICES) + 1)
         )
 
     def draft_cost_ratio(self, name: str, base_tokens: int, sequences: int | None = None) -> float:
@@ -689,7 +727,8 @@ class Speculator:
         self._chosen.clear()
         sequences = max(len(decodes), step_sequences or 0)
         base_tokens = sequences
-        # at this batch even drafts that always hold would not pay: ask no one (one check a step)
+        # at this batch even drafts that always hold would not pay: ask no one (one check a step;
+        # it holds until a pinned request places drafts, which make further rows cheaper)
         hopeless = sequences > 1 and not self.policy.could_pay(sequences)
         step_yield = float(base_tokens)  # tokens the step is expected to give, drafts placed so far
         room = MAX_DRAFT_TOKENS * len(decodes) if max_draft_tokens is None else max_draft_tokens
@@ -708,7 +747,7 @@ class Speculator:
             if pinned is not None:
                 name, k = pinned
                 req.draft_token_ids = self._ask(self.policy.drafts[name], req, min(k, room))[:room]
-            elif hopeless or (
+            elif (hopeless and base_tokens == sequences) or (
                 sequences > 1
                 and self.policy.choose(req, base_tokens, step_yield_tokens=step_yield, sequences=sequences)
                 is None

@@ -389,7 +389,8 @@ def test_step_cost_ratios_follow_the_machine_not_its_drift():
             table.observe(1, step_ms(1, 1.0 + 0.6 * min(i / 100, 1.0)))
     assert abs(following.ratio(1, 4) - 1.48) < 0.01
     assert abs(following.cost_ms(5) - step_ms(5, 1.6)) < 0.1  # type: ignore[operator]
-    assert plain.ratio(1, 4) == 1.0  # 10.36 ms then against 11.2 ms now: "free"
+    # 10.36 ms then against 11.2 ms now: "free", but for the table's floor
+    assert plain.ratio(1, 4) == 1.0 + 4 * StepCostTable.MIN_SHARE_OF_PRIOR * plain.prior_ratio_per_token
     # a drafted step timed now corrects a size's own cost, whatever the speed
     for _ in range(40):
         following.observe(1, step_ms(1, 1.6))
@@ -455,7 +456,7 @@ def test_step_costs_are_kept_by_sequences_as_well_as_tokens():
             speculator.policy.observe(r, "ngram", 2, 1)
     speculator.propose([(r, None) for r in reqs])
     assert not any(r.draft_token_ids for r in reqs)
-    # by tokens alone (the eight's plain step standing for six with two drafts), they drafted
+    # with those drafts priced as free (as the table by tokens alone priced them), they drafted
     by_tokens = StepCostTable()
     for _ in range(50):
         by_tokens.observe(8, 10.0, 6)
@@ -468,8 +469,8 @@ def test_step_costs_are_kept_by_sequences_as_well_as_tokens():
 def test_a_drafted_step_is_priced_against_the_plain_steps_just_before_it():
     """Six decodes over short contexts, plain 10 ms and 12 ms with two drafts; later six others over
     long contexts, plain only, 16 ms. Against the six's average plain step the drafts looked free;
-    paired with the plain steps just before them they cost 1.2x. A drafted step long after the last
-    plain step of its sequences teaches nothing."""
+    paired with the plain steps just before them they cost 1.2x. A drafted step with no plain step
+    of its sequences within the window before or after it teaches nothing."""
     table, by_size = StepCostTable(), StepCostTable(follow_speed=False)
     for t in (table, by_size):
         for _ in range(30):
@@ -478,21 +479,34 @@ def test_a_drafted_step_is_priced_against_the_plain_steps_just_before_it():
         for _ in range(30):
             t.observe(6, 16.0, 6)
     assert abs(table.ratio(6, 2, 6) - 1.2) < 1e-6
-    assert by_size.ratio(6, 2, 6) == 1.0  # 12 ms against about 15: "free"
+    # 12 ms against about 15: "free", but for the table's floor
+    assert (
+        by_size.ratio(6, 2, 6)
+        == 1.0 + 2 * StepCostTable.MIN_SHARE_OF_PRIOR * by_size.prior_ratio_per_token / 6
+    )
     assert abs(table.cost_ms(8, 6) - 16.0 * 1.2) < 1e-6  # type: ignore[operator]
     for _ in range(StepCostTable.PAIR_WINDOW_STEPS + 1):
         table.observe(1, 5.0)
-    table.observe(8, 100.0, 6)  # no plain step of six for too long: not a pair
+    table.observe(8, 100.0, 6)  # no plain step of six for too long: it waits for the next ones
+    for _ in range(StepCostTable.PAIR_WINDOW_STEPS + 1):
+        table.observe(1, 5.0)
+    for _ in range(3):
+        table.observe(6, 10.0, 6)  # too late for it: it taught nothing
     assert abs(table.ratio(6, 2, 6) - 1.2) < 1e-6
-    # a batch's first steps carry drafts before any plain step: they wait for the first one
+    # a batch's first steps carry drafts before any plain step: they wait for the three plain
+    # steps after them, and their median (one of those stalled: no matter)
     first = StepCostTable()
     first.observe(10, 13.0, 8)
     first.observe(10, 13.0, 8)
     assert first.ratio(8, 2, 8) < 1.1  # nothing timed yet: the prior
-    first.observe(8, 10.0, 8)
+    for ms in (10.0, 500.0, 10.0):
+        first.observe(8, ms, 8)
     assert abs(first.ratio(8, 2, 8) - 1.3) < 1e-6
     # and sequences with nothing timed take the cost per token of the nearest that have it
     assert abs(first.ratio(6, 2, 6) - 1.3) < 1e-6
+    # a new size's first sample, stalled, is held to three times what the table said of it
+    first.observe(12, 2000.0, 8)
+    assert abs(first.ratio(8, 4, 8) - 3 * 1.6) < 1e-6
 
 
 def test_where_even_drafts_that_always_hold_cannot_pay_no_one_is_asked_but_a_pinned_draft():
@@ -527,3 +541,30 @@ def test_where_even_drafts_that_always_hold_cannot_pay_no_one_is_asked_but_a_pin
     assert (
         CountingNgram.calls == 1 and reqs[0].draft_token_ids and not any(r.draft_token_ids for r in reqs[1:])
     )
+
+
+def test_the_step_check_gives_way_once_a_pinned_request_has_placed_drafts():
+    """A second pass over the weights doubles the step at a ninth row, and holds up to 24 rows:
+    alone, drafts never pay at eight (16 tokens for twice the cost at best), but once a request
+    pinned to eight drafts has paid for that pass, further rows are free, and requests whose
+    drafts always hold are asked again, as without the check."""
+    table = StepCostTable()
+    for n in range(8, 48):
+        table.observe(n, 10.0 if n == 8 else 20.0 + 2.0 * max(n - 24, 0), 8)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4]
+    placed = []
+    for check in (True, False):
+        speculator = Speculator(SpeculativeConfig("auto"))
+        speculator.costs = speculator.policy.costs = table
+        assert not speculator.policy.could_pay(8)
+        if not check:
+            speculator.policy.could_pay = lambda sequences: True  # type: ignore[method-assign]
+        reqs = [Request(f"r{i}", prompt, SamplingParams(), request_class=RequestClass.BULK) for i in range(8)]
+        for r in reqs:
+            for _ in range(50):
+                speculator.policy.observe(r, "ngram", 4, 4)
+        speculator.propose(
+            [(r, SpeculativeConfig("fixed", "ngram", 8) if i == 0 else None) for i, r in enumerate(reqs)]
+        )
+        placed.append([len(r.draft_token_ids) for r in reqs])
+    assert placed[0] == placed[1] and placed[0][0] == 8 and sum(placed[0][1:]) > 0, placed
