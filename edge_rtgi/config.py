@@ -121,7 +121,10 @@ def _coerce(value: Any, tp: Any, name: str, loc: str) -> Any:
 def from_dict(cls: type[T], data: Any, context: str | None = None) -> T:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys with file and line.
 
-    Nested dataclass fields are built recursively; ``tuple[X, ...]`` fields accept lists.
+    Nested dataclass fields are built recursively, as the class their default is built with
+    where that is a subclass of the field's type (a section keeps the defaults its owner gives
+    it: the daemon's engine section is a ``DaemonEngineConfig``); ``tuple[X, ...]`` fields accept
+    lists.
     """
     ctx = context or cls.__name__
     if not dataclasses.is_dataclass(cls):  # a caller's bug, not a config error
@@ -139,7 +142,11 @@ def from_dict(cls: type[T], data: Any, context: str | None = None) -> T:
                 f"{where(data, key)}: unknown key {key!r} in {ctx}",
                 hint=f"allowed keys: {', '.join(sorted(fields))}",
             )
-        kwargs[key] = _coerce(value, hints[key], f"{ctx}.{key}", where(data, key))
+        tp = hints[key]
+        factory = fields[key].default_factory
+        if isinstance(factory, type) and isinstance(tp, type) and issubclass(factory, tp):
+            tp = factory
+        kwargs[key] = _coerce(value, tp, f"{ctx}.{key}", where(data, key))
     try:
         obj = cls(**kwargs)
     except TypeError as exc:

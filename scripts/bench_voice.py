@@ -94,14 +94,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def start_daemon(engine_threads: int | None = None):
-    from edge_rtgi.llm.engine_config import EngineConfig
     from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipelines
     from edge_rtgi.pipeline.resources import Resources
     from edge_rtgi.server.app import Daemon
-    from edge_rtgi.server.config import DaemonConfig, ServerConfig
+    from edge_rtgi.server.config import DaemonConfig, DaemonEngineConfig, ServerConfig
 
     pipes = load_pipelines([builtin_pipelines_dir()])
-    engine = EngineConfig(num_threads=engine_threads)
+    engine = DaemonEngineConfig(num_threads=engine_threads)  # the daemon's engine, as `serve` runs it
     daemon = Daemon(
         DaemonConfig(server=ServerConfig(port=0), engine=engine),
         {"voice-assistant": pipes["voice-assistant"]},

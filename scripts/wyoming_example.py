@@ -254,7 +254,7 @@ async def _start_daemon():
         wyoming=WyomingConfig(uri="tcp://127.0.0.1:0"),
     )
     print("loading models...", file=sys.stderr, flush=True)
-    daemon = Daemon(config, {pipeline.name: pipeline}, Resources())
+    daemon = Daemon(config, {pipeline.name: pipeline}, Resources(config.engine))
     await daemon.resources.prepare(pipeline)
     await daemon.start()
     return daemon

@@ -168,6 +168,16 @@ def is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
+class DaemonEngineConfig(EngineConfig):
+    """The daemon's shared engine: ``EngineConfig`` with speculative decoding ``auto`` by default.
+    The policy drafts only where its measured step costs say drafts pay, which on the CPU here
+    was at every batch size measured (docs/engine.md, "Speculative decoding"); the library's own
+    default stays ``off``, the plain path its comparisons start from."""
+
+    speculative: str | bool | dict[str, str | int] = "auto"
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     """The whole daemon: server, pipelines (files or folders), engine."""
 
@@ -175,7 +185,7 @@ class DaemonConfig:
     pipelines: tuple[str, ...] = ()  # empty: the shipped pipelines/ folder
     default_pipeline: str = "voice-assistant"
     preload: bool = True  # load every pipeline's models at start-up, not on first use
-    engine: EngineConfig = field(default_factory=EngineConfig)  # the shared LLM engine
+    engine: EngineConfig = field(default_factory=DaemonEngineConfig)  # the shared LLM engine
     wyoming: WyomingConfig = field(default_factory=WyomingConfig)  # Home Assistant's protocol
 
 

@@ -91,3 +91,24 @@ def test_weight_quant_policy(monkeypatch):
     assert policy.resolve_weight_quant("int4-g64", cpu, torch.float32) == "int4-g64"
     monkeypatch.setattr(dev, "cpu_has_bf16", lambda: False)  # bf16 requested on a CPU that emulates it
     assert policy.resolve_weight_quant("auto", cpu, torch.bfloat16) is None
+
+
+def test_the_daemons_engine_speculates_by_default_with_or_without_an_engine_section(tmp_path):
+    """The daemon's engine runs ``speculative: auto`` unless its config says otherwise; an engine
+    section that names other keys keeps that default (it is loaded as the daemon's engine config,
+    the class its default is built with); the library's EngineConfig stays ``off``. kv_dtype int4
+    with it is a config error naming the keys."""
+    from edge_rtgi.llm.engine_config import EngineConfig
+    from edge_rtgi.server.config import DaemonConfig, DaemonEngineConfig, load_daemon_config
+
+    assert EngineConfig().speculative == "off"
+    assert load_daemon_config(None).engine.speculative == "auto"
+    path = tmp_path / "d.yaml"
+    path.write_text("engine:\n  kv_cache_memory_mb: 64\n")
+    cfg = load_daemon_config(path)
+    assert isinstance(cfg.engine, DaemonEngineConfig) and cfg.engine.speculative == "auto"
+    assert cfg.engine.kv_cache_memory_mb == 64
+    path.write_text('engine:\n  speculative: "off"\n')
+    assert load_daemon_config(path).engine.speculative == "off"
+    with pytest.raises(ConfigError, match="speculative.*kv_dtype: int4|kv_dtype: int4.*speculative"):
+        from_dict(DaemonConfig, {"engine": {"kv_dtype": "int4"}})
