@@ -123,8 +123,8 @@ def from_dict(cls: type[T], data: Any, context: str | None = None) -> T:
 
     Nested dataclass fields are built recursively, as the class their default is built with
     where that is a subclass of the field's type (a section keeps the defaults its owner gives
-    it: the daemon's engine section is a ``DaemonEngineConfig``); ``tuple[X, ...]`` fields accept
-    lists.
+    it: the daemon's engine section is a ``DaemonEngineConfig``), and an empty such section is
+    that class's defaults; ``tuple[X, ...]`` fields accept lists.
     """
     ctx = context or cls.__name__
     if not dataclasses.is_dataclass(cls):  # a caller's bug, not a config error
@@ -142,10 +142,13 @@ def from_dict(cls: type[T], data: Any, context: str | None = None) -> T:
                 f"{where(data, key)}: unknown key {key!r} in {ctx}",
                 hint=f"allowed keys: {', '.join(sorted(fields))}",
             )
-        tp = hints[key]
+        tp = _strip_optional(hints[key])
         factory = fields[key].default_factory
-        if isinstance(factory, type) and isinstance(tp, type) and issubclass(factory, tp):
-            tp = factory
+        if dataclasses.is_dataclass(factory) and isinstance(factory, type):
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp) and issubclass(factory, tp):
+                tp = factory
+            if value is None:  # an empty section (every key commented out): the defaults
+                value = {}
         kwargs[key] = _coerce(value, tp, f"{ctx}.{key}", where(data, key))
     try:
         obj = cls(**kwargs)

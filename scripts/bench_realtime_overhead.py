@@ -108,7 +108,8 @@ async def main(turns: int) -> None:
     from edge_rtgi.server.config import DaemonConfig, ServerConfig
 
     pipelines = load_pipelines([builtin_pipelines_dir()])
-    daemon = Daemon(DaemonConfig(server=ServerConfig(port=0)), pipelines, Resources())
+    config = DaemonConfig(server=ServerConfig(port=0))
+    daemon = Daemon(config, pipelines, Resources(config.engine))
     await daemon.resources.prepare(pipelines["voice-assistant"])
     await daemon.start()
     pcm16k, pcm24k = speech(16000), speech(24000)

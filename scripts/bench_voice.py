@@ -425,7 +425,8 @@ async def start_mode_daemon(mode: str):
     stages = tuple(_asr_mode(s, mode) if isinstance(s, AsrConfig) else s for s in base.stages)
     pipeline = dataclasses.replace(base, stages=stages)
     server = ServerConfig(port=0, max_sessions=32)
-    daemon = Daemon(DaemonConfig(server=server), {"voice-assistant": pipeline}, Resources())
+    config = DaemonConfig(server=server)
+    daemon = Daemon(config, {"voice-assistant": pipeline}, Resources(config.engine))
     await daemon.resources.prepare(pipeline)
     await daemon.start()
     return daemon

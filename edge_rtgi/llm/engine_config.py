@@ -111,9 +111,13 @@ class EngineConfig:
         if "int4" in self.kv_layer_dtypes_named() and parse_speculative(self.speculative).enabled:
             # int4 KV quantises a block when it fills, rejected drafts included: output would
             # drift from the same engine without speculation (tests/equivalence/test_speculative_kv.py)
+            which, fix = ("kv_dtype: int4", "kv_dtype: int8")
+            if self.kv_dtype != "int4":
+                which, fix = ("a KV plan with int4 layers", "int8 layers in the plan")
             raise ValueError(
-                "speculative decoding does not work with kv_dtype: int4 yet (a block is quantised "
-                "with rejected draft tokens in it); set speculative: off or kv_dtype: int8"
+                f"speculative decoding does not work with {which} yet (a block is quantised with "
+                f"rejected draft tokens in it), and speculative is {self.speculative!r} (the daemon's "
+                f"engine speculates by default); set speculative: off or {fix}"
             )
         if self.kv_window is not None and not self.enable_chunked_prefill:
             raise ValueError(
@@ -191,7 +195,11 @@ class EngineConfig:
         }
         for name, clash in clashes.items():
             if clash:
-                raise ValueError(f"kv_eviction does not combine with {name} yet; use one or the other")
+                hint = " (the daemon's engine speculates by default: set speculative: off)"
+                raise ValueError(
+                    f"kv_eviction does not combine with {name} yet; use one or the other"
+                    + (hint if name == "speculative" else "")
+                )
 
     def speculation(self) -> SpeculativeConfig:
         """The parsed ``speculative`` setting."""

@@ -110,5 +110,11 @@ def test_the_daemons_engine_speculates_by_default_with_or_without_an_engine_sect
     assert cfg.engine.kv_cache_memory_mb == 64
     path.write_text('engine:\n  speculative: "off"\n')
     assert load_daemon_config(path).engine.speculative == "off"
-    with pytest.raises(ConfigError, match="speculative.*kv_dtype: int4|kv_dtype: int4.*speculative"):
+    path.write_text("engine:\n  # every key commented out\n")  # an empty section: the defaults
+    assert load_daemon_config(path).engine.speculative == "auto"
+    with pytest.raises(ConfigError, match="kv_dtype: int4 yet .*the daemon's engine speculates by default"):
         from_dict(DaemonConfig, {"engine": {"kv_dtype": "int4"}})
+    eviction = {"kv_budget_tokens": 512, "kv_eviction": {"mode": "h2o"}}
+    with pytest.raises(ConfigError, match="speculative yet.*set speculative: off"):
+        from_dict(DaemonConfig, {"engine": eviction})
+    assert from_dict(DaemonConfig, {"engine": {**eviction, "speculative": "off"}}).engine.kv_budget_tokens == 512
