@@ -117,4 +117,5 @@ def test_the_daemons_engine_speculates_by_default_with_or_without_an_engine_sect
     eviction = {"kv_budget_tokens": 512, "kv_eviction": {"mode": "h2o"}}
     with pytest.raises(ConfigError, match="speculative yet.*set speculative: off"):
         from_dict(DaemonConfig, {"engine": eviction})
-    assert from_dict(DaemonConfig, {"engine": {**eviction, "speculative": "off"}}).engine.kv_budget_tokens == 512
+    plain = from_dict(DaemonConfig, {"engine": {**eviction, "speculative": "off"}})
+    assert plain.engine.kv_budget_tokens == 512
