@@ -264,8 +264,9 @@ class StepCostTable:
     steps of another and read the difference as the drafts' price). The median shrugs off one
     stalled plain step; a ratio is clipped to ``CLIP`` times its size's estimate before it
     counts (a new size's: what the table would have said of it), so one stalled drafted step
-    moves the table a little. (A size priced too dear is not drafted, so not timed again: a
-    stall on its first sample can keep drafts off it, at most by that clip.) ``cost_ms`` is a size's ratio
+    moves the table a little. A size priced too dear is not drafted, so not timed again: a
+    drafted size not timed for ``FORGET_AFTER_STEPS`` steps is forgotten and priced from the
+    sizes around it again. ``cost_ms`` is a size's ratio
     times its recent plain step. ``follow_speed=False`` keeps plain per-size EMAs of the times
     (the ablation).
 
@@ -279,6 +280,10 @@ class StepCostTable:
     CLIP = (0.5, 3.0)
     PLAIN_STEPS = 3
     PAIR_WINDOW_STEPS = 256
+    # A drafted size not timed for this many steps is forgotten, so it is priced from the sizes
+    # around it again and, where that pays, drafted and timed anew: a size priced too dear (a
+    # stall on its first sample, a machine that has since changed) is otherwise never re-timed.
+    FORGET_AFTER_STEPS = 4096
     # the floor under a draft token's price: a quarter of the prior's, below every cost measured
     # here (docs/benchmarks.md, "Step costs by sequences"); it only keeps a noisy pair from
     # making drafts free
@@ -303,6 +308,7 @@ class StepCostTable:
         # times a step, and a plain step (ratio 1 to itself) changes nothing but the speed
         self._ratios: dict[tuple[int, int, int], float] = {}
         self._slopes_known: dict[int, float] | None = None
+        self._updated: dict[StepSize, int] = {}  # drafted sizes: the step they were last timed
 
     def observe(self, tokens: int, run_ms: float, sequences: int = 1) -> None:
         """Learn from one decode-only step of ``sequences`` sequences carrying ``tokens`` tokens."""
@@ -311,6 +317,8 @@ class StepCostTable:
             return
         size = StepSize(sequences, tokens)
         self._steps += 1
+        if self._steps % 512 == 0:
+            self._forget_stale()
         if not self.follow_speed:
             self._average(size, run_ms)
             return
@@ -357,7 +365,18 @@ class StepCostTable:
         low, high = self.CLIP
         self._average(size, min(max(ratio, low * old), high * old))
 
+    def _forget_stale(self) -> None:
+        stale = [size for size, step in self._updated.items() if self._steps - step > self.FORGET_AFTER_STEPS]
+        for size in stale:
+            del self._updated[size], self.relative[size], self.count[size]
+            self._tokens[size.sequences].remove(size.tokens)
+        if stale:
+            self._ratios.clear()
+            self._slopes_known = None
+
     def _average(self, size: StepSize, value: float) -> None:
+        if size.tokens > size.sequences:
+            self._updated[size] = self._steps
         self._ratios.clear()
         self._slopes_known = None
         if size not in self.relative:

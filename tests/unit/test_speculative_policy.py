@@ -507,6 +507,11 @@ def test_a_drafted_step_is_priced_against_the_plain_steps_just_before_it():
     # a new size's first sample, stalled, is held to three times what the table said of it
     first.observe(12, 2000.0, 8)
     assert abs(first.ratio(8, 4, 8) - 3 * 1.6) < 1e-6
+    # priced that dear it is not drafted, so not timed again: after a while it is forgotten and
+    # priced from the sizes around it again (here none are left: the prior)
+    for _ in range(StepCostTable.FORGET_AFTER_STEPS + 512):
+        first.observe(8, 10.0, 8)
+    assert first.ratio(8, 4, 8) == 1.0 + 0.25 * 4 / 8
 
 
 def test_where_even_drafts_that_always_hold_cannot_pay_no_one_is_asked_but_a_pinned_draft():
