@@ -266,9 +266,8 @@ class StepCostTable:
     counts (a new size's: what the table would have said of it), so one stalled drafted step
     moves the table a little. A size priced too dear is not drafted, so not timed again: a
     drafted size not timed for ``FORGET_AFTER_STEPS`` steps is forgotten and priced from the
-    sizes around it again. ``cost_ms`` is a size's ratio
-    times its recent plain step. ``follow_speed=False`` keeps plain per-size EMAs of the times
-    (the ablation).
+    sizes around it again. ``cost_ms`` is a size's ratio times its recent plain step.
+    ``follow_speed=False`` keeps plain per-size EMAs of the times (the ablation).
 
     A size not yet timed is interpolated between the sizes of the same sequences, or
     extrapolated from the largest of them at the cost per extra token of the nearest sequences
