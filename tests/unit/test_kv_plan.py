@@ -157,7 +157,9 @@ def test_engine_settings_for_kv_plans(tmp_path):
         EngineConfig(kv_dtype="plan", kv_plan=_plan_file(tmp_path, "groups: {}\n"))
     with pytest.raises(ValueError, match="kv_plan: cannot read"):
         EngineConfig(kv_dtype="plan", kv_plan=str(tmp_path / "missing.yaml"))
-    with pytest.raises(ValueError, match="speculative decoding does not work with a KV plan with int4 layers.*set speculative: off"):
+    with pytest.raises(
+        ValueError, match="does not work with a KV plan with int4 layers.*set speculative: off"
+    ):
         EngineConfig(kv_dtype="plan", kv_plan=good, speculative={"draft": "ngram", "k": 4})
     int8_only = _plan_file(tmp_path, "kv: {default: int8}\n")
     EngineConfig(kv_dtype="plan", kv_plan=int8_only, speculative={"draft": "ngram", "k": 4})
