@@ -758,16 +758,17 @@ class LLMEngine:
         if room is not None and room <= 0:
             return
         decodes = []
+        running_decodes = 0  # these and the ones that may not speculate: the step's sequences
         for req in self.scheduler.running:
             if req.num_tokens - req.num_computed_tokens != 1:
                 continue
+            running_decodes += 1
             p = cast(SamplingParams, req.params)
             own = parse_speculative(p.speculative) if p.speculative is not None else None
             if own is not None and not own.enabled:
                 continue
             if speculator.eligible(req, p.greedy, p.seed is not None, p.logprobs, own):
                 decodes.append((req, own))
-        running_decodes = sum(r.num_tokens - r.num_computed_tokens == 1 for r in self.scheduler.running)
         speculator.propose(decodes, room, running_decodes)
 
     def _observe_drafts(

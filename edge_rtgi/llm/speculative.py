@@ -469,11 +469,7 @@ class StepCostTable:
         elif (slope := self._slope(seqs)) is not None:  # none of these sequences: the nearest's cost
             value = 1.0 + slope * extra_tokens
         else:
-            value = (
-                self._prior(seqs, extra_tokens)
-                if base_tokens == seqs
-                else 1.0 + (self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1))
-            )
+            value = 1.0 + self.prior_ratio_per_token * extra_tokens / max(base_tokens, 1)
         value = max(value, 1.0 + self._min_share(seqs) * extra_tokens)
         self._ratios[key] = value
         return value
