@@ -324,9 +324,7 @@ class StepCostTable:
         if tokens == sequences:
             recent = self._plain.setdefault(sequences, deque(maxlen=self.PLAIN_STEPS))
             recent.append((self._steps, run_ms))
-            if size in self.relative:
-                self.count[size] += 1
-            else:
+            if size not in self.relative:  # its ratio to itself: 1, for good
                 self._average(size, 1.0)
             self._pair_waiting(sequences, recent)
             return

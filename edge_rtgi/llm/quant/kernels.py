@@ -372,10 +372,10 @@ def int8_activation_max_rows(model: nn.Module) -> int | None:
     cached = model.__dict__.get(cpu_ops.INT8_ROWS_CACHE_KEY, False)
     if cached is not False:
         return cached
-    most = None
+    most, kernel_rows = None, cpu_ops.multi_row_max()
     for m in model.modules():
         if isinstance(m, Int4Linear) and m.i8_packed is not None:
-            rows = cpu_ops.multi_row_max()
+            rows = kernel_rows
             if m.dense_weight is not None:
                 rows = min(rows, m.max_kernel_rows)
             most = rows if most is None else min(most, rows)
