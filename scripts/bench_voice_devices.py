@@ -11,9 +11,13 @@ Echo cancellation (``edge_rtgi.audio.aec``, WebRTC AEC3): 20 Piper replies playe
 microphone at -6 dB with 50-150 ms of delay. Reported, with and without AEC: false barge-ins
 (silero VAD, the voice-assistant pipeline's settings, declares speech during a reply); a
 user's question spoken over the reply: barge-in within 300 ms of its start; the ASR WER
-(whisper tiny.en) of that question after AEC, against the clean question.
+(whisper tiny.en) of that question after AEC, against the clean question, twice: with the reply
+playing on over the whole question, and with the reply cut where the daemon would cut it (the
+VAD's speech start after AEC, plus the voice-assistant pipeline's barge-in wait over a reply,
+``barge_in_min_speech_ms``, plus ``--playout-ms`` of audio already queued in the device).
 
     python scripts/bench_voice_devices.py [--minutes 10] [--seed 0] [--json out.json] [--peaks]
+        [--echo-only] [--playout-ms 100]
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ class EchoTrial:
     barge_in_ms_raw: float | None
     wer_aec: float
     wer_clean: float
+    # the reply cut at the barge-in, as the daemon cuts it (None: no barge-in to cut at)
+    reply_cut_ms: float | None = None  # from the question's first sample to the reply's last
+    wer_aec_reply_cut: float | None = None
 
 
 class Voices:
@@ -218,14 +225,18 @@ def bench_false_wakes(voices: Voices, rng: np.random.Generator, texts: list[str]
     return found, len(pcm) / RATE_HZ, cpu_s, i
 
 
-def _vad_starts(pcm: np.ndarray) -> list[int]:
-    """Stream positions (samples) at which the pipeline's VAD reported a speech start."""
+def _assistant_asr():
     from edge_rtgi.asr.config import AsrConfig
-    from edge_rtgi.asr.vad import SileroVad
     from edge_rtgi.pipeline.config import builtin_pipelines_dir, load_pipeline
 
-    cfg = load_pipeline(builtin_pipelines_dir() / "voice-assistant.yaml").stage(AsrConfig)
-    vad = SileroVad(cfg.vad)
+    return load_pipeline(builtin_pipelines_dir() / "voice-assistant.yaml").stage(AsrConfig)
+
+
+def _vad_starts(pcm: np.ndarray) -> list[int]:
+    """Stream positions (samples) at which the pipeline's VAD reported a speech start."""
+    from edge_rtgi.asr.vad import SileroVad
+
+    vad = SileroVad(_assistant_asr().vad)
     starts = []
     for i in range(0, len(pcm), CHUNK):
         for ev in vad.process(pcm16_to_float32(pcm[i : i + CHUNK])):
@@ -247,46 +258,73 @@ def _barge_ms(starts: list[int], onset: int) -> float | None:
     return 1000 * (after[0] - onset) / RATE_HZ if after else None
 
 
-def bench_echo(voices: Voices, rng: np.random.Generator, replies: list[str], questions: list[str]) -> list:
+def bench_echo(
+    voices: Voices, rng: np.random.Generator, replies: list[str], questions: list[str], playout_ms: float
+) -> list:
     from jiwer import wer
 
     from edge_rtgi.asr.config import AsrConfig
     from edge_rtgi.asr.whisper import WhisperAsr
 
     asr = WhisperAsr(AsrConfig(model="whisper-tiny.en", language="en"))
+    turns = _assistant_asr().turn_detection
+    # speech over a reply cuts it only after this much of it in semantic mode (docs/speech.md)
+    talkover_ms = turns.barge_in_min_speech_ms if turns is not None and turns.mode == "semantic" else 0
 
     def words(t: str) -> str:
         return " ".join("".join(c for c in t.lower() if c.isalnum() or c in " '").split())
+
+    def played(reply: np.ndarray, delay: int, floor: np.ndarray, near: np.ndarray) -> tuple:
+        """The reference and the microphone (echo at -6 dB after ``delay`` samples, the room, the
+        user), as int16 with a second of tail."""
+        echo = np.concatenate([np.zeros(delay, np.float32), reply])[: len(reply)] * 0.5  # -6 dB
+        pad = np.zeros(RATE_HZ, np.float32)
+        return float32_to_pcm16(np.concatenate([reply, pad])), float32_to_pcm16(
+            np.concatenate([echo + floor, pad]) + near
+        )
 
     trials = []
     for k, text in enumerate(replies[:20]):
         reply = voices.say("piper@1.0", text)
         reply = np.concatenate([reply, reply])  # a long reply: the user talks over its second half
         delay = int(rng.uniform(50, 150) * RATE_HZ / 1000)
-        echo = np.concatenate([np.zeros(delay, np.float32), reply])[: len(reply)] * 0.5  # -6 dB
         floor = _noise(rng, len(reply)) * 10 ** (-55 / 20)  # a quiet room
         question_text = questions[k % len(questions)]
         user = voices.say("piper@1.1", question_text)
         onset = len(reply) // 2
         near = np.zeros(len(reply) + RATE_HZ, np.float32)
         near[onset : onset + len(user)] = user[: len(near) - onset]
-        pad = np.zeros(RATE_HZ, np.float32)
-        ref = float32_to_pcm16(np.concatenate([reply, pad]))
-        alone = float32_to_pcm16(np.concatenate([echo + floor, pad]))  # the reply only
-        over = float32_to_pcm16(np.concatenate([echo + floor, pad]) + near)  # the user talks over it
+        silent = np.zeros_like(near)
+        ref, alone = played(reply, delay, floor, silent)  # the reply only
+        _, over = played(reply, delay, floor, near)  # the user talks over it
 
         cleaned = _cancel(over, ref)
         seg = slice(max(onset - RATE_HZ // 5, 0), min(onset + len(user) + RATE_HZ // 2, len(cleaned)))
-        heard = asr.transcribe(pcm16_to_float32(cleaned[seg])).text
-        clean_heard = asr.transcribe(near[seg]).text
+
+        def heard_wer(pcm: np.ndarray, seg: slice = seg, said: str = question_text) -> tuple[str, float]:
+            audio = pcm16_to_float32(pcm[seg]) if pcm.dtype == np.int16 else pcm[seg]
+            heard = asr.transcribe(audio).text
+            return heard, float(wer(words(said), words(heard) or "-"))
+
+        heard, wer_aec = heard_wer(cleaned)
+        barge_ms = _barge_ms(_vad_starts(cleaned), onset)
+        cut_ms = wer_cut = None
+        if barge_ms is not None:  # the reply stops where the daemon would stop it
+            cut_ms = barge_ms + talkover_ms + playout_ms
+            cut = reply.copy()
+            cut[onset + int(cut_ms * RATE_HZ / 1000) :] = 0.0
+            ref_cut, over_cut = played(cut, delay, floor, near)
+            _, wer_cut = heard_wer(_cancel(over_cut, ref_cut))
         trial = EchoTrial(
             delay_ms=round(1000 * delay / RATE_HZ),
             false_barge_in_aec=bool(_vad_starts(_cancel(alone, ref))),
             false_barge_in_raw=bool(_vad_starts(alone)),
-            barge_in_ms_aec=_barge_ms(_vad_starts(cleaned), onset),
+            barge_in_ms_aec=barge_ms,
             barge_in_ms_raw=_barge_ms(_vad_starts(over), onset),
-            wer_aec=float(wer(words(question_text), words(heard) or "-")),
-            wer_clean=float(wer(words(question_text), words(clean_heard) or "-")),
+            wer_aec=wer_aec,
+            wer_clean=heard_wer(near)[1],
+            reply_cut_ms=cut_ms,
+            wer_aec_reply_cut=wer_cut,
         )
         trials.append(trial)
         print(f"  echo {k:2d} {trial} | {heard!r}", flush=True)
@@ -299,6 +337,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the trials here")
     ap.add_argument("--peaks", action="store_true", help="only print each wake trial's peak probability")
+    ap.add_argument("--echo-only", action="store_true", help="only the echo-cancellation part")
+    ap.add_argument(
+        "--playout-ms",
+        type=float,
+        default=100.0,
+        help="audio already queued in the device when the reply is cut (its output buffer)",
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     load_before = os.getloadavg()
@@ -310,36 +355,44 @@ def main() -> int:
         wake_peaks(voices, rng, questions)
         return 0
 
-    print("wake words:", flush=True)
-    wake = bench_wake(voices, rng, questions)
-    print("false wakes:", flush=True)
-    false, audio_s, wake_cpu_s, n_utts = bench_false_wakes(voices, rng, sentences + questions, args.minutes)
+    wake: list[WakeTrial] = []
+    false: list = []
+    audio_s, wake_cpu_s, n_utts = 0.0, 0.0, 0
+    if not args.echo_only:
+        print("wake words:", flush=True)
+        wake = bench_wake(voices, rng, questions)
+        print("false wakes:", flush=True)
+        false, audio_s, wake_cpu_s, n_utts = bench_false_wakes(
+            voices, rng, sentences + questions, args.minutes
+        )
     print("echo cancellation:", flush=True)
-    echo = bench_echo(voices, rng, sentences, questions)
+    echo = bench_echo(voices, rng, sentences, questions, args.playout_ms)
     load_after = os.getloadavg()
 
-    lat = [t.latency_ms for t in wake if t.latency_ms is not None]
-    print("\n== wake words ==")
-    for word in WAKE_TEXTS:
-        mine = [t for t in wake if t.word == word]
-        print(f"{word:12s} detected {sum(t.detected for t in mine)}/{len(mine)}")
-    for family in ("piper", "espeak"):
-        mine = [t for t in wake if t.voice.startswith(family)]
-        print(f"{family:12s} detected {sum(t.detected for t in mine)}/{len(mine)}")
-    print(
-        f"all          detected {sum(t.detected for t in wake)}/{len(wake)}"
-        f" ({100 * len(lat) / len(wake):.1f} %)"
-    )
-    if lat:
-        q = statistics.quantiles(lat, n=10) if len(lat) > 1 else lat
+    if wake:
+        lat = [t.latency_ms for t in wake if t.latency_ms is not None]
+        print("\n== wake words ==")
+        for word in WAKE_TEXTS:
+            mine = [t for t in wake if t.word == word]
+            print(f"{word:12s} detected {sum(t.detected for t in mine)}/{len(mine)}")
+        for family in ("piper", "espeak"):
+            mine = [t for t in wake if t.voice.startswith(family)]
+            print(f"{family:12s} detected {sum(t.detected for t in mine)}/{len(mine)}")
         print(
-            f"latency after the end of the word: median {statistics.median(lat):.0f} ms, p90 {q[-1]:.0f} ms"
+            f"all          detected {sum(t.detected for t in wake)}/{len(wake)}"
+            f" ({100 * len(lat) / len(wake):.1f} %)"
         )
-    print(f"false wakes: {len(false)} in {audio_s / 60:.1f} min ({n_utts} utterances) {false}")
-    print(
-        f"detector CPU: {wake_cpu_s:.1f} s for {audio_s:.0f} s of audio, 4 words"
-        f" ({wake_cpu_s / audio_s:.3f} x real time)"
-    )
+        if lat:
+            q = statistics.quantiles(lat, n=10) if len(lat) > 1 else lat
+            print(
+                f"latency after the end of the word: median {statistics.median(lat):.0f} ms,"
+                f" p90 {q[-1]:.0f} ms"
+            )
+        print(f"false wakes: {len(false)} in {audio_s / 60:.1f} min ({n_utts} utterances) {false}")
+        print(
+            f"detector CPU: {wake_cpu_s:.1f} s for {audio_s:.0f} s of audio, 4 words"
+            f" ({wake_cpu_s / audio_s:.3f} x real time)"
+        )
     print("\n== echo cancellation (20 replies, -6 dB, 50-150 ms delay) ==")
     print(
         f"false barge-ins: with AEC {sum(t.false_barge_in_aec for t in echo)}/{len(echo)}, "
@@ -355,6 +408,15 @@ def main() -> int:
         f"ASR WER of the user's question: after AEC {statistics.mean(t.wer_aec for t in echo):.3f}, "
         f"clean {statistics.mean(t.wer_clean for t in echo):.3f} (mean over {len(echo)})"
     )
+    cut = [t for t in echo if t.wer_aec_reply_cut is not None]
+    if cut:
+        after_ms = (cut[0].reply_cut_ms or 0.0) - (cut[0].barge_in_ms_aec or 0.0)
+        wer_cut = statistics.mean(t.wer_aec_reply_cut or 0.0 for t in cut)
+        print(
+            f"  with the reply cut at the barge-in (+{after_ms:.0f} ms after the speech start):"
+            f" after AEC {wer_cut:.3f}, the same trials without the cut"
+            f" {statistics.mean(t.wer_aec for t in cut):.3f} (mean over {len(cut)})"
+        )
     print(f"load average: before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     if args.json:
         Path(args.json).write_text(
