@@ -520,12 +520,15 @@ def int4_mm(
     return _ops.int4_mm.default(x, qweight, group_size, scales_and_zeros, loops)
 
 
-def int8_mm(x: Tensor, qweight: Tensor, scales: Tensor, loops: str = "best") -> Tensor:
+def int8_mm(
+    x: Tensor, qweight: Tensor, scales: Tensor, loops: str = "best", float_out: bool = False
+) -> Tensor:
     """``aten._weight_int8pack_mm(x, qweight, scales)`` for a [M, K] ``x``, reading each weight
-    row once for all M rows (``loops``: see ``int4_mm``)."""
+    row once for all M rows (``loops``: see ``int4_mm``). ``float_out``: the result in float32
+    whatever ``x``'s dtype (each output's fp32 sum times its scale, not rounded to bf16)."""
     if _ops is None:
         raise RuntimeError("int8_mm called without the fused CPU kernels loaded")
-    return _ops.int8_mm.default(x, qweight, scales, loops)
+    return _ops.int8_mm.default(x, qweight, scales, loops, float_out)
 
 
 def int4_pack_i8(qweight: Tensor, group_size: int, scales_and_zeros: Tensor) -> Tensor:

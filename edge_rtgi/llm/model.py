@@ -401,7 +401,9 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] in fp32, so sampling sees full precision
-        return self.lm_head(hidden).float()
+        # (a quantised head hands over its fp32 sums where its kernel can: forward_float32)
+        head_float32 = getattr(self.lm_head, "forward_float32", None)
+        return head_float32(hidden) if head_float32 is not None else self.lm_head(hidden).float()
 
 
 # --- Attention over a contiguous cache (the plain path every optimisation is checked against) ---

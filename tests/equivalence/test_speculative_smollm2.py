@@ -69,3 +69,51 @@ def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
     if setting != "auto":  # the fixed drafts always propose on the copying prompt
         assert after.spec_accepted_tokens > before.spec_accepted_tokens
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.fixture(scope="module")
+def served():
+    """SmolLM2 as the daemon serves it: the catalogue GGUF, ``quant: auto``, bf16, int8 activations
+    where the CPU has AVX-512 VNNI."""
+    engine = LLMEngine.from_config(EngineConfig(num_threads=2))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("setting", ["ngram:4", "auto"])
+def test_speculative_greedy_matches_plain_as_served(served, setting):
+    """In bf16 a verification row and a plain decode row must come out the same bits, or a near tie
+    between two tokens goes one way with speculation and the other without: each layer's int8
+    activations turn a last-bit difference into a step. Every request runs cold (prefix cache
+    emptied), so that the prompt's own path is the same in both."""
+    if not served.int8_activation_layers:
+        pytest.skip("without int8 activations a one-row step takes ATen's kernels, not the multi-row ones")
+    tok = served.tokenizer
+    chats = [[{"role": "user", "content": q}] for q in (*QUESTIONS, *MORE_QUESTIONS)]
+    params = SamplingParams(max_tokens=48)
+
+    def run() -> list[list[int]]:
+        out = []
+        for c in chats:
+            served.reset_prefix_cache()
+            out.append(served.generate([c], params)[0].token_ids)
+        return out
+
+    served.speculator = None
+    want = run()
+    config = SpeculativeConfig("auto") if setting == "auto" else SpeculativeConfig("fixed", "ngram", 4)
+    served.speculator = build_speculator(config, served.model, tok, served.config.model)
+    before = served.stats()
+    try:
+        assert run() == want
+    finally:
+        served.speculator = None
+    assert served.stats().spec_accepted_tokens > before.spec_accepted_tokens
+
+
+MORE_QUESTIONS = (
+    "Tell me a short story about a cat who learns to swim.",
+    "Write a Python function that returns the sum of the squares of a list.",
+    "How do I make a cup of green tea? Give me the steps.",
+    "What should I pack for a weekend trip to the mountains in winter?",
+)

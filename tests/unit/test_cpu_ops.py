@@ -134,6 +134,31 @@ def test_decode_attention_long_rows_with_masked_runs(dtype, rows, keys, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 40])
+def test_decode_attention_row_does_not_depend_on_the_padded_keys_after_it(dtype, dim):
+    """A query row's output is the same bits whatever masked keys its step pads it with (the other
+    rows' lengths in a batch, the draft rows after it in a verification) and wherever its last key
+    falls in the kernel's blocks of four: with int8 activations downstream, a last-bit difference
+    here changes greedy tokens."""
+    num_slots, heads, kv_heads = 96, 9, 3
+    for keys in (1, 2, 3, 4, 5, 17, 30, 33):
+        q, k_new, v_new, k_store, v_store, new_slots, key_slots, _ = paged_decode_inputs(
+            dtype, 1, keys, heads, kv_heads, dim, num_slots
+        )
+        alone = cpu_ops.decode_attention(
+            q, k_new, v_new, k_store.clone(), v_store.clone(), new_slots, key_slots, None, dim**-0.5
+        )
+        for pad in (1, 2, 3, 4, 7, 16):
+            padded = torch.cat([key_slots, key_slots[:, :1].expand(1, pad)], dim=1)
+            mask = torch.ones(1, keys + pad, dtype=torch.bool)
+            mask[:, keys:] = False
+            got = cpu_ops.decode_attention(
+                q, k_new, v_new, k_store.clone(), v_store.clone(), new_slots, padded, mask, dim**-0.5
+            )
+            assert torch.equal(got, alone), (keys, pad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_reads_strided_qkv_views_in_place(dtype):
     # The layer loop passes q, k and v as views of one [rows, (Hq + 2 Hkv) D] projection, strided
     # between tokens; the result and the cache writes must equal those of contiguous copies.
@@ -668,6 +693,23 @@ def test_multi_row_ops_refuse_malformed_weights():
         cpu_ops.int8_mm(x, layer8.qweight, layer8.scales[:5])
     with pytest.raises(RuntimeError, match="x must be"):
         cpu_ops.int8_mm(x[None], layer8.qweight, layer8.scales)
+
+
+def test_int8_matmul_hands_over_its_float32_sums_for_logits():
+    """``float_out``: each output's fp32 sum times its scale, not rounded to bf16 (whose steps of
+    0.125 at logit magnitudes tie often); rounded, it is the bf16 output bit for bit, at one row and
+    several; an int8 LM head's ``forward_float32`` takes it."""
+    packed, layer = quant_layer("int8", 256, 128, torch.bfloat16)
+    for rows in (1, 3, 5):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        got = cpu_ops.int8_mm(x, layer.qweight, layer.scales, float_out=True)
+        assert got.dtype == torch.float32
+        assert torch.equal(got.to(torch.bfloat16), cpu_ops.int8_mm(x, layer.qweight, layer.scales))
+        want = (x.double() @ layer.qweight.double().T) * layer.scales.double()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        assert not torch.equal(got, got.to(torch.bfloat16).float())  # finer than bf16
+        if cpu_ops.int8_kernel_usable(x, layer.qweight.numel()):  # small: the kernel from 2 rows
+            assert torch.equal(layer.forward_float32(x.view(1, rows, 128)).view(rows, -1), got)
 
 
 # --- int4 weights against int8 activations (int4_i8_mm) -----------------------------------------

@@ -187,6 +187,21 @@ inline float sum(const T* x, int64_t n) {
   return total;
 }
 
+// The sum of x[0..n) as if zeros followed it up to any length: the last partial block goes into the
+// lanes too, so zeros appended (keys masked out at the end of a row) leave every lane, and so the
+// total, bit for bit the same. Attention's softmax denominators use it: a row's output must not
+// depend on how many padded keys its step gave it (other rows' lengths, drafts after it).
+inline float sum_zero_padded(const float* x, int64_t n) {
+  float part[kLanes] = {};
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const int64_t lanes = std::min<int64_t>(kLanes, n - i);
+    for (int64_t l = 0; l < lanes; ++l) part[l] += x[i + l];
+  }
+  float total = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) total += part[l];
+  return total;
+}
+
 template <typename T>
 inline float sum_squares(const T* x, int64_t n) {
   float part[kLanes] = {};
@@ -372,9 +387,12 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
 #ifdef EDGE_RTGI_AVX512
       if (dim % 16 == 0) {
         // Four keys at a time: one horizontal sum per four scores, where dot() needs one per score.
-        for (; s0 + 4 <= num_keys; s0 += 4) {
+        // The last one to three keys take the same arithmetic (the block filled up with its first
+        // key, those scores not kept), so that a key's score does not depend on where it falls.
+        for (; s0 < num_keys; s0 += 4) {
+          const int64_t in_block = std::min<int64_t>(4, num_keys - s0);
           const T* keys[4];
-          for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + t] * slot_stride + kvh * dim;
+          for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + (t < in_block ? t : 0)] * slot_stride + kvh * dim;
           for (int64_t j = 0; j < group; ++j) {
             const float* qj = qf.data() + j * dim;
             __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -382,9 +400,11 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
               const __m512 qv = _mm512_loadu_ps(qj + d);
               for (int t = 0; t < 4; ++t) a[t] = _mm512_fmadd_ps(qv, load16(keys[t] + d), a[t]);
             }
-            _mm_storeu_ps(scores.data() + j * num_keys + s0, sum4(a[0], a[1], a[2], a[3]));
+            alignas(16) float four[4];
+            _mm_store_ps(four, sum4(a[0], a[1], a[2], a[3]));
+            std::copy(four, four + in_block, scores.data() + j * num_keys + s0);
           }
-          for (int t = 0; row_mask && t < 4; ++t) {
+          for (int t = 0; row_mask && t < in_block; ++t) {
             if (row_mask[s0 + t]) continue;
             for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
           }
@@ -406,7 +426,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
         for (int64_t s = 0; s < num_keys; ++s) {
           sj[s] = sj[s] == -std::numeric_limits<float>::infinity() ? 0.f : exp_f(sj[s] - row_max);
         }
-        denom[j] = sum(sj, num_keys);
+        denom[j] = sum_zero_padded(sj, num_keys);
       }
       const T* values = vp + kvh * dim;
 #ifdef EDGE_RTGI_AVX512
@@ -1066,9 +1086,11 @@ inline void int8_tile_rows(const bf16_bits* wb, const bf16_bits* x, int64_t k, f
   for (int r = 0; r < R; ++r) _mm_storeu_ps(dots + 4 * r, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
 }
 
-// Output rows [n0, n1) of an int8 matmul for `m` bf16 activation rows (K a multiple of 32).
+// Output rows [n0, n1) of an int8 matmul for `m` bf16 activation rows (K a multiple of 32), in bf16
+// or, for logits, float (O).
+template <typename O>
 void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x, int64_t m, int64_t n, int64_t k,
-                    int64_t n0, int64_t n1, bf16_bits* out) {
+                    int64_t n0, int64_t n1, O* out) {
   std::vector<bf16_bits> wb(4 * k);
   float dots[kBf16RowTile * 4];
   for (int64_t t = n0; t < n1; t += 4) {
@@ -1093,7 +1115,7 @@ void int8_rows_bf16(const int8_t* q, const bf16_bits* scales, const bf16_bits* x
       with_row_tile(tile, [&](auto rows) { int8_tile_rows<decltype(rows)::value>(wb.data(), x + r * k, k, dots); });
       for (int64_t i = 0; i < tile; ++i) {
         // ATen's int8 kernel also applies the scale to the finished fp32 dot product.
-        for (int64_t j = 0; j < cols; ++j) out[(r + i) * n + t + j] = from_f<bf16_bits>(dots[4 * i + j] * sc[j]);
+        for (int64_t j = 0; j < cols; ++j) out[(r + i) * n + t + j] = from_f<O>(dots[4 * i + j] * sc[j]);
       }
       r += tile;
     }
@@ -1203,8 +1225,9 @@ TileConfig int4_tile_config(int64_t m) {
 // as stored, widened to bf16) and the activations its B operand (`xpairs`: for each chunk of up to
 // 16 rows, [K/2][rows] pairs of inputs), so the int8 rows need no transposing; the sums come out
 // as [outputs, rows]. Tiles: 0 and 3 = weights, 1 and 4 = the two row chunks, 2, 5, 6, 7 = sums.
+template <typename O>
 void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpairs, int64_t m, int64_t n, int64_t k,
-                   int64_t n0, int64_t n1, bf16_bits* out) {
+                   int64_t n0, int64_t n1, O* out) {
   std::vector<bf16_bits> wb(32 * k);
   alignas(64) float sums[4][16 * 16];
   const int64_t m0 = std::min(m, kMaxRowChunk), m1 = m - m0;
@@ -1248,9 +1271,9 @@ void int8_rows_amx(const int8_t* q, const bf16_bits* scales, const uint32_t* xpa
     for (int64_t j = 0; j < std::min<int64_t>(32, n - t); ++j) {
       const float sc = to_f(scales[t + j]);
       const float* s0 = sums[j / 16] + (j % 16) * 16;
-      for (int64_t r = 0; r < m0; ++r) out[r * n + t + j] = from_f<bf16_bits>(s0[r] * sc);
+      for (int64_t r = 0; r < m0; ++r) out[r * n + t + j] = from_f<O>(s0[r] * sc);
       const float* s1 = sums[2 + j / 16] + (j % 16) * 16;
-      for (int64_t r = 0; r < m1; ++r) out[(m0 + r) * n + t + j] = from_f<bf16_bits>(s1[r] * sc);
+      for (int64_t r = 0; r < m1; ++r) out[(m0 + r) * n + t + j] = from_f<O>(s1[r] * sc);
     }
   }
 }
@@ -1273,15 +1296,15 @@ TileConfig int8_tile_config(int64_t m) {
 #endif
 
 // Output rows [n0, n1) of an int8 matmul for `m` activation rows, plain loops.
-template <typename T>
+template <typename T, typename O>
 void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64_t m, int64_t n, int64_t k,
-                        int64_t n0, int64_t n1, T* out) {
+                        int64_t n0, int64_t n1, O* out) {
   std::vector<float> wf(k);
   for (int64_t j = n0; j < n1; ++j) {
     const int8_t* row = q + j * k;
     for (int64_t i = 0; i < k; ++i) wf[i] = static_cast<float>(row[i]);
     const float sc = to_f(scales[j]);
-    for (int64_t r = 0; r < m; ++r) out[r * n + j] = from_f<T>(dot(xf + r * k, wf.data(), k) * sc);
+    for (int64_t r = 0; r < m; ++r) out[r * n + j] = from_f<O>(dot(xf + r * k, wf.data(), k) * sc);
   }
 }
 
@@ -1377,12 +1400,13 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
   (void)xp_all;
 }
 
-template <typename T>
+// T: the activations' and scales' type; O: the output's (T, or float for logits).
+template <typename T, typename O>
 void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, Loops loops, Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   const int8_t* q = qweight.const_data_ptr<int8_t>();
   const T* sp = in_ptr<T>(scales);
-  T* op = out_ptr<T>(out);
+  O* op = out_ptr<O>(out);
   // Output rows are split across threads in runs of 64 (a multiple of every tile).
   const int64_t chunks = (n + 63) / 64;
 #ifdef EDGE_RTGI_AVX512_BF16
@@ -1420,7 +1444,7 @@ void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, 
   const Tensor xf_t = activations_f32(x);
   const float* xf = xf_t.const_data_ptr<float>();
   at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
-    int8_rows_portable<T>(q, sp, xf, m, n, k, begin * 64, std::min(n, end * 64), op);
+    int8_rows_portable<T, O>(q, sp, xf, m, n, k, begin * 64, std::min(n, end * 64), op);
   });
 }
 
@@ -1454,7 +1478,8 @@ Tensor int4_mm(const Tensor& x_in, const Tensor& qweight_in, int64_t group_size,
   return out;
 }
 
-Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scales_in, c10::string_view loops_name) {
+Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scales_in, c10::string_view loops_name,
+               bool float_out) {
   check_quant_input(x_in, scales_in, "int8_mm");
   const int64_t k = x_in.size(1);
   TORCH_CHECK(qweight_in.scalar_type() == at::kChar && qweight_in.dim() == 2 && qweight_in.size(1) == k,
@@ -1464,11 +1489,12 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
   TORCH_CHECK(scales_in.numel() == n, "edge_rtgi::int8_mm: need one scale per output row (", n, "), got ",
               scales_in.numel());
   Tensor x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
-  Tensor out = at::empty({x.size(0), n}, x.options());
+  Tensor out = at::empty({x.size(0), n}, float_out ? x.options().dtype(at::kFloat) : x.options());
   g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
   const Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
-  if (x.scalar_type() == at::kFloat) int8_mm_impl<float>(x, qweight, scales, Loops::kPortable, out);
-  else int8_mm_impl<bf16_bits>(x, qweight, scales, loops, out);
+  if (x.scalar_type() == at::kFloat) int8_mm_impl<float, float>(x, qweight, scales, Loops::kPortable, out);
+  else if (float_out) int8_mm_impl<bf16_bits, float>(x, qweight, scales, loops, out);
+  else int8_mm_impl<bf16_bits, bf16_bits>(x, qweight, scales, loops, out);
   return out;
 }
 
@@ -1818,7 +1844,7 @@ Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10
   const int64_t rows = x.size(0);
   const bool multi_row = rows >= 2 && rows <= kMultiRowMax;
   if (kind == 1) {
-    y = multi_row ? int8_mm(x, *a, *b, "best") : at::_weight_int8pack_mm(x, *a, *b);
+    y = multi_row ? int8_mm(x, *a, *b, "best", false) : at::_weight_int8pack_mm(x, *a, *b);
   } else if (kind == 2) {
     y = multi_row ? int4_mm(x, *a, group_size, *b, "best") : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
   } else if (kind == 3) {
@@ -1906,7 +1932,7 @@ TORCH_LIBRARY(edge_rtgi, m) {
         "Tensor open_row, Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor key_slots, Tensor? key_mask, "
         "float scale, int block_size, int value_group) -> Tensor");
   m.def("int4_mm(Tensor x, Tensor qweight, int group_size, Tensor scales_and_zeros, str loops=\"best\") -> Tensor");
-  m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\") -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor qweight, Tensor scales, str loops=\"best\", bool float_out=False) -> Tensor");
   m.def("int4_pack_i8(Tensor qweight, int group_size, Tensor scales_and_zeros) -> Tensor");
   m.def("int4_i8_mm(Tensor x, Tensor packed, int group_size, int n, str loops=\"best\") -> Tensor");
   m.def("vnni_built() -> bool");

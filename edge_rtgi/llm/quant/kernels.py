@@ -109,6 +109,11 @@ class QuantLinear(nn.Module, abc.ABC):
             y = self._matmul(x2)
         return y if x2 is x and self.bias is None else self._out(y, x.shape)
 
+    def forward_float32(self, x: Tensor) -> Tensor:
+        """``forward(x)`` in float32. The base rounds to the activation dtype first; a kernel that
+        can hand over its fp32 sums instead overrides this (the LM head: logits)."""
+        return self.forward(x).float()
+
     @abc.abstractmethod
     def _matmul(self, x2: Tensor) -> Tensor:
         """``x2 @ W^T`` for a 2-D input, on the subclass's kernel."""
@@ -166,6 +171,22 @@ class Int8Linear(QuantLinear):
     def _aten(self, x2: Tensor) -> Tensor:
         """ATen's CPU kernel for any row count (the multi-row kernels' reference and baseline)."""
         return _INT8PACK_MM(x2, self.qweight, self.scales)
+
+    def forward_float32(self, x: Tensor) -> Tensor:
+        # Logits rounded to bf16 (steps of 0.125 at the head's magnitudes) tie often, and which of
+        # two tied tokens greedy decoding takes then hangs on the last bits of the hidden state:
+        # a verification step and a plain step, or two batch shapes, chose differently.
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        scales = self.scales
+        if (
+            self.bias is None
+            and x2.dtype == scales.dtype
+            and (self.dense_weight is None or x2.shape[0] <= self.max_kernel_rows)
+            and cpu_ops.int8_kernel_usable(x2, self.qweight.numel())
+        ):
+            y = cpu_ops.int8_mm(x2, self.qweight, scales, float_out=True)
+            return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
+        return super().forward_float32(x)
 
     def gather_rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
         """Dequantised rows (for a tied embedding): only len(ids) rows are touched."""
