@@ -108,7 +108,8 @@ def test_speculative_greedy_matches_plain_as_served(served, setting):
         assert run() == want
     finally:
         served.speculator = None
-    assert served.stats().spec_accepted_tokens > before.spec_accepted_tokens
+    if setting != "auto":  # the n-gram draft always proposes on the copying prompt
+        assert served.stats().spec_accepted_tokens > before.spec_accepted_tokens
 
 
 MORE_QUESTIONS = (

@@ -133,29 +133,57 @@ def test_decode_attention_long_rows_with_masked_runs(dtype, rows, keys, dim):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def attend(inputs: tuple, slots: torch.Tensor, mask: torch.Tensor, rows: int) -> torch.Tensor:
+    """``decode_attention`` of the first ``rows`` rows of ``paged_decode_inputs`` over ``slots``
+    (fresh copies of the stores), the first row's output."""
+    q, k_new, v_new, k_store, v_store, new_slots = inputs[:6]
+    dim = q.shape[-1]
+    out = cpu_ops.decode_attention(
+        q[:rows],
+        k_new[:rows],
+        v_new[:rows],
+        k_store.clone(),
+        v_store.clone(),
+        new_slots[:rows],
+        slots,
+        mask,
+        dim**-0.5,
+    )
+    return out[0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 40])
 def test_decode_attention_row_does_not_depend_on_the_padded_keys_after_it(dtype, dim):
     """A query row's output is the same bits whatever masked keys its step pads it with (the other
     rows' lengths in a batch, the draft rows after it in a verification) and wherever its last key
     falls in the kernel's blocks of four: with int8 activations downstream, a last-bit difference
-    here changes greedy tokens."""
+    here changes greedy tokens. Rows with masked keys of their own (a window's, a masked first key of
+    the last block) included, alone and beside a longer row. (fp32 shows the old kernel's
+    differences; bf16 rounding hides most of them.)"""
     num_slots, heads, kv_heads = 96, 9, 3
-    for keys in (1, 2, 3, 4, 5, 17, 30, 33):
-        q, k_new, v_new, k_store, v_store, new_slots, key_slots, _ = paged_decode_inputs(
-            dtype, 1, keys, heads, kv_heads, dim, num_slots
-        )
-        alone = cpu_ops.decode_attention(
-            q, k_new, v_new, k_store.clone(), v_store.clone(), new_slots, key_slots, None, dim**-0.5
-        )
+    for keys in (1, 2, 3, 4, 5, 9, 17, 30, 33):
+        inputs = paged_decode_inputs(dtype, 2, keys + 19, heads, kv_heads, dim, num_slots)
+        key_slots, new_slots = inputs[6], inputs[5]
+        own = torch.ones(keys, dtype=torch.bool)
+        if keys >= 5:
+            own[keys // 2] = False  # a masked key inside the row
+            own[(keys - 1) // 4 * 4] = False  # and the first key of its last block of four
+        own[-1] = True  # (its own key, as a decode row's)
+
+        alone = attend(inputs, key_slots[:1, :keys], own[None], 1)
         for pad in (1, 2, 3, 4, 7, 16):
-            padded = torch.cat([key_slots, key_slots[:, :1].expand(1, pad)], dim=1)
-            mask = torch.ones(1, keys + pad, dtype=torch.bool)
-            mask[:, keys:] = False
-            got = cpu_ops.decode_attention(
-                q, k_new, v_new, k_store.clone(), v_store.clone(), new_slots, padded, mask, dim**-0.5
-            )
-            assert torch.equal(got, alone), (keys, pad)
+            mask = torch.cat([own, torch.zeros(pad, dtype=torch.bool)])[None]
+            padded = torch.cat([key_slots[:1, :keys], key_slots[:1, :1].expand(1, pad)], dim=1)
+            assert torch.equal(attend(inputs, padded, mask, 1), alone), (keys, pad)
+        # beside a row 19 keys longer (its slots apart from this row's, as two sequences' are, so
+        # that its own key written this step is not one this row reads): the batch pads this row
+        others = torch.tensor([x for x in range(num_slots) if x not in key_slots[0, :keys].tolist()])
+        key_slots[1] = others[torch.randperm(len(others))[: keys + 19]]
+        new_slots[1] = key_slots[1, -1]
+        mask = torch.ones(2, keys + 19, dtype=torch.bool)
+        mask[0, :keys], mask[0, keys:] = own, False
+        assert torch.equal(attend(inputs, key_slots, mask, 2), alone), keys
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -698,18 +726,49 @@ def test_multi_row_ops_refuse_malformed_weights():
 def test_int8_matmul_hands_over_its_float32_sums_for_logits():
     """``float_out``: each output's fp32 sum times its scale, not rounded to bf16 (whose steps of
     0.125 at logit magnitudes tie often); rounded, it is the bf16 output bit for bit, at one row and
-    several; an int8 LM head's ``forward_float32`` takes it."""
+    several, with each set of loops; fp32 inputs give what they gave."""
     packed, layer = quant_layer("int8", 256, 128, torch.bfloat16)
-    for rows in (1, 3, 5):
-        x = torch.randn(rows, 128).to(torch.bfloat16)
-        got = cpu_ops.int8_mm(x, layer.qweight, layer.scales, float_out=True)
-        assert got.dtype == torch.float32
-        assert torch.equal(got.to(torch.bfloat16), cpu_ops.int8_mm(x, layer.qweight, layer.scales))
-        want = (x.double() @ layer.qweight.double().T) * layer.scales.double()
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
-        assert not torch.equal(got, got.to(torch.bfloat16).float())  # finer than bf16
-        if cpu_ops.int8_kernel_usable(x, layer.qweight.numel()):  # small: the kernel from 2 rows
-            assert torch.equal(layer.forward_float32(x.view(1, rows, 128)).view(rows, -1), got)
+    for loops in ("best", "avx512", "portable"):
+        for rows in (1, 3, 5, 17):
+            x = torch.randn(rows, 128).to(torch.bfloat16)
+            got = cpu_ops.int8_mm(x, layer.qweight, layer.scales, loops, float_out=True)
+            assert got.dtype == torch.float32
+            assert torch.equal(got.to(torch.bfloat16), cpu_ops.int8_mm(x, layer.qweight, layer.scales, loops))
+            want = (x.double() @ layer.qweight.double().T) * layer.scales.double()
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+            assert not torch.equal(got, got.to(torch.bfloat16).float())  # finer than bf16
+            xf, sf = x.float(), layer.scales.float()
+            assert torch.equal(
+                cpu_ops.int8_mm(xf, layer.qweight, sf, loops, float_out=True),
+                cpu_ops.int8_mm(xf, layer.qweight, sf, loops),
+            )
+
+
+def test_int8_head_gives_float32_logits_only_where_one_row_does_too():
+    """``Int8Linear.forward_float32`` (what ``compute_logits`` calls): the kernel's fp32 sums at every
+    row count where a one-row input takes the kernel (a large enough head with the AVX-512 BF16
+    loops); elsewhere, and with a hook on the module, the rounded output as before, at every row
+    count, so that a row's logits never depend on how many rows share its step."""
+    _, small = quant_layer("int8", 256, 128, torch.bfloat16)
+    x = torch.randn(1, 3, 128).to(torch.bfloat16)
+    assert torch.equal(small.forward_float32(x), small(x).float())  # too small for the one-row kernel
+    _, head = quant_layer("int8", (1 << 24) // 512 + 64, 512, torch.bfloat16)
+    one_row = cpu_ops.int8_kernel_usable(torch.zeros(1, 512, dtype=torch.bfloat16), head.qweight.numel())
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 512).to(torch.bfloat16)
+        got = head.forward_float32(x)
+        assert got.dtype == torch.float32 and got.shape == (1, rows, head.out_features)
+        if one_row:
+            fp32 = cpu_ops.int8_mm(x[0], head.qweight, head.scales, float_out=True)
+            assert torch.equal(got[0], fp32)
+        else:
+            assert torch.equal(got, head(x).float())
+    calls = []
+    handle = head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        assert torch.equal(head.forward_float32(x), head(x).float()) and calls
+    finally:
+        handle.remove()
 
 
 # --- int4 weights against int8 activations (int4_i8_mm) -----------------------------------------

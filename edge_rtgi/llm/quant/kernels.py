@@ -110,9 +110,18 @@ class QuantLinear(nn.Module, abc.ABC):
         return y if x2 is x and self.bias is None else self._out(y, x.shape)
 
     def forward_float32(self, x: Tensor) -> Tensor:
-        """``forward(x)`` in float32. The base rounds to the activation dtype first; a kernel that
+        """``self(x)`` in float32. The base rounds to the activation dtype first; a kernel that
         can hand over its fp32 sums instead overrides this (the LM head: logits)."""
-        return self.forward(x).float()
+        return self(x).float()
+
+    def _hooked(self) -> bool:
+        """Whether calling the module runs hooks (then the kernels are not called around them)."""
+        return bool(
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or torch.nn.modules.module._global_forward_hooks
+            or torch.nn.modules.module._global_forward_pre_hooks
+        )
 
     @abc.abstractmethod
     def _matmul(self, x2: Tensor) -> Tensor:
@@ -176,13 +185,18 @@ class Int8Linear(QuantLinear):
         # Logits rounded to bf16 (steps of 0.125 at the head's magnitudes) tie often, and which of
         # two tied tokens greedy decoding takes then hangs on the last bits of the hidden state:
         # a verification step and a plain step, or two batch shapes, chose differently.
+        # Only where one row takes the kernel too (else it takes ATen's, rounded to bf16): a row's
+        # logits must not depend on the rows beside it.
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         scales = self.scales
+        weights = self.qweight.numel()
         if (
             self.bias is None
             and x2.dtype == scales.dtype
             and (self.dense_weight is None or x2.shape[0] <= self.max_kernel_rows)
-            and cpu_ops.int8_kernel_usable(x2, self.qweight.numel())
+            and cpu_ops.int8_kernel_usable(x2[:1], weights)
+            and cpu_ops.int8_kernel_usable(x2, weights)
+            and not self._hooked()
         ):
             y = cpu_ops.int8_mm(x2, self.qweight, scales, float_out=True)
             return y if x2 is x else y.view(*x.shape[:-1], self.out_features)
