@@ -20,7 +20,7 @@ import pytest_asyncio
 from wyoming.asr import Transcribe
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
-from wyoming.event import Event
+from wyoming.event import Event, async_write_event
 from wyoming.ping import Ping
 
 from edge_rtgi.asr.config import AsrConfig
@@ -55,7 +55,9 @@ async def daemon():
     config = DaemonConfig(
         server=ServerConfig(port=0),
         default_pipeline="voice-assistant-wake",
-        wyoming=WyomingConfig(uri="tcp://127.0.0.1:0", max_payload_bytes=65536, max_audio_s=20.0),
+        wyoming=WyomingConfig(
+            uri="tcp://127.0.0.1:0", max_payload_bytes=65536, max_audio_s=20.0, frame_timeout_s=2.0
+        ),
     )
     d = Daemon(config, pipelines, Resources())
     for p in pipelines.values():
@@ -196,8 +198,12 @@ async def _raw(port: int, data: bytes) -> list[dict]:
         (b"this is not json\n", "invalid_json"),
         (b'{"no": "type"}\n', "invalid_event"),
         (b"x" * 70000, "event_too_large"),
+        (b"[" * 30000 + b"\n", "invalid_json"),  # nested past Python's recursion limit
+        (b'{"type": "ping", "x": ' + b"9" * 5000 + b"}\n", "invalid_json"),  # past the int digit limit
+        (b"not json\n" + b"y" * 300000, "invalid_json"),  # more input after it: must not reset the reply
+        (b'{"type": "describe", "data_length": 100}\n{', "timeout"),  # stalls inside the event
     ],
-    ids=["payload", "data", "not-json", "no-type", "long-line"],
+    ids=["payload", "data", "not-json", "no-type", "long-line", "deep", "huge-int", "then-more", "stall"],
 )
 async def test_unreadable_frames_get_an_error_and_a_clean_close(daemon, data, code):
     heads = await _raw(daemon.wyoming.port, data)
@@ -274,3 +280,77 @@ async def test_echo_of_the_reply_is_cancelled_with_a_reference_channel(daemon, p
         assert wer(flow.QUESTION, final["text"]) <= 1 / 6, final
     finally:
         await c.close()
+
+
+async def test_malformed_fields_get_errors_and_the_connection_goes_on(daemon):
+    """Fields of the wrong type, and events out of order, get an ``error`` naming what was wrong;
+    nothing reaches a traceback, and the connection carries on."""
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        bad = [
+            Event(type="transcribe", data={"language": 123}),
+            Event(type="synthesize", data={"text": "Hi.", "voice": "nonexistent"}),
+            Event(type="synthesize", data={"text": "Hi.", "voice": {"language": 5}}),
+            Event(type="detect", data={"names": "okay_nabu"}),
+            Event(type="transcript", data={"text": 123}),
+        ]
+        for event in bad:
+            await client.write_event(event)
+            error = await _read(client)
+            assert error.type == "error" and error.data["code"] == "invalid_event", (event, error)
+        await client.write_event(Transcribe().event())
+        await client.write_event(
+            Event(type="audio-start", data={"rate": float("inf"), "width": 2, "channels": 1})
+        )
+        error = await _read(client)
+        assert error.data["code"] == "invalid_event" and "integer" in error.data["text"], error
+        await client.write_event(AudioStop().event())
+
+        # a second synthesize-start is refused; the open stream goes on and ends properly
+        await client.write_event(Event(type="synthesize-start", data={}))
+        await client.write_event(Event(type="synthesize-chunk", data={"text": "Hello there."}))
+        await client.write_event(Event(type="synthesize-start", data={}))
+        await client.write_event(Event(type="synthesize-stop", data={}))
+        kinds: list[str] = []
+        while not kinds or kinds[-1] != "synthesize-stopped":
+            kinds.append((await _read(client)).type)
+        assert "error" in kinds and kinds.count("audio-start") == 1 and kinds.count("audio-stop") == 1, kinds
+
+        await client.write_event(Ping(text="still there").event())
+        assert (await _read(client)).type == "pong"
+    assert not daemon.sessions
+
+
+async def _sessions_closed(daemon, timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if not daemon.sessions:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+async def test_a_repeated_audio_start_or_a_close_after_audio_stop_leaves_no_session(daemon):
+    """A second ``audio-start`` inside a stream is an error that drops the request, and a client
+    that leaves right after ``audio-stop`` (before its transcript) still has its session closed."""
+    second = np.zeros(16000, np.int16).tobytes()
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        await client.write_event(Transcribe().event())
+        for _ in range(3):
+            await client.write_event(AudioStart(rate=16000, width=2, channels=1).event())
+        error = await _read(client)
+        assert error.data["code"] == "invalid_event" and "inside an audio stream" in error.data["text"], error
+        await client.write_event(AudioChunk(rate=16000, width=2, channels=1, audio=second).event())
+        await client.write_event(AudioStop().event())
+        await client.write_event(Ping().event())
+        assert (await _read(client)).type == "pong"
+        assert not daemon.sessions
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.wyoming.port)
+        for event in (
+            Transcribe().event(),
+            AudioStart(rate=16000, width=2, channels=1).event(),
+            AudioChunk(rate=16000, width=2, channels=1, audio=second).event(),
+            AudioStop().event(),
+        ):
+            await async_write_event(event, writer)
+        writer.close()  # gone before the transcript
+    assert await _sessions_closed(daemon)

@@ -75,6 +75,8 @@ async def test_reads_what_the_library_writes():
         (b'{"type": "x", "payload_length": 100}\nshort', "invalid_event"),
         (b'{"type": "x"', "invalid_event"),
         (b"y" * 5000 + b"\n", "event_too_large"),
+        (b"[" * 3000 + b"\n", "invalid_json"),  # nested past the recursion limit
+        (b'{"type": "x", "data_length": 3}\n' + b"[" * 3, "invalid_json"),
     ],
 )
 async def test_bad_frames_raise_with_a_code(data, code):
@@ -91,6 +93,24 @@ async def test_lengths_are_checked_before_reading():
         await asyncio.wait_for(read_event(reader, LIMITS), 5)
 
 
+async def test_an_integer_past_pythons_digit_limit_is_unreadable_json():
+    limits = FrameLimits(max_event_bytes=65536, max_payload_bytes=8192)
+    with pytest.raises(FrameError) as info:
+        await _read(b'{"type": "x", "n": ' + b"9" * 5000 + b"}\n", limits)
+    assert info.value.code == "invalid_json"
+
+
+async def test_an_event_that_stalls_after_its_header_times_out():
+    limits = FrameLimits(max_event_bytes=4096, max_payload_bytes=8192, frame_timeout_s=0.2)
+    reader = asyncio.StreamReader(limit=limits.max_event_bytes)
+    reader.feed_data(b'{"type": "describe", "data_length": 100}\n{')  # and nothing more, no EOF
+    with pytest.raises(FrameError) as info:
+        await asyncio.wait_for(read_event(reader, limits), 5)
+    assert info.value.code == "timeout" and "0.2 s" in info.value.message
+    with pytest.raises(ValueError, match="frame_timeout_s"):
+        WyomingConfig(frame_timeout_s=0)
+
+
 def test_audio_formats():
     fmt = StreamFormat.checked({"rate": 16000, "width": 2, "channels": 2})
     stereo = np.array([100, 300, -50, -150], "<i2").tobytes()
@@ -100,9 +120,10 @@ def test_audio_formats():
     assert info.value.code == "unsupported_audio"
     with pytest.raises(WyomingRequestError, match="rate 4000 Hz"):
         StreamFormat.checked({"rate": 4000, "width": 2, "channels": 1})
-    with pytest.raises(WyomingRequestError) as info:
-        StreamFormat.checked({"rate": "fast", "width": 2, "channels": 1})
-    assert info.value.code == "invalid_event"
+    for rate in ("fast", "16000", 16000.5, float("inf"), True, None):  # JSON integers only
+        with pytest.raises(WyomingRequestError) as info:
+            StreamFormat.checked({"rate": rate, "width": 2, "channels": 1})
+        assert info.value.code == "invalid_event", rate
     with pytest.raises(WyomingRequestError, match="not a whole number"):
         fmt.to_mono(b"\x00\x01\x02")
 

@@ -24,6 +24,7 @@ from wyoming.event import Event, async_write_event
 from wyoming.server import AsyncEventHandler, AsyncServer, AsyncTcpServer
 
 from edge_rtgi.server.config import WyomingConfig
+from edge_rtgi.server.wyoming.framing import linger
 from edge_rtgi.server.wyoming.handler import WyomingHandler
 from edge_rtgi.server.wyoming.services import WyomingServices
 
@@ -48,6 +49,7 @@ class _Refused(AsyncEventHandler):
     async def run(self) -> None:
         try:
             await async_write_event(Error(text=self.reason, code="unavailable").event(), self.writer)
+            await linger(self.reader, self.writer)  # the client's first event must not reset it
         except ConnectionError:
             pass
         finally:

@@ -32,6 +32,10 @@ class AsrRequest:
         if asr is None:
             raise WyomingRequestError("no_service", "this daemon's Wyoming pipeline has no asr stage")
         language = asr.language or "en"
+        if request.language is not None and not isinstance(request.language, str):
+            raise WyomingRequestError(
+                "invalid_event", "transcribe: 'language' must be a string such as \"en\""
+            )
         if request.language and request.language.split("-")[0].split("_")[0] != language:
             raise WyomingRequestError(
                 "unsupported_language",
@@ -47,6 +51,7 @@ class AsrRequest:
         self._started = False
 
     async def start(self, fmt: StreamFormat) -> None:
+        await self.close()  # a request starts one stream; never leave a session behind
         self.session = await self.services.open_session(
             "asr", turn_detection=False, auto_response=False, input_sample_rate_hz=fmt.rate_hz
         )
@@ -60,16 +65,18 @@ class AsrRequest:
         """Commit, wait for the finals, send the end of the transcript."""
         if self.session is None:
             return
-        await self.session.commit_audio()
-        await self._committed.wait()
-        text = " ".join(t for t in self._finals if t).strip()
-        sent = " ".join(t for t in self._streamed.values() if t)
-        if self._started:
-            if text.startswith(sent) and text[len(sent) :].strip():
-                await self.write(TranscriptChunk(text=text[len(sent) :]).event())
-            await self.write(TranscriptStop().event())
-        await self.write(Transcript(text=text, language=self.language).event())
-        await self.close()
+        try:
+            await self.session.commit_audio()
+            await self._committed.wait()
+            text = " ".join(t for t in self._finals if t).strip()
+            sent = " ".join(t for t in self._streamed.values() if t)
+            if self._started:
+                if text.startswith(sent) and text[len(sent) :].strip():
+                    await self.write(TranscriptChunk(text=text[len(sent) :]).event())
+                await self.write(TranscriptStop().event())
+            await self.write(Transcript(text=text, language=self.language).event())
+        finally:  # also when the client left before the answer could be written
+            await self.close()
 
     async def close(self) -> None:
         if self._pump is not None:

@@ -28,6 +28,7 @@ class FrameLimits:
 
     max_event_bytes: int = 64 * 1024
     max_payload_bytes: int = 1 << 20
+    frame_timeout_s: float = 10.0  # for an event's data and payload, after its header line
 
 
 class FrameError(EdgeRtgiError):
@@ -63,7 +64,7 @@ async def read_event(reader: asyncio.StreamReader, limits: FrameLimits) -> Event
         raise FrameError("event_too_large", f"an event header is longer than {limits.max_event_bytes} bytes")
     try:
         header = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # also deep nesting, and ints past Python's digit limit
         raise FrameError(
             "invalid_json",
             f"an event header is not JSON: {exc}",
@@ -74,17 +75,51 @@ async def read_event(reader: asyncio.StreamReader, limits: FrameLimits) -> Event
     data = header.get("data") or {}
     data_length = _length(header, "data_length", limits.max_event_bytes - len(line), "event_too_large")
     payload_length = _length(header, "payload_length", limits.max_payload_bytes, "payload_too_large")
+
+    async def rest() -> tuple[bytes | None, bytes | None]:
+        raw = await reader.readexactly(data_length) if data_length else None
+        return raw, (await reader.readexactly(payload_length) if payload_length else None)
+
     try:
-        if data_length:
-            extra = json.loads(await reader.readexactly(data_length))
+        raw, payload = await asyncio.wait_for(rest(), limits.frame_timeout_s)
+        if raw is not None:
+            extra = json.loads(raw)
             if not isinstance(extra, dict):
                 raise FrameError("invalid_event", "an event's data must be a JSON object")
             data = {**data, **extra} if isinstance(data, dict) else extra
-        payload = await reader.readexactly(payload_length) if payload_length else None
     except asyncio.IncompleteReadError:
         raise FrameError("invalid_event", "the connection ended inside an event") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on; 3.10 has its own class
+        raise FrameError(
+            "timeout",
+            f"an event's data or payload did not arrive within {limits.frame_timeout_s:g} s of its header",
+            hint="send each event whole: header line, then data_length and payload_length bytes",
+        ) from None
+    except (ValueError, RecursionError) as exc:
         raise FrameError("invalid_json", f"an event's data is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise FrameError("invalid_event", "an event's data must be a JSON object")
     return Event(type=header["type"], data=data, payload=payload)
+
+
+LINGER_S = 1.0  # how long a connection closing on an error reads what the client still sends
+LINGER_BYTES = 4 << 20
+
+
+async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Before closing on an error: finish sending, then read and drop what the client still sends,
+    for at most ``LINGER_S`` and ``LINGER_BYTES``. Closed with unread input, the socket sends a
+    reset, which can destroy the error event before the client reads it."""
+    loop = asyncio.get_running_loop()
+    deadline, read = loop.time() + LINGER_S, 0
+    try:
+        await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+        while read < LINGER_BYTES and (left := deadline - loop.time()) > 0:
+            chunk = await asyncio.wait_for(reader.read(1 << 16), left)
+            if not chunk:
+                break
+            read += len(chunk)
+    except (OSError, asyncio.TimeoutError):  # ConnectionError is an OSError
+        pass

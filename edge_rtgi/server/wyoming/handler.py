@@ -31,7 +31,7 @@ from wyoming.wake import Detect
 
 from edge_rtgi.errors import EdgeRtgiError
 from edge_rtgi.server.wyoming.asr import AsrRequest
-from edge_rtgi.server.wyoming.framing import FrameError, FrameLimits, read_event
+from edge_rtgi.server.wyoming.framing import FrameError, FrameLimits, linger, read_event
 from edge_rtgi.server.wyoming.handle import Conversation
 from edge_rtgi.server.wyoming.services import WyomingServices
 from edge_rtgi.server.wyoming.streams import AudioStream, StreamFormat, WyomingRequestError
@@ -73,7 +73,7 @@ class WyomingHandler(AsyncEventHandler):
         self.connections = connections if connections is not None else set()
         self.connections.add(self)  # until the connection ends (the server's limit counts them)
         cfg = services.config
-        self.limits = FrameLimits(cfg.max_event_bytes, cfg.max_payload_bytes)
+        self.limits = FrameLimits(cfg.max_event_bytes, cfg.max_payload_bytes, cfg.frame_timeout_s)
         self._audio_for: AudioRequest | None = None  # made by transcribe or detect
         self._stream: AudioStream | None = None  # between audio-start and audio-stop
         self._dropped_stream = False  # the stream's request failed: ignore it until audio-stop
@@ -89,6 +89,7 @@ class WyomingHandler(AsyncEventHandler):
                     event = await read_event(self.reader, self.limits)
                 except FrameError as exc:
                     await self._error(exc.code, exc.message, exc.hint)
+                    await linger(self.reader, self.writer)
                     break
                 if event is None:
                     break
@@ -114,6 +115,16 @@ class WyomingHandler(AsyncEventHandler):
         except (KeyError, TypeError, ValueError) as exc:  # the library's from_event on bad data
             await self._drop_request(event)
             await self._error("invalid_event", f"{event.type}: missing or malformed field ({exc})")
+        except ConnectionError:
+            raise  # the client went away: run() ends the connection
+        except Exception as exc:  # one event's failure must not end the connection
+            log.exception("wyoming: %s failed", event.type)
+            await self._drop_request(event)
+            await self._error(
+                "internal",
+                f"{event.type}: the server failed on this event ({type(exc).__name__}: {exc})",
+                hint="the request was dropped; the connection goes on",
+            )
 
     async def handle_event(self, event: Event) -> bool:
         kind = event.type
@@ -133,9 +144,18 @@ class WyomingHandler(AsyncEventHandler):
             await self._audio(event)
         elif Synthesize.is_type(kind):
             if self._tts is None:  # inside a stream it repeats the streamed text, for old servers
+                _check_voice(event)
                 synthesize = Synthesize.from_event(event)
                 await TtsRequest(self.services, synthesize.voice, self.write_event).speak(synthesize.text)
         elif SynthesizeStart.is_type(kind):
+            if self._tts is not None:  # not raised: the open stream goes on
+                await self._error(
+                    "invalid_event",
+                    "synthesize-start inside a synthesis stream: its chunks go to the open one",
+                    hint="end each stream with synthesize-stop before the next synthesize-start",
+                )
+                return True
+            _check_voice(event)
             self._tts = TtsRequest(self.services, SynthesizeStart.from_event(event).voice, self.write_event)
         elif SynthesizeChunk.is_type(kind):
             await self._streamed_tts(kind).push(SynthesizeChunk.from_event(event).text)
@@ -143,6 +163,8 @@ class WyomingHandler(AsyncEventHandler):
             tts, self._tts = self._streamed_tts(kind), None
             await tts.finish()
         elif Transcript.is_type(kind):
+            if not isinstance(event.data.get("text"), str):
+                raise WyomingRequestError("invalid_event", "transcript: 'text' must be a string")
             if self._conversation is None:
                 self._conversation = Conversation(self.services, self.write_event)
             await self._conversation.handle(Transcript.from_event(event).text)
@@ -173,7 +195,10 @@ class WyomingHandler(AsyncEventHandler):
         self._audio_for, self._stream, self._dropped_stream = request, None, False
 
     async def _audio(self, event: Event) -> None:
-        if AudioStart.is_type(event.type):
+        if self._dropped_stream:  # the rest of a refused stream, starts included, up to its audio-stop
+            if AudioStop.is_type(event.type):
+                self._dropped_stream = False
+        elif AudioStart.is_type(event.type):
             request = self._audio_for
             if request is None:
                 raise WyomingRequestError(
@@ -181,12 +206,15 @@ class WyomingHandler(AsyncEventHandler):
                     "audio-start without a transcribe or detect before it",
                     hint="send transcribe (speech to text) or detect (wake word) first",
                 )
+            if self._stream is not None:
+                raise WyomingRequestError(
+                    "invalid_event",
+                    "audio-start inside an audio stream",
+                    hint="end each stream with audio-stop; the request was dropped",
+                )
             fmt = StreamFormat.checked(event.data)
             self._stream, self._dropped_stream = AudioStream(fmt, self.services.config.max_audio_s), False
             await request.start(fmt)
-        elif self._dropped_stream:
-            if AudioStop.is_type(event.type):
-                self._dropped_stream = False
         elif self._stream is None or self._audio_for is None:
             raise WyomingRequestError(
                 "no_request", f"{event.type} without an audio-start", hint="send audio-start first"
@@ -194,8 +222,12 @@ class WyomingHandler(AsyncEventHandler):
         elif AudioChunk.is_type(event.type):
             await self._audio_for.chunk(self._stream.chunk(event.data, event.payload))
         else:  # audio-stop: the request's answer
-            request, self._audio_for, self._stream = self._audio_for, None, None
-            await request.stop()
+            request, self._stream = self._audio_for, None
+            try:
+                await request.stop()
+            finally:  # only now: a client that leaves during stop() still has it closed
+                if self._audio_for is request:
+                    self._audio_for = None
 
     async def _drop_request(self, event: Event) -> None:
         """After an error about ``event``: drop the request it belonged to."""
@@ -215,9 +247,21 @@ class WyomingHandler(AsyncEventHandler):
         return self._tts
 
     async def _error(self, code: str, message: str, hint: str | None = None) -> None:
+        """Send an ``error`` event (nothing when the client is gone)."""
         text = f"{message} ({hint})" if hint else message
         log.info("wyoming error to client: %s: %s", code, text)
         try:
             await self.write_event(Error(text=text, code=code).event())
         except ConnectionError:
             pass
+
+
+def _check_voice(event: Event) -> None:
+    """``voice`` must be an object or absent (the library takes a string for no voice at all)."""
+    voice = event.data.get("voice")
+    if voice is not None and not isinstance(voice, dict):
+        raise WyomingRequestError(
+            "invalid_event",
+            f"{event.type}: 'voice' must be an object such as {{\"name\": ...}}, got {voice!r}",
+            hint="describe lists the voices",
+        )

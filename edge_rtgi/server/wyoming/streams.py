@@ -32,12 +32,13 @@ class StreamFormat:
 
     @classmethod
     def checked(cls, data: dict) -> StreamFormat:
-        try:
-            fmt = cls(int(data["rate"]), int(data["width"]), int(data["channels"]))
-        except (KeyError, TypeError, ValueError):
+        values = [data.get(key) for key in ("rate", "width", "channels")]
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        if len(ints) != len(values):  # JSON floats, strings, booleans, null, missing
             raise WyomingRequestError(
                 "invalid_event", "audio events need integer 'rate', 'width' and 'channels'"
-            ) from None
+            )
+        fmt = cls(*ints)
         problems = []
         if not 8000 <= fmt.rate_hz <= 48000:
             problems.append(f"rate {fmt.rate_hz} Hz (8000-48000 are accepted)")

@@ -30,6 +30,10 @@ def _pick_voice(services: WyomingServices, voice: SynthesizeVoice | None) -> str
     names = [v.name for v in services.voices]
     if not names:
         raise WyomingRequestError("no_service", "this daemon has no TTS voice loaded")
+    fields = {"name": voice.name, "language": voice.language} if voice is not None else {}
+    for key, value in fields.items():
+        if value is not None and not isinstance(value, str):
+            raise WyomingRequestError("invalid_event", f"the voice's {key!r} must be a string, got {value!r}")
     if voice is not None and voice.name:
         if voice.name not in names:
             raise WyomingRequestError(

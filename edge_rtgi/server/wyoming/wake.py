@@ -25,6 +25,14 @@ class WakeRequest:
 
     def __init__(self, services: WyomingServices, request: Detect, write: EventWriter):
         wake = services.wake
+        if request.names is not None and (
+            not isinstance(request.names, list) or not all(isinstance(n, str) for n in request.names)
+        ):
+            raise WyomingRequestError(
+                "invalid_event",
+                f"detect: 'names' must be a list of wake word names, got {request.names!r}",
+                hint=f"available wake words: {', '.join(available_wake_words())}",
+            )
         names = list(request.names or [wake.model if wake is not None else "okay_nabu"])
         unknown = [n for n in names if n not in available_wake_words()]
         if unknown:
@@ -41,6 +49,7 @@ class WakeRequest:
         self._detections = 0
 
     async def start(self, fmt: StreamFormat) -> None:
+        await self.close()  # a request starts one stream; never leave a detector behind
         self._detector = await asyncio.to_thread(
             WakeWordDetector, self.names, self.refractory_ms, self.cutoff
         )
@@ -57,9 +66,11 @@ class WakeRequest:
             await self.write(Detection(name=found.name, timestamp=found.audio_ms).event())
 
     async def stop(self) -> None:
-        if not self._detections:
-            await self.write(NotDetected().event())
-        await self.close()
+        try:
+            if not self._detections:
+                await self.write(NotDetected().event())
+        finally:  # also when the client left before the answer could be written
+            await self.close()
 
     async def close(self) -> None:
         if self._detector is not None:
