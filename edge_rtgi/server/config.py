@@ -114,8 +114,10 @@ class WyomingConfig:
     None: the daemon's default pipeline. Each connection's events are bounded: a header line
     plus its data at most ``max_event_bytes``, a payload at most ``max_payload_bytes``, and one
     request's audio at most ``max_audio_s``; an event's data and payload must arrive within
-    ``frame_timeout_s`` of its header line (a client that stalls inside an event is answered
-    with an error and closed, so it cannot hold a connection slot).
+    ``frame_timeout_s`` of its header line, and inside an open request (``transcribe`` or
+    ``detect`` to ``audio-stop``, ``synthesize-start`` to ``synthesize-stop``) the next event
+    within ``request_idle_s`` (a client that stalls is answered with an error and closed, so it
+    cannot hold a connection slot or a session). Between requests a connection may stay idle.
     """
 
     uri: str | None = None
@@ -125,6 +127,7 @@ class WyomingConfig:
     max_payload_bytes: int = 1 << 20
     max_audio_s: float = 60.0
     frame_timeout_s: float = 10.0
+    request_idle_s: float = 30.0
 
     def __post_init__(self) -> None:
         # 64 KiB: asyncio's stream reader reads no longer line (the wyoming server's default)
@@ -132,8 +135,8 @@ class WyomingConfig:
             raise ValueError("max_event_bytes must be in [1024, 65536] and max_payload_bytes >= 4096")
         if self.max_audio_s <= 0:
             raise ValueError("max_audio_s must be > 0")
-        if self.frame_timeout_s <= 0:
-            raise ValueError("frame_timeout_s must be > 0")
+        if self.frame_timeout_s <= 0 or self.request_idle_s <= 0:
+            raise ValueError("frame_timeout_s and request_idle_s must be > 0")
         if self.uri is not None:
             self.address()  # fails early on a malformed URI
 

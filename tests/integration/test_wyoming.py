@@ -56,7 +56,11 @@ async def daemon():
         server=ServerConfig(port=0),
         default_pipeline="voice-assistant-wake",
         wyoming=WyomingConfig(
-            uri="tcp://127.0.0.1:0", max_payload_bytes=65536, max_audio_s=20.0, frame_timeout_s=2.0
+            uri="tcp://127.0.0.1:0",
+            max_payload_bytes=65536,
+            max_audio_s=20.0,
+            frame_timeout_s=2.0,
+            request_idle_s=3.0,
         ),
     )
     d = Daemon(config, pipelines, Resources())
@@ -353,4 +357,19 @@ async def test_a_repeated_audio_start_or_a_close_after_audio_stop_leaves_no_sess
         ):
             await async_write_event(event, writer)
         writer.close()  # gone before the transcript
+    assert await _sessions_closed(daemon)
+
+
+async def test_a_client_that_stalls_inside_a_request_is_closed_and_its_session_freed(daemon):
+    """``request_idle_s`` (3 s here): a stream left open without events ends with a ``timeout``
+    error and the close; between requests a connection may stay idle."""
+    async with AsyncTcpClient("127.0.0.1", daemon.wyoming.port) as client:
+        await asyncio.sleep(3.5)  # idle between requests: fine
+        await client.write_event(Ping().event())
+        assert (await _read(client)).type == "pong"
+        await client.write_event(Transcribe().event())
+        await client.write_event(AudioStart(rate=16000, width=2, channels=1).event())
+        error = await _read(client)  # nothing more is sent
+        assert error.type == "error" and error.data["code"] == "timeout", error
+        assert await _read(client) is None  # closed
     assert await _sessions_closed(daemon)

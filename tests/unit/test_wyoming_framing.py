@@ -109,6 +109,8 @@ async def test_an_event_that_stalls_after_its_header_times_out():
     assert info.value.code == "timeout" and "0.2 s" in info.value.message
     with pytest.raises(ValueError, match="frame_timeout_s"):
         WyomingConfig(frame_timeout_s=0)
+    with pytest.raises(ValueError, match="request_idle_s"):
+        WyomingConfig(request_idle_s=-1)
 
 
 def test_audio_formats():

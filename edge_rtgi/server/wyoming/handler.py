@@ -86,7 +86,7 @@ class WyomingHandler(AsyncEventHandler):
         try:
             while self._is_running:
                 try:
-                    event = await read_event(self.reader, self.limits)
+                    event = await self._next_event()
                 except FrameError as exc:
                     await self._error(exc.code, exc.message, exc.hint)
                     await linger(self.reader, self.writer)
@@ -102,6 +102,21 @@ class WyomingHandler(AsyncEventHandler):
             finally:
                 self.connections.discard(self)
                 self.writer.close()
+
+    async def _next_event(self) -> Event | None:
+        """The next event; inside an open request it must come within ``request_idle_s``."""
+        in_request = self._audio_for is not None or self._dropped_stream or self._tts is not None
+        if not in_request:
+            return await read_event(self.reader, self.limits)
+        idle_s = self.services.config.request_idle_s
+        try:
+            return await asyncio.wait_for(read_event(self.reader, self.limits), idle_s)
+        except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
+            raise FrameError(
+                "timeout",
+                f"no event for {idle_s:g} s inside a request",
+                hint="send the request's audio (or text) and its stop event without long pauses",
+            ) from None
 
     async def _handle_safely(self, event: Event) -> None:
         try:
