@@ -116,8 +116,8 @@ class WyomingConfig:
     request's audio at most ``max_audio_s``; an event's data and payload must arrive within
     ``frame_timeout_s`` of its header line, and inside an open request (``transcribe`` or
     ``detect`` to ``audio-stop``, ``synthesize-start`` to ``synthesize-stop``) the next event
-    within ``request_idle_s`` (a client that stalls is answered with an error and closed, so it
-    cannot hold a connection slot or a session). Between requests a connection may stay idle.
+    within ``request_idle_s`` (a client that stops sending is answered with an error and closed,
+    so it cannot hold a connection slot or a session). Between requests a connection may stay idle.
     """
 
     uri: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -75,14 +76,15 @@ async def test_reads_what_the_library_writes():
         (b'{"type": "x", "payload_length": 100}\nshort', "invalid_event"),
         (b'{"type": "x"', "invalid_event"),
         (b"y" * 5000 + b"\n", "event_too_large"),
-        (b"[" * 3000 + b"\n", "invalid_json"),  # nested past the recursion limit
+        # nested past the recursion limit (where a Python parses it, it is no object)
+        (b"[" * 4000 + b"\n", "invalid_json|invalid_event"),
         (b'{"type": "x", "data_length": 3}\n' + b"[" * 3, "invalid_json"),
     ],
 )
 async def test_bad_frames_raise_with_a_code(data, code):
     with pytest.raises(FrameError) as info:
         await _read(data)
-    assert info.value.code == code, info.value.message
+    assert info.value.code in code.split("|"), info.value.message
 
 
 async def test_lengths_are_checked_before_reading():
@@ -93,6 +95,7 @@ async def test_lengths_are_checked_before_reading():
         await asyncio.wait_for(read_event(reader, LIMITS), 5)
 
 
+@pytest.mark.skipif(not getattr(sys, "get_int_max_str_digits", lambda: 0)(), reason="no int digit limit")
 async def test_an_integer_past_pythons_digit_limit_is_unreadable_json():
     limits = FrameLimits(max_event_bytes=65536, max_payload_bytes=8192)
     with pytest.raises(FrameError) as info:

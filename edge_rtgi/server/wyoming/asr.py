@@ -79,24 +79,29 @@ class AsrRequest:
             await self.close()
 
     async def close(self) -> None:
-        if self._pump is not None:
-            self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pump
-        if self.session is not None:
-            await self.services.daemon.close_session(self.session)
-            self.session = None
+        pump, self._pump = self._pump, None
+        if pump is not None:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)  # it may have died on a gone client
+        session, self.session = self.session, None
+        if session is not None:
+            await self.services.daemon.close_session(session)
 
     async def _read_events(self, session: Session) -> None:
-        async for event in session.events():
-            if isinstance(event, F.Transcript) and event.final:
-                self._finals.append(event.text)
-            elif isinstance(event, F.Transcript) and event.committed_text:
-                await self._stream(event.turn_id, event.committed_text)
-            elif isinstance(event, F.AudioCommitted):
-                self._committed.set()
-            elif isinstance(event, F.ErrorEvent):
-                await self.write_error(event)
+        try:
+            async for event in session.events():
+                if isinstance(event, F.Transcript) and event.final:
+                    self._finals.append(event.text)
+                elif isinstance(event, F.Transcript) and event.committed_text:
+                    with contextlib.suppress(ConnectionError):  # the client left: keep reading
+                        await self._stream(event.turn_id, event.committed_text)
+                elif isinstance(event, F.AudioCommitted):
+                    self._committed.set()
+                elif isinstance(event, F.ErrorEvent):
+                    with contextlib.suppress(ConnectionError):
+                        await self.write_error(event)
+        finally:  # stop() must never wait for a commit this pump will not see
+            self._committed.set()
 
     async def _stream(self, turn_id: int, committed: str) -> None:
         before = self._streamed.get(turn_id, "")

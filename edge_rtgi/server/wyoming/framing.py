@@ -113,7 +113,7 @@ async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
     loop = asyncio.get_running_loop()
     deadline, read = loop.time() + LINGER_S, 0
     try:
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), LINGER_S)
         if writer.can_write_eof():
             writer.write_eof()
         while read < LINGER_BYTES and (left := deadline - loop.time()) > 0:

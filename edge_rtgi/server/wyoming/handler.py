@@ -89,6 +89,7 @@ class WyomingHandler(AsyncEventHandler):
                     event = await self._next_event()
                 except FrameError as exc:
                     await self._error(exc.code, exc.message, exc.hint)
+                    await self.disconnect()  # before the half-close: nothing may write after it
                     await linger(self.reader, self.writer)
                     break
                 if event is None:
@@ -105,7 +106,7 @@ class WyomingHandler(AsyncEventHandler):
 
     async def _next_event(self) -> Event | None:
         """The next event; inside an open request it must come within ``request_idle_s``."""
-        in_request = self._audio_for is not None or self._dropped_stream or self._tts is not None
+        in_request = self._audio_for is not None or self._tts is not None  # what holds a session
         if not in_request:
             return await read_event(self.reader, self.limits)
         idle_s = self.services.config.request_idle_s
