@@ -229,6 +229,11 @@ DRAFT_NAMES = ("ngram", "retrieval", "eagle")
 # --- cost and acceptance models -----------------------------------------------------------------
 
 
+def _median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens one verification step yields with ``k`` drafts each accepted with probability
     ``acceptance`` until the first rejection, plus the target's own token."""
@@ -346,8 +351,7 @@ class StepCostTable:
             waiting.popleft()
         if len(recent) < self.PLAIN_STEPS:
             return
-        after = [ms for step, ms in recent]
-        median = sorted(after)[len(after) // 2]
+        median = _median([ms for _, ms in recent])
         while waiting and waiting[0][0] < recent[0][0]:
             _, size, ms = waiting.popleft()
             self._add_pair(size, ms / median)
@@ -389,9 +393,7 @@ class StepCostTable:
         recent = [
             ms for step, ms in self._plain.get(sequences, ()) if self._steps - step <= self.PAIR_WINDOW_STEPS
         ]
-        if not recent:
-            return None
-        return sorted(recent)[len(recent) // 2]
+        return _median(recent) if recent else None
 
     def _min_share(self, sequences: int) -> float:
         """The least a draft token may cost, as a share of the plain step of ``sequences``."""

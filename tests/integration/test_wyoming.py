@@ -399,4 +399,3 @@ async def _stall(daemon) -> None:
         error = await _read(client)  # nothing more is sent
         assert error.type == "error" and error.data["code"] == "timeout", error
         assert await _read(client) is None  # closed
-    assert await _sessions_closed(daemon)

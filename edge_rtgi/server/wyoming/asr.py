@@ -51,7 +51,6 @@ class AsrRequest:
         self._started = False
 
     async def start(self, fmt: StreamFormat) -> None:
-        await self.close()  # a request starts one stream; never leave a session behind
         self.session = await self.services.open_session(
             "asr", turn_detection=False, auto_response=False, input_sample_rate_hz=fmt.rate_hz
         )

@@ -49,7 +49,6 @@ class WakeRequest:
         self._detections = 0
 
     async def start(self, fmt: StreamFormat) -> None:
-        await self.close()  # a request starts one stream; never leave a detector behind
         self._detector = await asyncio.to_thread(
             WakeWordDetector, self.names, self.refractory_ms, self.cutoff
         )
