@@ -143,10 +143,11 @@ def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_C
     # int4_i8_mm on each int4 layer's own repacked weights (the LM head keeps its int8 kernel),
     # packed here rather than switched on, so that "shipped" stays the bf16-activation path
     i8_packs = {}
-    if cpu_ops.vnni_built():
+    if cpu_ops.int8_activation_loops() in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
         for m in layers:
             if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None:
-                i8_packs[id(m)] = cpu_ops.int4_pack_i8(m.qweight, m.group_size, m.scales_and_zeros)
+                pairs = m.scales_and_zeros.to(torch.bfloat16)
+                i8_packs[id(m)] = cpu_ops.int4_pack_i8(m.qweight, m.group_size, pairs)
         release_cpu_workers()
 
     def int8_activations(layer, x):

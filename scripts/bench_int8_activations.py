@@ -197,8 +197,8 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = stepped_engine(args.threads)
-    if not cpu_ops.vnni_built():
-        raise SystemExit("the fused CPU kernels have no AVX-512 VNNI loops here: nothing to compare")
+    if cpu_ops.int8_activation_loops() not in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
+        raise SystemExit("the fused CPU kernels have no AVX-512 VNNI or AVX2 loops here: nothing to compare")
     switch = Int8ActivationSwitch.build(engine.model)
     tok = engine.tokenizer
     assert tok is not None

@@ -478,10 +478,13 @@ INT8_ONE_ROW_MIN_WEIGHTS = 1 << 24
 
 def int8_kernel_usable(x: Tensor, weights: int) -> bool:
     """Whether ``int8_mm`` should run for the 2-D input ``x`` against an int8 matrix of ``weights``
-    elements: ``multi_row_usable``, or one bf16 row (K a multiple of 32) against at least
+    elements: ``multi_row_usable``; one fp32 row (ATen's kernel takes about ten times as long for
+    fp32 activations, docs/cpu_kernels.md); or one bf16 row (K a multiple of 32) against at least
     ``INT8_ONE_ROW_MIN_WEIGHTS`` weights where the library has the AVX-512 BF16 loops."""
     if x.shape[0] != 1:
         return multi_row_usable(x)
+    if x.dtype == torch.float32:
+        return _use(x)
     return (
         _int8_one_row
         and weights >= INT8_ONE_ROW_MIN_WEIGHTS
@@ -543,7 +546,7 @@ def int4_pack_i8(qweight: Tensor, group_size: int, scales_and_zeros: Tensor) -> 
 def int4_i8_mm(x: Tensor, packed: Tensor, group_size: int, out_features: int, loops: str = "best") -> Tensor:
     """``x @ W^T`` for an int4 ``W`` in ``int4_pack_i8``'s layout, with the activations rounded to
     int8 per 32 inputs (lossy; docs/cpu_kernels.md, "int8 activations"). ``loops``: "best" (AVX-512
-    VNNI where built, ``vnni_built()``) or "portable" (plain loops, the same bits)."""
+    VNNI or AVX2 where built, ``int8_activation_loops()``) or "portable" (plain loops, the same bits)."""
     if _ops is None:
         raise RuntimeError("int4_i8_mm called without the fused CPU kernels loaded")
     return _ops.int4_i8_mm.default(x, packed, group_size, out_features, loops)
@@ -552,6 +555,16 @@ def int4_i8_mm(x: Tensor, packed: Tensor, group_size: int, out_features: int, lo
 def vnni_built() -> bool:
     """Whether the loaded library has ``int4_i8_mm``'s AVX-512 VNNI loops (False when not loaded)."""
     return bool(_ops.vnni_built()) if _ops is not None else False
+
+
+# The int4_i8_mm loops that beat the weight-only kernels (the plain loops do not: docs/cpu_kernels.md)
+FAST_INT8_ACTIVATION_LOOPS = ("avx512-vnni", "avx2")
+
+
+def int8_activation_loops() -> str | None:
+    """Which loops ``int4_i8_mm`` runs with ``loops="best"``: "avx512-vnni", "avx2" (vpmaddubsw,
+    the same bits) or "portable" (None when not loaded)."""
+    return str(_ops.i8_loops()) if _ops is not None else None
 
 
 # --- the layer stack in one call -----------------------------------------------------------------

@@ -87,9 +87,9 @@ class EngineConfig:
     yield_to_foreground_ms: int = 250
     speculative: str | bool | dict[str, str | int] = "off"
     # int4 layers' matmuls of 1..32 rows with the activations rounded to int8 per 32 inputs, on
-    # AVX-512 VNNI (llm.quant.kernels.apply_int8_activations): "auto" where the CPU (not AMX) and
-    # layers allow (drafts are then verified only within the kernel's rows), true (wherever layers
-    # can, with a warning where none can), false (bf16 activations)
+    # AVX-512 VNNI or AVX2 (llm.quant.kernels.apply_int8_activations): "auto" where the CPU (not AMX)
+    # and layers allow (drafts are then verified only within the kernel's rows), true (wherever
+    # layers can, with a warning where none can), false (the model's own activation dtype)
     int8_activations: bool | str = "auto"
 
     def __post_init__(self) -> None:

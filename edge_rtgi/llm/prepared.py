@@ -112,7 +112,7 @@ def load_prepared(
 
 
 def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[str, str]:
-    from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows
+    from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows, resolve_weight_quant
 
     return {
         "format": FORMAT,
@@ -121,6 +121,8 @@ def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[
         "device": "cpu",
         "dtype": str(dtype),
         "quant": str(quant),
+        # what "auto" resolves to depends on the CPU's kernels too (int8_activations_fast)
+        "weights": str(resolve_weight_quant(quant, torch.device("cpu"), dtype)),
         # the layers store the row limit of quant "auto", which depends on the CPU's kernels
         # (AMX or not): a copy made where it differed must not be reused here
         "kernel_max_rows": str(auto_quant_kernel_max_rows()),

@@ -40,7 +40,17 @@ def llama(tmp_path_factory):
 
 
 def engine_for(loaded, **overrides) -> LLMEngine:
-    cfg = EngineConfig(**{"block_size": 4, "num_kv_blocks": 256, "max_num_batched_tokens": 16, **overrides})
+    """An engine for exactness tests: int8 activations (lossy, on by default where the CPU's kernels
+    have them) stay off unless a test asks for them."""
+    cfg = EngineConfig(
+        **{
+            "block_size": 4,
+            "num_kv_blocks": 256,
+            "max_num_batched_tokens": 16,
+            "int8_activations": False,
+            **overrides,
+        }
+    )
     return LLMEngine.from_loaded(loaded, cfg, start=False)
 
 

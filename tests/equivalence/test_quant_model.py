@@ -116,17 +116,25 @@ def test_applying_a_plan_twice_is_refused(tiny):
 
 
 def test_cpu_without_bf16_runs_on_the_fp32_path_with_a_warning(tiny, monkeypatch, caplog):
+    """Without native bf16 the quantised layers take fp32 activations: a warning that they are slow,
+    unless the fused kernels' int8-activation loops (AVX2, AVX-512 VNNI) take them."""
     monkeypatch.setattr("edge_rtgi.device.cpu_has_bf16", lambda: False)
     monkeypatch.setattr("edge_rtgi.llm.quant.plan.cpu_has_bf16", lambda: False)
     from edge_rtgi.device import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr("edge_rtgi.llm.quant.policy.int8_activations_fast", lambda: False)
     quant = copy.deepcopy(tiny.model)
     with caplog.at_level(logging.WARNING):
         apply_quant(quant, "int4-g32")
     assert "no native bf16" in caplog.text and "fp32 path" in caplog.text
     assert quant.lm_head.scales_and_zeros.dtype == torch.float32
     assert torch.isfinite(window_logits(quant, _ids(tiny))).all()
+    caplog.clear()
+    monkeypatch.setattr("edge_rtgi.llm.quant.policy.int8_activations_fast", lambda: True)
+    with caplog.at_level(logging.WARNING):
+        apply_quant(copy.deepcopy(tiny.model), "int4-g32")
+    assert "no native bf16" not in caplog.text
 
 
 def test_profile_table_covers_every_group_and_int8_is_least_sensitive(tiny):

@@ -75,7 +75,8 @@ def test_dtype_policy():
 
 
 def test_weight_quant_policy(monkeypatch):
-    """quant: auto means int8 weights only where they are the fast path: a CPU running bf16."""
+    """quant: auto means int8 weights only where they are the fast path: a CPU running bf16, or
+    any CPU whose fused kernels round int4 layers' activations to int8 (AVX2 or AVX-512 VNNI)."""
     import torch
 
     from edge_rtgi import device as dev
@@ -83,6 +84,7 @@ def test_weight_quant_policy(monkeypatch):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(dev, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(policy, "int8_activations_fast", lambda: False)
     assert policy.resolve_weight_quant("auto", cpu, torch.bfloat16) == "int8"
     assert policy.resolve_weight_quant("auto", cpu, torch.float32) is None  # int8 kernel is slow with fp32 x
     assert policy.resolve_weight_quant("auto", cuda, torch.bfloat16) is None
@@ -91,6 +93,12 @@ def test_weight_quant_policy(monkeypatch):
     assert policy.resolve_weight_quant("int4-g64", cpu, torch.float32) == "int4-g64"
     monkeypatch.setattr(dev, "cpu_has_bf16", lambda: False)  # bf16 requested on a CPU that emulates it
     assert policy.resolve_weight_quant("auto", cpu, torch.bfloat16) is None
+    # an AVX2 CPU (no native bf16: fp32 activations) with the kernels' int8-activation loops
+    monkeypatch.setattr(policy, "int8_activations_fast", lambda: True)
+    assert policy.resolve_weight_quant("auto", cpu, torch.float32) == "int8"
+    assert policy.resolve_weight_quant("auto", cpu, torch.bfloat16) == "int8"
+    assert policy.resolve_weight_quant("auto", cuda, torch.float32) is None
+    assert policy.resolve_weight_quant("auto", cpu, torch.float64) is None
 
 
 def test_the_daemons_engine_speculates_by_default_with_or_without_an_engine_section(tmp_path):

@@ -854,10 +854,10 @@ def test_int8_activation_ops_refuse_what_they_cannot_read():
 
 def test_int4_layers_with_int8_activations_take_the_kernel_for_1_row_to_their_widest(monkeypatch):
     """Switched on, an int4 layer runs ``int4_i8_mm`` for 1..multi_row_max() rows and its other
-    paths beyond; switched off it is back on its weight-only kernels. Where the library has no VNNI
-    loops the switch is refused with the reason (the plain loops are slower than ATen's)."""
+    paths beyond; switched off it is back on its weight-only kernels. Where the library has neither VNNI
+    nor AVX2 loops the switch is refused with the reason (the plain loops are slower than ATen's)."""
     _, layer = quant_layer("int4-g32", 128, 64, torch.bfloat16)
-    if not cpu_ops.vnni_built():
+    if cpu_ops.int8_activation_loops() not in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
         assert "VNNI" in (layer.int8_activations_unusable() or "")
         with pytest.raises(ValueError, match="VNNI"):
             layer.use_int8_activations()
@@ -898,15 +898,24 @@ def test_int8_activation_quantiser_keeps_tiny_and_zero_blocks_finite_and_alike_i
         torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
 
 
-def test_int8_activations_are_dropped_when_a_layer_can_no_longer_take_them():
+def test_an_fp32_layer_takes_int8_activations_on_its_scales_rounded_to_bf16():
+    """An fp32 model's int4 layer (a CPU without native bf16) rounds its activations to int8 too:
+    the kernel reads bf16 (scale, zero) pairs, so a bf16 layer moved to fp32 packs the same copy."""
     from edge_rtgi.llm.quant.kernels import set_int8_activations
 
-    if not cpu_ops.vnni_built():
-        pytest.skip("no AVX-512 VNNI loops in this build")
+    if cpu_ops.int8_activation_loops() not in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
+        pytest.skip("no AVX-512 VNNI or AVX2 loops in this build")
     model = torch.nn.Sequential(quant_layer("int4-g32", 128, 64, torch.bfloat16)[1])
     assert set_int8_activations(model, True) == 1 and model[0].i8_packed is not None
+    bf16_copy = model[0].i8_packed
     model[0].scales_and_zeros = model[0].scales_and_zeros.float()  # as model.float() leaves it
-    assert set_int8_activations(model, True) == 0 and model[0].i8_packed is None
+    assert set_int8_activations(model, False) == 0 and model[0].i8_packed is None
+    assert set_int8_activations(model, True) == 1 and torch.equal(model[0].i8_packed, bf16_copy)
+    x = torch.randn(2, 64)
+    got = model[0](x)
+    assert got.dtype == torch.float32
+    exact = x.double() @ model[0].dequantized_weight(torch.float32).double().T
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.03  # int8 steps of max|x| / 127
 
 
 def test_the_int8_activation_switch_makes_copies_once_and_flips_them():
@@ -917,7 +926,7 @@ def test_the_int8_activation_switch_makes_copies_once_and_flips_them():
         quant_layer("int4-g32", 80, 128, torch.bfloat16)[1],
     )
     switch = Int8ActivationSwitch.build(model)
-    if not cpu_ops.vnni_built():
+    if cpu_ops.int8_activation_loops() not in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
         assert switch.layers == [] and model[0].i8_packed is None
         return
     assert switch.layers == [model[0]]  # 80 outputs: not a whole 64-row tile

@@ -19,11 +19,15 @@ import torch.nn.functional as F
 from edge_rtgi.device import cpu_has_bf16
 from edge_rtgi.llm.quant import apply_engine_quant, model_groups, source_aligned_plan
 from edge_rtgi.llm.quant.kernels import QuantLinear
+from edge_rtgi.llm.quant.policy import int8_activations_fast
 from edge_rtgi.llm.quant.schemes import parse_scheme, quantize_weight
 from edge_rtgi.llm.weights import load_model
 from tests.tiny_models import make_tiny_hf_model, write_tiny_gguf
 
-needs_bf16 = pytest.mark.skipif(not cpu_has_bf16(), reason="auto quantises only on a CPU with native bf16")
+needs_bf16 = pytest.mark.skipif(
+    not (cpu_has_bf16() or int8_activations_fast()),
+    reason="auto quantises only on a CPU with native bf16 or the kernels' int8-activation loops",
+)
 
 
 @pytest.fixture(scope="module")

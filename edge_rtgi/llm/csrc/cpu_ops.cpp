@@ -21,7 +21,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_convert_weight_to_int4pack_for_cpu.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/_weight_int8pack_mm.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
@@ -867,9 +869,11 @@ Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Te
 // read each block of weights once, dequantise it once into a small buffer that stays in L1, and
 // apply it to every row (up to kBf16RowTile rows in registers at a time). Same weight layouts as
 // ATen's kernels (the prepared weights are unchanged):
-//   int4: _convert_weight_to_int4pack_for_cpu's layout: blocks of 64 output rows, each [K, 32]
-//         bytes with row n at column n % 32, in the high nibble when n % 64 >= 32; a last block of
-//         fewer rows is [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i.
+//   int4: _convert_weight_to_int4pack_for_cpu's layout: blocks of B output rows (B = 64 where ATen
+//         runs its AVX-512 code, 32 on AVX2: int4_pack_block_rows), each [K, B/2] bytes with row n
+//         at column n % (B/2), in the high nibble when n % B >= B/2; a last block of fewer rows is
+//         [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i. The AVX-512 loops
+//         read B = 64 only; other packs take the plain loops.
 //         w = (code - 8) * scale + zero with [K/G, N, 2] (scale, zero) pairs.
 //   int8: [N, K] int8 with a scale per output row.
 // int4 sums are factored per group: sum_k x w = scale * sum_k x (code - 8) + zero * sum_k x, so
@@ -896,25 +900,67 @@ constexpr int64_t kMultiRowMax = 16;
 // Calls of int4_mm / int8_mm, so that tests can check the layer loop really used them.
 std::atomic<int64_t> g_multi_row_calls{0};
 
+// How many output rows a block of ATen's CPU int4 pack holds in this process: ATen picks the layout
+// by the CPU it runs on (64 with AVX-512, 32 with AVX2), so it is read off a packed probe once;
+// 0 for a layout this file does not know (the int4 kernels then refuse to run).
+int64_t int4_pack_block_rows() {
+  static const int64_t rows = [] {
+    const int64_t n = 64, k = 32;
+    const Tensor codes = at::arange(n * k, at::kInt).remainder(13).reshape({n, k});
+    const Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
+    if (packed.scalar_type() != at::kByte || packed.numel() != n * k / 2) return int64_t{0};
+    const uint8_t* p = packed.const_data_ptr<uint8_t>();
+    const int32_t* c = codes.const_data_ptr<int32_t>();
+    for (const int64_t block : {int64_t{64}, int64_t{32}}) {
+      bool same = true;
+      for (int64_t j = 0; j < n && same; ++j) {
+        const int64_t b0 = j / block * block, d = j - b0, half = block / 2;
+        for (int64_t kk = 0; kk < k && same; ++kk) {
+          const uint8_t byte = p[b0 * k / 2 + kk * half + d % half];
+          same = ((d < half ? byte : byte >> 4) & 0x0F) == c[j * k + kk];
+        }
+      }
+      if (same) return block;
+    }
+    return int64_t{0};
+  }();
+  return rows;
+}
+
 struct Int4Weights {
   const uint8_t* packed;
   int64_t n, k, group;
+  // ATen's pack: blocks of `block` rows one after another, each [K, block/2] bytes with rows d and
+  // d + block/2 in the low and high nibble of byte d; a last block of fewer rows is [K, rows/2]
+  // with rows 2i / 2i+1 in the low / high nibble of byte i (docs/cpu_kernels.md)
+  int64_t block = int4_pack_block_rows();
 };
 
-// Codes minus 8 of output rows [n0, n0 + rows) at input k, as floats (the portable path).
+void check_int4_pack(const char* name) {
+  TORCH_CHECK(int4_pack_block_rows() != 0, "edge_rtgi::", name, ": this PyTorch packs int4 for the CPU in ",
+              "a layout these kernels do not know; use quant int8 or update edge-rtgi");
+}
+
+// Codes minus 8 of output rows [n0, n0 + rows) at input k, as floats (the portable path); n0 is a
+// multiple of the pack's block.
 inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k, float* out) {
-  const uint8_t* base = w.packed + n0 * w.k / 2;  // blocks are stored one after another
-  if (rows == kInt4BlockRows) {
-    const uint8_t* col = base + k * 32;
-    for (int64_t j = 0; j < 32; ++j) {
-      out[j] = static_cast<float>(col[j] & 0x0F) - 8.f;
-      out[j + 32] = static_cast<float>(col[j] >> 4) - 8.f;
-    }
-  } else {
-    const uint8_t* col = base + k * (rows / 2);
-    for (int64_t i = 0; i < rows / 2; ++i) {
-      out[2 * i] = static_cast<float>(col[i] & 0x0F) - 8.f;
-      out[2 * i + 1] = static_cast<float>(col[i] >> 4) - 8.f;
+  for (int64_t b0 = n0; b0 < n0 + rows; b0 += w.block) {
+    const int64_t block_rows = std::min(w.block, w.n - b0);
+    const uint8_t* base = w.packed + b0 * w.k / 2;  // blocks are stored one after another
+    float* o = out + (b0 - n0);
+    if (block_rows == w.block) {
+      const int64_t half = w.block / 2;
+      const uint8_t* col = base + k * half;
+      for (int64_t j = 0; j < half; ++j) {
+        o[j] = static_cast<float>(col[j] & 0x0F) - 8.f;
+        o[j + half] = static_cast<float>(col[j] >> 4) - 8.f;
+      }
+    } else {
+      const uint8_t* col = base + k * (block_rows / 2);
+      for (int64_t i = 0; i < block_rows / 2; ++i) {
+        o[2 * i] = static_cast<float>(col[i] & 0x0F) - 8.f;
+        o[2 * i + 1] = static_cast<float>(col[i] >> 4) - 8.f;
+      }
     }
   }
 }
@@ -1308,9 +1354,51 @@ void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64
   }
 }
 
+#if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EDGE_RTGI_INT8_F32_AVX2 1
+
+// fp32 activations against int8 weights on AVX2 (an LM head on a CPU without AVX-512): four output
+// rows at a time, each weight widened in registers and used at once, so the weights stream through
+// once per activation row instead of being written out as floats first.
+template <typename O>
+void int8_rows_f32_avx2(const int8_t* q, const float* scales, const float* xf, int64_t m, int64_t n,
+                        int64_t k, int64_t n0, int64_t n1, O* out) {
+  const int64_t k8 = k / 8 * 8;
+  int64_t j = n0;
+  for (; j + 4 <= n1; j += 4) {
+    for (int64_t r = 0; r < m; ++r) {
+      const float* x = xf + r * k;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t i = 0; i < k8; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        for (int u = 0; u < 4; ++u) {
+          const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (j + u) * k + i));
+          acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8)), xv, acc[u]);
+        }
+      }
+      for (int u = 0; u < 4; ++u) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[u]), _mm256_extractf128_ps(acc[u], 1));
+        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        float total = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+        for (int64_t i = k8; i < k; ++i) total += x[i] * static_cast<float>(q[(j + u) * k + i]);
+        out[r * n + j + u] = from_f<O>(total * scales[j + u]);
+      }
+    }
+  }
+  for (; j < n1; ++j) {
+    for (int64_t r = 0; r < m; ++r) {
+      float total = 0.f;
+      for (int64_t i = 0; i < k; ++i) total += xf[r * k + i] * static_cast<float>(q[j * k + i]);
+      out[r * n + j] = from_f<O>(total * scales[j]);
+    }
+  }
+}
+#endif
+
 // Which loops a call runs: the best this build and CPU have for its dtype and shape, or the ones a
 // test asks for ("best", "avx512": the AVX-512 BF16 loops without AMX, "portable": plain loops).
-enum class Loops { kAmx, kAvx512Bf16, kPortable };
+enum class Loops { kAmx, kAvx512Bf16, kAvx2, kPortable };  // kAvx2: fp32 activations (int8_mm)
 
 Loops choose_loops(const Tensor& x, int64_t k, int64_t m, const std::string& requested) {
   TORCH_CHECK(requested == "best" || requested == "avx512" || requested == "portable",
@@ -1342,7 +1430,10 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
     for (int64_t g = 0; g < groups; ++g) xsum_all[r * groups + g] = sum(xp_all + r * k + g * group, group);
   // fp32 activations only for the plain loops (fp32 inputs, a short last block, no AVX-512 BF16):
   // the copy cost as much as a small matmul's own work at every multi-row call.
-  const bool plain_loops = loops == Loops::kPortable || n % kInt4BlockRows != 0;
+  check_int4_pack("int4_mm");
+  // the AVX-512 loops read the pack of 64-row blocks that ATen makes on AVX-512 CPUs
+  const bool wide_pack = w.block == kInt4BlockRows;
+  const bool plain_loops = loops == Loops::kPortable || n % kInt4BlockRows != 0 || !wide_pack;
   const Tensor xf_t = plain_loops ? activations_f32(x) : Tensor();
   const float* xf_all = plain_loops ? xf_t.const_data_ptr<float>() : nullptr;
   const T* szp = in_ptr<T>(sz);
@@ -1373,7 +1464,7 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
         const int64_t n0 = b * kInt4BlockRows, rows = std::min(kInt4BlockRows, n - n0);
 #ifdef EDGE_RTGI_AVX512_BF16
         if constexpr (std::is_same_v<T, bf16_bits>) {
-          if (loops != Loops::kPortable && rows == kInt4BlockRows) {
+          if (loops != Loops::kPortable && rows == kInt4BlockRows && wide_pack) {
 #ifdef EDGE_RTGI_AMX
             if (amx) {
               int4_block_amx(w, szp, xp, xsum, m, n0, op);
@@ -1440,9 +1531,19 @@ void int8_mm_impl(const Tensor& x, const Tensor& qweight, const Tensor& scales, 
     }
   }
 #endif
-  (void)loops;
   const Tensor xf_t = activations_f32(x);
   const float* xf = xf_t.const_data_ptr<float>();
+#ifdef EDGE_RTGI_INT8_F32_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (loops != Loops::kPortable) {
+      at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
+        int8_rows_f32_avx2<O>(q, sp, xf, m, n, k, begin * 64, std::min(n, end * 64), op);
+      });
+      return;
+    }
+  }
+#endif
+  (void)loops;
   at::parallel_for(0, chunks, grain_rows(64 * k), [&](int64_t begin, int64_t end) {
     int8_rows_portable<T, O>(q, sp, xf, m, n, k, begin * 64, std::min(n, end * 64), op);
   });
@@ -1492,7 +1593,11 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
   Tensor out = at::empty({x.size(0), n}, float_out ? x.options().dtype(at::kFloat) : x.options());
   g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
   const Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
-  if (x.scalar_type() == at::kFloat) int8_mm_impl<float, float>(x, qweight, scales, Loops::kPortable, out);
+  if (x.scalar_type() == at::kFloat) {
+    const Loops f32 = loops == Loops::kPortable && std::string(loops_name) == "portable" ? Loops::kPortable
+                                                                                        : Loops::kAvx2;
+    int8_mm_impl<float, float>(x, qweight, scales, f32, out);
+  }
   else if (float_out) int8_mm_impl<bf16_bits, float>(x, qweight, scales, loops, out);
   else int8_mm_impl<bf16_bits, bf16_bits>(x, qweight, scales, loops, out);
   return out;
@@ -1696,6 +1801,87 @@ void int4_i8_tile_vnni(const uint8_t* tile, int64_t k, int64_t group, const Int8
 }
 #endif
 
+#if !defined(EDGE_RTGI_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EDGE_RTGI_I8_AVX2 1
+
+// The same totals on AVX2, which has no VNNI: vpmaddubsw multiplies the unsigned codes by the
+// signed activations and adds pairs into int16 (at most 2 * 15 * 128 in magnitude), the eight of a
+// block of 32 inputs still fit int16 (30,720), and one vpmaddwd per block widens them to the exact
+// int32 sums: the same integers, then the same float operations, so the same bits as the plain loops.
+// V of the tile's 8 output vectors from v0 on, R rows: R * V int16 sums stay in the 16 registers.
+template <int R, int V>
+void int4_i8_tile_avx2(const uint8_t* tile, int64_t k, int64_t group, const Int8Rows& x, int64_t r0,
+                       int v0, float* total /*[R][64]*/) {
+  const int64_t blocks = k / kI8Block, per_group = group / kI8Block, chunks = kI8Block / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i zero_half = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 tot[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) tot[r][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / group; ++g) {
+    const uint8_t* group_start = tile + g * i8_group_bytes(group);
+    for (int64_t bg = 0; bg < per_group; ++bg) {
+      const int64_t b = g * per_group + bg;
+      const uint8_t* first = group_start + kI8PairBytes + bg * chunks * kI8ChunkBytes;
+      __m256i acc[R][V];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m256i xlo[R], xhi[R];
+        for (int r = 0; r < R; ++r) {
+          int32_t lo4, hi4;  // 4 int8 activations for the low nibbles, 4 for the high ones
+          const int8_t* q = x.q.data() + (r0 + r) * k + b * kI8Block + 8 * c;
+          std::memcpy(&lo4, q, 4);
+          std::memcpy(&hi4, q + 4, 4);
+          xlo[r] = _mm256_set1_epi32(lo4);
+          xhi[r] = _mm256_set1_epi32(hi4);
+        }
+        const uint8_t* chunk = first + c * kI8ChunkBytes;
+        for (int v = 0; v < V; ++v) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * (v0 + v)));
+          const __m256i wlo = _mm256_and_si256(w, low);
+          const __m256i whi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+          for (int r = 0; r < R; ++r) {
+            acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(wlo, xlo[r]));
+            acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(whi, xhi[r]));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = (r0 + r) * blocks + b;
+        const __m256i eight_q = _mm256_set1_epi32(8 * x.q_sum[i]);
+        const __m256 s = _mm256_set1_ps(x.scale[i]), xs = _mm256_set1_ps(x.sum[i]);
+        for (int v = 0; v < V; ++v) {
+          // 8 (scale, zero) pairs: the scale in the low half of each 32-bit lane
+          const __m256i sp = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_start + 32 * (v0 + v)));
+          const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(sp, 16));
+          const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(sp, zero_half));
+          const __m256i sums = _mm256_madd_epi16(acc[r][v], ones);
+          const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums, eight_q)), s);
+          tot[r][v] = _mm256_fmadd_ps(f, scale, tot[r][v]);
+          tot[r][v] = _mm256_fmadd_ps(zero, xs, tot[r][v]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(total + r * kI8TileRows + 8 * (v0 + v), tot[r][v]);
+}
+#endif
+
+// Which loops int4_i8_mm runs with loops="best": "avx512-vnni", "avx2" or "portable".
+std::string i8_loops() {
+#if defined(EDGE_RTGI_VNNI)
+  return "avx512-vnni";
+#elif defined(EDGE_RTGI_I8_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
 bool vnni_built() {
 #ifdef EDGE_RTGI_VNNI
   return true;
@@ -1718,6 +1904,7 @@ Tensor int4_pack_i8(const Tensor& qweight_in, int64_t group, const Tensor& sz_in
               sz_in.scalar_type());
   const int64_t n = sz_in.size(1), k = sz_in.size(0) * group;
   check_i8_shape(n, k, group, "int4_pack_i8");
+  check_int4_pack("int4_pack_i8");
   TORCH_CHECK(qweight_in.scalar_type() == at::kByte && qweight_in.numel() == n * k / 2,
               "edge_rtgi::int4_pack_i8: qweight must be ATen's CPU int4 pack of [", n, ", ", k, "], got ",
               qweight_in.sizes(), " ", qweight_in.scalar_type());
@@ -1774,7 +1961,7 @@ Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, in
   if (x.scalar_type() == at::kFloat) quantize_rows_i8(in_ptr<float>(x), m, k, rows);
   else quantize_rows_i8(in_ptr<bf16_bits>(x), m, k, rows);
   const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-  const bool vnni = vnni_built() && loops == "best";
+  const bool fast = i8_loops() != "portable" && loops == "best";
   auto store = [&](const float* total, int64_t r, int64_t n0) {
     if (x.scalar_type() == at::kFloat) {
       std::copy(total, total + kI8TileRows, out.mutable_data_ptr<float>() + r * n + n0);
@@ -1790,7 +1977,7 @@ Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, in
       const int64_t n0 = t * kI8TileRows;
       int64_t r = 0;
 #ifdef EDGE_RTGI_VNNI
-      if (vnni) {
+      if (fast) {
         // up to 4 rows per pass over the tile, the passes as even as can be (5 rows: 3 + 2): each
         // further pass reads its codes from L1 or L2 again and decodes them again
         for (; r < m;) {
@@ -1806,6 +1993,22 @@ Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, in
           r += pass;
         }
       }
+#elif defined(EDGE_RTGI_I8_AVX2)
+      if (fast) {
+        // rows in pairs, each pair in two passes of half the tile (the int16 sums fill the
+        // registers); one row alone takes the whole tile in one pass
+        for (; r + 2 <= m; r += 2) {
+          int4_i8_tile_avx2<2, 4>(tile, k, group, rows, r, 0, total);
+          int4_i8_tile_avx2<2, 4>(tile, k, group, rows, r, 4, total);
+          store(total, r, n0);
+          store(total + kI8TileRows, r + 1, n0);
+        }
+        if (r < m) {
+          int4_i8_tile_avx2<1, 8>(tile, k, group, rows, r, 0, total);
+          store(total, r, n0);
+          ++r;
+        }
+      }
 #endif
       for (; r < m; ++r) {
         int4_i8_tile_portable(tile, k, group, rows, r, total);
@@ -1813,7 +2016,7 @@ Tensor int4_i8_mm(const Tensor& x_in, const Tensor& packed_in, int64_t group, in
       }
     }
   });
-  (void)vnni;
+  (void)fast;
   return out;
 }
 
@@ -1844,7 +2047,9 @@ Tensor apply_linear(const Tensor& x, int64_t kind, int64_t group_size, const c10
   const int64_t rows = x.size(0);
   const bool multi_row = rows >= 2 && rows <= kMultiRowMax;
   if (kind == 1) {
-    y = multi_row ? int8_mm(x, *a, *b, "best", false) : at::_weight_int8pack_mm(x, *a, *b);
+    // one fp32 row too, as Int8Linear does: ATen's kernel takes ~10x as long for fp32 activations
+    const bool ours = multi_row || (rows == 1 && x.scalar_type() == at::kFloat);
+    y = ours ? int8_mm(x, *a, *b, "best", false) : at::_weight_int8pack_mm(x, *a, *b);
   } else if (kind == 2) {
     y = multi_row ? int4_mm(x, *a, group_size, *b, "best") : at::_weight_int4pack_mm_for_cpu(x, *a, group_size, *b);
   } else if (kind == 3) {
@@ -1936,6 +2141,7 @@ TORCH_LIBRARY(edge_rtgi, m) {
   m.def("int4_pack_i8(Tensor qweight, int group_size, Tensor scales_and_zeros) -> Tensor");
   m.def("int4_i8_mm(Tensor x, Tensor packed, int group_size, int n, str loops=\"best\") -> Tensor");
   m.def("vnni_built() -> bool");
+  m.def("i8_loops() -> str");
   m.def("multi_row_calls() -> int");
   m.def("multi_row_max() -> int");
 }
@@ -1946,6 +2152,7 @@ TORCH_LIBRARY_FRAGMENT(edge_rtgi, m) {
   m.impl("multi_row_calls", TORCH_FN(multi_row_calls));
   m.impl("multi_row_max", TORCH_FN(multi_row_max));
   m.impl("vnni_built", TORCH_FN(vnni_built));
+  m.impl("i8_loops", TORCH_FN(i8_loops));
 }
 
 TORCH_LIBRARY_IMPL(edge_rtgi, CPU, m) {

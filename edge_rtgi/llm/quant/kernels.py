@@ -272,10 +272,8 @@ class Int4Linear(QuantLinear):
         """Why ``use_int8_activations`` cannot apply to this layer, or None when it can."""
         if self.on_cuda or self.qweight.device.type != "cpu":
             return "the int8-activation kernel is CPU-only"
-        if not cpu_ops.vnni_built():
-            return "the fused CPU kernels were built without AVX-512 VNNI (or are not loaded)"
-        if self.scales_and_zeros.dtype != torch.bfloat16:
-            return f"its scales are {self.scales_and_zeros.dtype}, the kernel reads bf16"
+        if cpu_ops.int8_activation_loops() not in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
+            return "the fused CPU kernels were built without AVX-512 VNNI or AVX2 (or are not loaded)"
         if self.out_features % 64 or self.group_size % 32:
             return (
                 f"{self.out_features} outputs in groups of {self.group_size} inputs "
@@ -297,7 +295,9 @@ class Int4Linear(QuantLinear):
         if reason is not None:
             raise ValueError(f"int8 activations: {reason}")
         if self.i8_packed is None:
-            self.i8_packed = cpu_ops.int4_pack_i8(self.qweight, self.group_size, self.scales_and_zeros)
+            # the kernel reads bf16 (scale, zero) pairs: an fp32 model's are rounded to bf16 there
+            pairs = self.scales_and_zeros.to(torch.bfloat16)
+            self.i8_packed = cpu_ops.int4_pack_i8(self.qweight, self.group_size, pairs)
 
     def _matmul(self, x2: Tensor) -> Tensor:
         scales_and_zeros = self.scales_and_zeros
@@ -329,25 +329,40 @@ class Int4Linear(QuantLinear):
         if self.on_cuda:
             packed = self.row_codes[ids]
             return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(len(ids), self.in_features)
-        # CPU layout (verified by cpu_int4_layout_ok): each block of 64 rows is stored as
-        # [K, 32] bytes; row n sits at column n % 32, in the high nibble when n % 64 >= 32.
-        blocks = self.qweight.view(self.out_features // 64, self.in_features, 32)
-        raw = blocks[ids // 64, :, ids % 32]  # [T, K]
-        shift = ((ids % 64) >= 32).to(torch.uint8)[:, None] * 4
+        # CPU layout (cpu_int4_block_rows: B = 64 on AVX-512, 32 on AVX2): each block of B rows is
+        # stored as [K, B/2] bytes; row n sits at column n % (B/2), in the high nibble when n % B >= B/2.
+        block = cpu_int4_block_rows()
+        if block is None:
+            raise RuntimeError("this PyTorch packs int4 for the CPU in a layout edge-rtgi does not know")
+        half = block // 2
+        blocks = self.qweight.view(self.out_features // block, self.in_features, half)
+        raw = blocks[ids // block, :, ids % half]  # [T, K]
+        shift = ((ids % block) >= half).to(torch.uint8)[:, None] * 4
         return (raw >> shift) & 0x0F
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_int4_layout_ok() -> bool:
-    """Check, once, that this PyTorch packs int4 for CPU in the layout ``_row_codes`` reads."""
+def cpu_int4_block_rows() -> int | None:
+    """How many output rows one block of this PyTorch's CPU int4 pack holds, read off a probe once:
+    ATen lays it out by the CPU it runs on (64 rows where it runs its AVX-512 code, 32 on AVX2).
+    None for a layout ``_row_codes`` and the fused kernels do not read."""
     codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     if packed.shape != (128, 32) or packed.dtype != torch.uint8:
-        return False
+        return None
     ids = torch.arange(128)
-    raw = packed.view(2, 64, 32)[ids // 64, :, ids % 32]
-    got = (raw >> (((ids % 64) >= 32).to(torch.uint8)[:, None] * 4)) & 0x0F
-    return bool(torch.equal(got.to(torch.int32), codes))
+    for block in (64, 32):
+        half = block // 2
+        raw = packed.view(128 // block, 64, half)[ids // block, :, ids % half]
+        got = (raw >> (((ids % block) >= half).to(torch.uint8)[:, None] * 4)) & 0x0F
+        if torch.equal(got.to(torch.int32), codes):
+            return block
+    return None
+
+
+def cpu_int4_layout_ok() -> bool:
+    """Whether this PyTorch packs int4 for the CPU in a layout ``_row_codes`` reads."""
+    return cpu_int4_block_rows() is not None
 
 
 def make_quant_linear(
@@ -448,7 +463,7 @@ class Int8ActivationSwitch:
 def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
     """The engine's ``int8_activations`` setting on ``model``: False switches the int8-activation
     kernel off; "auto" switches it on for every int4 layer that can take it (CPU kernels built with
-    AVX-512 VNNI, bf16 scales), except where the CPU has AMX tiles; True does the same (AMX or not)
+    AVX-512 VNNI or AVX2), except where the CPU has AMX tiles; True does the same (AMX or not)
     and logs one warning, with the reason, where no layer can. Returns how many layers now round
     their activations to int8."""
     cpu_ops.forget_plan(model)  # whatever changed the layers since, the engine reads them afresh

@@ -315,8 +315,11 @@ def plan_bits_per_weight(schemes: dict[str, str], groups: list[WeightGroup]) -> 
 
 
 def warn_if_slow_activations(model: Transformer) -> None:
-    """The weight-only kernels are slower than fp32 F.linear when fed fp32 activations on CPU."""
-    if model.device.type != "cpu" or model.dtype != torch.float32:
+    """The weight-only kernels are slower than fp32 F.linear when fed fp32 activations on CPU,
+    unless the fused kernels' int8-activation loops take them (``policy.int8_activations_fast``)."""
+    from edge_rtgi.llm.quant.policy import int8_activations_fast
+
+    if model.device.type != "cpu" or model.dtype != torch.float32 or int8_activations_fast():
         return
     if not cpu_has_bf16():
         log.warning(

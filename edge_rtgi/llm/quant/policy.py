@@ -2,8 +2,11 @@
 
 - A CPU running bf16 activations gets weight-only int8, because a batch-1 decode step reads
   every weight once and ``_weight_int8pack_mm`` with bf16 activations beats fp32 and bf16
-  ``F.linear`` there; fp32 activations make the int8/int4 kernels slower than fp32 itself, and
-  on CUDA the int4 path is opt-in, so everything else stays in full precision.
+  ``F.linear`` there. A CPU without native bf16 (fp32 activations) gets the same where the fused
+  kernels have ``int4_i8_mm``'s AVX2 or AVX-512 VNNI loops: its int4 layers then round their
+  activations to int8 (``int8_activations``) and ``int8_mm`` takes the fp32 LM head, where ATen's
+  weight-only kernels with fp32 activations are slower than fp32 itself. Without those loops, and
+  on CUDA (where the int4 path is opt-in), weights stay in full precision.
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
   chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles or the CPU has
@@ -65,11 +68,25 @@ def resolve_weight_quant(name: str | None, device: torch.device, dtype: torch.dt
     """Map a config ``quant`` value to an ``edge_rtgi.llm.quant.apply_quant`` spec, or None.
 
     "auto" picks int8 weights where they are the faster decode path (CPU with bf16
-    activations) and full precision elsewhere; "none" (or None) keeps full precision; any
-    other value (a scheme name, a plan YAML, a quantised checkpoint) is passed through.
+    activations, or with ``int8_activations_fast``) and full precision elsewhere; "none" (or
+    None) keeps full precision; any other value (a scheme name, a plan YAML, a quantised
+    checkpoint) is passed through.
     """
     if name in (None, "", "none"):
         return None
     if name == "auto":
-        return "int8" if device.type == "cpu" and dtype == torch.bfloat16 and devices.cpu_has_bf16() else None
+        if device.type != "cpu":
+            return None
+        if dtype == torch.bfloat16 and devices.cpu_has_bf16():
+            return "int8"
+        return "int8" if dtype in (torch.float32, torch.bfloat16) and int8_activations_fast() else None
     return name
+
+
+def int8_activations_fast() -> bool:
+    """Whether the fused CPU kernels have ``int4_i8_mm``'s fast loops (AVX-512 VNNI or AVX2): then
+    ``auto``'s int4 layers round their activations to int8 (``int8_activations``) and beat full
+    precision whatever the activation dtype, which on a CPU without native bf16 is fp32."""
+    from edge_rtgi.llm import cpu_ops
+
+    return cpu_ops.load() and cpu_ops.int8_activation_loops() in cpu_ops.FAST_INT8_ACTIVATION_LOOPS
