@@ -97,20 +97,22 @@ def test_a_copy_made_under_another_kernel_row_limit_is_never_used(gguf, tmp_path
 
 
 @pytest.mark.parametrize(
-    "build,cpu_amx,rows",
+    "build,i8_loops,cpu_amx,rows",
     [
-        ("avx512-bf16-amx", True, 32),  # the kernels on AMX tiles beat the dense copy to 32 rows
-        ("avx512-bf16", False, 32),  # neither has AMX: the AVX-512 loops beat it to 32 too
-        ("avx512-bf16", True, 8),  # the dense copy has AMX (oneDNN), the kernels' build does not
-        ("portable", False, 8),
-        (None, False, 8),  # no kernels
+        ("avx512-bf16-amx", "avx512-vnni", True, 32),  # kernels on AMX tiles beat the dense copy to 32 rows
+        ("avx512-bf16", "avx512-vnni", False, 32),  # neither has AMX: the AVX-512 loops beat it to 32 too
+        ("avx512-bf16", "avx512-vnni", True, 8),  # the dense copy has AMX (oneDNN), the kernels do not
+        ("portable", "avx2", False, 16),  # AVX2: int8 activations beat the dense fp32 copy to 16 rows
+        ("portable", "portable", False, 8),
+        (None, None, False, 8),  # no kernels
     ],
 )
-def test_the_auto_row_limit_follows_the_kernels_and_the_cpu(monkeypatch, build, cpu_amx, rows):
+def test_the_auto_row_limit_follows_the_kernels_and_the_cpu(monkeypatch, build, i8_loops, cpu_amx, rows):
     from edge_rtgi import device
     from edge_rtgi.llm import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "build_info", lambda: build)
+    monkeypatch.setattr(cpu_ops, "int8_activation_loops", lambda: i8_loops)
     monkeypatch.setattr(device, "cpu_has_amx", lambda: cpu_amx)
     assert policy.auto_quant_kernel_max_rows() == rows
 

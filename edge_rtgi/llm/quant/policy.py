@@ -35,17 +35,25 @@ AUTO_QUANT_KERNEL_MAX_ROWS = 8
 AUTO_QUANT_KERNEL_MAX_ROWS_WIDE = 32
 
 
+# On AVX2 (no AVX-512), int4 layers on int8 activations beat the dense fp32 copy up to the kernels'
+# widest input, 16 rows (docs/cpu_kernels.md, "CPUs without AVX-512").
+AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 = 16
+
+
 def auto_quant_kernel_max_rows() -> int:
     """Widest input ``quant: auto`` runs on the weight-only kernels rather than the dense copy:
     ``AUTO_QUANT_KERNEL_MAX_ROWS_WIDE`` where the fused CPU kernels are loaded with AMX tiles, or
     with their AVX-512 BF16 loops on a CPU without AMX (``cpu_ops.build_info()``,
-    ``device.cpu_has_amx()``), else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
+    ``device.cpu_has_amx()``), ``AUTO_QUANT_KERNEL_MAX_ROWS_AVX2`` where the int8-activation loops
+    are AVX2's, else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
     copy's key (``llm.prepared``): the layers store it."""
     from edge_rtgi.llm import cpu_ops
 
     info = cpu_ops.build_info() or ""
     if info.endswith("amx") or (info.startswith("avx512-bf16") and not devices.cpu_has_amx()):
         return AUTO_QUANT_KERNEL_MAX_ROWS_WIDE
+    if cpu_ops.int8_activation_loops() == "avx2":
+        return AUTO_QUANT_KERNEL_MAX_ROWS_AVX2
     return AUTO_QUANT_KERNEL_MAX_ROWS
 
 
