@@ -18,6 +18,7 @@ def test_engine_matches_plain_generation_on_smollm2():
             model="smollm2-135m-instruct",
             device="cpu",
             dtype="fp32",
+            quant="none",  # full precision: quant auto quantises fp32 too where AVX2 int8 loops exist
             max_num_batched_tokens=32,
             num_threads=2,
         )

@@ -517,21 +517,30 @@ def test_layer_loop_refuses_mismatched_arguments():
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64-v3 is an x86 baseline")
 def test_portable_loops_pass_the_same_tests(tmp_path):
     """CPUs without AVX-512 (AVX2 laptops, Arm Jetsons) run the portable loops: build the library
-    for an AVX2 baseline in a fresh folder and run this file's kernel tests and the model
-    equivalence tests against it, in a subprocess (one process can load only one copy)."""
+    for an AVX2 baseline in a fresh folder and run this file's kernel tests, the quantised layers'
+    tests and the model equivalence tests against it, in a subprocess (one process can load only
+    one copy), with ATen on its AVX2 code too: it then packs int4 weights in blocks of 32 rows, as
+    it does on an AVX2 CPU, where the kernels and the layers once read only its AVX-512 pack."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, cpu_ops.ENV_MARCH: "x86-64-v3", "EDGE_RTGI_KERNEL_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        cpu_ops.ENV_MARCH: "x86-64-v3",
+        "EDGE_RTGI_KERNEL_DIR": str(tmp_path),
+        "ATEN_CPU_CAPABILITY": "avx2",
+    }
     probe = subprocess.run(
         [
             sys.executable,
             "-c",
-            "from edge_rtgi.llm import cpu_ops; assert cpu_ops.load(), "
-            "cpu_ops.failure(); print(cpu_ops.build_info(), cpu_ops.build_dir().name)",
+            "from edge_rtgi.llm import cpu_ops; assert cpu_ops.load(), cpu_ops.failure(); "
+            "from edge_rtgi.llm.quant.kernels import cpu_int4_block_rows; "
+            "print(cpu_ops.build_info(), cpu_ops.build_dir().name, cpu_ops.int8_activation_loops(), "
+            "cpu_int4_block_rows())",
         ],
         cwd=root,
         env=env,
@@ -540,8 +549,8 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
         timeout=600,
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
-    info, folder = probe.stdout.split()
-    assert info == "portable"
+    info, folder, i8_loops, int4_block_rows = probe.stdout.split()
+    assert (info, i8_loops, int4_block_rows) == ("portable", "avx2", "32")
     assert folder.startswith("march-x86-64-v3-src")
     tests = subprocess.run(
         [
@@ -552,6 +561,7 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
             "-p",
             "no:cacheprovider",
             "tests/unit/test_cpu_ops.py",
+            "tests/unit/test_quant_kernels.py",
             "tests/equivalence/test_cpu_ops_model.py",
             "-k",
             "not portable and not stale and not build_dir",

@@ -176,6 +176,27 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 #endif
 
+#if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define EDGE_RTGI_AVX2_ATTENTION 1
+// 8 elements at p as floats.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// Sums of 8 lanes of a, b, c, d -> lanes 0..3 of the result.
+inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+#endif
+
 template <typename T>
 inline float sum(const T* x, int64_t n) {
   float part[kLanes] = {};
@@ -358,6 +379,23 @@ inline void weighted_values(const T* values, const int64_t* row_slots, const boo
 }
 #endif
 
+#ifdef EDGE_RTGI_AVX2_ATTENTION
+// The same on AVX2 for head dim 64: the 8 x 8 floats of the sum in registers.
+template <typename T>
+inline void weighted_values_avx2(const T* values, const int64_t* row_slots, const bool* row_mask,
+                                 int64_t slot_stride, const float* p, int64_t num_keys, float* out) {
+  __m256 acc[8];
+  for (int v = 0; v < 8; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < num_keys; ++s) {
+    if (row_mask && !row_mask[s]) continue;
+    const T* value = values + row_slots[s] * slot_stride;
+    const __m256 pv = _mm256_set1_ps(p[s]);
+    for (int v = 0; v < 8; ++v) acc[v] = _mm256_fmadd_ps(pv, load8(value + 8 * v), acc[v]);
+  }
+  for (int v = 0; v < 8; ++v) _mm256_storeu_ps(out + 8 * v, acc[v]);
+}
+#endif
+
 template <typename T>
 void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor& v_store,
                            const Tensor& key_slots, const c10::optional<Tensor>& key_mask,
@@ -412,6 +450,30 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
           }
         }
       }
+#elif defined(EDGE_RTGI_AVX2_ATTENTION)
+      if (dim % 8 == 0) {
+        // As the AVX-512 loop above, on 8 lanes: four keys at a time, the last ones too
+        for (; s0 < num_keys; s0 += 4) {
+          const int64_t in_block = std::min<int64_t>(4, num_keys - s0);
+          const T* keys[4];
+          for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + (t < in_block ? t : 0)] * slot_stride + kvh * dim;
+          for (int64_t j = 0; j < group; ++j) {
+            const float* qj = qf.data() + j * dim;
+            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t d = 0; d < dim; d += 8) {
+              const __m256 qv = _mm256_loadu_ps(qj + d);
+              for (int t = 0; t < 4; ++t) a[t] = _mm256_fmadd_ps(qv, load8(keys[t] + d), a[t]);
+            }
+            alignas(16) float four[4];
+            _mm_store_ps(four, sum4_avx2(a[0], a[1], a[2], a[3]));
+            std::copy(four, four + in_block, scores.data() + j * num_keys + s0);
+          }
+          for (int t = 0; row_mask && t < in_block; ++t) {
+            if (row_mask[s0 + t]) continue;
+            for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
+          }
+        }
+      }
 #endif
       for (int64_t s = s0; s < num_keys; ++s) {
         if (row_mask && !row_mask[s]) {
@@ -438,6 +500,13 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
           float* aj = acc.data() + j * dim;
           if (dim == 64) weighted_values<4>(values, row_slots, row_mask, slot_stride, sj, num_keys, aj);
           else weighted_values<8>(values, row_slots, row_mask, slot_stride, sj, num_keys, aj);
+        }
+      } else
+#elif defined(EDGE_RTGI_AVX2_ATTENTION)
+      if (dim == 64) {
+        for (int64_t j = 0; j < group; ++j) {
+          weighted_values_avx2(values, row_slots, row_mask, slot_stride, scores.data() + j * num_keys, num_keys,
+                               acc.data() + j * dim);
         }
       } else
 #endif
