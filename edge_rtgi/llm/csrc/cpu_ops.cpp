@@ -36,7 +36,7 @@
 #include <immintrin.h>
 #define EDGE_RTGI_AVX512 1
 #endif
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__)
@@ -177,7 +177,6 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 #endif
 
 #if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define EDGE_RTGI_AVX2_ATTENTION 1
 // 8 elements at p as floats.
 template <typename T>
@@ -1013,6 +1012,7 @@ void check_int4_pack(const char* name) {
 // Codes minus 8 of output rows [n0, n0 + rows) at input k, as floats (the portable path); n0 is a
 // multiple of the pack's block.
 inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k, float* out) {
+  TORCH_CHECK(w.block > 0, "edge_rtgi: int4 weights in an unknown ATen pack layout");
   for (int64_t b0 = n0; b0 < n0 + rows; b0 += w.block) {
     const int64_t block_rows = std::min(w.block, w.n - b0);
     const uint8_t* base = w.packed + b0 * w.k / 2;  // blocks are stored one after another
@@ -1424,7 +1424,6 @@ void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64
 }
 
 #if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define EDGE_RTGI_INT8_F32_AVX2 1
 
 // fp32 activations against int8 weights on AVX2 (an LM head on a CPU without AVX-512): four output
@@ -1871,7 +1870,6 @@ void int4_i8_tile_vnni(const uint8_t* tile, int64_t k, int64_t group, const Int8
 #endif
 
 #if !defined(EDGE_RTGI_VNNI) && defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 #define EDGE_RTGI_I8_AVX2 1
 
 // The same totals on AVX2, which has no VNNI: vpmaddubsw multiplies the unsigned codes by the
