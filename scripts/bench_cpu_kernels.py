@@ -146,8 +146,7 @@ def multi_row_step(model, rounds: int, row_counts: tuple[int, ...] = MULTI_ROW_C
     if cpu_ops.int8_activation_loops() in cpu_ops.FAST_INT8_ACTIVATION_LOOPS:
         for m in layers:
             if isinstance(m, Int4Linear) and m.int8_activations_unusable() is None:
-                pairs = m.scales_and_zeros.to(torch.bfloat16)
-                i8_packs[id(m)] = cpu_ops.int4_pack_i8(m.qweight, m.group_size, pairs)
+                i8_packs[id(m)] = m.int8_activation_pack()
         release_cpu_workers()
 
     def int8_activations(layer, x):

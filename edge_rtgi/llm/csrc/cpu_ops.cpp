@@ -395,6 +395,23 @@ inline void weighted_values_avx2(const T* values, const int64_t* row_slots, cons
 }
 #endif
 
+// The four keys of a score block from s0: the block's last 1-3 keys repeat its first (their scores
+// are not kept), so that a key's score does not depend on where it falls (the vector loops below).
+template <typename T>
+inline void block_keys(const T* kv_head, const int64_t* row_slots, int64_t s0, int64_t in_block,
+                       int64_t slot_stride, const T* keys[4]) {
+  for (int t = 0; t < 4; ++t) keys[t] = kv_head + row_slots[s0 + (t < in_block ? t : 0)] * slot_stride;
+}
+
+// Masked keys of a score block get -inf in every head's scores.
+inline void mask_block_scores(float* scores, const bool* row_mask, int64_t s0, int64_t in_block, int64_t group,
+                              int64_t num_keys) {
+  for (int64_t t = 0; row_mask && t < in_block; ++t) {
+    if (row_mask[s0 + t]) continue;
+    for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 template <typename T>
 void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor& v_store,
                            const Tensor& key_slots, const c10::optional<Tensor>& key_mask,
@@ -431,7 +448,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
         for (; s0 < num_keys; s0 += 4) {
           const int64_t in_block = std::min<int64_t>(4, num_keys - s0);
           const T* keys[4];
-          for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + (t < in_block ? t : 0)] * slot_stride + kvh * dim;
+          block_keys(kp + kvh * dim, row_slots, s0, in_block, slot_stride, keys);
           for (int64_t j = 0; j < group; ++j) {
             const float* qj = qf.data() + j * dim;
             __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -443,10 +460,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
             _mm_store_ps(four, sum4(a[0], a[1], a[2], a[3]));
             std::copy(four, four + in_block, scores.data() + j * num_keys + s0);
           }
-          for (int t = 0; row_mask && t < in_block; ++t) {
-            if (row_mask[s0 + t]) continue;
-            for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
-          }
+          mask_block_scores(scores.data(), row_mask, s0, in_block, group, num_keys);
         }
       }
 #elif defined(EDGE_RTGI_AVX2_ATTENTION)
@@ -455,7 +469,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
         for (; s0 < num_keys; s0 += 4) {
           const int64_t in_block = std::min<int64_t>(4, num_keys - s0);
           const T* keys[4];
-          for (int t = 0; t < 4; ++t) keys[t] = kp + row_slots[s0 + (t < in_block ? t : 0)] * slot_stride + kvh * dim;
+          block_keys(kp + kvh * dim, row_slots, s0, in_block, slot_stride, keys);
           for (int64_t j = 0; j < group; ++j) {
             const float* qj = qf.data() + j * dim;
             __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -467,10 +481,7 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
             _mm_store_ps(four, sum4_avx2(a[0], a[1], a[2], a[3]));
             std::copy(four, four + in_block, scores.data() + j * num_keys + s0);
           }
-          for (int t = 0; row_mask && t < in_block; ++t) {
-            if (row_mask[s0 + t]) continue;
-            for (int64_t j = 0; j < group; ++j) scores[j * num_keys + s0 + t] = -std::numeric_limits<float>::infinity();
-          }
+          mask_block_scores(scores.data(), row_mask, s0, in_block, group, num_keys);
         }
       }
 #endif
@@ -1012,7 +1023,6 @@ void check_int4_pack(const char* name) {
 // Codes minus 8 of output rows [n0, n0 + rows) at input k, as floats (the portable path); n0 is a
 // multiple of the pack's block.
 inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k, float* out) {
-  TORCH_CHECK(w.block > 0, "edge_rtgi: int4 weights in an unknown ATen pack layout");
   for (int64_t b0 = n0; b0 < n0 + rows; b0 += w.block) {
     const int64_t block_rows = std::min(w.block, w.n - b0);
     const uint8_t* base = w.packed + b0 * w.k / 2;  // blocks are stored one after another
@@ -1662,8 +1672,8 @@ Tensor int8_mm(const Tensor& x_in, const Tensor& qweight_in, const Tensor& scale
   g_multi_row_calls.fetch_add(1, std::memory_order_relaxed);
   const Loops loops = choose_loops(x, k, x.size(0), std::string(loops_name));
   if (x.scalar_type() == at::kFloat) {
-    const Loops f32 = loops == Loops::kPortable && std::string(loops_name) == "portable" ? Loops::kPortable
-                                                                                        : Loops::kAvx2;
+    // choose_loops gives fp32 the plain loops; AVX2 builds have their own unless a test asks for those
+    const Loops f32 = std::string(loops_name) == "portable" ? Loops::kPortable : Loops::kAvx2;
     int8_mm_impl<float, float>(x, qweight, scales, f32, out);
   }
   else if (float_out) int8_mm_impl<bf16_bits, float>(x, qweight, scales, loops, out);

@@ -295,9 +295,13 @@ class Int4Linear(QuantLinear):
         if reason is not None:
             raise ValueError(f"int8 activations: {reason}")
         if self.i8_packed is None:
-            # the kernel reads bf16 (scale, zero) pairs: an fp32 model's are rounded to bf16 there
-            pairs = self.scales_and_zeros.to(torch.bfloat16)
-            self.i8_packed = cpu_ops.int4_pack_i8(self.qweight, self.group_size, pairs)
+            self.i8_packed = self.int8_activation_pack()
+
+    def int8_activation_pack(self) -> Tensor:
+        """This layer's weights repacked for ``cpu_ops.int4_i8_mm`` (what ``use_int8_activations``
+        keeps). The kernel reads bf16 (scale, zero) pairs: an fp32 model's are rounded to bf16 there."""
+        pairs = self.scales_and_zeros.to(torch.bfloat16)
+        return cpu_ops.int4_pack_i8(self.qweight, self.group_size, pairs)
 
     def _matmul(self, x2: Tensor) -> Tensor:
         scales_and_zeros = self.scales_and_zeros
