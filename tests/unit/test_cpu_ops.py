@@ -682,6 +682,22 @@ def test_multi_row_matmuls_match_dequantise_then_matmul(scheme, shape, dtype, lo
             assert excess <= 0, f"{name}, {rows} rows: {excess}"
 
 
+@pytest.mark.parametrize("loops", cpu_ops.LOOPS)
+def test_float32_int8_matmul_gives_each_row_the_bits_it_gets_alone(loops):
+    """fp32 rows against int8 weights (an LM head without AVX-512 BF16): the AVX2 loops take the
+    rows in threes, then twos and ones, over each four weight rows; a row's sums must not depend on
+    which group it fell in, so a row's logits do not depend on the rows beside it in a step. N not a
+    multiple of 4 and K not one of 8 take the loops' tails."""
+    for n, k in ((960, 576), (70, 70), (13, 40)):
+        _, layer = quant_layer("int8", n, k, torch.float32)
+        x = torch.randn(7, k)
+        alone = torch.cat(
+            [cpu_ops.int8_mm(x[i : i + 1], layer.qweight, layer.scales, loops) for i in range(7)]
+        )
+        for rows in range(1, 8):
+            assert torch.equal(cpu_ops.int8_mm(x[:rows], layer.qweight, layer.scales, loops), alone[:rows])
+
+
 def test_quant_layers_use_the_multi_row_kernels_for_2_rows_to_their_widest(monkeypatch):
     calls = []
     real4, real8 = cpu_ops.int4_mm, cpu_ops.int8_mm

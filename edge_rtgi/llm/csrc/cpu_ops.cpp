@@ -1437,32 +1437,54 @@ void int8_rows_portable(const int8_t* q, const T* scales, const float* xf, int64
 #define EDGE_RTGI_INT8_F32_AVX2 1
 
 // fp32 activations against int8 weights on AVX2 (an LM head on a CPU without AVX-512): four output
-// rows at a time, each weight widened in registers and used at once, so the weights stream through
-// once per activation row instead of being written out as floats first.
+// rows at a time, each weight widened in registers once and used for up to R activation rows at once,
+// so the weights stream through once per call instead of being written out as floats first. Each
+// activation row's sums take the same operations in the same order whatever R is: the same bits.
+// Not inlined: inlined at R = 1, GCC kept the four sums in memory, a store per FMA.
+template <int R, typename O>
+__attribute__((noinline)) void int8_rows_f32_avx2_block(const int8_t* q, const float* scales, const float* xf,
+                                                        int64_t r0, int64_t n, int64_t k, int64_t j, O* out) {
+  const int64_t k8 = k / 8 * 8;
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+  // the weight rows 8 ahead (two blocks on), a line every other step: without it one row ran at half
+  // the memory's speed, and a few rows were no faster (docs/cpu_kernels.md)
+  const char* ahead = reinterpret_cast<const char*>(q + std::min(j + 8, n - 4) * k);
+  for (int64_t i = 0; i < k8; i += 8) {
+    _mm_prefetch(ahead + 4 * i, _MM_HINT_T0);
+    __m256 w[4];
+    for (int u = 0; u < 4; ++u)
+      w[u] = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (j + u) * k + i))));
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(xf + (r0 + r) * k + i);
+      for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_fmadd_ps(w[u], xv, acc[r][u]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* x = xf + (r0 + r) * k;
+    for (int u = 0; u < 4; ++u) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r][u]), _mm256_extractf128_ps(acc[r][u], 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      float total = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+      for (int64_t i = k8; i < k; ++i) total += x[i] * static_cast<float>(q[(j + u) * k + i]);
+      out[(r0 + r) * n + j + u] = from_f<O>(total * scales[j + u]);
+    }
+  }
+}
+
+// Activation rows in threes (12 sums and 4 widened weights fill the 16 registers), the last one or two
+// together.
 template <typename O>
 void int8_rows_f32_avx2(const int8_t* q, const float* scales, const float* xf, int64_t m, int64_t n,
                         int64_t k, int64_t n0, int64_t n1, O* out) {
-  const int64_t k8 = k / 8 * 8;
   int64_t j = n0;
   for (; j + 4 <= n1; j += 4) {
-    for (int64_t r = 0; r < m; ++r) {
-      const float* x = xf + r * k;
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t i = 0; i < k8; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + i);
-        for (int u = 0; u < 4; ++u) {
-          const __m128i w8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (j + u) * k + i));
-          acc[u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w8)), xv, acc[u]);
-        }
-      }
-      for (int u = 0; u < 4; ++u) {
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[u]), _mm256_extractf128_ps(acc[u], 1));
-        const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        float total = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-        for (int64_t i = k8; i < k; ++i) total += x[i] * static_cast<float>(q[(j + u) * k + i]);
-        out[r * n + j + u] = from_f<O>(total * scales[j + u]);
-      }
-    }
+    int64_t r = 0;
+    for (; r + 3 <= m; r += 3) int8_rows_f32_avx2_block<3, O>(q, scales, xf, r, n, k, j, out);
+    if (m - r == 2) int8_rows_f32_avx2_block<2, O>(q, scales, xf, r, n, k, j, out);
+    else if (m - r == 1) int8_rows_f32_avx2_block<1, O>(q, scales, xf, r, n, k, j, out);
   }
   for (; j < n1; ++j) {
     for (int64_t r = 0; r < m; ++r) {
