@@ -112,7 +112,7 @@ def load_prepared(
 
 
 def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[str, str]:
-    from edge_rtgi.llm.quant.kernels import cpu_int4_block_rows
+    from edge_rtgi.llm.quant.kernels import cpu_int4_layout
     from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows, resolve_weight_quant
 
     return {
@@ -125,7 +125,7 @@ def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[
         # what "auto" resolves to depends on the CPU's kernels too (int8_activations_fast)
         "weights": str(resolve_weight_quant(quant, torch.device("cpu"), dtype)),
         # int4 weights are stored in ATen's pack, whose layout follows the CPU ATen runs its code for
-        "int4_block_rows": str(cpu_int4_block_rows()),
+        "int4_pack": str(layout.key if (layout := cpu_int4_layout()) is not None else None),
         # the layers store the row limit of quant "auto", which depends on the CPU's kernels
         # (AMX or not): a copy made where it differed must not be reused here
         "kernel_max_rows": str(auto_quant_kernel_max_rows()),

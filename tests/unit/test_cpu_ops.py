@@ -515,12 +515,16 @@ def test_layer_loop_refuses_mismatched_arguments():
 
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="x86-64-v3 is an x86 baseline")
-def test_portable_loops_pass_the_same_tests(tmp_path):
+@pytest.mark.parametrize(
+    "aten_capability,int4_pack", [("avx2", "32"), ("default", "32-adjacent-pairs")], ids=["avx2", "generic"]
+)
+def test_portable_loops_pass_the_same_tests(tmp_path_factory, aten_capability, int4_pack):
     """CPUs without AVX-512 (AVX2 laptops, Arm Jetsons) run the portable loops: build the library
-    for an AVX2 baseline in a fresh folder and run this file's kernel tests, the quantised layers'
-    tests and the model equivalence tests against it, in a subprocess (one process can load only
-    one copy), with ATen on its AVX2 code too: it then packs int4 weights in blocks of 32 rows, as
-    it does on an AVX2 CPU, where the kernels and the layers once read only its AVX-512 pack."""
+    for an AVX2 baseline in a fresh folder and run this file's kernel tests (the AVX2 loops among
+    them), the quantised layers' tests and the model equivalence tests against it, in a subprocess
+    (one process can load only one copy), with ATen on its AVX2 code, which packs int4 weights in
+    blocks of 32 rows as it does on an AVX2 CPU, and on its generic code, which packs them in
+    adjacent pairs (presumably Arm's): the kernels and the layers once read only the AVX-512 pack."""
     import os
     import subprocess
     import sys
@@ -530,17 +534,18 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
     env = {
         **os.environ,
         cpu_ops.ENV_MARCH: "x86-64-v3",
-        "EDGE_RTGI_KERNEL_DIR": str(tmp_path),
-        "ATEN_CPU_CAPABILITY": "avx2",
+        # one build for both (the library does not depend on ATen's capability)
+        "EDGE_RTGI_KERNEL_DIR": str(tmp_path_factory.getbasetemp() / "x86-64-v3-kernels"),
+        "ATEN_CPU_CAPABILITY": aten_capability,
     }
     probe = subprocess.run(
         [
             sys.executable,
             "-c",
             "from edge_rtgi.llm import cpu_ops; assert cpu_ops.load(), cpu_ops.failure(); "
-            "from edge_rtgi.llm.quant.kernels import cpu_int4_block_rows; "
+            "from edge_rtgi.llm.quant.kernels import cpu_int4_layout; "
             "print(cpu_ops.build_info(), cpu_ops.build_dir().name, cpu_ops.int8_activation_loops(), "
-            "cpu_int4_block_rows())",
+            "cpu_int4_layout().key)",
         ],
         cwd=root,
         env=env,
@@ -549,8 +554,8 @@ def test_portable_loops_pass_the_same_tests(tmp_path):
         timeout=600,
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
-    info, folder, i8_loops, int4_block_rows = probe.stdout.split()
-    assert (info, i8_loops, int4_block_rows) == ("portable", "avx2", "32")
+    info, folder, i8_loops, pack = probe.stdout.split()
+    assert (info, i8_loops, pack) == ("portable", "avx2", int4_pack)
     assert folder.startswith("march-x86-64-v3-src")
     tests = subprocess.run(
         [

@@ -949,10 +949,11 @@ Tensor decode_attention_int4(const Tensor& q_in, const Tensor& k_codes, const Te
 // apply it to every row (up to kBf16RowTile rows in registers at a time). Same weight layouts as
 // ATen's kernels (the prepared weights are unchanged):
 //   int4: _convert_weight_to_int4pack_for_cpu's layout: blocks of B output rows (B = 64 where ATen
-//         runs its AVX-512 code, 32 on AVX2: int4_pack_block_rows), each [K, B/2] bytes with row n
-//         at column n % (B/2), in the high nibble when n % B >= B/2; a last block of fewer rows is
-//         [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i. The AVX-512 loops
-//         read B = 64 only; other packs take the plain loops.
+//         runs its AVX-512 code, 32 elsewhere: int4_pack_layout), each [K, B/2] bytes with row n
+//         at column n % (B/2), in the high nibble when n % B >= B/2 (ATen's generic code: rows 2i
+//         and 2i+1 in the low / high nibble of byte i, `adjacent_pairs`); a last block of fewer
+//         rows is [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i. The AVX-512
+//         loops read the 64-row pack only; other packs take the plain loops.
 //         w = (code - 8) * scale + zero with [K/G, N, 2] (scale, zero) pairs.
 //   int8: [N, K] int8 with a scale per output row.
 // int4 sums are factored per group: sum_k x w = scale * sum_k x (code - 8) + zero * sum_k x, so
@@ -979,44 +980,57 @@ constexpr int64_t kMultiRowMax = 16;
 // Calls of int4_mm / int8_mm, so that tests can check the layer loop really used them.
 std::atomic<int64_t> g_multi_row_calls{0};
 
-// How many output rows a block of ATen's CPU int4 pack holds in this process: ATen picks the layout
-// by the CPU it runs on (64 with AVX-512, 32 with AVX2), so it is read off a packed probe once;
-// 0 for a layout this file does not know (the int4 kernels then refuse to run).
-int64_t int4_pack_block_rows() {
-  static const int64_t rows = [] {
+// How ATen's CPU int4 pack lays out output rows in this process. ATen picks the layout by the CPU
+// it runs on: blocks of 64 rows with AVX-512, of 32 with AVX2, in either rows d and d + block/2 share
+// byte d of a column; its generic code (ATEN_CPU_CAPABILITY=default, and presumably Arm) packs blocks
+// of 32 whose byte d holds rows 2d and 2d + 1. Read off a packed probe once; block 0 for a layout
+// this file does not know (the int4 kernels then refuse to run).
+struct Int4PackLayout {
+  int64_t block = 0;
+  bool adjacent_pairs = false;  // byte d holds rows 2d, 2d + 1 (not d, d + block/2)
+};
+
+const Int4PackLayout& int4_pack_layout() {
+  static const Int4PackLayout layout = [] {
     const int64_t n = 64, k = 32;
     const Tensor codes = at::arange(n * k, at::kInt).remainder(13).reshape({n, k});
     const Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
-    if (packed.scalar_type() != at::kByte || packed.numel() != n * k / 2) return int64_t{0};
+    if (packed.scalar_type() != at::kByte || packed.numel() != n * k / 2) return Int4PackLayout{};
     const uint8_t* p = packed.const_data_ptr<uint8_t>();
     const int32_t* c = codes.const_data_ptr<int32_t>();
-    for (const int64_t block : {int64_t{64}, int64_t{32}}) {
+    for (const Int4PackLayout candidate : {Int4PackLayout{64, false}, Int4PackLayout{32, false},
+                                           Int4PackLayout{32, true}}) {
+      const int64_t block = candidate.block, half = block / 2;
       bool same = true;
       for (int64_t j = 0; j < n && same; ++j) {
-        const int64_t b0 = j / block * block, d = j - b0, half = block / 2;
+        const int64_t b0 = j / block * block, d = j - b0;
+        const int64_t byte_at = candidate.adjacent_pairs ? d / 2 : d % half;
+        const bool high = candidate.adjacent_pairs ? d % 2 == 1 : d >= half;
         for (int64_t kk = 0; kk < k && same; ++kk) {
-          const uint8_t byte = p[b0 * k / 2 + kk * half + d % half];
-          same = ((d < half ? byte : byte >> 4) & 0x0F) == c[j * k + kk];
+          const uint8_t byte = p[b0 * k / 2 + kk * half + byte_at];
+          same = ((high ? byte >> 4 : byte) & 0x0F) == c[j * k + kk];
         }
       }
-      if (same) return block;
+      if (same) return candidate;
     }
-    return int64_t{0};
+    return Int4PackLayout{};
   }();
-  return rows;
+  return layout;
 }
 
 struct Int4Weights {
   const uint8_t* packed;
   int64_t n, k, group;
   // ATen's pack: blocks of `block` rows one after another, each [K, block/2] bytes with rows d and
-  // d + block/2 in the low and high nibble of byte d; a last block of fewer rows is [K, rows/2]
-  // with rows 2i / 2i+1 in the low / high nibble of byte i (docs/cpu_kernels.md)
-  int64_t block = int4_pack_block_rows();
+  // d + block/2 in the low and high nibble of byte d, or rows 2d and 2d + 1 (`adjacent_pairs`); a last
+  // block of fewer rows is [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i
+  // (docs/cpu_kernels.md)
+  int64_t block = int4_pack_layout().block;
+  bool adjacent_pairs = int4_pack_layout().adjacent_pairs;
 };
 
 void check_int4_pack(const char* name) {
-  TORCH_CHECK(int4_pack_block_rows() != 0, "edge_rtgi::", name, ": this PyTorch packs int4 for the CPU in ",
+  TORCH_CHECK(int4_pack_layout().block != 0, "edge_rtgi::", name, ": this PyTorch packs int4 for the CPU in ",
               "a layout these kernels do not know; use quant int8 or update edge-rtgi");
 }
 
@@ -1027,7 +1041,7 @@ inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k
     const int64_t block_rows = std::min(w.block, w.n - b0);
     const uint8_t* base = w.packed + b0 * w.k / 2;  // blocks are stored one after another
     float* o = out + (b0 - n0);
-    if (block_rows == w.block) {
+    if (block_rows == w.block && !w.adjacent_pairs) {
       const int64_t half = w.block / 2;
       const uint8_t* col = base + k * half;
       for (int64_t j = 0; j < half; ++j) {
@@ -1532,7 +1546,7 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
   // the copy cost as much as a small matmul's own work at every multi-row call.
   check_int4_pack("int4_mm");
   // the AVX-512 loops read the pack of 64-row blocks that ATen makes on AVX-512 CPUs
-  const bool wide_pack = w.block == kInt4BlockRows;
+  const bool wide_pack = w.block == kInt4BlockRows && !w.adjacent_pairs;
   const bool plain_loops = loops == Loops::kPortable || n % kInt4BlockRows != 0 || !wide_pack;
   const Tensor xf_t = plain_loops ? activations_f32(x) : Tensor();
   const float* xf_all = plain_loops ? xf_t.const_data_ptr<float>() : nullptr;

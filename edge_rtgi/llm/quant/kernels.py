@@ -333,40 +333,59 @@ class Int4Linear(QuantLinear):
         if self.on_cuda:
             packed = self.row_codes[ids]
             return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(len(ids), self.in_features)
-        # CPU layout (cpu_int4_block_rows: B = 64 on AVX-512, 32 on AVX2): each block of B rows is
-        # stored as [K, B/2] bytes; row n sits at column n % (B/2), in the high nibble when n % B >= B/2.
-        block = cpu_int4_block_rows()
-        if block is None:
+        layout = cpu_int4_layout()
+        if layout is None:
             raise RuntimeError("this PyTorch packs int4 for the CPU in a layout edge-rtgi does not know")
-        half = block // 2
-        blocks = self.qweight.view(self.out_features // block, self.in_features, half)
-        raw = blocks[ids // block, :, ids % half]  # [T, K]
-        shift = ((ids % block) >= half).to(torch.uint8)[:, None] * 4
-        return (raw >> shift) & 0x0F
+        return layout.codes(self.qweight, self.out_features, self.in_features, ids)
+
+
+@dataclass(frozen=True)
+class CpuInt4Layout:
+    """How ATen's CPU int4 pack lays out output rows: blocks of ``block_rows`` rows one after
+    another, each [K, block_rows / 2] bytes. In a block, byte d of a column holds rows d and
+    d + block_rows / 2 (low, high nibble), or rows 2d and 2d + 1 where ``adjacent_pairs``."""
+
+    block_rows: int
+    adjacent_pairs: bool
+
+    @property
+    def key(self) -> str:
+        """A short name, for the keys of prepared copies (which store the pack as it is)."""
+        return f"{self.block_rows}{'-adjacent-pairs' if self.adjacent_pairs else ''}"
+
+    def codes(self, packed: Tensor, out_features: int, in_features: int, ids: Tensor) -> Tensor:
+        """The 4-bit codes (0..15, uint8) of output rows ``ids``: [len(ids), in_features]."""
+        half = self.block_rows // 2
+        blocks = packed.view(out_features // self.block_rows, in_features, half)
+        d = ids % self.block_rows
+        column, high = (d // 2, d % 2 == 1) if self.adjacent_pairs else (d % half, d >= half)
+        raw = blocks[ids // self.block_rows, :, column]  # [T, K]
+        return (raw >> (high.to(torch.uint8)[:, None] * 4)) & 0x0F
+
+
+# The layouts ATen has: its AVX-512 code (64), its AVX2 code (32), its generic code
+# (ATEN_CPU_CAPABILITY=default, and presumably Arm: 32 in adjacent pairs); docs/cpu_kernels.md.
+KNOWN_CPU_INT4_LAYOUTS = (CpuInt4Layout(64, False), CpuInt4Layout(32, False), CpuInt4Layout(32, True))
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_int4_block_rows() -> int | None:
-    """How many output rows one block of this PyTorch's CPU int4 pack holds, read off a probe once:
-    ATen lays it out by the CPU it runs on (64 rows where it runs its AVX-512 code, 32 on AVX2).
-    None for a layout ``_row_codes`` and the fused kernels do not read."""
+def cpu_int4_layout() -> CpuInt4Layout | None:
+    """This PyTorch's CPU int4 pack layout, read off a probe once: ATen lays it out by the CPU it
+    runs on. None for a layout ``_row_codes`` and the fused kernels do not read."""
     codes = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     if packed.shape != (128, 32) or packed.dtype != torch.uint8:
         return None
     ids = torch.arange(128)
-    for block in (64, 32):
-        half = block // 2
-        raw = packed.view(128 // block, 64, half)[ids // block, :, ids % half]
-        got = (raw >> (((ids % block) >= half).to(torch.uint8)[:, None] * 4)) & 0x0F
-        if torch.equal(got.to(torch.int32), codes):
-            return block
+    for layout in KNOWN_CPU_INT4_LAYOUTS:
+        if torch.equal(layout.codes(packed, 128, 64, ids).to(torch.int32), codes):
+            return layout
     return None
 
 
 def cpu_int4_layout_ok() -> bool:
     """Whether this PyTorch packs int4 for the CPU in a layout ``_row_codes`` reads."""
-    return cpu_int4_block_rows() is not None
+    return cpu_int4_layout() is not None
 
 
 def make_quant_linear(
