@@ -412,6 +412,36 @@ inline void mask_block_scores(float* scores, const bool* row_mask, int64_t s0, i
   }
 }
 
+#if defined(EDGE_RTGI_AVX512) || defined(EDGE_RTGI_AVX2_ATTENTION)
+#define EDGE_RTGI_FOUR_KEY_SCORES 1
+#ifdef EDGE_RTGI_AVX512
+constexpr int64_t kScoreLanes = 16;
+#else
+constexpr int64_t kScoreLanes = 8;
+#endif
+
+// One query head's (fp32, scaled) scores against four keys, dim a multiple of kScoreLanes: one
+// horizontal sum per four scores, where dot() needs one per score. `four` is 16-byte aligned.
+template <typename T>
+inline void four_scores(const float* q, const T* const keys[4], int64_t dim, float* four) {
+#ifdef EDGE_RTGI_AVX512
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int t = 0; t < 4; ++t) a[t] = _mm512_fmadd_ps(qv, load16(keys[t] + d), a[t]);
+  }
+  _mm_store_ps(four, sum4(a[0], a[1], a[2], a[3]));
+#else
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int t = 0; t < 4; ++t) a[t] = _mm256_fmadd_ps(qv, load8(keys[t] + d), a[t]);
+  }
+  _mm_store_ps(four, sum4_avx2(a[0], a[1], a[2], a[3]));
+#endif
+}
+#endif
+
 template <typename T>
 void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor& v_store,
                            const Tensor& key_slots, const c10::optional<Tensor>& key_mask,
@@ -440,45 +470,18 @@ void decode_attention_impl(const Tensor& q, const Tensor& k_store, const Tensor&
       }
       // Scores (masked keys get -inf), then each head's softmax weights, then the weighted values.
       int64_t s0 = 0;
-#ifdef EDGE_RTGI_AVX512
-      if (dim % 16 == 0) {
-        // Four keys at a time: one horizontal sum per four scores, where dot() needs one per score.
-        // The last one to three keys take the same arithmetic (the block filled up with its first
-        // key, those scores not kept), so that a key's score does not depend on where it falls.
+#ifdef EDGE_RTGI_FOUR_KEY_SCORES
+      if (dim % kScoreLanes == 0) {
+        // Four keys at a time (four_scores). The last one to three keys take the same arithmetic (the
+        // block filled up with its first key, those scores not kept), so that a key's score does not
+        // depend on where it falls.
         for (; s0 < num_keys; s0 += 4) {
           const int64_t in_block = std::min<int64_t>(4, num_keys - s0);
           const T* keys[4];
           block_keys(kp + kvh * dim, row_slots, s0, in_block, slot_stride, keys);
           for (int64_t j = 0; j < group; ++j) {
-            const float* qj = qf.data() + j * dim;
-            __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int64_t d = 0; d < dim; d += 16) {
-              const __m512 qv = _mm512_loadu_ps(qj + d);
-              for (int t = 0; t < 4; ++t) a[t] = _mm512_fmadd_ps(qv, load16(keys[t] + d), a[t]);
-            }
             alignas(16) float four[4];
-            _mm_store_ps(four, sum4(a[0], a[1], a[2], a[3]));
-            std::copy(four, four + in_block, scores.data() + j * num_keys + s0);
-          }
-          mask_block_scores(scores.data(), row_mask, s0, in_block, group, num_keys);
-        }
-      }
-#elif defined(EDGE_RTGI_AVX2_ATTENTION)
-      if (dim % 8 == 0) {
-        // As the AVX-512 loop above, on 8 lanes: four keys at a time, the last ones too
-        for (; s0 < num_keys; s0 += 4) {
-          const int64_t in_block = std::min<int64_t>(4, num_keys - s0);
-          const T* keys[4];
-          block_keys(kp + kvh * dim, row_slots, s0, in_block, slot_stride, keys);
-          for (int64_t j = 0; j < group; ++j) {
-            const float* qj = qf.data() + j * dim;
-            __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t d = 0; d < dim; d += 8) {
-              const __m256 qv = _mm256_loadu_ps(qj + d);
-              for (int t = 0; t < 4; ++t) a[t] = _mm256_fmadd_ps(qv, load8(keys[t] + d), a[t]);
-            }
-            alignas(16) float four[4];
-            _mm_store_ps(four, sum4_avx2(a[0], a[1], a[2], a[3]));
+            four_scores(qf.data() + j * dim, keys, dim, four);
             std::copy(four, four + in_block, scores.data() + j * num_keys + s0);
           }
           mask_block_scores(scores.data(), row_mask, s0, in_block, group, num_keys);
@@ -980,53 +983,26 @@ constexpr int64_t kMultiRowMax = 16;
 // Calls of int4_mm / int8_mm, so that tests can check the layer loop really used them.
 std::atomic<int64_t> g_multi_row_calls{0};
 
-// How ATen's CPU int4 pack lays out output rows in this process. ATen picks the layout by the CPU
-// it runs on: blocks of 64 rows with AVX-512, of 32 with AVX2, in either rows d and d + block/2 share
-// byte d of a column; its generic code (ATEN_CPU_CAPABILITY=default, and presumably Arm) packs blocks
-// of 32 whose byte d holds rows 2d and 2d + 1. Read off a packed probe once; block 0 for a layout
-// this file does not know (the int4 kernels then refuse to run).
+// How ATen's CPU int4 pack lays out output rows. ATen picks the layout by the CPU it runs on:
+// blocks of 64 rows with AVX-512, of 32 with AVX2, in either rows d and d + block/2 share byte d of a
+// column; its generic code (ATEN_CPU_CAPABILITY=default, and presumably Arm) packs blocks of 32
+// whose byte d holds rows 2d and 2d + 1. block 0: a layout this file does not know.
 struct Int4PackLayout {
   int64_t block = 0;
   bool adjacent_pairs = false;  // byte d holds rows 2d, 2d + 1 (not d, d + block/2)
 };
 
-const Int4PackLayout& int4_pack_layout() {
-  static const Int4PackLayout layout = [] {
-    const int64_t n = 64, k = 32;
-    const Tensor codes = at::arange(n * k, at::kInt).remainder(13).reshape({n, k});
-    const Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
-    if (packed.scalar_type() != at::kByte || packed.numel() != n * k / 2) return Int4PackLayout{};
-    const uint8_t* p = packed.const_data_ptr<uint8_t>();
-    const int32_t* c = codes.const_data_ptr<int32_t>();
-    for (const Int4PackLayout candidate : {Int4PackLayout{64, false}, Int4PackLayout{32, false},
-                                           Int4PackLayout{32, true}}) {
-      const int64_t block = candidate.block, half = block / 2;
-      bool same = true;
-      for (int64_t j = 0; j < n && same; ++j) {
-        const int64_t b0 = j / block * block, d = j - b0;
-        const int64_t byte_at = candidate.adjacent_pairs ? d / 2 : d % half;
-        const bool high = candidate.adjacent_pairs ? d % 2 == 1 : d >= half;
-        for (int64_t kk = 0; kk < k && same; ++kk) {
-          const uint8_t byte = p[b0 * k / 2 + kk * half + byte_at];
-          same = ((high ? byte >> 4 : byte) & 0x0F) == c[j * k + kk];
-        }
-      }
-      if (same) return candidate;
-    }
-    return Int4PackLayout{};
-  }();
-  return layout;
-}
+// This process's layout, read off a packed probe once (the int4 kernels refuse to run on block 0).
+const Int4PackLayout& int4_pack_layout();
 
 struct Int4Weights {
   const uint8_t* packed;
   int64_t n, k, group;
-  // ATen's pack: blocks of `block` rows one after another, each [K, block/2] bytes with rows d and
-  // d + block/2 in the low and high nibble of byte d, or rows 2d and 2d + 1 (`adjacent_pairs`); a last
-  // block of fewer rows is [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i
+  // ATen's pack: blocks of `pack.block` rows one after another, each [K, block/2] bytes with rows d
+  // and d + block/2 in the low and high nibble of byte d, or rows 2d and 2d + 1 (`adjacent_pairs`);
+  // a last block of fewer rows is [K, rows/2] with rows 2i / 2i+1 in the low / high nibble of byte i
   // (docs/cpu_kernels.md)
-  int64_t block = int4_pack_layout().block;
-  bool adjacent_pairs = int4_pack_layout().adjacent_pairs;
+  Int4PackLayout pack = int4_pack_layout();
 };
 
 void check_int4_pack(const char* name) {
@@ -1037,12 +1013,13 @@ void check_int4_pack(const char* name) {
 // Codes minus 8 of output rows [n0, n0 + rows) at input k, as floats (the portable path); n0 is a
 // multiple of the pack's block.
 inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k, float* out) {
-  for (int64_t b0 = n0; b0 < n0 + rows; b0 += w.block) {
-    const int64_t block_rows = std::min(w.block, w.n - b0);
+  const int64_t block = w.pack.block;
+  for (int64_t b0 = n0; b0 < n0 + rows; b0 += block) {
+    const int64_t block_rows = std::min(block, w.n - b0);
     const uint8_t* base = w.packed + b0 * w.k / 2;  // blocks are stored one after another
     float* o = out + (b0 - n0);
-    if (block_rows == w.block && !w.adjacent_pairs) {
-      const int64_t half = w.block / 2;
+    if (block_rows == block && !w.pack.adjacent_pairs) {
+      const int64_t half = block / 2;
       const uint8_t* col = base + k * half;
       for (int64_t j = 0; j < half; ++j) {
         o[j] = static_cast<float>(col[j] & 0x0F) - 8.f;
@@ -1056,6 +1033,30 @@ inline void int4_codes(const Int4Weights& w, int64_t n0, int64_t rows, int64_t k
       }
     }
   }
+}
+
+const Int4PackLayout& int4_pack_layout() {
+  // the first known layout under which int4_codes, the kernels' own reader, gives the probe's codes
+  static const Int4PackLayout layout = [] {
+    const int64_t n = 64, k = 32;
+    const Tensor codes = at::arange(n * k, at::kInt).remainder(13).reshape({n, k});
+    const Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
+    if (packed.scalar_type() != at::kByte || packed.numel() != n * k / 2) return Int4PackLayout{};
+    const int32_t* c = codes.const_data_ptr<int32_t>();
+    float read[n];
+    for (const Int4PackLayout candidate : {Int4PackLayout{64, false}, Int4PackLayout{32, false},
+                                           Int4PackLayout{32, true}}) {
+      const Int4Weights w{packed.const_data_ptr<uint8_t>(), n, k, k, candidate};
+      bool same = true;
+      for (int64_t kk = 0; kk < k && same; ++kk) {
+        int4_codes(w, 0, n, kk, read);
+        for (int64_t j = 0; j < n && same; ++j) same = read[j] + 8.f == static_cast<float>(c[j * k + kk]);
+      }
+      if (same) return candidate;
+    }
+    return Int4PackLayout{};
+  }();
+  return layout;
 }
 
 // One block of int4 output rows for `m` activation rows, plain loops the compiler vectorises.
@@ -1546,7 +1547,7 @@ void int4_mm_impl(const Tensor& x, const Tensor& qweight, int64_t group, const T
   // the copy cost as much as a small matmul's own work at every multi-row call.
   check_int4_pack("int4_mm");
   // the AVX-512 loops read the pack of 64-row blocks that ATen makes on AVX-512 CPUs
-  const bool wide_pack = w.block == kInt4BlockRows && !w.adjacent_pairs;
+  const bool wide_pack = w.pack.block == kInt4BlockRows && !w.pack.adjacent_pairs;
   const bool plain_loops = loops == Loops::kPortable || n % kInt4BlockRows != 0 || !wide_pack;
   const Tensor xf_t = plain_loops ? activations_f32(x) : Tensor();
   const float* xf_all = plain_loops ? xf_t.const_data_ptr<float>() : nullptr;
