@@ -929,6 +929,40 @@ def test_int8_activation_quantiser_keeps_tiny_and_zero_blocks_finite_and_alike_i
         torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-6)
 
 
+def probe_i8_weights(k: int, scale: float, zero: float) -> torch.Tensor:
+    """``int4_i8_mm``'s layout of a [64, K] int4 weight whose output j reads input j mod K alone:
+    code 9 there (weight ``scale`` + ``zero``), code 8 (weight ``zero``) elsewhere."""
+    codes = torch.full((64, k), 8, dtype=torch.int32)
+    codes[torch.arange(64), torch.arange(64) % k] = 9
+    qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    pairs = torch.tensor([scale, zero]).expand(k // 32, 64, 2).to(torch.bfloat16).contiguous()
+    return cpu_ops.int4_pack_i8(qweight, 32, pairs)
+
+
+@pytest.mark.parametrize("x_dtype", DTYPES)
+def test_int8_activation_quantiser_rounds_and_sums_as_its_definition_bit_for_bit(x_dtype):
+    """The activations' int8 codes, their scales and the blocks' fp32 sums, read off exactly
+    through weights that pick one input per output, against their definition in fp32: q =
+    round(x * (127 / max|x|)) to nearest even, scale = max|x| / 127, the sum in halving order
+    (lane i with i + 16, then + 8, + 4, + 2, + 1). The AVX-512, AVX2 and plain quantisers must all
+    give these bits: the kernels' results depend on them."""
+    torch.manual_seed(7)
+    x = (torch.randn(3, 64) * torch.tensor([0.01, 1.0, 300.0])[:, None]).to(x_dtype)
+    x[1, 5] = 0.0
+    got_q = cpu_ops.int4_i8_mm(x, probe_i8_weights(64, 1.0, 0.0), 32, 64).float()
+    q, scale = rounded_activations(x)
+    assert torch.equal(got_q, (q * scale.repeat_interleave(32, dim=1)).to(x_dtype).float())
+    # one block, scale 0 and zero 1: the output is the block's sum (q * 0 adds nothing)
+    block = x[:, :32]
+    got_sum = cpu_ops.int4_i8_mm(block.contiguous(), probe_i8_weights(32, 0.0, 1.0), 32, 64)[:, 0].float()
+    halves = block.float()
+    width = 16
+    while width >= 1:
+        halves = halves[:, :width] + halves[:, width : 2 * width]
+        width //= 2
+    assert torch.equal(got_sum, halves[:, 0].to(x_dtype).float())
+
+
 def test_an_fp32_layer_takes_int8_activations_on_its_scales_rounded_to_bf16():
     """An fp32 model's int4 layer (a CPU without native bf16) rounds its activations to int8 too:
     the kernel reads bf16 (scale, zero) pairs, so a bf16 layer moved to fp32 packs the same copy."""
