@@ -49,6 +49,22 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, mi
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_gives_a_value_the_same_bits_in_the_vector_loop_and_in_the_tail(dtype):
+    """Eight lanes at a time where the CPU has AVX2 and FMA, one element at a time for the rest of
+    a row: a gate and up value give the same bits in either loop, over the whole range the
+    exponential clamps (|gate| up to 100) and at its edges."""
+    torch.manual_seed(3)
+    gate = torch.cat(
+        [torch.randn(4000) * 10, torch.linspace(-100, 100, 2001), torch.tensor([-88.7, -87.3, 87.3, 88.7])]
+    )
+    up = torch.randn(gate.numel())
+    inter = 9  # lanes 0-7 in the vector loop, 8 in the tail
+    gate_up = torch.cat([gate[:, None].expand(-1, inter), up[:, None].expand(-1, inter)], dim=1).to(dtype)
+    out = cpu_ops.silu_mul(gate_up)
+    assert torch.equal(out[:, 0], out[:, inter - 1]) and torch.equal(out[:, 7], out[:, inter - 1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", [(1, 576), (7, 64), (300, 100)])
 def test_rms_norm(dtype, rows, dim):
     x = torch.randn(rows, dim, dtype=dtype) * 3

@@ -176,8 +176,7 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 #endif
 
-#if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
-#define EDGE_RTGI_AVX2_FMA 1
+#if defined(__AVX2__) && defined(__FMA__)
 // 8 elements at p as floats.
 template <typename T>
 inline __m256 load8(const T* p) {
@@ -188,6 +187,10 @@ inline __m256 load8(const T* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
 }
+#endif
+
+#if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#define EDGE_RTGI_AVX2_FMA 1
 
 // Sums of 8 lanes of a, b, c, d -> lanes 0..3 of the result.
 inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -327,6 +330,39 @@ void rotary_(Tensor qk, const Tensor& cos_in, const Tensor& sin_in) {
 
 // --- SwiGLU ---------------------------------------------------------------------------------
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 floats rounded to bf16 and widened back, as from_f<bf16_bits> then to_f (NaN aside).
+inline __m256 round_bf16_8(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// x / (1 + exp_f(-x)) on 8 lanes with the scalar loop's operations as GCC builds them: exp_f
+// inlined, every a * b + c contracted to one FMA, the 1 + p * 2^n of the denominator included.
+// The scalar loop ran one element at a time (GCC does not vectorise it): 20 ns each.
+inline __m256 silu_8(__m256 x) {
+  const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(-87.3f)),
+                                 _mm256_set1_ps(88.7f));
+  const __m256 shifter = _mm256_set1_ps(12582912.f);
+  const __m256 shifted = _mm256_fmadd_ps(t, _mm256_set1_ps(1.44269504088896341f), shifter);
+  const __m256 n = _mm256_sub_ps(shifted, shifter);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.9875691500e-4f), r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(r, _mm256_mul_ps(p, r), r), _mm256_set1_ps(1.f));
+  const __m256i scale_bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(static_cast<int>(127u - 0x4b400000u))), 23);
+  const __m256 den = _mm256_fmadd_ps(p, _mm256_castsi256_ps(scale_bits), _mm256_set1_ps(1.f));
+  return _mm256_div_ps(x, den);
+}
+#endif
+
 template <typename T>
 void silu_mul_impl(const Tensor& gate_up, Tensor& out) {
   const int64_t inter = out.size(-1), rows = out.numel() / inter;
@@ -337,7 +373,19 @@ void silu_mul_impl(const Tensor& gate_up, Tensor& out) {
       const T* g = gp + r * 2 * inter;
       const T* u = g + inter;
       T* o = op + r * inter;
-      for (int64_t i = 0; i < inter; ++i) {
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= inter; i += 8) {
+        if constexpr (std::is_same_v<T, float>) {
+          _mm256_storeu_ps(o + i, _mm256_mul_ps(silu_8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        } else {
+          alignas(32) float y[8];
+          _mm256_store_ps(y, _mm256_mul_ps(round_bf16_8(silu_8(load8(g + i))), load8(u + i)));
+          for (int l = 0; l < 8; ++l) o[i + l] = from_f<T>(y[l]);
+        }
+      }
+#endif
+      for (; i < inter; ++i) {
         const float x = to_f(g[i]);
         // F.silu(gate) * up: silu rounded to the activation dtype first
         o[i] = from_f<T>(to_f(from_f<T>(x / (1.f + exp_f(-x)))) * to_f(u[i]));
