@@ -340,7 +340,8 @@ inline __m256 round_bf16_8(__m256 x) {
 }
 
 // x / (1 + exp_f(-x)) on 8 lanes with the scalar loop's operations as GCC builds them: exp_f
-// inlined, every a * b + c contracted to one FMA, the 1 + p * 2^n of the denominator included.
+// inlined, every a * b + c contracted to one FMA, the 1 + p * 2^n of the denominator included
+// (a compiler that fuses otherwise, Clang, may differ in the last bit: a test compares the two).
 // The scalar loop ran one element at a time (GCC does not vectorise it): 20 ns each.
 inline __m256 silu_8(__m256 x) {
   const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), _mm256_set1_ps(-87.3f)),
@@ -357,7 +358,7 @@ inline __m256 silu_8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_add_ps(_mm256_fmadd_ps(r, _mm256_mul_ps(p, r), r), _mm256_set1_ps(1.f));
   const __m256i scale_bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(static_cast<int>(127u - 0x4b400000u))), 23);
+      _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(127 - 0x4b400000)), 23);
   const __m256 den = _mm256_fmadd_ps(p, _mm256_castsi256_ps(scale_bits), _mm256_set1_ps(1.f));
   return _mm256_div_ps(x, den);
 }
@@ -1833,8 +1834,11 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
       const __m512 f0 = load16(p), f1 = load16(p + 16);
       const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
       const __m512 inv = _mm512_set1_ps(i8_inverse_step(top));
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // round to nearest even
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+      const __m512i lowest = _mm512_set1_epi32(-128), highest = _mm512_set1_epi32(127);
+      // round to nearest even; the clamp only acts on non-finite inputs (the conversion gives
+      // INT_MIN), so that q_sum stays the codes' sum and 8 * q_sum cannot overflow
+      const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), lowest), highest);
+      const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f1, inv)), lowest), highest);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
       out.q_sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
@@ -1856,8 +1860,12 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
       const __m256 inv = _mm256_set1_ps(i8_inverse_step(top));
-      const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(f0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(f1, inv));
-      const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(f2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(f3, inv));
+      // clamped as on AVX-512 (only non-finite inputs reach the bounds)
+      const __m256i lowest = _mm256_set1_epi32(-128), highest = _mm256_set1_epi32(127);
+      auto code = [&](__m256 f) {
+        return _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(f, inv)), lowest), highest);
+      };
+      const __m256i q0 = code(f0), q1 = code(f1), q2 = code(f2), q3 = code(f3);
       // the packs interleave 4-lane groups per 128-bit half; the permutation puts them in order
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
@@ -1880,7 +1888,7 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
       int32_t q_sum = 0;
       for (int64_t j = 0; j < kI8Block; ++j) {
         float v = std::nearbyint(f[j] * inv);
-        if (v != v) v = 0.f;  // NaN activations: what the vector path's conversion gives is not defined either
+        if (v != v) v = 0.f;  // NaN activations (the vector paths give -128 here: INT_MIN, saturated)
         q[j] = static_cast<int8_t>(std::clamp(v, -128.f, 127.f));
         q_sum += q[j];
       }
