@@ -1,7 +1,7 @@
 """Quantised linear layers on PyTorch's own weight-only kernels.
 
 - ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 weights, per-output-channel scales).
-- On CPU, inputs of 2..``cpu_ops.multi_row_max()`` rows (32; 16 with plain loops on AVX-512) take
+- On CPU, inputs of 2..``cpu_ops.multi_row_max()`` rows (32; 16 with plain loops) take
   ``cpu_ops.int8_mm`` / ``int4_mm`` instead: the same layouts,
   each weight block read once for all rows (ATen's kernels pay the weights again per row).
 - ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on

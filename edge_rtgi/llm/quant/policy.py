@@ -36,8 +36,8 @@ AUTO_QUANT_KERNEL_MAX_ROWS_WIDE = 32
 
 
 # On AVX2 (no AVX-512), int4 layers on int8 activations beat the dense fp32 copy up to the kernels'
-# widest input, 32 rows (docs/cpu_kernels.md, "CPUs without AVX-512").
-AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 = 32
+# widest input, 16 rows (docs/cpu_kernels.md, "CPUs without AVX-512").
+AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 = 16
 
 
 def auto_quant_kernel_max_rows() -> int:
