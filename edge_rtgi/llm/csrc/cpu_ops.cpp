@@ -187,6 +187,13 @@ inline __m256 load8(const T* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
 }
+
+// The sum of 8 lanes in halving order (lane i with i + 4, then + 2, + 1): sum32_halving's last steps.
+inline float sum8_halving(__m256 s8) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
 #endif
 
 #if !defined(EDGE_RTGI_AVX512) && defined(__AVX2__) && defined(__FMA__)
@@ -1844,11 +1851,8 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
       out.q_sum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
       // the halving order of sum32_halving
       const __m512 s16 = _mm512_add_ps(f0, f1);
-      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(s16),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1)));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      out.sum[i] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+      out.sum[i] = sum8_halving(_mm256_add_ps(_mm512_castps512_ps256(s16),
+                                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s16), 1))));
 #elif defined(EDGE_RTGI_AVX2_FMA)
       // The plain loop's arithmetic on 8 lanes (it runs serially, before the threads start):
       // the same products, rounded to nearest even, and the same halving order for the sum.
@@ -1874,10 +1878,8 @@ void quantize_rows_i8(const T* x, int64_t m, int64_t k, Int8Rows& out) {
       __m128i q4 = _mm_add_epi32(_mm256_castsi256_si128(q8), _mm256_extracti128_si256(q8, 1));
       q4 = _mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0x4E));
       out.q_sum[i] = _mm_cvtsi128_si32(_mm_add_epi32(q4, _mm_shuffle_epi32(q4, 0xB1)));
-      const __m256 s8 = _mm256_add_ps(_mm256_add_ps(f0, f2), _mm256_add_ps(f1, f3));  // lanes i + 16, then i + 8
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      out.sum[i] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+      // lanes i + 16, then i + 8, then the rest
+      out.sum[i] = sum8_halving(_mm256_add_ps(_mm256_add_ps(f0, f2), _mm256_add_ps(f1, f3)));
 #else
       float f[kI8Block], top = 0.f;
       for (int64_t j = 0; j < kI8Block; ++j) {
