@@ -10,7 +10,9 @@
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
   chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles or the CPU has
-  no AMX for the dense copy either, else 8); see
+  no AMX for the dense copy either, 16 with AVX2's int8-activation loops, else 8); decode and
+  verification steps on the fused layer loop keep the kernels to
+  ``auto_quant_decode_kernel_max_rows()`` (32 with AVX2's loops, else the same); see
   ``keep_dense_copy`` in ``kernels.py``.
 - Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
   (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
@@ -36,8 +38,12 @@ AUTO_QUANT_KERNEL_MAX_ROWS_WIDE = 32
 
 
 # On AVX2 (no AVX-512), int4 layers on int8 activations beat the dense fp32 copy up to the kernels'
-# widest input, 16 rows (docs/cpu_kernels.md, "CPUs without AVX-512").
+# widest input, 32 rows (docs/cpu_kernels.md, "CPUs without AVX-512"). Decode and verification rows
+# take them that far; prompt chunks only to 16, as before that was measured, since a prompt rounded
+# to int8 gives other numbers than the same prompt on the dense copy, and a prefix-cache hit decides
+# which a prompt's tail gets (docs/engine.md, "int8 activations").
 AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 = 16
+AUTO_QUANT_DECODE_KERNEL_MAX_ROWS_AVX2 = 32
 
 
 def auto_quant_kernel_max_rows() -> int:
@@ -55,6 +61,19 @@ def auto_quant_kernel_max_rows() -> int:
     if cpu_ops.int8_activation_loops() == "avx2":
         return AUTO_QUANT_KERNEL_MAX_ROWS_AVX2
     return AUTO_QUANT_KERNEL_MAX_ROWS
+
+
+def auto_quant_decode_kernel_max_rows() -> int:
+    """Widest decode or verification step ``quant: auto`` runs on the weight-only kernels in the
+    fused layer loop (``QuantLinear.max_decode_kernel_rows``): ``AUTO_QUANT_DECODE_KERNEL_MAX_ROWS_AVX2``
+    where the int8-activation loops are AVX2's, else ``auto_quant_kernel_max_rows()``. Part of a
+    prepared copy's key, as that is."""
+    from edge_rtgi.llm import cpu_ops
+
+    rows = auto_quant_kernel_max_rows()
+    if rows == AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 and cpu_ops.int8_activation_loops() == "avx2":
+        return AUTO_QUANT_DECODE_KERNEL_MAX_ROWS_AVX2
+    return rows
 
 
 # GGUF Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, so asymmetric int4 with
