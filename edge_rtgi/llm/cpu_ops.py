@@ -589,9 +589,6 @@ class _LayerPlan:
     params: list  # 14 per layer, see csrc/cpu_ops.cpp
     meta: list[int]  # 8 per layer
     max_rows: int  # more rows than this take the Python layers (dense copies for wide inputs)
-    # prompt chunks run as rows up to this many (the dense copies' threshold, which decode rows
-    # may pass: QuantLinear.max_decode_kernel_rows)
-    max_chunk_rows: int
     # (container dict, key, object) for every module, parameter and buffer the plan was read from:
     # the plan is valid while each container still holds that very object. Checked every step
     # with dict lookups (cheap against a step: docs/cpu_kernels.md), so no way of swapping a
@@ -620,7 +617,7 @@ class _LayerPlan:
 def _build_plan(model) -> _LayerPlan | None:
     params: list = []
     meta: list[int] = []
-    max_rows = max_chunk_rows = 1 << 30
+    max_rows = 1 << 30
     bindings: list[tuple[dict, str, object]] = [(model._modules, "layers", model.layers)]
     modules: list[torch.nn.Module] = [model.layers]
 
@@ -671,8 +668,7 @@ def _build_plan(model) -> _LayerPlan | None:
                 return None  # a layer type the C++ loop does not know: keep the Python layers
             dense = bind(linear, ("dense_weight",))[0]
             if dense is not None:
-                max_rows = min(max_rows, linear.max_decode_kernel_rows)
-                max_chunk_rows = min(max_chunk_rows, linear.max_kernel_rows)
+                max_rows = min(max_rows, linear.max_kernel_rows)
             # bound either way, so that switching the layer's int8 activations drops the plan
             packed_i8 = bind(linear, ("i8_packed",))[0] if fused_kind == 2 else None
             if packed_i8 is not None:
@@ -690,8 +686,7 @@ def _build_plan(model) -> _LayerPlan | None:
     dtype = model.dtype
     if any(p is not None and p.is_floating_point() and p.dtype != dtype for p in params):
         return None
-    max_chunk_rows = min(max_chunk_rows, max_rows)
-    return _LayerPlan(dtype, params, meta, max_rows, max_chunk_rows, tuple(bindings), tuple(modules))
+    return _LayerPlan(dtype, params, meta, max_rows, tuple(bindings), tuple(modules))
 
 
 def _plan_valid(plan: _LayerPlan) -> bool:
@@ -731,30 +726,18 @@ def layer_loop_steps() -> int:
     return getattr(_layer_loop_steps, "n", 0)
 
 
-def _fusable_plan(model) -> _LayerPlan | None:
-    with torch.inference_mode():  # as the engine runs it (with gradients on, nothing fuses)
-        usable = _use(torch.empty(0, dtype=model.dtype, device=model.device))
-    if not usable:
-        return None
-    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
-        return None
-    return _current_plan(model, model.dtype)
-
-
 def fused_decode_max_rows(model) -> int:
     """How many one-token rows a step of ``model`` may carry on the fused decode path (0 where
     the path does not run: kernels off or not built, not a CPU model, a layer the C++ loop does
     not know, hooks). The attention side has its own conditions (``decode_slots()``)."""
-    plan = _fusable_plan(model)
+    with torch.inference_mode():  # as the engine runs it (with gradients on, nothing fuses)
+        usable = _use(torch.empty(0, dtype=model.dtype, device=model.device))
+    if not usable:
+        return 0
+    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+        return 0
+    plan = _current_plan(model, model.dtype)
     return 0 if plan is None else plan.max_rows
-
-
-def fused_chunk_max_rows(model) -> int:
-    """How many rows a step of ``model`` that holds prompt chunks may carry on the fused decode
-    path: ``fused_decode_max_rows``, or fewer where decode rows take the kernels past the dense
-    copies' threshold (``QuantLinear.max_decode_kernel_rows``) and prompt rows do not."""
-    plan = _fusable_plan(model)
-    return 0 if plan is None else plan.max_chunk_rows
 
 
 def run_decode_layers(model, x: Tensor, cos: Tensor, signed_sin: Tensor, backend) -> Tensor | None:

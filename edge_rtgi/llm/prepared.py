@@ -113,11 +113,7 @@ def load_prepared(
 
 def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[str, str]:
     from edge_rtgi.llm.quant.kernels import cpu_int4_layout
-    from edge_rtgi.llm.quant.policy import (
-        auto_quant_decode_kernel_max_rows,
-        auto_quant_kernel_max_rows,
-        resolve_weight_quant,
-    )
+    from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows, resolve_weight_quant
 
     return {
         "format": FORMAT,
@@ -133,7 +129,6 @@ def _key(path: Path, root: Path, dtype: torch.dtype, quant: str | None) -> dict[
         # the layers store the row limit of quant "auto", which depends on the CPU's kernels
         # (AMX or not): a copy made where it differed must not be reused here
         "kernel_max_rows": str(auto_quant_kernel_max_rows()),
-        "decode_kernel_max_rows": str(auto_quant_decode_kernel_max_rows()),
     }
 
 
@@ -164,7 +159,6 @@ def _quant_layers(model: Transformer) -> dict[str, dict[str, Any]]:
                 "scheme": module.scheme_name,
                 "group_size": module.group_size if isinstance(module, Int4Linear) else None,
                 "max_kernel_rows": module.max_kernel_rows,
-                "max_decode_kernel_rows": module.max_decode_kernel_rows,
             }
     return layers
 
@@ -343,7 +337,6 @@ def _rebuild_model(folder: Path, meta: dict[str, Any]) -> tuple[Transformer, Mod
             tensors.get(f"{path}.bias"),
             info["group_size"],
             info["max_kernel_rows"],
-            info["max_decode_kernel_rows"],
         )
         parent_path, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, attr, layer)

@@ -416,11 +416,10 @@ class ModelRunner:
     def fused_step_tokens(self) -> int:
         """Steps of at most this many tokens run on the fused CPU decode path, prompt chunks
         included (0: none do), as long as those chunks read at most ``CHUNK_ROWS_MAX_KEYS`` keys:
-        ``CHUNK_ROWS_MAX`` or the layer loop's limit for prompt rows if narrower
-        (``cpu_ops.fused_chunk_max_rows``: the dense copies' threshold, which decode rows may pass)."""
-        if not self.chunks_as_rows or not self._fused_attention:
+        ``CHUNK_ROWS_MAX`` or the decode loop's limit if narrower."""
+        if not self.chunks_as_rows:
             return 0
-        return min(CHUNK_ROWS_MAX, cpu_ops.fused_chunk_max_rows(self.model))
+        return min(CHUNK_ROWS_MAX, self.fused_decode_rows())
 
     def _chunks_as_rows(self, output: SchedulerOutput) -> bool:
         """Whether this step's prompt chunks run as one-token rows on the fused CPU decode path:

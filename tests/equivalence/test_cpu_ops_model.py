@@ -313,7 +313,7 @@ def test_small_prompt_chunks_run_as_fused_rows_with_the_same_tokens(folder, quan
         for i in range(len(prompts))
     ]
     engine = engine_for(loaded, max_num_batched_tokens=CHUNK_ROWS_MAX)
-    # the quantised layers' kernels take 16 rows on a build without AVX-512 BF16
+    # the quantised layers' kernels take 16 rows on a build with neither AVX-512 BF16 nor AVX2-only loops
     rows = min(CHUNK_ROWS_MAX, engine.runner.fused_decode_rows())
     assert rows >= 16
     assert engine.runner.fused_step_tokens() == engine.scheduler.config.fused_step_tokens == rows
@@ -520,70 +520,6 @@ def test_engine_with_int8_activations_decodes_what_the_plain_path_would_pick(fol
     assert EngineConfig().int8_activations == "auto"
     assert engine_for(loaded, int8_activations="auto").int8_activation_layers > 0
     assert engine_for(loaded, int8_activations="auto", speculative="ngram:2").int8_activation_layers > 0
-
-
-@pytest.mark.skipif(
-    cpu_ops.int8_activation_loops() not in cpu_ops.FAST_INT8_ACTIVATION_LOOPS,
-    reason="int8 activations need the AVX-512 VNNI or AVX2 loops",
-)
-def test_decode_steps_keep_the_int8_kernel_past_the_prompt_rows_limit(folder, monkeypatch):
-    """Decode rows and prompt rows have their own limits (``QuantLinear.max_decode_kernel_rows`` and
-    ``max_kernel_rows``; ``quant: auto`` on AVX2: 32 and 16), here 6 and 3: decode-only steps of 4..6
-    rows run the layer loop with their activations rounded to int8, and the LM head takes its
-    kernel; every step that carries more than 3 prompt-chunk rows runs the Python layers on the
-    unrounded dense copies, as before, and chunks run as fused rows only to 3. The greedy tokens
-    pick the plain path's teacher-forced argmax (no kernels) for at least 90 % of them, the
-    tolerance of the int8-activation tests above."""
-    from edge_rtgi.llm.quant.kernels import keep_dense_copies
-
-    loaded = load_model(folder, device="cpu", dtype="fp32")
-    apply_engine_quant(loaded.model, "int4-g32")
-    keep_dense_copies(loaded.model, 3, 6)
-    engine = engine_for(loaded, int8_activations="auto", max_num_batched_tokens=64, max_num_seqs=8)
-    assert engine.int8_activation_layers > 0
-    runner = engine.runner
-    assert runner.fused_decode_rows() == engine.scheduler.config.fused_decode_rows == 6
-    assert runner.fused_step_tokens() == engine.scheduler.config.fused_step_tokens == 3
-    assert loaded.model.lm_head.max_kernel_rows == 6  # it is given only the rows to sample
-    step = {"prefill": False}
-    execute = runner.execute
-
-    def record_step(output, params):
-        step["prefill"] = any(len(s.token_ids) - s.num_draft_tokens > 1 for s in output.scheduled)
-        return execute(output, params)
-
-    runner.execute = record_step
-    dense: list[tuple[bool, int]] = []  # (the step carried a prompt chunk, rows) per dense matmul
-    real_linear = cpu_ops.linear
-    monkeypatch.setattr(
-        cpu_ops,
-        "linear",
-        lambda x, w, b=None: dense.append((step["prefill"], x.shape[0])) or real_linear(x, w, b),
-    )
-    widths: list[int] = []
-    real_loop = cpu_ops.run_decode_layers
-
-    def loop(_model, x, *args):
-        out = real_loop(_model, x, *args)
-        if out is not None:
-            widths.append(x.shape[0])
-        return out
-
-    monkeypatch.setattr(cpu_ops, "run_decode_layers", loop)
-    tok = loaded.tokenizer
-    prompts = [tok.encode(t) for t in TEXTS[:5]]
-    params = [SamplingParams(max_tokens=10 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
-    results = run_staggered(engine, prompts, params, join_every_steps=1)
-    assert sum(w > 3 for w in widths) >= 3, widths  # decode steps of 4..6 rows on the layer loop
-    assert dense and all(prefill and rows > 3 for prefill, rows in dense), dense
-    agree = total = 0
-    with cpu_ops.disabled(), torch.inference_mode():
-        for prompt, got in zip(prompts, results, strict=True):
-            ids = torch.tensor(prompt + got.token_ids)
-            picks = decode_logits(loaded, ids)[len(prompt) - 1 : -1].argmax(-1)
-            agree += int((picks == torch.tensor(got.token_ids)).sum())
-            total += len(got.token_ids)
-    assert agree >= 0.9 * total, f"{agree} of {total}"
 
 
 @pytest.mark.skipif(

@@ -81,24 +81,12 @@ def test_another_code_version_is_never_used(gguf, tmp_path, monkeypatch):
 def test_a_copy_made_under_another_kernel_row_limit_is_never_used(gguf, tmp_path, monkeypatch):
     # quant "auto"'s row limit (dense copies above it) depends on the CPU's kernels (AMX or
     # not) and the layers store it, so a copy made where it differed must be rebuilt here
-    # (the LM head, which never sees a prompt chunk, takes the decode steps' limit for every input)
     def limits(model) -> set[int]:
-        return {
-            m.max_kernel_rows
-            for m in model.modules()
-            if isinstance(m, QuantLinear) and m is not model.lm_head
-        }
+        return {m.max_kernel_rows for m in model.modules() if isinstance(m, QuantLinear)}
 
     built = load_prepared(gguf, "cpu", "bf16", "auto", cache_dir=tmp_path)
-    here, decode = policy.auto_quant_kernel_max_rows(), policy.auto_quant_decode_kernel_max_rows()
+    here = policy.auto_quant_kernel_max_rows()
     assert limits(built.loaded.model) == {here}
-    layers = [m for m in built.loaded.model.modules() if isinstance(m, QuantLinear)]
-    assert {m.max_decode_kernel_rows for m in layers} == {decode}
-    assert built.loaded.model.lm_head.max_kernel_rows == decode
-    again = load_prepared(gguf, "cpu", "bf16", "auto", cache_dir=tmp_path)
-    assert again.hit and {
-        m.max_decode_kernel_rows for m in again.loaded.model.modules() if isinstance(m, QuantLinear)
-    } == {decode}
     other = 8 if here != 8 else 16
     for module in (policy, quant):  # quant imported the function by name
         monkeypatch.setattr(module, "auto_quant_kernel_max_rows", lambda: other)
@@ -109,34 +97,34 @@ def test_a_copy_made_under_another_kernel_row_limit_is_never_used(gguf, tmp_path
 
 
 @pytest.mark.parametrize(
-    "build,i8_loops,cpu_amx,rows,decode_rows",
+    "build,i8_loops,widest,cpu_amx,rows",
     [
         (
             "avx512-bf16-amx",
             "avx512-vnni",
+            32,
             True,
             32,
-            32,
         ),  # kernels on AMX tiles beat the dense copy to 32 rows
-        ("avx512-bf16", "avx512-vnni", False, 32, 32),  # neither has AMX: the AVX-512 loops beat it to 32 too
-        ("avx512-bf16", "avx512-vnni", True, 8, 8),  # the dense copy has AMX (oneDNN), the kernels do not
-        # AVX2: int8 activations beat the dense fp32 copy to 32 rows; prompt chunks keep it past 16
-        ("portable", "avx2", False, 16, 32),
-        ("portable", "portable", False, 8, 8),
-        (None, None, False, 8, 8),  # no kernels
+        ("avx512-bf16", "avx512-vnni", 32, False, 32),  # neither has AMX: the AVX-512 loops beat it to 32 too
+        ("avx512-bf16", "avx512-vnni", 32, True, 8),  # the dense copy has AMX (oneDNN), the kernels do not
+        ("portable", "avx2", 32, False, 32),  # AVX2: int8 activations beat the dense fp32 copy to 32 rows
+        ("avx512", "avx2", 16, False, 16),  # AVX-512 without VNNI: AVX2's loops, kernels to 16 rows
+        ("portable", "portable", 16, False, 8),
+        (None, None, 0, False, 8),  # no kernels
     ],
 )
 def test_the_auto_row_limit_follows_the_kernels_and_the_cpu(
-    monkeypatch, build, i8_loops, cpu_amx, rows, decode_rows
+    monkeypatch, build, i8_loops, widest, cpu_amx, rows
 ):
     from edge_rtgi import device
     from edge_rtgi.llm import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "build_info", lambda: build)
     monkeypatch.setattr(cpu_ops, "int8_activation_loops", lambda: i8_loops)
+    monkeypatch.setattr(cpu_ops, "multi_row_max", lambda: widest)
     monkeypatch.setattr(device, "cpu_has_amx", lambda: cpu_amx)
     assert policy.auto_quant_kernel_max_rows() == rows
-    assert policy.auto_quant_decode_kernel_max_rows() == decode_rows
 
 
 def test_a_copy_recorded_under_another_key_or_damaged_is_rebuilt(gguf, tmp_path, caplog):

@@ -22,12 +22,7 @@ from edge_rtgi.llm.quant.plan import (
     model_groups,
     uniform_plan,
 )
-from edge_rtgi.llm.quant.policy import (
-    auto_quant_decode_kernel_max_rows,
-    auto_quant_kernel_max_rows,
-    resolve_weight_quant,
-    source_aligned_scheme,
-)
+from edge_rtgi.llm.quant.policy import auto_quant_kernel_max_rows, resolve_weight_quant, source_aligned_scheme
 from edge_rtgi.llm.quant.schemes import QuantScheme, parse_scheme, quantize_weight
 
 if TYPE_CHECKING:
@@ -55,7 +50,7 @@ def apply_engine_quant(model: Transformer, setting: str | None, tokenizer=None) 
 
     plan = source_aligned_plan(model, spec)
     resolved = apply_quant_plan(model, plan, grids=source_grids(model, plan))
-    keep_dense_copies(model, auto_quant_kernel_max_rows(), auto_quant_decode_kernel_max_rows())
+    keep_dense_copies(model, auto_quant_kernel_max_rows())
     counts = Counter(resolved.values())
     return " + ".join(f"{scheme} x{n}" for scheme, n in counts.most_common())
 

@@ -1,8 +1,8 @@
 """Quantised linear layers on PyTorch's own weight-only kernels.
 
 - ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 weights, per-output-channel scales).
-- On CPU, inputs of 2..``cpu_ops.multi_row_max()`` rows (32; 16 with plain loops) take
-  ``cpu_ops.int8_mm`` / ``int4_mm`` instead: the same layouts,
+- On CPU, inputs of 2..``cpu_ops.multi_row_max()`` rows (32 with the AVX-512 BF16 loops or on an AVX2
+  build without AVX-512, else 16) take ``cpu_ops.int8_mm`` / ``int4_mm`` instead: the same layouts,
   each weight block read once for all rows (ATen's kernels pay the weights again per row).
 - ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` on CPU, ``aten._weight_int4pack_mm`` on
   CUDA (bf16 activations only there), with weights repacked into each kernel's tiled layout at
@@ -39,9 +39,6 @@ class QuantLinear(nn.Module, abc.ABC):
 
     scheme_name: str
     max_kernel_rows: int = 0  # inputs with more rows use dense_weight, when there is one
-    # ... except decode and verification rows on the fused layer loop (cpu_ops.run_decode_layers),
-    # which keep the kernel up to this many: prompt chunks and the Python layers never pass the above
-    max_decode_kernel_rows: int = 0
     # Buffers (register_buffer), declared for the type checker.
     dense_weight: Tensor | None
 
@@ -67,7 +64,6 @@ class QuantLinear(nn.Module, abc.ABC):
         bias: Tensor | None = None,
         group_size: int | None = None,
         max_kernel_rows: int = 0,
-        max_decode_kernel_rows: int | None = None,
     ) -> QuantLinear:
         """A CPU layer on buffers already in the kernel's layout (``llm.prepared`` memory-maps
         them), so nothing is packed or dequantised again."""
@@ -77,9 +73,6 @@ class QuantLinear(nn.Module, abc.ABC):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.register_buffer("dense_weight", buffers.get("dense_weight"), persistent=False)
         self.max_kernel_rows = max_kernel_rows
-        self.max_decode_kernel_rows = (
-            max_kernel_rows if max_decode_kernel_rows is None else max_decode_kernel_rows
-        )
         for name in cls.kernel_buffers:
             self.register_buffer(name, buffers[name])
         if isinstance(self, Int4Linear):
@@ -89,10 +82,9 @@ class QuantLinear(nn.Module, abc.ABC):
             self.register_buffer("i8_packed", None, persistent=False)
         return self
 
-    def keep_dense_copy(self, max_kernel_rows: int, max_decode_kernel_rows: int | None = None) -> None:
+    def keep_dense_copy(self, max_kernel_rows: int) -> None:
         """Run inputs of more than ``max_kernel_rows`` rows through ``F.linear`` on a dequantised
-        copy of the weights, in the activation dtype; decode steps on the fused layer loop keep
-        the kernel up to ``max_decode_kernel_rows`` rows (default: ``max_kernel_rows``).
+        copy of the weights, in the activation dtype.
 
         The weight-only kernels cost time in proportion to the rows (they dequantise inside),
         so they win at batch-1 decode and lose badly to bf16 GEMM for prefill chunks and wide
@@ -104,9 +96,6 @@ class QuantLinear(nn.Module, abc.ABC):
         dtype = self._activation_dtype()
         self.dense_weight = self.dequantized_weight(dtype)
         self.max_kernel_rows = max_kernel_rows
-        self.max_decode_kernel_rows = (
-            max_kernel_rows if max_decode_kernel_rows is None else max_decode_kernel_rows
-        )
 
     def forward(self, x: Tensor) -> Tensor:
         # Batch-1 decode calls this four times per layer, and at one row the Python around the
@@ -520,37 +509,23 @@ def apply_int8_activations(model: nn.Module, setting: bool | str) -> int:
     return count
 
 
-def set_max_kernel_rows(
-    model: nn.Module, max_kernel_rows: int, max_decode_kernel_rows: int | None = None
-) -> None:
-    """Send inputs of more than ``max_kernel_rows`` rows (decode steps on the fused layer loop:
-    ``max_decode_kernel_rows``, default the same) to the dense copies already kept
-    (``keep_dense_copies``) rather than ``auto``'s own limits: benchmarks A/B the limits in one
-    process with it. The layer loop's cached plan holds the old limits, so it is dropped."""
-    decode_rows = max_kernel_rows if max_decode_kernel_rows is None else max_decode_kernel_rows
-    head = getattr(model, "lm_head", None)
+def set_max_kernel_rows(model: nn.Module, max_kernel_rows: int) -> None:
+    """Send inputs of more than ``max_kernel_rows`` rows to the dense copies already kept
+    (``keep_dense_copies``) rather than ``auto``'s own limit: benchmarks A/B the limit in one
+    process with it. The layer loop's cached plan holds the old limit, so it is dropped."""
     for module in model.modules():
         if isinstance(module, QuantLinear) and module.dense_weight is not None:
-            module.max_kernel_rows = decode_rows if module is head else max_kernel_rows
-            module.max_decode_kernel_rows = decode_rows
+            module.max_kernel_rows = max_kernel_rows
     cpu_ops.forget_plan(model)
 
 
-def keep_dense_copies(
-    model: nn.Module, max_kernel_rows: int, max_decode_kernel_rows: int | None = None
-) -> int:
-    """``keep_dense_copy`` on every quantised layer; returns the extra bytes this costs. The LM
-    head (``model.lm_head``) is given only the rows to be sampled, never a prompt chunk's, so
-    ``max_decode_kernel_rows`` is its limit for every input."""
+def keep_dense_copies(model: nn.Module, max_kernel_rows: int) -> int:
+    """``keep_dense_copy`` on every quantised layer; returns the extra bytes this costs."""
     extra = 0
     cpu_ops.forget_plan(model)  # the rows each kernel takes change
-    head = getattr(model, "lm_head", None)
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            if module is head and max_decode_kernel_rows is not None:
-                module.keep_dense_copy(max_decode_kernel_rows)
-            else:
-                module.keep_dense_copy(max_kernel_rows, max_decode_kernel_rows)
+            module.keep_dense_copy(max_kernel_rows)
             dense = module.dense_weight
             if dense is None:  # keep_dense_copy has just set it
                 raise RuntimeError(f"{type(module).__name__}.keep_dense_copy left no dense copy")

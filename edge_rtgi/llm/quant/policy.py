@@ -10,9 +10,7 @@
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
   chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles or the CPU has
-  no AMX for the dense copy either, 16 with AVX2's int8-activation loops, else 8); decode and
-  verification steps on the fused layer loop keep the kernels to
-  ``auto_quant_decode_kernel_max_rows()`` (32 with AVX2's loops, else the same); see
+  no AMX for the dense copy either, and with AVX2's int8-activation loops, else 8); see
   ``keep_dense_copy`` in ``kernels.py``.
 - Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
   (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
@@ -37,21 +35,19 @@ AUTO_QUANT_KERNEL_MAX_ROWS = 8
 AUTO_QUANT_KERNEL_MAX_ROWS_WIDE = 32
 
 
-# On AVX2 (no AVX-512), int4 layers on int8 activations beat the dense fp32 copy up to the kernels'
-# widest input, 32 rows (docs/cpu_kernels.md, "CPUs without AVX-512"). Decode and verification rows
-# take them that far; prompt chunks only to 16, as before that was measured, since a prompt rounded
-# to int8 gives other numbers than the same prompt on the dense copy, and a prefix-cache hit decides
-# which a prompt's tail gets (docs/engine.md, "int8 activations").
-AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 = 16
-AUTO_QUANT_DECODE_KERNEL_MAX_ROWS_AVX2 = 32
+# With AVX2's int8-activation loops, int4 layers on int8 activations beat the dense fp32 copy up to the
+# kernels' widest input: 32 rows on a build without AVX-512, 16 on an AVX-512 build without VNNI
+# (docs/cpu_kernels.md, "CPUs without AVX-512"). Prompt chunks of up to 32 rows round their activations
+# too; task retention held with every prompt row rounded (docs/benchmarks.md, "A CPU without AVX-512").
+AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 = 32
 
 
 def auto_quant_kernel_max_rows() -> int:
     """Widest input ``quant: auto`` runs on the weight-only kernels rather than the dense copy:
     ``AUTO_QUANT_KERNEL_MAX_ROWS_WIDE`` where the fused CPU kernels are loaded with AMX tiles, or
     with their AVX-512 BF16 loops on a CPU without AMX (``cpu_ops.build_info()``,
-    ``device.cpu_has_amx()``), ``AUTO_QUANT_KERNEL_MAX_ROWS_AVX2`` where the int8-activation loops
-    are AVX2's, else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
+    ``device.cpu_has_amx()``), ``AUTO_QUANT_KERNEL_MAX_ROWS_AVX2`` (at most ``cpu_ops.multi_row_max()``)
+    where the int8-activation loops are AVX2's, else ``AUTO_QUANT_KERNEL_MAX_ROWS``. It is part of a prepared
     copy's key (``llm.prepared``): the layers store it."""
     from edge_rtgi.llm import cpu_ops
 
@@ -59,21 +55,8 @@ def auto_quant_kernel_max_rows() -> int:
     if info.endswith("amx") or (info.startswith("avx512-bf16") and not devices.cpu_has_amx()):
         return AUTO_QUANT_KERNEL_MAX_ROWS_WIDE
     if cpu_ops.int8_activation_loops() == "avx2":
-        return AUTO_QUANT_KERNEL_MAX_ROWS_AVX2
+        return min(AUTO_QUANT_KERNEL_MAX_ROWS_AVX2, cpu_ops.multi_row_max())
     return AUTO_QUANT_KERNEL_MAX_ROWS
-
-
-def auto_quant_decode_kernel_max_rows() -> int:
-    """Widest decode or verification step ``quant: auto`` runs on the weight-only kernels in the
-    fused layer loop (``QuantLinear.max_decode_kernel_rows``): ``AUTO_QUANT_DECODE_KERNEL_MAX_ROWS_AVX2``
-    where the int8-activation loops are AVX2's, else ``auto_quant_kernel_max_rows()``. Part of a
-    prepared copy's key, as that is."""
-    from edge_rtgi.llm import cpu_ops
-
-    rows = auto_quant_kernel_max_rows()
-    if rows == AUTO_QUANT_KERNEL_MAX_ROWS_AVX2 and cpu_ops.int8_activation_loops() == "avx2":
-        return AUTO_QUANT_DECODE_KERNEL_MAX_ROWS_AVX2
-    return rows
 
 
 # GGUF Q4_1 stores each block of 32 weights as d * q + m with q in 0..15, so asymmetric int4 with
