@@ -460,8 +460,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def multi_row_max() -> int:
     """The most rows ``int4_mm`` / ``int8_mm`` take in the layers and the layer loop (csrc
     kMultiRowMax): 32 where the library has the AVX-512 BF16 loops (AMX or not) or is built for
-    AVX2 without AVX-512, 16 with the plain loops, whose wider inputs were never measured against
-    ATen's; 0 when not loaded."""
+    AVX2 without AVX-512 (the plain loops take 32 there too), else 16; 0 when not loaded."""
     return _multi_row_max
 
 

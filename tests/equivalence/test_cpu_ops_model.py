@@ -205,7 +205,7 @@ def test_bf16_verification_shaped_steps_stay_close(folder, quant, step_tokens):
     the multi-row kernels (AVX-512 BF16 or AMX where built); teacher-forced bf16 logits stay within
     the bounds of the bf16 test above against ATen's kernels one row at a time. Under ``auto``,
     steps of 12 to 30 tokens take the kernels up to ``auto_quant_kernel_max_rows()`` rows (32
-    with AMX, 8 without) and the dense bf16 copies above it."""
+    with AMX or on an AVX2 build, 8 on most others) and the dense bf16 copies above it."""
     loaded = load_model(folder, device="cpu", dtype="bf16")
     apply_engine_quant(loaded.model, quant)
     kernel_rows = auto_quant_kernel_max_rows() if quant == "auto" else cpu_ops.multi_row_max()

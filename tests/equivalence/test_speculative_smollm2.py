@@ -1,8 +1,8 @@
 """SmolLM2 through the engine with speculation gives the plain path's greedy output, token for
 token, with the n-gram draft, the catalogue's reply store (``retrieval``), the adaptive policy
 over both as the engine builds it, the trained draft, and a draft that is often right (so that long
-verifications of the real model happen), alone and in one batch (there: the same engine's output
-without speculation)."""
+verifications of the real model happen), alone and in one batch, and again after a prefix-cache hit
+(there: the same engine's output without speculation)."""
 
 from __future__ import annotations
 
@@ -45,13 +45,20 @@ def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
     chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(max_tokens=32)
     want = [generate((engine.model, tok), tok.encode_chat(c), params) for c in chats]
-    # Where layers round their activations to int8 (quant auto on a CPU with AVX2 or VNNI), a prompt
-    # chunk of up to the kernels' rows is rounded and a wider one is not: the plain path prefills each
+    # Where layers round their activations to int8 (quant auto on a CPU with AVX2 or VNNI), a step of
+    # up to the kernels' rows is rounded and a wider one is not, prompt rows too: the plain path prefills each
     # prompt in one pass, so each request runs alone on a cold cache, and the batch, whose chunks are
     # the scheduler's, is held to the same engine's batch without speculation.
     engine.speculator = None
     engine.reset_prefix_cache()
     batched_plain = engine.generate(chats, params)
+    # ... and each request again after a prefix hit on its own first run (its tail after the cached
+    # blocks), held to the same engine's output without speculation in the same state
+    warm_plain = []
+    for c in chats:
+        engine.reset_prefix_cache()
+        engine.generate([c], params)
+        warm_plain.append(engine.generate([c], params)[0])
     engine.runner.collect_features = setting == "eagle"
     if setting == "scripted":
         script = {tuple(tok.encode_chat(c)): w.token_ids for c, w in zip(chats, want, strict=True)}
@@ -68,15 +75,17 @@ def test_speculative_greedy_matches_plain_on_smollm2(engine, setting):
         if setting != "ngram:4":  # the catalogue's reply store was found and loaded
             assert "retrieval" in engine.speculator.policy.drafts
     before = engine.stats()
-    alone = []
+    alone, warm = [], []
     for c in chats:
         engine.reset_prefix_cache()
         alone.append(engine.generate([c], params)[0])
+        warm.append(engine.generate([c], params)[0])
     engine.reset_prefix_cache()
     batched = engine.generate(chats, params)
     for w, a, b, bp in zip(want, alone, batched, batched_plain, strict=True):
         assert a.token_ids == w.token_ids and a.text == w.text
         assert b.token_ids == bp.token_ids and b.text == bp.text
+    assert [r.token_ids for r in warm] == [r.token_ids for r in warm_plain]
     after = engine.stats()
     if setting != "auto":  # the fixed drafts always propose on the copying prompt
         assert after.spec_accepted_tokens > before.spec_accepted_tokens

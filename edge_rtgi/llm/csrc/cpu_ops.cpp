@@ -1030,8 +1030,9 @@ constexpr int64_t kPrefetchBytes = 2048;
 // Inputs of 2..kMultiRowMax rows take these kernels in the layer loop and in Int4/Int8Linear;
 // one row stays on ATen's kernels, which are as fast there but against an int8 LM head (Python
 // decides: cpu_ops.int8_kernel_usable; docs/cpu_kernels.md). 17..32 rows were measured against
-// ATen and the dense copies with the AVX-512 BF16 loops (AMX or not) and, for int4_i8_mm, int4_mm and
-// the fp32 int8 head, with the AVX2 loops (docs/cpu_kernels.md); the plain loops stop at 16.
+// ATen and the dense copies with the AVX-512 BF16 loops (AMX or not) and, on a build for AVX2
+// without AVX-512, for int4_i8_mm, the fp32 int8 head and int4_mm's plain loops; other builds stop
+// at 16.
 #if (defined(EDGE_RTGI_AVX512) && defined(__AVX512BF16__)) || defined(EDGE_RTGI_AVX2_FMA)
 constexpr int64_t kMultiRowMax = 32;
 #else

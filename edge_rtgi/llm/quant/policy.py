@@ -10,7 +10,8 @@
 - The weight-only kernels slow down with the rows of their input, so ``auto`` also keeps a
   dequantised bf16 copy for inputs of more than ``auto_quant_kernel_max_rows()`` rows (prefill
   chunks, wide decode batches; 32 where the multi-row kernels run on AMX tiles or the CPU has
-  no AMX for the dense copy either, and with AVX2's int8-activation loops, else 8); see
+  no AMX for the dense copy either, and with AVX2's int8-activation loops up to the kernels' widest
+  input, else 8); see
   ``keep_dense_copy`` in ``kernels.py``.
 - Weights the file already stores as 4-bit blocks that a kernel scheme reproduces exactly
   (``SOURCE_ALIGNED_SCHEMES``) keep that precision rather than widening to int8: the same codes
