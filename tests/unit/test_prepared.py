@@ -99,13 +99,7 @@ def test_a_copy_made_under_another_kernel_row_limit_is_never_used(gguf, tmp_path
 @pytest.mark.parametrize(
     "build,i8_loops,widest,cpu_amx,rows",
     [
-        (
-            "avx512-bf16-amx",
-            "avx512-vnni",
-            32,
-            True,
-            32,
-        ),  # kernels on AMX tiles beat the dense copy to 32 rows
+        ("avx512-bf16-amx", "avx512-vnni", 32, True, 32),  # AMX tiles beat the dense copy to 32 rows
         ("avx512-bf16", "avx512-vnni", 32, False, 32),  # neither has AMX: the AVX-512 loops beat it to 32 too
         ("avx512-bf16", "avx512-vnni", 32, True, 8),  # the dense copy has AMX (oneDNN), the kernels do not
         ("portable", "avx2", 32, False, 32),  # AVX2: int8 activations beat the dense fp32 copy to 32 rows
