@@ -282,6 +282,8 @@ class TurnStats:
     tts_first_chunk_ms: float | None = None  # first clause -> first audio chunk
     voice_to_voice_ms: float | None = None  # user stopped speaking -> first audio sent
     text_total_ms: float | None = None  # final transcript -> text done
+    # a response started on the turn's likely final (preemptive reply): how long before the final
+    reply_head_start_ms: float | None = None
     completion_tokens: int | None = None
     # The LLM call behind the text (frames.LlmCallStats), where an LLM wrote it.
     backend: str | None = None  # local:<model> or openai:<model>@<host>

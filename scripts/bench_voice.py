@@ -250,6 +250,12 @@ async def main() -> int:
         "to run; speech over a reply runs all but model-only",
     )
     ap.add_argument(
+        "--turn-replies",
+        action="store_true",
+        help="with --turn-taking paused: the daemon replies to each turn (short replies), so the "
+        "compute of replies started on a likely final runs while the speech goes on",
+    )
+    ap.add_argument(
         "--turn-model-cost",
         type=int,
         metavar="N",
@@ -610,15 +616,16 @@ def print_many(result: dict) -> None:
 # transcriber instead of the daemon, each decision made where it is due in the audio (below);
 # ``--turn-model-cost N`` times the model alone on N decisions. The mode ``no-talkover-prompt``
 # is semantic with speech over a reply decoded without whisper's prompt; ``no-preemptive-reply``
-# (through the daemon) semantic with the reply started at the final, not on a likely final.
+# (through the daemon) semantic with the reply started at the final, not on a likely final, and
+# ``silence-no-preemptive-reply`` the same for the silence timer.
 
 # semantic: the pipeline's (model + words check); model-only: the model's verdict alone
 TURN_MODES = ("semantic", "model-only", "silence")
 TURN_PAUSES_MS = (300, 400, 500, 600, 700)
 BACKCHANNEL_OFFSET_S = 0.4  # from the first reply audio received to the backchannel's start
 # through the daemon also: semantic with speech over a reply decoded without whisper's prompt,
-# and semantic with the reply started only at the final (not on a likely final)
-DAEMON_MODES = (*TURN_MODES, "no-talkover-prompt", "no-preemptive-reply")
+# and semantic (or the silence timer) with the reply started only at the final (not on a likely final)
+DAEMON_MODES = (*TURN_MODES, "no-talkover-prompt", "no-preemptive-reply", "silence-no-preemptive-reply")
 # the parts spoken over a reply, and their items in the turn-taking set
 OVER_REPLY_PARTS = {
     "backchannel": "backchannels",
@@ -684,6 +691,8 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
     update = dict(settings)
     if mode == "silence":
         update["turn_detection"] = {"mode": "silence"}
+    elif mode == "silence-no-preemptive-reply":
+        update["turn_detection"] = {"mode": "silence", "preemptive_reply": False}
     elif mode == "model-only":
         update["turn_detection"] = {"text_check": False}
     elif _recheck_ms(mode) is not None:
@@ -699,7 +708,10 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
         updated = (await c.wait_type("session.updated", timeout=30))["session"]
         # the effective settings; the turn_detection_status beside them can still be the old one
         # (the ASR stage rebuilds its transcriber after the reply)
-        want = {"silence": ("silence", None), "model-only": (None, False)}.get(mode, (None, None))
+        silent = ("silence", None)
+        want = {"silence": silent, "silence-no-preemptive-reply": silent, "model-only": (None, False)}.get(
+            mode, (None, None)
+        )
         got = (updated.get("turn_mode"), updated.get("turn_text_check"))
         unprompted = updated.get("turn_talkover_prompt") == ""
         unpreempted = updated.get("turn_preemptive_reply") is False
@@ -708,7 +720,7 @@ async def _turn_session(port: int, mode: str, **settings) -> NativeClient:
             or updated.get("turn_recheck_ms") != _recheck_ms(mode)
             or updated.get("turn_question_recheck_ms") != _recheck_ms(mode, "question-recheck-")
             or unprompted != (mode == "no-talkover-prompt")
-            or unpreempted != (mode == "no-preemptive-reply")
+            or unpreempted != mode.endswith("no-preemptive-reply")
         ):
             raise RuntimeError(f"asked for {mode} turn detection, the session has {updated}")
     return c
@@ -759,6 +771,10 @@ async def turn_complete_item(port: int, mode: str, audio: np.ndarray) -> dict:
             "turn_decision_ms": stats.get("turn_decision_ms"),
             "asr_final_ms": stats.get("asr_final_ms"),
             "client_voice_to_voice_ms": (first_t - sent_t) * 1000.0 if sent_t else None,
+            "llm_ttft_ms": stats.get("llm_ttft_ms"),
+            "first_clause_ms": stats.get("first_clause_ms"),
+            "tts_first_chunk_ms": stats.get("tts_first_chunk_ms"),
+            "reply_head_start_ms": stats.get("reply_head_start_ms"),
             "finals": [f["text"] for f in _finals(c)],
             "end_reasons": [f.get("end_reason") for f in _finals(c)],
             "reply": done.get("text", ""),
@@ -783,10 +799,13 @@ async def _stream_realtime_until_reply(c: NativeClient, pcm: np.ndarray, speech_
     return sent_t
 
 
-async def turn_paused_item(port: int, mode: str, audio: np.ndarray) -> dict:
+async def turn_paused_item(port: int, mode: str, audio: np.ndarray, replies: bool = False) -> dict:
     """A request with a pause inside, with replies off (``auto_response`` false: only where the
-    turns end matters); cut off prematurely when it came out as more than one final."""
-    c = await _turn_session(port, mode, auto_response=False)
+    turns end matters) unless ``replies`` (short ones: a reply started on a likely final then
+    runs during the pause and may slow the decodes that decide it); cut off prematurely when it
+    came out as more than one final."""
+    settings = {"max_reply_tokens": REPLY_TOKENS} if replies else {"auto_response": False}
+    c = await _turn_session(port, mode, **settings)
     try:
         await _stream_realtime(c, _with_silence(audio, 0.3, PAUSED_TAIL_S))
         await c.send(type="input_audio.commit")
@@ -919,7 +938,7 @@ async def run_turn_taking(args: argparse.Namespace) -> int:
                 if part.endswith("complete"):
                     row = await turn_complete_item(daemon.port, mode, audio)
                 elif part.endswith("paused"):
-                    row = await turn_paused_item(daemon.port, mode, audio)
+                    row = await turn_paused_item(daemon.port, mode, audio, args.turn_replies)
                 else:
                     row = await turn_backchannel_item(daemon.port, mode, *audio)
                 if part.endswith("paused"):
@@ -948,6 +967,7 @@ def _turn_result(
         "part": part,
         **extra,
         "items": args.turn_items or "all",
+        "replies": bool(getattr(args, "turn_replies", False)) if part.endswith("paused") else True,
         "started": t_start,
         "commit": _commit(),
         "cpus": os.cpu_count(),

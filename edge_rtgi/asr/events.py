@@ -8,8 +8,8 @@ Per utterance the order is: ``SpeechStarted`` (the one speech-start event of the
 project, from ``edge_rtgi.frames``: its ``turn_id`` is the utterance id here, and the session's
 turn id once the ASR stage has mapped it), zero or more ``PartialTranscript``,
 ``SpeechEnded``, then ``FinalTranscript`` (absent when nothing was recognised, e.g. a
-cough or a suppressed hallucination). In semantic mode a ``TurnLikelyEnded`` may come before
-``SpeechEnded`` (a pause the model called finished, waiting out a hold), withdrawn by a
+cough or a suppressed hallucination). A ``TurnLikelyEnded`` may come before ``SpeechEnded``
+(a pause whose words are decoded, while a timer or the model decides), withdrawn by a
 ``TurnResumed`` if the speech goes on.
 """
 
@@ -93,9 +93,10 @@ class FinalTranscript:
 
 @dataclass(frozen=True)
 class TurnLikelyEnded:
-    """Semantic mode: the model called the pause a finished turn, and its words (``text``, the
-    pause's speculative final) wait out a hold before the turn ends. Most such turns end with
-    these words; a reply can be started now and held until the final confirms them."""
+    """A pause's words (``text``, its speculative final) are decoded and do not read as cut off,
+    and the turn has not ended yet: a hold, a recheck, the cap or the silence timer waits. Most
+    such turns end with these words; a reply can be started now and held until the final
+    confirms them."""
 
     utterance_id: int
     text: str

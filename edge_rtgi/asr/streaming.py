@@ -41,7 +41,7 @@ from edge_rtgi.asr.events import (
     TurnResumed,
 )
 from edge_rtgi.asr.split import choose_split
-from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision
+from edge_rtgi.asr.turn import WINDOW_SAMPLES, SemanticEndpointer, TurnDecision, transcript_unfinished
 from edge_rtgi.asr.vad import SileroVad, VadEvent
 from edge_rtgi.asr.whisper import DecodeTiming, Hypothesis, Transcriber, text_loops
 from edge_rtgi.audio.pcm import Resampler
@@ -275,6 +275,7 @@ class StreamingTranscriber:
                     fresh = utt.speculative is None or utt.speculative.silence_start_index != silence_start
                     if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
                         self._speculate(utt, silence_start)
+                    self._announce_likely_end(utt, silence_start)
             else:
                 if utt.likely_end_at is not None:  # the words of that pause were not the end
                     utt.likely_end_at = None
@@ -309,6 +310,9 @@ class StreamingTranscriber:
             self._speculate_async(utt, silence_start)
         earlier = utt.decision if utt.decision and utt.decision.silence_start_index == silence_start else None
         if earlier is not None:  # decided at this pause: asked again only after a hold or recheck time
+            # Not before the model's first look: on a busy CPU a reply would slow that look, which
+            # ends most questions; after it, the reply runs while a hold or the cap waits.
+            self._announce_likely_end(utt, silence_start)
             retry = earlier.retry_silence_samples
             if retry is None or now - silence_start < retry:
                 return
@@ -327,12 +331,26 @@ class StreamingTranscriber:
             words = self._words_to_pause(utt, silence_start)
             if words is not None:
                 utt.decision = endpointer.check_words(utt.decision, words, now - silence_start)
-                if utt.decision.held and utt.likely_end_at != silence_start and words:
-                    utt.likely_end_at = silence_start
-                    self._events.append(TurnLikelyEnded(utt.id, words))
         if utt.decision.complete:
             self.vad.force_end()
             self._end_active(silence_start, "semantic")
+        else:  # the words may have been waited for just now
+            self._announce_likely_end(utt, silence_start)
+
+    def _announce_likely_end(self, utt: _Utterance, silence_start: int) -> None:
+        """``TurnLikelyEnded`` for the pause that began at ``silence_start``, once its words (its
+        speculative final) are decoded and do not read as cut off: a timer (the silence timer, a
+        hold, the cap) or the model's next look ends most such pauses with these words, so a
+        reply can start now and be held until the final confirms them. Once per pause. In
+        semantic mode after the model's first look at the pause, whatever it said: a turn it
+        calls unfinished ends with these words at the cap too."""
+        if utt.likely_end_at == silence_start:
+            return
+        words = self._speculative_words(utt, silence_start)
+        if not words or transcript_unfinished(words):
+            return
+        utt.likely_end_at = silence_start
+        self._events.append(TurnLikelyEnded(utt.id, words))
 
     def _words_to_pause(self, utt: _Utterance, silence_start: int) -> str | None:
         """The words up to the pause that began at ``silence_start`` (its speculative final,

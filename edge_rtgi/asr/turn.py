@@ -319,9 +319,10 @@ class TurnDetectionConfig:
     backchannel's (then at ``barge_in_max_speech_ms``), or when its words turn out not to be a
     backchannel (``talkover_cuts``). ``talkover_prompt``: in semantic mode, speech that begins
     over a reply is decoded with this as whisper's prompt, in English only ("": none), so that a
-    backchannel is written as one. ``preemptive_reply``: in semantic mode, when the model calls
-    a pause finished and the words wait out a hold, the reply starts at once, held from the
-    client until the final confirms the words (dropped unseen if speech goes on or they differ).
+    backchannel is written as one. ``preemptive_reply``: in either mode, once a pause's words (its
+    speculative final) are decoded and do not read as cut off, the reply to them starts, held from
+    the client until the final confirms the words (dropped unseen if speech goes on or they
+    differ), while a hold, a recheck, the cap or the silence timer waits.
     """
 
     mode: str = "silence"

@@ -112,6 +112,7 @@ class ResponseState:
             tts_first_chunk_ms=_ms(m.get("first_clause"), m.get("first_audio")),
             voice_to_voice_ms=_ms(speech_end, self.first_audio_sent_t_s),
             text_total_ms=_ms_after(final, m.get("text_done")),
+            reply_head_start_ms=_ms(self.created_t_s, final) if t and self.created_t_s < final else None,
             completion_tokens=tokens,
             backend=llm.backend if llm else None,
             prompt_tokens=llm.prompt_tokens if llm else None,

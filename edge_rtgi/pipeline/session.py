@@ -718,9 +718,9 @@ class Session:
             await self.create_response(turn_id=event.turn_id, source_text=event.text, timing=event)
 
     async def on_likely_final(self, turn_id: int, text: str) -> None:
-        """The turn will likely end with ``text`` (semantic mode: the model called it finished;
-        a hold waits to be sure): start its response now, held from the client until
-        ``on_final_transcript`` confirms the words; dropped unseen otherwise."""
+        """The turn will likely end with ``text`` (its pause's words are decoded; a hold, the
+        cap or the silence timer waits to be sure): start its response now, held from the
+        client until ``on_final_transcript`` confirms the words; dropped unseen otherwise."""
         self.drop_likely_final(turn_id)  # an earlier pause's guess
         self._drop_guesses(before_turn=turn_id)
         if text.strip() and self.settings.auto_response and self.pipeline.text_stage is not None:

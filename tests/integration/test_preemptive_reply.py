@@ -111,6 +111,7 @@ async def test_a_confirmed_likely_final_gives_the_reply_the_final_would_have(pip
     finally:
         await session.close()
     assert _shape(got) == _shape(expected)
+    assert expected[-1].stats is not None and expected[-1].stats.reply_head_start_ms is None
     assert got[-1].text == expected[-1].text and got[-1].text
     assert got[-1].status == "completed" and got[-1].response_id == rid
     assert [t.role for t in session.history] == ["user", "assistant"]
@@ -168,28 +169,35 @@ async def test_a_released_reply_reports_no_negative_latency(pipeline, resources)
     finally:
         await session.close()
     assert stats is not None and stats.llm_ttft_ms == 0.0 and stats.text_total_ms == 0.0
+    assert stats.reply_head_start_ms is not None and stats.reply_head_start_ms > 0
 
 
 SPOKEN = (
     "name: spoken\nstages:\n  - asr:\n      model: whisper-tiny.en\n      language: en\n"
     "      vad: {min_silence_ms: 300, speech_pad_ms: 100, end_pad_ms: 64}\n"
-    "      turn_detection: {mode: semantic, min_silence_ms: 100, max_silence_ms: 1500}\n"
+    "      turn_detection: %s\n"
     "  - assistant: {model: '%s', max_reply_tokens: 12, system_prompt: Be brief.}\n"
     "  - tts: {voice: 'espeak:en'}\n"
 )
 
 
-@pytest.mark.parametrize("preemptive", [True, False])
-async def test_a_spoken_command_starts_its_reply_before_its_final(tmp_path, resources, preemptive):
-    """Through the ASR stage on Piper audio: the command waits out the continuation hold, and its
-    response is started when the model calls the pause finished (before the final), unless the
-    session turns ``preemptive_reply`` off."""
+TURN_DETECTION = {
+    "semantic": "{mode: semantic, min_silence_ms: 100, max_silence_ms: 1500}",
+    "silence": "{mode: silence}",
+}
+
+
+@pytest.mark.parametrize(("mode", "preemptive"), [("semantic", True), ("semantic", False), ("silence", True)])
+async def test_a_spoken_command_starts_its_reply_before_its_final(tmp_path, resources, mode, preemptive):
+    """Through the ASR stage on Piper audio: the command waits out the continuation hold (semantic
+    mode) or the silence timer (300 ms), and its response is started once the pause's words are
+    decoded (before the final), unless the session turns ``preemptive_reply`` off."""
     from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
     from edge_rtgi.tts import make_tts
     from tests.integration.native_client import steady_voice
 
     tiny = make_tiny_hf_model("llama", tmp_path, seed=5)
-    pipe = parse_pipeline(SPOKEN % tiny, "spoken.yaml")
+    pipe = parse_pipeline(SPOKEN % (TURN_DETECTION[mode], tiny), "spoken.yaml")
     voice = steady_voice(make_tts("piper-en_US-joe-medium"))
     pcm = np.concatenate(list(voice.synthesize_stream(TEXT)))
     audio = resample(pcm16_to_float32(pcm), voice.sample_rate_hz, 16000)
@@ -201,7 +209,7 @@ async def test_a_spoken_command_starts_its_reply_before_its_final(tmp_path, reso
         loop = asyncio.get_running_loop()
         start = loop.time()
         # At half real time: a stage that falls behind (a loaded machine) takes its queued audio in
-        # one step, so its check lands late in the pause, past the hold this test is about.
+        # one step, so the pause's decode lands late, past the hold or timer this test is about.
         for i in range(0, len(pcm16), 320):
             await session.push_audio(pcm16[i : i + 320])
             await asyncio.sleep(max(0.0, start + 2 * (i + 320) / 16000 - loop.time()))
@@ -211,7 +219,7 @@ async def test_a_spoken_command_starts_its_reply_before_its_final(tmp_path, reso
     finally:
         await session.close()
     final = next(e for e in events if isinstance(e, F.Transcript) and e.final and e.text)
-    assert final.end_reason == "semantic" and "bank" in final.text.lower(), final
+    assert final.end_reason == mode and "bank" in final.text.lower(), final
     rid = next(e.response_id for e in events if isinstance(e, F.ResponseStarted))
     created_before_final = session.responses[rid].created_t_s < final.t_s
     assert created_before_final is preemptive

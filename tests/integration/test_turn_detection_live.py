@@ -31,6 +31,7 @@ from edge_rtgi.asr.turn import (
     SemanticEndpointer,
     TalkoverMeter,
     TurnDetectionConfig,
+    TurnScorer,
     is_backchannel,
     talkover_cuts,
     transcript_unfinished,
@@ -199,15 +200,26 @@ async def test_a_pause_after_a_fronted_clause_does_not_end_the_turn(voice, resou
 # the load: a decision that comes late can land after the speech has resumed).
 
 
-def _clock_events(turn: TurnDetectionConfig, resources, audio: np.ndarray, prompt: str | None = None) -> list:
+def _clock_events(
+    turn: TurnDetectionConfig,
+    resources,
+    audio: np.ndarray,
+    prompt: str | None = None,
+    scorer: TurnScorer | None = None,
+    stream_s: dict[int, float] | None = None,
+) -> list:
     """``audio`` (with 0.3 s of silence before and 2 s after) through a fresh transcriber: every
     event. ``prompt``: each utterance is decoded with it, given when the utterance starts (as the
-    ASR stage gives the talkover prompt over a reply)."""
+    ASR stage gives the talkover prompt over a reply). ``scorer``: in place of the smart-turn
+    model (semantic mode). ``stream_s``: filled with each event's position in the stream when it
+    came out (by ``id`` of the event), in seconds."""
     asr_cfg = dataclasses.replace(_pipeline().stages[0], turn_detection=turn)
     vad_cfg = dataclasses.replace(asr_cfg.vad, min_silence_ms=turn.silence_ms(asr_cfg.vad.min_silence_ms))
-    model = resources.turn_model("smart-turn-v3.2").model
-    assert model is not None
-    endpointer = SemanticEndpointer.from_config(model, turn)
+    endpointer = None
+    if turn.mode == "semantic":
+        model = scorer or resources.turn_model("smart-turn-v3.2").model
+        assert model is not None
+        endpointer = SemanticEndpointer.from_config(model, turn)
     cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
     tr = StreamingTranscriber(resources.whisper(cfg), cfg, SileroVad(vad_cfg), endpointer)
     z = np.zeros
@@ -218,7 +230,10 @@ def _clock_events(turn: TurnDetectionConfig, resources, audio: np.ndarray, promp
             tr.insert_audio(x[i : i + 320])
             if prompt and tr.active_utterance_id is not None:
                 tr.prompt_utterance(tr.active_utterance_id, prompt)
-            events.extend(tr.process_iter())
+            new = tr.process_iter()
+            if stream_s is not None:
+                stream_s.update({id(e): (i + 320) / 16000 for e in new})
+            events.extend(new)
         events.extend(tr.finish())
     finally:
         tr.close()
@@ -382,6 +397,35 @@ def test_a_held_command_is_announced_as_a_likely_end_with_the_words_of_its_final
     assert likely[0].text == finals[0].text
     assert events.index(likely[0]) < events.index(finals[0])
     assert not any(isinstance(e, TurnResumed) for e in events)
+
+
+class _NeverFinished:
+    """A turn model that calls every pause unfinished: only the cap ends a turn."""
+
+    def probability(self, audio: np.ndarray) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("mode", ["semantic", "silence"])
+def test_a_turn_that_a_timer_ends_is_announced_as_soon_as_its_words_are_decoded(voice, resources, mode):
+    """A turn the model never calls finished ends at the cap, and one in silence mode at the
+    silence timer: either way it ends with the words its pause's speculative final already has,
+    so the transcriber announces them (``TurnLikelyEnded``) as soon as that decode is in, well
+    before the timer, and the final then has the same words."""
+    turn = SEMANTIC if mode == "semantic" else TurnDetectionConfig(mode="silence")
+    at: dict[int, float] = {}
+    audio = _say(voice, "Read me the latest news.")
+    events = _clock_events(turn, resources, audio, scorer=_NeverFinished(), stream_s=at)
+    likely = [e for e in events if isinstance(e, TurnLikelyEnded)]
+    (ended,) = [e for e in events if isinstance(e, SpeechEnded)]
+    (final,) = [e for e in events if isinstance(e, FinalTranscript)]
+    assert len(likely) == 1 and likely[0].text == final.text, events
+    timer_ms = CAP_MS if mode == "semantic" else 300
+    assert ended.reason == "silence"
+    assert 1000 * (ended.endpoint_audio_s - ended.speech_end_audio_s) >= timer_ms - 32
+    # on the audio clock the decode is awaited: the words are in once the end pad (64 ms) is
+    announced_ms = 1000 * (at[id(likely[0])] - ended.speech_end_audio_s)
+    assert announced_ms < 200, announced_ms
 
 
 def test_speech_that_goes_on_after_a_likely_end_withdraws_it(voice, resources):
