@@ -119,11 +119,15 @@ class StreamingTranscriber:
         config: AsrConfig | None = None,
         vad: SileroVad | None = None,
         endpointer: SemanticEndpointer | None = None,
+        likely_ends: bool = False,
     ):
         """``endpointer``: semantic turn detection (the ``vad`` then carries the silence cap as its
-        ``min_silence_ms``); None: the VAD's silence timer alone ends turns."""
+        ``min_silence_ms``); None: the VAD's silence timer alone ends turns. ``likely_ends``:
+        announce a pause's words before the turn ends (``TurnLikelyEnded``, for a reply started
+        early: the ASR stage's ``preemptive_reply``)."""
         self.asr = asr
         self.endpointer = endpointer
+        self.likely_ends = likely_ends
         # Semantic mode decodes the likely final on its own thread, so that the model's verdict
         # on the pause and the final's decode overlap instead of queueing on the worker.
         self._decode_pool = (
@@ -134,6 +138,9 @@ class StreamingTranscriber:
         self.vad.reset()  # the VAD's sample indices must match the ring's
         self._pad = self.config.vad.speech_pad_ms * SAMPLE_RATE_HZ // 1000  # before speech
         self._end_pad = self.config.vad.trailing_pad_ms * SAMPLE_RATE_HZ // 1000  # after it
+        # silence mode announces a pause's words only once half its timer has passed: shorter
+        # dips inside speech are common, and each announcement starts a reply
+        self._likely_end_silence = self.vad.config.min_silence_ms * SAMPLE_RATE_HZ // 2000
         self._min_chunk = self.config.min_chunk_ms * SAMPLE_RATE_HZ // 1000
         # New audio needed before the next partial decode; a real-time driver may raise it
         # when decodes are slow (see AsrSession), never below min_chunk_ms.
@@ -275,7 +282,8 @@ class StreamingTranscriber:
                     fresh = utt.speculative is None or utt.speculative.silence_start_index != silence_start
                     if self.config.speculative_final and fresh and now - silence_start >= self._end_pad:
                         self._speculate(utt, silence_start)
-                    self._announce_likely_end(utt, silence_start)
+                    if now - silence_start >= self._likely_end_silence:
+                        self._announce_likely_end(utt, silence_start)
             else:
                 if utt.likely_end_at is not None:  # the words of that pause were not the end
                     utt.likely_end_at = None
@@ -344,10 +352,17 @@ class StreamingTranscriber:
         reply can start now and be held until the final confirms them. Once per pause. In
         semantic mode after the model's first look at the pause, whatever it said: a turn it
         calls unfinished ends with these words at the cap too."""
-        if utt.likely_end_at == silence_start:
+        if not self.likely_ends or utt.likely_end_at == silence_start:
             return
         words = self._speculative_words(utt, silence_start)
         if not words or transcript_unfinished(words):
+            return
+        # words the final would drop (too little audio after a split; a stock phrase whisper
+        # was unsure of) could never be confirmed
+        heard = min(silence_start + self._end_pad, self._ring.total_written) - utt.start_index
+        hyp = utt.speculative.hypothesis if utt.speculative is not None else None
+        unsure = hyp is not None and not utt.agreement.committed and self._is_hallucination(words, hyp)
+        if heard < _MIN_DECODE_SAMPLES or unsure:
             return
         utt.likely_end_at = silence_start
         self._events.append(TurnLikelyEnded(utt.id, words))

@@ -117,6 +117,41 @@ async def test_a_confirmed_likely_final_gives_the_reply_the_final_would_have(pip
     assert [t.role for t in session.history] == ["user", "assistant"]
 
 
+async def test_a_confirmed_likely_final_gives_the_translation_the_final_would_have(tmp_path, resources):
+    """A translate pipeline (the LLM backend on the tiny model): the held response is the
+    translation, released as the one the final would have started."""
+    tiny = make_tiny_hf_model("llama", tmp_path, seed=5)
+    body = (
+        "name: tr\nstages:\n  - asr: {model: whisper-tiny.en}\n"
+        f"  - translate: {{backend: llm, model: '{tiny}', min_budget_tokens: 8}}\n"
+        "  - tts: {voice: 'espeak:es'}\n"
+    )
+    pipelines = {"tr": parse_pipeline(body, "tr.yaml")}
+
+    async def open_session() -> Session:
+        session = await Session.open(pipelines, resources, SessionSettings(pipeline="tr"))
+        assert isinstance(await session.next_event(), F.SessionStarted)
+        return session
+
+    plain = await open_session()
+    try:
+        await plain.on_final_transcript(_final(plain.new_turn_id(), TEXT))
+        expected = await _until_done(plain)
+    finally:
+        await plain.close()
+    session = await open_session()
+    try:
+        turn, rid = await _held_reply(session)
+        await session.on_final_transcript(_final(turn, TEXT))
+        got = await _until_done(session)
+    finally:
+        await session.close()
+    assert _shape(got) == _shape(expected)
+    assert got[-1].text == expected[-1].text and got[-1].text and got[-1].response_id == rid
+    caption = next(e for e in got if isinstance(e, F.TextDone))
+    assert caption.source_text == TEXT
+
+
 async def test_a_likely_final_with_other_words_or_resumed_speech_is_never_seen(pipeline, resources):
     session = await _session(pipeline, resources)
     try:
@@ -183,15 +218,19 @@ SPOKEN = (
 
 TURN_DETECTION = {
     "semantic": "{mode: semantic, min_silence_ms: 100, max_silence_ms: 1500}",
-    "silence": "{mode: silence}",
+    # a long timer: the pause's words are announced after half of it, so a slow decode on a
+    # loaded machine still leaves time to announce them before the timer ends the turn
+    "silence": "{mode: silence, min_silence_ms: 800}",
 }
 
 
-@pytest.mark.parametrize(("mode", "preemptive"), [("semantic", True), ("semantic", False), ("silence", True)])
+@pytest.mark.parametrize(
+    ("mode", "preemptive"), [("semantic", True), ("semantic", False), ("silence", True), ("silence", False)]
+)
 async def test_a_spoken_command_starts_its_reply_before_its_final(tmp_path, resources, mode, preemptive):
     """Through the ASR stage on Piper audio: the command waits out the continuation hold (semantic
-    mode) or the silence timer (300 ms), and its response is started once the pause's words are
-    decoded (before the final), unless the session turns ``preemptive_reply`` off."""
+    mode) or the silence timer, and its response is started once the pause's words are decoded
+    (before the final), unless the session turns ``preemptive_reply`` off."""
     from edge_rtgi.audio.pcm import float32_to_pcm16, pcm16_to_float32, resample
     from edge_rtgi.tts import make_tts
     from tests.integration.native_client import steady_voice

@@ -221,7 +221,7 @@ def _clock_events(
         assert model is not None
         endpointer = SemanticEndpointer.from_config(model, turn)
     cfg = dataclasses.replace(asr_cfg, vad=vad_cfg)
-    tr = StreamingTranscriber(resources.whisper(cfg), cfg, SileroVad(vad_cfg), endpointer)
+    tr = StreamingTranscriber(resources.whisper(cfg), cfg, SileroVad(vad_cfg), endpointer, likely_ends=True)
     z = np.zeros
     x = np.concatenate([z(4800, np.float32), audio, z(32000, np.float32)])
     events = []

@@ -145,7 +145,9 @@ class AsrStage(Stage[AsrInput]):
         vad_cfg = dataclasses.replace(vad_cfg, min_silence_ms=status.silence_ms)
         cfg = dataclasses.replace(self.config, vad=vad_cfg)
         old = self.transcriber
-        self.transcriber = StreamingTranscriber(self.whisper, cfg, SileroVad(vad_cfg), endpointer)
+        self.transcriber = StreamingTranscriber(
+            self.whisper, cfg, SileroVad(vad_cfg), endpointer, likely_ends=turn.preemptive_reply
+        )
         if old is not None:
             old.close()
         self._turn_cfg, self._endpointer, self.turn_status = turn, endpointer, status
