@@ -43,6 +43,7 @@ ASR_FINAL_BUCKETS_MS = (50, 100, 150, 200, 300, 400, 500, 750, 1000, 1500, 2000,
 TTS_FIRST_AUDIO_BUCKETS_MS = (25, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 2000)
 ENDPOINTING_BUCKETS_MS = (50, 100, 150, 200, 250, 300, 400, 500, 750, 1000, 1500, 2000)
 TURN_DECISION_BUCKETS_MS = (5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500)
+REPLY_HEAD_START_BUCKETS_MS = (10, 25, 50, 100, 150, 200, 300, 400, 600, 800, 1000, 1500)
 ASR_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)
 ASR_QUEUE_BUCKETS_MS = (1, 5, 10, 25, 50, 100, 200, 300, 500, 750, 1000, 2000, 5000)
 
@@ -90,6 +91,12 @@ class Metrics:
             "edge_rtgi_turn_decision_ms",
             "Semantic turn detection: the model's verdict on a pause, per turn (ms)",
             buckets=TURN_DECISION_BUCKETS_MS,
+            registry=r,
+        )
+        self.reply_head_start_ms = Histogram(
+            "edge_rtgi_reply_head_start_ms",
+            "A reply started on the turn's likely final: how long before the final, per turn (ms)",
+            buckets=REPLY_HEAD_START_BUCKETS_MS,
             registry=r,
         )
         self.asr_final_ms = Histogram(
@@ -230,6 +237,7 @@ class Metrics:
                 (stats.voice_to_voice_ms, self.voice_to_voice_ms),
                 (stats.endpointing_ms, self.endpointing_ms),
                 (stats.turn_decision_ms, self.turn_decision_ms),
+                (stats.reply_head_start_ms, self.reply_head_start_ms),
                 (stats.asr_final_ms, self.asr_final_ms),
                 (stats.asr_queue_ms, self.asr_turn_queue_ms),
                 (stats.tts_first_chunk_ms, self.tts_first_audio_ms),

@@ -19,7 +19,9 @@ def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:
 
 def test_events_and_requests_move_their_series():
     m = Metrics()
-    stats = F.TurnStats(asr_final_ms=180.0, tts_first_chunk_ms=130.0, voice_to_voice_ms=870.0)
+    stats = F.TurnStats(
+        asr_final_ms=180.0, tts_first_chunk_ms=130.0, voice_to_voice_ms=870.0, reply_head_start_ms=420.0
+    )
     m.observe_event(F.ResponseDone("r1", "completed", "Paris.", stats))
     m.observe_event(F.ResponseDone("r2", "interrupted", "", F.TurnStats()))
     m.observe_event(F.ErrorEvent("stage_failed", "boom"))
@@ -37,6 +39,10 @@ def test_events_and_requests_move_their_series():
     assert s[("edge_rtgi_voice_to_voice_ms_bucket", (("le", "750.0"),))] == 0
     assert s[("edge_rtgi_voice_to_voice_ms_bucket", (("le", "1000.0"),))] == 1
     assert s[("edge_rtgi_asr_final_ms_count", ())] == 1 and s[("edge_rtgi_tts_first_audio_ms_count", ())] == 1
+    # a reply started on the likely final: only that turn has a head start
+    assert s[("edge_rtgi_reply_head_start_ms_count", ())] == 1
+    assert s[("edge_rtgi_reply_head_start_ms_bucket", (("le", "400.0"),))] == 0
+    assert s[("edge_rtgi_reply_head_start_ms_bucket", (("le", "600.0"),))] == 1
     assert s[("edge_rtgi_llm_ttft_ms_sum", (("model", "tiny"),))] == 40.0
     assert s[("edge_rtgi_llm_itl_ms_count", (("model", "tiny"),))] == 2  # two gaps between three tokens
     assert s[("edge_rtgi_llm_itl_ms_sum", (("model", "tiny"),))] == 21.0
