@@ -8,9 +8,9 @@ Per utterance the order is: ``SpeechStarted`` (the one speech-start event of the
 project, from ``edge_rtgi.frames``: its ``turn_id`` is the utterance id here, and the session's
 turn id once the ASR stage has mapped it), zero or more ``PartialTranscript``,
 ``SpeechEnded``, then ``FinalTranscript`` (absent when nothing was recognised, e.g. a
-cough or a suppressed hallucination). A ``TurnLikelyEnded`` may come before ``SpeechEnded``
-(a pause whose words are decoded, while a timer or the model decides), withdrawn by a
-``TurnResumed`` if the speech goes on.
+cough or a suppressed hallucination). Where the transcriber is asked to (``likely_ends``), a
+``TurnLikelyEnded`` may come before ``SpeechEnded`` (a pause whose words are decoded, while a
+timer or the model decides), withdrawn by a ``TurnResumed`` if the speech goes on.
 """
 
 from __future__ import annotations
