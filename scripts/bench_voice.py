@@ -967,7 +967,7 @@ def _turn_result(
         "part": part,
         **extra,
         "items": args.turn_items or "all",
-        "replies": bool(getattr(args, "turn_replies", False)) if part.endswith("paused") else True,
+        "replies": args.turn_replies if part.endswith("paused") else True,
         "started": t_start,
         "commit": _commit(),
         "cpus": os.cpu_count(),
